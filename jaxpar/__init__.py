@@ -1,0 +1,1 @@
+"""jaxpar: every classic form of parallelism, composable on one named-axis mesh."""

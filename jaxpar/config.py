@@ -1,0 +1,195 @@
+"""Typed run configuration, dotted overrides, and the checks that run before compile."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union
+
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import MeshConfig
+from models.llama import LlamaConfig
+from models.mlp import MLPConfig
+
+ModelConfig = Union[LlamaConfig, MLPConfig]
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    sequence_parallel: bool = False
+    # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
+    storage_rules: str = ""
+    compute_rules: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16
+    seq_len: int = 64
+    microbatches: int = 1
+    seed: int = 0
+    compute_dtype: str = "bfloat16"  # parameters are always stored in float32
+    peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adamw | adam | sgd | lion
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: train.steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # 0: no clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | tokens
+    path: str = ""  # tokens: a .npy or .bin file of token ids
+    dtype: str = "uint16"  # tokens: element type of a .bin file
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> Any:
+    """Apply 'a.b.c=value' strings to a tree of frozen dataclasses, converting each value to
+    the field's type. Unknown keys and unparsable values raise ConfigError."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value; e.g. --set train.steps=50")
+        config = _set(config, key.strip().split("."), value.strip(), key.strip())
+    return config
+
+
+def _set(node: Any, path: list[str], value: str, full_key: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(node)}
+    name = path[0]
+    prefix = full_key[: len(full_key) - len(".".join(path))]
+    if name not in fields:
+        raise ConfigError(
+            f"unknown key {full_key!r}: {prefix or 'the config'} has no {name!r}; valid keys: "
+            + ", ".join(prefix + k for k in fields)
+        )
+    current = getattr(node, name)
+    if len(path) > 1:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigError(f"unknown key {full_key!r}: {prefix + name} is a value, not a section")
+        return dataclasses.replace(node, **{name: _set(current, path[1:], value, full_key)})
+    if dataclasses.is_dataclass(current):
+        raise ConfigError(
+            f"{full_key} is a section; set one of its keys: "
+            + ", ".join(f"{full_key}.{f.name}" for f in dataclasses.fields(current))
+        )
+    hint = typing.get_type_hints(type(node))[name]
+    return dataclasses.replace(node, **{name: _parse(value, hint, full_key)})
+
+
+def _parse(text: str, hint: Any, key: str) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if text.lower() == "none" and len(args) < len(typing.get_args(hint)):
+            return None
+        hint = args[0]
+    parsers = {bool: _parse_bool, int: int, float: float, str: str}
+    if hint not in parsers:
+        raise ConfigError(f"{key} cannot be set from the command line (type {hint})")
+    try:
+        return parsers[hint](text)
+    except ValueError:
+        example = {bool: "true", int: "2", float: "0.5"}[hint]
+        raise ConfigError(f"{key}={text!r} is not a valid {hint.__name__}; e.g. {key}={example}") from None
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """{'train.steps': 100, ...}: every leaf key and its value."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(config: Config, num_devices: int) -> dict[str, int]:
+    """Every check that needs no compile; returns the resolved mesh axis sizes."""
+    sizes = config.mesh.resolve(num_devices)
+    config.model.validate()
+    train, optim = config.train, config.optim
+    for field in ("steps", "global_batch", "seq_len", "microbatches"):
+        if getattr(train, field) < 1:
+            raise ConfigError(f"train.{field}={getattr(train, field)} must be a positive integer")
+    if train.compute_dtype not in DTYPES:
+        raise ConfigError(f"train.compute_dtype={train.compute_dtype!r}; use one of {', '.join(DTYPES)}")
+    batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    need = batch_ways * train.microbatches
+    if train.global_batch % need:
+        raise ConfigError(
+            f"train.global_batch={train.global_batch} is not divisible by data x fsdp x expert x microbatches "
+            f"= {sizes['data']} x {sizes['fsdp']} x {sizes['expert']} x {train.microbatches} = {need}; "
+            f"use a multiple of {need}, e.g. {need * max(1, round(train.global_batch / need))}"
+        )
+    from jaxpar.train.optim import OPTIMIZERS
+
+    if optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={optim.name!r}; use one of {', '.join(sorted(OPTIMIZERS))}")
+    if config.data.source not in ("synthetic", "tokens"):
+        raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
+    if config.data.source == "tokens" and not config.data.path:
+        raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
+    if isinstance(config.model, LlamaConfig):
+        _validate_llama(config, sizes)
+    return sizes
+
+
+def _validate_llama(config: Config, sizes: dict[str, int]) -> None:
+    model, t = config.model, sizes["tensor"]
+    for field in ("num_heads", "num_kv_heads", "vocab_size", "mlp"):
+        value = getattr(model, field)
+        if value % t:
+            ok = [d for d in range(1, value + 1) if value % d == 0]
+            raise ConfigError(
+                f"mesh.tensor={t} does not divide model.{field}={value}; use mesh.tensor in {ok}"
+            )
+    if model.embed % sizes["fsdp"]:
+        raise ConfigError(
+            f"mesh.fsdp={sizes['fsdp']} does not divide model.embed={model.embed}; "
+            f"use mesh.fsdp in {[d for d in range(1, model.embed + 1) if model.embed % d == 0]}"
+        )
+    seq_ways = sizes["context"] * (t if config.parallel.sequence_parallel else 1)
+    if config.train.seq_len % seq_ways:
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} is not divisible by context x tensor = {seq_ways} "
+            f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
+        )

@@ -1,0 +1,1 @@
+"""Data: batch layouts and sources that read only this host's rows."""

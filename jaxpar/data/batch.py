@@ -1,0 +1,41 @@
+"""What a batch holds for each task, and how host-local rows become one global array."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+# field -> (logical names, dtype); the leading dimension is always the global batch.
+FIELDS = {
+    "lm": {
+        "inputs": (("batch", None), np.int32),
+        "targets": (("batch", None), np.int32),
+        "weights": (("batch", None), np.float32),
+    },
+    "classify": {
+        "inputs": (("batch", None), np.float32),
+        "targets": (("batch",), np.int32),
+        "weights": (("batch",), np.float32),
+    },
+}
+
+
+def batch_shapes(task: str, global_batch: int, seq_len: int, in_features: int = 0) -> dict[str, tuple[int, ...]]:
+    second = seq_len if task == "lm" else in_features
+    return {name: (global_batch, second)[: len(names)] for name, (names, _) in FIELDS[task].items()}
+
+
+def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+    """The contiguous range of global rows this process's devices hold."""
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+    return slice(min(starts), max(stops))
+
+
+def to_global(local: dict[str, np.ndarray], shardings: dict[str, NamedSharding], shapes: dict) -> dict[str, jax.Array]:
+    """Assemble a global batch from this process's rows (every process calls this)."""
+    return {
+        k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), shapes[k]) for k, v in local.items()
+    }

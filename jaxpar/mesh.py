@@ -1,0 +1,142 @@
+"""The device mesh: named axes, their sizes, and where devices sit on them.
+
+Axes, outermost first: stage, data, fsdp, expert, context, tensor. Each axis may be split
+into an across-host degree (slow network, outer) and a within-host degree (fast links,
+inner), the hybrid layout multi-node clusters need: the inner part of every axis stays
+inside one host, so the axes that talk most (tensor, context) never cross the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.errors import ConfigError
+
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSplit:
+    """Across-host degree of each mesh axis (1: the axis lives inside a host)."""
+
+    stage: int = 1
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def num_hosts(self) -> int:
+        return math.prod(self.sizes().values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Axis sizes; one axis may be -1 to take whatever the device count leaves."""
+
+    stage: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+    hosts: HostSplit = dataclasses.field(default_factory=HostSplit)
+
+    def requested(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes with -1 filled in for `num_devices`; raises ConfigError if they can't fit."""
+        sizes = self.requested()
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(f"mesh.{axis}={size} is not a valid axis size; use a positive integer or -1 to fill")
+        fill = [a for a, s in sizes.items() if s == -1]
+        if len(fill) > 1:
+            raise ConfigError(
+                f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in fill)}; set all but one explicitly"
+            )
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        if fill:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
+                    f"which does not divide {num_devices}; use axis sizes whose product divides {num_devices}"
+                )
+            sizes[fill[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
+            raise ConfigError(
+                f"mesh: {shown} multiplies to {fixed}, but there are {num_devices} devices; "
+                f"make the axis sizes multiply to {num_devices}, or set one axis to -1 to fill"
+            )
+        for axis, across in self.hosts.sizes().items():
+            if across < 1 or sizes[axis] % across:
+                raise ConfigError(
+                    f"mesh.hosts.{axis}={across} does not divide mesh.{axis}={sizes[axis]}; "
+                    f"use one of {divisors(sizes[axis])}"
+                )
+        return sizes
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis.
+
+    Devices are grouped into hosts by process when the number of processes equals the
+    number of hosts the config asks for; in a single process (CPU tests, one GPU box) hosts
+    are simulated by contiguous blocks of devices, so the layout is the one a cluster gets.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config.resolve(len(devices))
+    across = config.hosts.sizes()
+    within = {a: sizes[a] // across[a] for a in AXES}
+    hosts = _host_groups(devices, config.hosts.num_hosts)
+    # [host axes..., within axes...] -> interleave (across_i, within_i) and merge each pair.
+    per_host = [_arrange_within_host(group, [within[a] for a in AXES]) for group in hosts]
+    grid = np.array(per_host, dtype=object).reshape([across[a] for a in AXES] + [within[a] for a in AXES])
+    n = len(AXES)
+    grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
+    grid = grid.reshape([sizes[a] for a in AXES])
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * n)
+
+
+def _host_groups(devices: list[jax.Device], num_hosts: int) -> list[list[jax.Device]]:
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) == num_hosts:
+        return [[d for d in devices if d.process_index == p] for p in processes]
+    if len(processes) == 1 and len(devices) % num_hosts == 0:
+        per = len(devices) // num_hosts
+        ordered = sorted(devices, key=lambda d: d.id)
+        return [ordered[i * per : (i + 1) * per] for i in range(num_hosts)]
+    raise ConfigError(
+        f"mesh.hosts asks for {num_hosts} hosts, but the devices come from {len(processes)} processes; "
+        f"make the product of mesh.hosts.* equal the number of processes ({len(processes)})"
+    )
+
+
+def _arrange_within_host(devices: list[jax.Device], shape: list[int]) -> np.ndarray:
+    if devices[0].platform == "gpu" or devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_device_mesh(shape, devices=devices)
+    return np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(shape)
+
+
+def describe(mesh: Mesh) -> str:
+    """'data=2 fsdp=2 tensor=2' (axes of size 1 left out)."""
+    parts = [f"{a}={s}" for a, s in mesh.shape.items() if s != 1]
+    return " ".join(parts) or "single device"

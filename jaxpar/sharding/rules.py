@@ -1,0 +1,99 @@
+"""Logical axis names -> mesh axes.
+
+Two tables, because a parameter is stored one way and used another:
+  storage: parameters, gradients and optimizer state at rest (FSDP shards `embed`);
+  compute: activations and parameters at the point of use (FSDP shards gathered).
+Tensor-parallel dimensions (heads, mlp, vocab) are sharded in both.
+
+Logical names used by jaxpar's models:
+  batch, norm_seq (sequence in norm/residual regions: Megatron-SP shards it over tensor),
+  seq (sequence inside attention/MLP), embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import AXES
+
+Table = Mapping[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A storage and a compute table; unknown logical names map to no mesh axis."""
+
+    storage: tuple[tuple[str, tuple[str, ...]], ...]
+    compute: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @staticmethod
+    def of(storage: Table, compute: Table) -> "Rules":
+        return Rules(tuple(sorted(storage.items())), tuple(sorted(compute.items())))
+
+    def table(self, kind: str) -> dict[str, tuple[str, ...]]:
+        if kind not in ("storage", "compute"):
+            raise ValueError(f"kind={kind!r}; use 'storage' or 'compute'")
+        return dict(self.storage if kind == "storage" else self.compute)
+
+    def spec(self, names: Sequence[str | None], kind: str) -> P:
+        """PartitionSpec for an array whose dimensions carry `names`.
+
+        A mesh axis is used at most once per array: the first dimension that claims it wins
+        (so ("heads", "kv_heads") never puts `tensor` on both).
+        """
+        table = self.table(kind)
+        used: set[str] = set()
+        out = []
+        for name in names:
+            axes = tuple(a for a in table.get(name, ()) if a not in used) if name is not None else ()
+            used.update(axes)
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*out)
+
+    def with_overrides(self, storage: Table | None = None, compute: Table | None = None) -> "Rules":
+        s, c = self.table("storage"), self.table("compute")
+        s.update(storage or {})
+        c.update(compute or {})
+        return Rules.of(s, c)
+
+
+def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rules:
+    """Rules for DP x FSDP x TP (+SP) on a mesh; axes of size 1 are left out of every spec."""
+
+    def live(*axes: str) -> tuple[str, ...]:
+        return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+
+    tensor = live("tensor")
+    compute = {
+        "batch": live("data", "fsdp", "expert"),
+        "norm_seq": live("context", "tensor") if sequence_parallel else live("context"),
+        "seq": live("context"),
+        "embed": (),
+        "heads": tensor,
+        "kv_heads": tensor,
+        "head_dim": (),
+        "mlp": tensor,
+        "vocab": tensor,
+        "layers": (),
+    }
+    storage = dict(compute, embed=live("fsdp"))
+    return Rules.of(storage, compute)
+
+
+def parse_table(text: str, field: str) -> dict[str, tuple[str, ...]]:
+    """'seq=context+tensor,embed=' -> {'seq': ('context', 'tensor'), 'embed': ()}."""
+    out: dict[str, tuple[str, ...]] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, axes = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"{field}={text!r}: '{item}' is not 'logical=axis+axis'; e.g. 'embed=fsdp,seq='")
+        parsed = tuple(a for a in (x.strip() for x in axes.split("+")) if a)
+        bad = [a for a in parsed if a not in AXES]
+        if bad:
+            raise ConfigError(f"{field}={text!r}: unknown mesh axis {bad[0]!r}; use {', '.join(AXES)}")
+        out[name.strip()] = parsed
+    return out

@@ -1,0 +1,33 @@
+"""Optimizer from config: a named optax update rule, warmup + cosine schedule, and
+global-norm clipping. Any optax GradientTransformation can be passed to the trainer instead."""
+
+from __future__ import annotations
+
+import optax
+
+OPTIMIZERS = {
+    "adamw": lambda lr, c: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
+    "adam": lambda lr, c: optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps),
+    "lion": lambda lr, c: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+    "sgd": lambda lr, c: optax.sgd(lr, momentum=c.b1 or None),
+}
+
+
+def schedule(optim, steps: int) -> optax.Schedule:
+    """Linear warmup to optim.lr, then cosine decay to optim.lr * optim.min_lr_ratio."""
+    decay = optim.decay_steps or steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=optim.lr,
+        warmup_steps=optim.warmup_steps,
+        decay_steps=max(decay, optim.warmup_steps + 1),
+        end_value=optim.lr * optim.min_lr_ratio,
+    )
+
+
+def make_optimizer(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Clipping (global norm over every shard of every parameter: the squared norms are
+    summed under jit, so sharding cannot change the result) followed by the update rule."""
+    lr = schedule(optim, steps)
+    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    return optax.chain(*parts, OPTIMIZERS[optim.name](lr, optim)), lr

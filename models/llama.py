@@ -1,0 +1,194 @@
+"""Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
+tied or untied embeddings, layers stacked and scanned.
+
+Every parameter and key activation carries logical axis names; no collective appears here.
+Sharded shapes under the default rules (storage):
+  embedding  E[V@tensor, D@fsdp]         wq  [D@fsdp, H@tensor, K]   wo [H@tensor, K, D@fsdp]
+  wk, wv     [D@fsdp, KV@tensor, K]      w_gate, w_up [D@fsdp, F@tensor]   w_down [F@tensor, D@fsdp]
+  head       [D@fsdp, V@tensor]          norms [D@fsdp]
+Parameters are used in the dtype they arrive in (the train step casts them for mixed
+precision); softmax, norms and RoPE run in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
+from jaxpar.sharding import compute_value, constrain
+
+RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
+HIDDEN = ("batch", "seq", "embed")  # inputs of column-parallel matmuls: full sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    embed: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    mlp: int = 128
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+
+    task = "lm"
+
+    def build(self, rngs: nnx.Rngs) -> "Llama":
+        return Llama(self, rngs=rngs)
+
+    def param_count(self, include_embedding: bool = True) -> int:
+        d, h, kv, k, f, v = self.embed, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp, self.vocab_size
+        per_layer = d * k * (2 * h + 2 * kv) + 3 * d * f + 2 * d
+        embedding = v * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x (non-embedding params + head) plus attention
+        scores and values (PaLM appendix B; causal masking not discounted)."""
+        matmul_params = self.param_count(include_embedding=False) + self.vocab_size * self.embed
+        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * matmul_params + attention
+
+    def validate(self) -> None:
+        from jaxpar.errors import ConfigError
+
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
+                f"use one of {[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {sorted(REMAT_POLICIES)}")
+        for field in ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int) -> nnx.Param:
+    init = nnx.initializers.normal(stddev=fan_in**-0.5)
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(rngs.params(), (dim,)))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * compute_value(self.scale).astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[S]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, None] * freq[None, :]  # [S, K/2]
+    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention; column-parallel QKV, row-parallel output."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        d, h, kv, k = cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), d)
+        self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
+        self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
+        self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), h * k)
+        self.cfg = cfg
+
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        x_BSD = constrain(x_BSD, HIDDEN)  # SP: all-gather the sequence here
+        q = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wq)), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wk)), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wv)), ("batch", "seq", "kv_heads", "head_dim"))
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        o = attention(q, k, v)
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        out = jnp.einsum("bshk,hkd->bsd", o, compute_value(self.wo))
+        return constrain(out, RESIDUAL)  # SP: reduce-scatter; otherwise all-reduce
+
+
+def attention(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array) -> jax.Array:
+    """Plain causal grouped-query attention, softmax in float32 (the reference every
+    attention kernel is checked against)."""
+    b, s, h, kd = q_BSHK.shape
+    g = k_BTGK.shape[2]
+    q = q_BSHK.reshape(b, s, g, h // g, kd)
+    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k_BTGK).astype(jnp.float32) * kd**-0.5
+    causal = jnp.tril(jnp.ones((s, k_BTGK.shape[1]), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BTGK.dtype)
+    out = jnp.einsum("bgrst,btgk->bsgrk", probs, v_BTGK)
+    return out.reshape(b, s, h, kd)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: column-parallel gate and up projections, row-parallel down projection."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.embed, cfg.mlp
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        x_BSD = constrain(x_BSD, HIDDEN)
+        gate = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_gate))
+        up = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_up))
+        h_BSF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return constrain(jnp.einsum("bsf,fd->bsd", h_BSF, compute_value(self.w_down)), RESIDUAL)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array) -> jax.Array:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions)
+        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        return constrain(x_BSD, RESIDUAL)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(stddev=1.0)
+        self.embedding = nnx.Param(
+            nnx.with_partitioning(init, ("vocab", "embed"))(rngs.params(), (cfg.vocab_size, cfg.embed), jnp.float32)
+        )
+        self.layers = stack_layers(lambda r: Block(cfg, rngs=r), cfg.num_layers, rngs)
+        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
+
+    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
+        """Logits[B, S, V@tensor] for token ids[B, S]."""
+        table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
+        x = constrain(jnp.take(table, tokens_BS, axis=0), RESIDUAL)
+        positions = jnp.arange(tokens_BS.shape[1])
+        x = scan_layers(self.layers, x, positions, remat=self.cfg.remat)
+        x = constrain(self.final_norm(x), HIDDEN)
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("bsd,vd->bsv", x, table) * self.cfg.embed**-0.5
+        else:
+            logits = jnp.einsum("bsd,dv->bsv", x, compute_value(self.head))
+        return constrain(logits, ("batch", "seq", "vocab"))
