@@ -39,14 +39,18 @@ def pytest_configure(config) -> None:
 
 
 @dataclasses.dataclass
+class Run:
+    losses: list[float]
+    grads: dict  # first step, on the host
+    params: dict  # after the last step, on the host
+
+
+@dataclasses.dataclass
 class Comparison:
     losses: tuple[list[float], list[float]]
     loss_error: float  # max |a - b| / |b| over steps
     grad_error: float  # max over parameters of ||a - b||_inf / ||b||_inf, first step
     param_error: float  # the same, after the last step
-
-    def worst(self) -> float:
-        return max(self.loss_error, self.grad_error, self.param_error)
 
 
 def single_device(config: Config) -> tuple[Config, list[jax.Device]]:
@@ -54,7 +58,8 @@ def single_device(config: Config) -> tuple[Config, list[jax.Device]]:
     return dataclasses.replace(config, mesh=MeshConfig(data=1)), jax.devices()[:1]
 
 
-def run_layout(config: Config, devices: Sequence[jax.Device], steps: int):
+def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, steps: int = 3) -> Run:
+    """Gradients of step 0, losses of `steps` steps and the final parameters."""
     from jaxpar.train import build
 
     trainer = build(config, devices)
@@ -66,7 +71,20 @@ def run_layout(config: Config, devices: Sequence[jax.Device], steps: int):
     for i in range(steps):
         state, metrics = trainer.step(state, source(i))
         losses.append(float(metrics["loss"]))
-    return losses, grads, jax.device_get(state.params)
+    return Run(losses, grads, jax.device_get(state.params))
+
+
+def reference_run(config: Config, steps: int = 3) -> Run:
+    return run_layout(*single_device(config), steps=steps)
+
+
+def compare(a: Run, b: Run) -> Comparison:
+    return Comparison(
+        losses=(a.losses, b.losses),
+        loss_error=max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a.losses, b.losses)),
+        grad_error=tree_error(a.grads, b.grads),
+        param_error=tree_error(a.params, b.params),
+    )
 
 
 def compare_layouts(
@@ -77,19 +95,9 @@ def compare_layouts(
 ) -> Comparison:
     """Train `config` with overrides `layout_a` on all devices and with `layout_b` (default:
     the single-device reference) and measure how far apart they end up."""
-    config_a = apply_overrides(config, list(layout_a))
-    if layout_b is None:
-        config_b, devices_b = single_device(config)
-    else:
-        config_b, devices_b = apply_overrides(config, list(layout_b)), jax.devices()
-    la, ga, pa = run_layout(config_a, jax.devices(), steps)
-    lb, gb, pb = run_layout(config_b, devices_b, steps)
-    return Comparison(
-        losses=(la, lb),
-        loss_error=max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(la, lb)),
-        grad_error=tree_error(ga, gb),
-        param_error=tree_error(pa, pb),
-    )
+    a = run_layout(apply_overrides(config, list(layout_a)), steps=steps)
+    b = reference_run(config, steps) if layout_b is None else run_layout(apply_overrides(config, list(layout_b)), steps=steps)
+    return compare(a, b)
 
 
 def tree_error(a, b) -> float:
@@ -103,6 +111,16 @@ def tree_error(a, b) -> float:
     return max(jax.tree.leaves(errs))
 
 
+def check(c: Comparison, rtol: float = 1e-5, param_rtol: float | None = None, where: str = "") -> Comparison:
+    """Assert losses and first-step gradients within `rtol`, final parameters within
+    `param_rtol` (default `rtol`)."""
+    param_rtol = rtol if param_rtol is None else param_rtol
+    assert c.loss_error <= rtol, f"{where}: losses differ by {c.loss_error:.2e} > {rtol:.0e}: {c.losses}"
+    assert c.grad_error <= rtol, f"{where}: gradients differ by {c.grad_error:.2e} > {rtol:.0e}"
+    assert c.param_error <= param_rtol, f"{where}: parameters differ by {c.param_error:.2e} > {param_rtol:.0e}"
+    return c
+
+
 def assert_equivalent(
     config: Config,
     layout_a: Sequence[str],
@@ -111,12 +129,6 @@ def assert_equivalent(
     rtol: float = 1e-5,
     param_rtol: float | None = None,
 ) -> Comparison:
-    """compare_layouts, asserting losses and gradients within `rtol` and parameters after
-    `steps` within `param_rtol` (default `rtol`)."""
-    c = compare_layouts(config, layout_a, layout_b, steps)
-    param_rtol = rtol if param_rtol is None else param_rtol
+    """compare_layouts, then check."""
     where = f"{list(layout_a)} vs {list(layout_b) if layout_b is not None else 'single device'}"
-    assert c.loss_error <= rtol, f"{where}: losses differ by {c.loss_error:.2e} > {rtol:.0e}: {c.losses}"
-    assert c.grad_error <= rtol, f"{where}: gradients differ by {c.grad_error:.2e} > {rtol:.0e}"
-    assert c.param_error <= param_rtol, f"{where}: parameters differ by {c.param_error:.2e} > {param_rtol:.0e}"
-    return c
+    return check(compare_layouts(config, layout_a, layout_b, steps), rtol, param_rtol, where)

@@ -183,7 +183,9 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
         """Logits[B, S, V@tensor] for token ids[B, S]."""
         table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
-        x = constrain(jnp.take(table, tokens_BS, axis=0), RESIDUAL)
+        # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
+        # sequence on one gather makes the partitioner replicate the table's gradient.
+        x = constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
         positions = jnp.arange(tokens_BS.shape[1])
         x = scan_layers(self.layers, x, positions, remat=self.cfg.remat)
         x = constrain(self.final_norm(x), HIDDEN)

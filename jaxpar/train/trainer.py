@@ -93,9 +93,16 @@ def build(
     names = param_names(abstract)
     param_shardings = shardings_for(names, nnx.to_pure_dict(abstract), layout, "storage")
     replicated = NamedSharding(mesh, P())
-    abstract_opt = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract))
+    abstract_params = nnx.to_pure_dict(abstract)
+    # State that mirrors a parameter (Adam moments) is sharded like it; anything else
+    # (counts, adafactor's factored rows and columns) is replicated.
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
+        tx,
+        lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
+        jax.eval_shape(tx.init, abstract_params),
+        param_shardings,
+        abstract_params,
+        transform_non_params=lambda _: replicated,
     )
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
@@ -141,7 +148,7 @@ def build(
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(lr_schedule(state.step), jnp.float32),
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

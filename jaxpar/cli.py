@@ -1,0 +1,97 @@
+"""`jaxpar train RECIPE [--set key=value ...]` and `jaxpar recipes`.
+
+Device set-up comes first: JAX reads the CPU device count once, when its backends start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from jaxpar.errors import ConfigError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxpar", description="JAX SPMD training on a named mesh.")
+    sub = p.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a recipe")
+    train.add_argument("recipe", help="recipe name (see `jaxpar recipes`)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set mesh.fsdp=2 (repeatable)")
+    train.add_argument("--cpu-devices", type=int, default=8, metavar="N",
+                       help="virtual CPU devices when no accelerator is present (default 8)")
+    train.add_argument("--metrics-file", metavar="PATH", help="write one JSON object per step")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--print-config", action="store_true", help="print every config key and exit")
+    sub.add_parser("recipes", help="list recipes")
+    return p
+
+
+def resolve_config(recipe: str, overrides: list[str], num_devices: int):
+    """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
+    naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
+    single device every layout collapses to the single-device run."""
+    import recipes
+    from jaxpar.config import apply_overrides
+    from jaxpar.mesh import MeshConfig
+
+    config = recipes.load(recipe)
+    mesh_keys = [o for o in overrides if o.startswith("mesh.")]
+    if mesh_keys or num_devices == 1:
+        config = dataclasses.replace(config, mesh=MeshConfig(hosts=config.mesh.hosts))
+    return apply_overrides(config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "recipes":
+        import recipes
+
+        print("\n".join(recipes.names()))
+        return 0
+    try:
+        return train(args)
+    except ConfigError as e:
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(args) -> int:
+    if args.cpu_devices < 1:
+        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+    from jaxpar.testing import force_cpu_devices
+
+    force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+
+    import jax
+
+    from jaxpar.config import flatten, validate
+    from jaxpar.mesh import describe
+    from jaxpar.train import build
+    from jaxpar.train.loop import run
+
+    devices = jax.devices()
+    config = resolve_config(args.recipe, args.overrides, len(devices))
+    if args.print_config:
+        for key, value in flatten(config).items():
+            print(f"{key}={value}")
+        return 0
+    validate(config, len(devices))
+    trainer = build(config, devices)
+    model = config.model
+    print(
+        f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
+        f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices | "
+        f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+        f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches"
+    )
+    history = run(trainer, metrics_file=args.metrics_file, progress=not args.no_progress)
+    if history:
+        first, last = history[0], history[-1]
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

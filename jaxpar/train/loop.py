@@ -1,0 +1,73 @@
+"""The training loop: compile once, run steps, show progress, write per-step metrics.
+
+Metrics of step i are read back while step i+1 runs, so the host never stalls the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import IO
+
+import jax
+from tqdm import tqdm
+
+from jaxpar.data.sources import make_source
+from jaxpar.flops import mfu, peak_flops
+from jaxpar.train.trainer import Trainer
+
+
+def tokens_per_step(trainer: Trainer) -> int:
+    train = trainer.config.train
+    return train.global_batch * (train.seq_len if trainer.config.model.task == "lm" else 1)
+
+
+def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True) -> list[dict]:
+    """Train for `steps` (default train.steps) from a fresh state; returns per-step metrics."""
+    cfg = trainer.config
+    steps = cfg.train.steps if steps is None else steps
+    source = make_source(trainer)
+    devices = trainer.mesh.devices.flatten()
+    tokens = tokens_per_step(trainer)
+    flops = cfg.model.flops_per_token(cfg.train.seq_len) * tokens
+    peak = peak_flops(devices[0], cfg.train.peak_tflops)
+
+    t0 = time.perf_counter()
+    step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    state = trainer.init()
+    if progress:
+        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
+
+    history: list[dict] = []
+    out: IO | None = open(metrics_file, "w") if metrics_file else None
+    bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
+    pending = None
+    last = time.perf_counter()
+    try:
+        for step in range(steps + 1):
+            if step < steps:
+                state, metrics = step_fn(state, source(step))
+            if pending is not None:  # read step-1 while `step` runs
+                values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
+                now = time.perf_counter()
+                seconds, last = now - last, now
+                record = {"step": pending[0], **values, "tokens_per_s": tokens / seconds, "step_time_s": seconds}
+                util = mfu(flops, seconds, len(devices), peak)
+                if util is not None:
+                    record["mfu"] = util
+                history.append(record)
+                if out:
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                bar.set_postfix_str(
+                    f"loss={values['loss']:.4f} tok/s={record['tokens_per_s']:,.0f} "
+                    f"mfu={'n/a' if util is None else f'{util:.1%}'}",
+                    refresh=False,
+                )
+                bar.update(1)
+            pending = (step, metrics) if step < steps else None
+    finally:
+        bar.close()
+        if out:
+            out.close()
+    return history

@@ -1,0 +1,52 @@
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import AXES, HostSplit, MeshConfig, make_mesh
+
+
+def test_fill_axis_takes_the_rest():
+    assert MeshConfig(fsdp=2, tensor=2).resolve(8) == dict(stage=1, data=2, fsdp=2, expert=1, context=1, tensor=2)
+    assert MeshConfig(data=1, fsdp=-1).resolve(8)["fsdp"] == 8
+
+
+@pytest.mark.parametrize(
+    "mesh, devices, message",
+    [
+        (MeshConfig(data=2, fsdp=2, tensor=4), 8, "multiplies to 16, but there are 8 devices"),
+        (MeshConfig(data=-1, tensor=3), 8, "mesh.data=-1 cannot fill 8 devices"),
+        (MeshConfig(data=-1, fsdp=-1), 8, "only one axis may be -1"),
+        (MeshConfig(data=0), 8, "mesh.data=0 is not a valid axis size"),
+        (MeshConfig(data=4, tensor=2, hosts=HostSplit(data=3)), 8, "mesh.hosts.data=3 does not divide mesh.data=4"),
+    ],
+)
+def test_bad_mesh_is_named(mesh, devices, message):
+    with pytest.raises(ConfigError, match=message):
+        mesh.resolve(devices)
+
+
+def test_mesh_has_canonical_axes_and_all_devices():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert mesh.axis_names == AXES
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+
+
+def test_hybrid_mesh_keeps_inner_axes_inside_a_host():
+    # 2 simulated hosts of 4 devices: data = 2 across hosts x 2 within, tensor within.
+    mesh = make_mesh(MeshConfig(data=4, tensor=2, hosts=HostSplit(data=2)))
+    host_of = {d.id: i // 4 for i, d in enumerate(sorted(jax.devices(), key=lambda d: d.id))}
+    grid = np.vectorize(lambda d: host_of[d.id])(mesh.devices).reshape(4, 2)  # [data, tensor]
+    assert (grid[:, 0] == grid[:, 1]).all(), "a tensor group spans hosts"
+    assert list(grid[:, 0]) == [0, 0, 1, 1], "data's outer (across-host) part must be outermost"
+
+
+def test_hosts_must_match_processes_when_they_cannot_be_simulated():
+    from types import SimpleNamespace
+
+    from jaxpar.mesh import _host_groups
+
+    two_processes = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    assert [[d.id for d in g] for g in _host_groups(two_processes, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="asks for 4 hosts, but the devices come from 2 processes"):
+        _host_groups(two_processes, 4)
