@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args) -> int:
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
-    from jaxpar.testing import force_cpu_devices
+    from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
 

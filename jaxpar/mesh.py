@@ -93,6 +93,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def force_cpu_devices(n: int) -> None:
+    """Give the CPU backend `n` devices (a no-op for accelerators). Must come before JAX
+    initialises its backends; afterwards it fails loudly rather than run on fewer."""
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise RuntimeError(f"force_cpu_devices({n}) came after JAX started with {have} CPU devices") from e
+
+
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis.
 

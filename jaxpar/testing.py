@@ -18,16 +18,9 @@ import numpy as np
 
 from jaxpar.config import Config, apply_overrides
 from jaxpar.data.sources import make_source
-from jaxpar.mesh import MeshConfig
+from jaxpar.mesh import MeshConfig, force_cpu_devices
 
-
-def force_cpu_devices(n: int) -> None:
-    """Give the CPU backend `n` devices. Must run before JAX initialises its backends."""
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError as e:  # backends already up: say so plainly rather than run on fewer
-        if len(jax.devices("cpu")) != n:
-            raise RuntimeError(f"force_cpu_devices({n}) came after JAX started with {len(jax.devices('cpu'))} CPU devices") from e
+__all__ = ["assert_equivalent", "check", "compare", "compare_layouts", "force_cpu_devices", "reference_run", "run_layout", "single_device", "tree_error"]
 
 
 def pytest_addoption(parser) -> None:

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar.testing import force_cpu_devices  # noqa: E402
+from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
 force_cpu_devices(8)
 

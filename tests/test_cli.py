@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from jaxpar.cli import main, resolve_config
+
+
+def test_mesh_overrides_replace_the_recipe_layout():
+    assert resolve_config("llama", [], 8).mesh.fsdp == 2
+    c = resolve_config("llama", ["mesh.data=8"], 8)
+    assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (8, 1, 1)
+    one = resolve_config("llama", [], 1)
+    assert (one.mesh.fsdp, one.mesh.tensor) == (1, 1)
+
+
+def test_unknown_key_is_rejected_with_valid_keys(capsys):
+    assert main(["train", "llama", "--set", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'train.stpes'" in err and "train.steps" in err
+
+
+def test_unknown_recipe(capsys):
+    assert main(["train", "nope"]) == 2
+    assert "unknown recipe 'nope'; use one of llama, mlp_dp" in capsys.readouterr().err
+
+
+def test_train_writes_metrics(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    overrides = ["train.steps=3", "model.num_layers=1", "train.seq_len=32"]
+    args = ["train", "llama", "--no-progress", "--metrics-file", str(path)]
+    assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"} <= set(rows[0])
+    assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in capsys.readouterr().out
+
+
+def test_print_config(capsys):
+    assert main(["train", "mlp_dp", "--print-config"]) == 0
+    assert "train.microbatches=4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["--cpu-devices=0"])
+def test_bad_cpu_devices(bad, capsys):
+    assert main(["train", "llama", bad]) == 2
