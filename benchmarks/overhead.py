@@ -83,7 +83,7 @@ def hand_written(config, trainer):
         params = optax.apply_updates(state["params"], updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(lr_schedule(state["step"]), jnp.float32),
         }
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
