@@ -8,7 +8,7 @@ import typing
 from typing import Any, Union
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import MeshConfig
+from jaxpar.mesh import MeshConfig, divisors
 from models.llama import LlamaConfig
 from models.mlp import MLPConfig
 
@@ -178,14 +178,14 @@ def _validate_llama(config: Config, sizes: dict[str, int]) -> None:
     for field in ("num_heads", "num_kv_heads", "vocab_size", "mlp"):
         value = getattr(model, field)
         if value % t:
-            ok = [d for d in range(1, value + 1) if value % d == 0]
+            ok = divisors(value)
             raise ConfigError(
                 f"mesh.tensor={t} does not divide model.{field}={value}; use mesh.tensor in {ok}"
             )
     if model.embed % sizes["fsdp"]:
         raise ConfigError(
             f"mesh.fsdp={sizes['fsdp']} does not divide model.embed={model.embed}; "
-            f"use mesh.fsdp in {[d for d in range(1, model.embed + 1) if model.embed % d == 0]}"
+            f"use mesh.fsdp in {divisors(model.embed)}"
         )
     seq_ways = sizes["context"] * (t if config.parallel.sequence_parallel else 1)
     if config.train.seq_len % seq_ways:

@@ -59,11 +59,12 @@ class LlamaConfig:
 
     def validate(self) -> None:
         from jaxpar.errors import ConfigError
+        from jaxpar.mesh import divisors
 
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
-                f"use one of {[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]}"
+                f"use one of {divisors(self.num_heads)}"
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.mesh import divisors
 from jaxpar.sharding.rules import Rules
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -126,5 +127,5 @@ def check_divisible(
             raise ConfigError(
                 f"{where} {path}: dimension {dim} ('{name}') has size {size}, which mesh "
                 f"{'x'.join(axes)}={degree} does not divide; use a degree in "
-                f"{[d for d in range(1, size + 1) if size % d == 0]} or change the rules for '{name}'"
+                f"{divisors(size)} or change the rules for '{name}'"
             )
