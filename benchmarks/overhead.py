@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
 
-from jaxpar.testing import force_cpu_devices  # noqa: E402  (imports jax but starts no backend)
+from jaxpar.mesh import force_cpu_devices  # noqa: E402  (imports jax but starts no backend)
 
 
 def parse_args() -> argparse.Namespace:

@@ -66,7 +66,7 @@ def train(args) -> int:
 
     import jax
 
-    from jaxpar.config import flatten, validate
+    from jaxpar.config import flatten
     from jaxpar.mesh import describe
     from jaxpar.train import build
     from jaxpar.train.loop import run
@@ -77,8 +77,7 @@ def train(args) -> int:
         for key, value in flatten(config).items():
             print(f"{key}={value}")
         return 0
-    validate(config, len(devices))
-    trainer = build(config, devices)
+    trainer = build(config, devices)  # validates before anything compiles
     model = config.model
     print(
         f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
