@@ -1,4 +1,4 @@
-"""`jaxpar train RECIPE [--set key=value ...]` and `jaxpar recipes`.
+"""`jaxpar train RECIPE [--set key=value ...]`, `jaxpar explain RECIPE` and `jaxpar recipes`.
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
 """
@@ -24,6 +24,13 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-file", metavar="PATH", help="write one JSON object per step")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--print-config", action="store_true", help="print every config key and exit")
+    explain = sub.add_parser("explain", help="compile a recipe's step and account for its memory and traffic")
+    explain.add_argument("recipe", help="recipe name (see `jaxpar recipes`)")
+    explain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config field, e.g. --set parallel.zero_stage=3 (repeatable)")
+    explain.add_argument("--devices", type=int, metavar="N",
+                         help="compile for N virtual CPU devices (up to 512); default: the devices present")
+    explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
     sub.add_parser("recipes", help="list recipes")
     return p
 
@@ -51,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(recipes.names()))
         return 0
     try:
-        return train(args)
+        return explain(args) if args.command == "explain" else train(args)
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
@@ -89,6 +96,33 @@ def train(args) -> int:
     if history:
         first, last = history[0], history[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
+    return 0
+
+
+def explain(args) -> int:
+    """Nothing runs and nothing is allocated: the step is lowered on abstract inputs."""
+    import os
+
+    if args.devices is not None:
+        if not 1 <= args.devices <= 512:
+            raise ConfigError(f"--devices={args.devices}; use 1 to 512 virtual CPU devices")
+        os.environ["JAX_PLATFORMS"] = "cpu"  # must precede JAX's backend start
+        from jaxpar.mesh import force_cpu_devices
+
+        force_cpu_devices(args.devices)
+    import json
+
+    import jax
+
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain as explain_step
+    from jaxpar.inspect.explain import render
+    from jaxpar.train import build
+
+    devices = jax.devices()
+    trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
+    doc = explain_step(trainer, inspect_step(trainer))
+    print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0
 
 

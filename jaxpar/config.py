@@ -19,6 +19,9 @@ DTYPES = ("float32", "bfloat16")
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     sequence_parallel: bool = False
+    # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
+    # 2 + gradients, 3 + parameters (jaxpar.train.zero).
+    zero_stage: int = 0
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -159,6 +162,11 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
             f"train.global_batch={train.global_batch} is not divisible by data x fsdp x expert x microbatches "
             f"= {sizes['data']} x {sizes['fsdp']} x {sizes['expert']} x {train.microbatches} = {need}; "
             f"use a multiple of {need}, e.g. {need * max(1, round(train.global_batch / need))}"
+        )
+    if config.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"parallel.zero_stage={config.parallel.zero_stage}; use 0 (replicate), 1 (shard optimizer state), "
+            "2 (+ gradients) or 3 (+ parameters)"
         )
     from jaxpar.train.optim import OPTIMIZERS
 

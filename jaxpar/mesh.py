@@ -151,3 +151,11 @@ def describe(mesh: Mesh) -> str:
     """'data=2 fsdp=2 tensor=2' (axes of size 1 left out)."""
     parts = [f"{a}={s}" for a, s in mesh.shape.items() if s != 1]
     return " ".join(parts) or "single device"
+
+
+def host_of_positions(mesh: Mesh, num_hosts: int) -> list[int]:
+    """Host index of each device in `mesh.devices.flat` order (the partition ids of a
+    program compiled for the mesh), grouped as `make_mesh` grouped them."""
+    groups = _host_groups(list(mesh.devices.flat), num_hosts)
+    host = {d.id: i for i, group in enumerate(groups) for d in group}
+    return [host[d.id] for d in mesh.devices.flat]

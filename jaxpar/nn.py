@@ -1,5 +1,19 @@
 """Building blocks models use to stay parallelism-agnostic: a layer stack run with
-`lax.scan` (compile time independent of depth) and remat policies chosen by name."""
+`lax.scan` (compile time independent of depth) and activation recomputation chosen by name.
+
+Remat policies (per layer of a scanned stack):
+  none       save what the backward pass needs, except parameters gathered for use
+  full       save only each layer's input; recompute the whole layer in the backward pass
+  selective  like none, but the attention core (scores, softmax, probabilities: the
+             s^2-sized part) is recomputed from Q, K, V (Korthikanti et al., arXiv 2205.05198)
+  offload    like full, but each layer's input is kept in pinned host memory
+  dots       save matmul outputs, recompute the element-wise rest
+  dots_no_batch  save only matmuls without batch dimensions (weight-only products)
+
+No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
+the backward pass rather than kept whole per layer, which would cost 2 bytes per parameter
+of every layer and undo the sharding.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +21,49 @@ from typing import Any, Callable
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-# name -> policy for jax.checkpoint; "none" means no rematerialisation at all.
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
+OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
+
+
+def _not_a_layout_change(prim: Any, *_, **__) -> bool:
+    # Sharding constraints mark both gathered parameters and resharded activations; their
+    # outputs are recomputed from their (saved) inputs instead of being stored.
+    return prim.name != "sharding_constraint"
+
+
+def _both(a: Callable, b: Callable) -> Callable:
+    return lambda prim, *args, **params: a(prim, *args, **params) and b(prim, *args, **params)
+
+
+def layer_policy(remat: str) -> Callable:
+    """The jax.checkpoint policy applied to each layer for a remat name."""
+    cp = jax.checkpoint_policies
+    if remat in ("none", "selective"):
+        return _not_a_layout_change
+    if remat == "full":
+        return cp.nothing_saveable
+    if remat == "dots":
+        return _both(cp.dots_saveable, _not_a_layout_change)
+    if remat == "dots_no_batch":
+        return _both(cp.dots_with_no_batch_dims_saveable, _not_a_layout_change)
+    if remat == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[OFFLOADED_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+
+
+def recompute_attention(core: Callable, remat: str) -> Callable:
+    """The attention core as the model should call it: recomputed in the backward pass
+    under the `selective` policy, unchanged otherwise."""
+    if remat == "selective":
+        return jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return core
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -35,14 +84,12 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     Each step sees one layer's parameters, so FSDP gathers (`compute_value`) happen one
     layer at a time, and the remat policy applies per layer.
     """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat={remat!r}; use one of {sorted(REMAT_POLICIES)}")
+    policy = layer_policy(remat)
     graphdef, stacked = nnx.split(layers)
 
     def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+        carry = checkpoint_name(carry, OFFLOADED_NAME)
         return nnx.merge(graphdef, layer_state)(carry, *args), None
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    out, _ = jax.lax.scan(body, x, stacked)
+    out, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
     return out

@@ -64,7 +64,7 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     for i in range(steps):
         state, metrics = trainer.step(state, source(i))
         losses.append(float(metrics["loss"]))
-    return Run(losses, grads, jax.device_get(state.params))
+    return Run(losses, grads, jax.device_get(trainer.master_params(state)))
 
 
 def reference_run(config: Config, steps: int = 3) -> Run:

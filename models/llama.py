@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
+from jaxpar.nn import REMAT_POLICIES, recompute_attention, scan_layers, stack_layers
 from jaxpar.sharding import compute_value, constrain
 
 RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
@@ -37,7 +37,7 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: str = "none"
+    remat: str = "none"  # none | full | selective | offload | dots | dots_no_batch (jaxpar.nn)
 
     task = "lm"
 
@@ -69,7 +69,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")
         if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {sorted(REMAT_POLICIES)}")
+            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {', '.join(REMAT_POLICIES)}")
         for field in ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
@@ -119,7 +119,7 @@ class Attention(nnx.Module):
         k = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wk)), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wv)), ("batch", "seq", "kv_heads", "head_dim"))
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        o = attention(q, k, v)
+        o = recompute_attention(attention, cfg.remat)(q, k, v)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bshk,hkd->bsd", o, compute_value(self.wo))
         return constrain(out, RESIDUAL)  # SP: reduce-scatter; otherwise all-reduce

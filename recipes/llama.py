@@ -10,9 +10,9 @@ from models.llama import LlamaConfig
 
 def recipe() -> Config:
     return Config(
-        model=LlamaConfig(vocab_size=256, embed=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, mlp=384),
+        model=LlamaConfig(vocab_size=256, embed=128, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=8, mlp=384),
         mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
         parallel=ParallelConfig(sequence_parallel=True),
-        train=TrainConfig(steps=60, global_batch=16, seq_len=128, compute_dtype="bfloat16"),
+        train=TrainConfig(steps=60, global_batch=32, seq_len=64, compute_dtype="bfloat16"),
         optim=OptimConfig(lr=3e-3, warmup_steps=10),
     )

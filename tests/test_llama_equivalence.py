@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from jaxpar.config import apply_overrides
-from jaxpar.testing import check, compare, reference_run, run_layout
+from jaxpar.testing import check, compare, run_layout
 from models.llama import LlamaConfig
 
 RTOL = 1e-5
@@ -31,16 +31,6 @@ LAYOUTS = {
     "dp_fsdp_tp_sp_two_hosts": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2"],
 }
 
-_references: dict = {}
-
-
-def reference(config):
-    key = repr(config)
-    if key not in _references:
-        _references[key] = reference_run(config)
-    return _references[key]
-
-
 @pytest.fixture
 def mha(tiny_llama):
     # 8 heads and 8 KV heads so tensor=8 divides them.
@@ -50,12 +40,12 @@ def mha(tiny_llama):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_single_device(mha, name):
+def test_layout_equals_single_device(mha, reference, name):
     run = run_layout(apply_overrides(mha, LAYOUTS[name]))
     check(compare(run, reference(mha)), RTOL, where=name)
 
 
-def test_gqa_tied_remat_and_microbatches(tiny_llama):
+def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
     """Grouped-query attention (4 heads, 2 KV heads), tied embeddings, full remat and
     gradient accumulation over 2 microbatches, against one device taking the whole batch."""
     config = dataclasses.replace(

@@ -42,7 +42,7 @@ def test_any_optax_transformation(tiny_llama, make_tx):
         source, state = make_source(trainer), trainer.init()
         for i in range(3):
             state, _ = trainer.step(state, source(i))
-        return jax.device_get(state.params)
+        return jax.device_get(trainer.master_params(state))
 
     assert tree_error(run(config, None), run(*single_device(tiny_llama))) < 1e-5
 

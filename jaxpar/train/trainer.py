@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -22,17 +24,26 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import Config, validate
 from jaxpar.data.batch import FIELDS, batch_shapes
 from jaxpar.mesh import make_mesh
-from jaxpar.sharding import Layout, default_rules, param_names, parse_table, shardings_for, use_layout
+from jaxpar.nn import layer_policy
+from jaxpar.sharding import Layout, default_rules, param_names, parse_table, use_layout
 from jaxpar.train.loss import model_loss
 from jaxpar.train.optim import make_optimizer
+from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data
+from jaxpar.train.zero import StateShardings, state_shardings
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
+    """What a step reads and writes. Under mixed precision `params` are the compute-dtype
+    weights the forward pass reads and `master` the float32 weights the optimizer updates
+    (the 2 + 4 bytes per parameter of the ZeRO paper); in float32 `master` is None and
+    `params` are the master weights."""
+
     step: jax.Array
-    params: Any  # pure dict of float32 arrays (master weights)
-    opt_state: Any
+    params: Any  # pure dict, compute dtype, parameter sharding
+    master: Any  # pure dict, float32, optimizer sharding; None when compute dtype is float32
+    opt_state: Any  # optimizer sharding
 
 
 @dataclasses.dataclass
@@ -43,6 +54,7 @@ class Trainer:
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
     param_names: Any
+    shardings: StateShardings  # parameter-shaped trees: params, grads, optimizer
     state_shardings: TrainState
     batch_shardings: dict[str, NamedSharding]
     batch_shapes: dict[str, tuple[int, ...]]
@@ -65,6 +77,10 @@ class Trainer:
             k: jax.ShapeDtypeStruct(self.batch_shapes[k], task[k][1], sharding=self.batch_shardings[k]) for k in task
         }
 
+    def master_params(self, state: TrainState) -> Any:
+        """The float32 weights, whichever field holds them."""
+        return state.params if state.master is None else state.master
+
 
 def build(
     config: Config,
@@ -75,6 +91,7 @@ def build(
     """Everything checked and every sharding derived before the first compile."""
     devices = list(jax.devices() if devices is None else devices)
     validate(config, len(devices))
+    warn_if_offload_is_a_no_op(config, devices)
     mesh = make_mesh(config.mesh, devices)
     rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_overrides(
         storage=parse_table(config.parallel.storage_rules, "parallel.storage_rules"),
@@ -91,67 +108,124 @@ def build(
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names = param_names(abstract)
-    param_shardings = shardings_for(names, nnx.to_pure_dict(abstract), layout, "storage")
-    replicated = NamedSharding(mesh, P())
     abstract_params = nnx.to_pure_dict(abstract)
+    shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
+    compute_dtype = jnp.dtype(config.train.compute_dtype)
+    mixed = compute_dtype != jnp.float32
+    replicated = NamedSharding(mesh, P())
     # State that mirrors a parameter (Adam moments) is sharded like it; anything else
     # (counts, adafactor's factored rows and columns) is replicated.
     opt_shardings = optax.tree_map_params(
         tx,
         lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
         jax.eval_shape(tx.init, abstract_params),
-        param_shardings,
+        shardings.optimizer,
         abstract_params,
         transform_non_params=lambda _: replicated,
     )
-    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    state_sharding = TrainState(
+        step=replicated,
+        params=shardings.params,
+        master=shardings.optimizer if mixed else None,
+        opt_state=opt_shardings,
+    )
 
     task = config.model.task
     shapes = batch_shapes(task, config.train.global_batch, config.train.seq_len, getattr(config.model, "in_features", 0))
     batch_shardings = {k: layout.sharding(names_, "compute") for k, (names_, _) in FIELDS[task].items()}
-    compute_dtype = jnp.dtype(config.train.compute_dtype)
     microbatches = config.train.microbatches
+    zero_stage = config.parallel.zero_stage
 
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(make_model()))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        master = nnx.to_pure_dict(nnx.state(make_model()))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=_cast_floats(master, compute_dtype),
+            master=master if mixed else None,
+            opt_state=tx.init(master),
+        )
 
+    # Outside the layer scan too, a gathered parameter (embedding, head) is gathered again
+    # for the backward pass rather than kept whole: ZeRO-3's 3x traffic, 1/N memory.
+    @functools.partial(jax.checkpoint, policy=layer_policy("none"), prevent_cse=True)
     def loss_sum(params, batch) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, _cast_floats(params, compute_dtype))
-        return model_loss(model, batch)
+        return model_loss(nnx.merge(graphdef, params), batch)
+
+    # Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
+    # (reduce inside the host first) and to accumulate ZeRO 0-1 microbatches unreduced.
+    # Elsewhere each layer's gradient is reduced inside the backward loop, where a GPU can
+    # overlap it with the layers still to go.
+    replicas = mesh.shape["data"] > 1 and (
+        mesh.shape["fsdp"] > 1 or (microbatches > 1 and config.parallel.zero_stage < 2)
+    )
 
     def normalised_grads(params, batch) -> tuple[jax.Array, Any]:
         """Gradient of (sum of per-token losses over the global batch) / (its token count),
-        accumulated over microbatches; gradients kept in their storage sharding."""
-        with use_layout(layout):
-            grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
-            if microbatches == 1:
-                (total, weight), grads = grad_fn(params, batch)
-                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-            else:
-                micro = {k: _split_microbatches(v, microbatches, FIELDS[task][k][0], layout) for k, v in batch.items()}
+        accumulated over microbatches in float32, returned in the optimizer's sharding.
 
-                def accumulate(carry, mb):
-                    g_acc, l_acc, w_acc = carry
+        Per-replica gradients are reduced over fsdp inside the replica, then over data:
+        once per step at ZeRO 0-1 (microbatches accumulate unreduced), once per microbatch
+        at ZeRO 2-3 (reduce-scatter into the sharded accumulator).
+        """
+        grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+        # Without accumulation there is no gradient buffer to keep whole: ZeRO-1
+        # reduce-scatters straight to the optimizer's shards, like ZeRO-2.
+        reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
+        per_step = replicas and zero_stage < 2  # reduce over data once per step
+
+        def microbatch(mb):
+            """(loss sum, weight, gradient) of one microbatch; the gradient is [data, ...]
+            per replica if reduced per step, else reduced to `reduce_to`."""
+            if not replicas:
+                with use_layout(layout):
                     (l, w), g = grad_fn(params, mb)
-                    g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), param_shardings)
-                    return (g_acc, l_acc + l, w_acc + w), None
+                return l, w, _cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
+            mb = {k: split_replicas(v, FIELDS[task][k][0], layout) for k, v in mb.items()}
+            l, w, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
+            g = _cast_floats(g, jnp.float32)
+            if not per_step:
+                g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.sum(0), g), reduce_to)
+            return l.sum(), w.sum(), g
 
-                zeros = jax.tree.map(jnp.zeros_like, params)
-                zero = jnp.zeros((), jnp.float32)
-                (grads, total, weight), _ = jax.lax.scan(accumulate, (zeros, zero, zero), micro)
+        if microbatches == 1:
+            total, weight, grads = microbatch(batch)
+        else:
+            micro = {k: _split_microbatches(v, microbatches, FIELDS[task][k][0], layout) for k, v in batch.items()}
+            _, _, acc_shapes = jax.eval_shape(microbatch, jax.tree.map(lambda x: x[0], micro))
+            acc_shardings = jax.tree.map(stacked_over_data, shardings.grads) if per_step else shardings.grads
+
+            def accumulate(carry, mb):
+                g_acc, l_acc, w_acc = carry
+                l, w, g = microbatch(mb)
+                g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), acc_shardings)
+                return (g_acc, l_acc + l, w_acc + w), None
+
+            zeros = jax.tree.map(lambda p, s: jnp.zeros(p.shape, jnp.float32, device=s), acc_shapes, acc_shardings)
+            zero = jnp.zeros((), jnp.float32)
+            (grads, total, weight), _ = jax.lax.scan(accumulate, (zeros, zero, zero), micro)
+            # Pin the loop's output too: otherwise the optimizer's sharding below is
+            # propagated into the carry, which then gathers every microbatch.
+            grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
+        if per_step:
+            grads = jax.tree.map(lambda x: x.sum(0), grads)
+        grads = jax.lax.with_sharding_constraint(grads, shardings.optimizer)
         return total / weight, jax.tree.map(lambda g: g / weight, grads)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = normalised_grads(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
+        updates, opt_state = tx.update(grads, state.opt_state, master)
+        master = optax.apply_updates(master, updates)
+        # ZeRO 1-2: each device updated its shard; gathering the new weights is the
+        # all-gather half of the step's 2x(N-1)/N traffic.
+        params = jax.lax.with_sharding_constraint(_cast_floats(master, compute_dtype), shardings.params)
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(lr_schedule(state.step), jnp.float32),
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new = TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state)
+        return new, metrics
 
     return Trainer(
         config=config,
@@ -160,22 +234,43 @@ def build(
         tx=tx,
         lr_schedule=lr_schedule,
         param_names=names,
-        state_shardings=state_shardings,
+        shardings=shardings,
+        state_shardings=state_sharding,
         batch_shardings=batch_shardings,
         batch_shapes=shapes,
-        init=jax.jit(init, out_shardings=state_shardings),
+        init=jax.jit(init, out_shardings=state_sharding),
         step=jax.jit(
             step,
-            in_shardings=(state_shardings, batch_shardings),
-            out_shardings=(state_shardings, replicated),
+            in_shardings=(state_sharding, batch_shardings),
+            out_shardings=(state_sharding, replicated),
             donate_argnums=0,
         ),
         grads=jax.jit(
             normalised_grads,
-            in_shardings=(param_shardings, batch_shardings),
-            out_shardings=(replicated, param_shardings),
+            in_shardings=(shardings.params, batch_shardings),
+            out_shardings=(replicated, shardings.optimizer),
         ),
     )
+
+
+def warn_if_offload_is_a_no_op(config: Config, devices: Sequence[jax.Device]) -> None:
+    """Memory kinds compile on the CPU backend but place nothing elsewhere: say so."""
+    asked = [k for k, v in offload_requests(config).items() if v]
+    if asked and devices[0].platform == "cpu":
+        warnings.warn(
+            f"{', '.join(asked)}: the cpu backend has no separate host memory, so offloaded buffers stay "
+            "where they are; the program is correct but saves no device memory (run on a GPU to offload)",
+            OffloadIsANoOp,
+            stacklevel=3,
+        )
+
+
+class OffloadIsANoOp(UserWarning):
+    """Host offload was asked for on a backend where host and device memory are one."""
+
+
+def offload_requests(config: Config) -> dict[str, bool]:
+    return {"model.remat=offload": getattr(config.model, "remat", "none") == "offload"}
 
 
 def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:

@@ -1,0 +1,154 @@
+"""`jaxpar explain`: a compiled step's memory, FLOPs and traffic beside the published
+formulas (jaxpar.inspect.formulas), as a table or as JSON.
+
+Ratios are measured / formula. Byte counts of collectives are compared in elements, because
+the CPU backend runs bf16 collectives in f32 (a GPU sends the bf16).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.inspect import formulas
+from jaxpar.inspect.hlo import summarize
+from jaxpar.inspect.report import StepReport
+
+DP_AXES = ("data", "fsdp")  # the axes parameters and gradients are reduced over
+GRAD_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+def explain(trainer, report: StepReport) -> dict[str, Any]:
+    """Measured figures, their formulas and ratios; plain data for --json and the table."""
+    config, mesh = trainer.config, report.mesh
+    state = trainer.abstract_state()
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
+    moments = sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / psi
+    stage = config.parallel.zero_stage
+    data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    expected = formulas.model_state(psi, stage, data, fsdp * tensor, compute_bytes, round(4 * moments))
+    m = report.memory
+    if config.train.microbatches > 1:  # the accumulator is float32
+        expected = formulas.ModelState(expected.params, expected.grads * 4 / compute_bytes, expected.master, expected.optimizer)
+    memory_rows = [
+        ("parameters", m.params, expected.params),
+        ("gradients", m.gradients, expected.grads),
+        ("fp32 master weights", m.master, expected.master),
+        ("optimizer state", m.optimizer, expected.optimizer),
+        ("model state", m.model_state, expected.total),
+        ("arguments (compiler)", m.arguments, None),
+        ("temporaries (compiler)", m.temporaries, None),
+        ("total: arguments + outputs + temporaries - donated", m.arguments + m.outputs + m.temporaries - m.aliased, None),
+    ]
+    if m.host_temporaries:
+        memory_rows.append(("pinned host temporaries", m.host_temporaries, None))
+
+    tokens = config.train.global_batch * config.train.seq_len
+    flops_formula = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
+
+    # Traffic over the data-parallel axes: ZeRO-3 over fsdp (and over data at stage 3),
+    # 2 x (N-1)/N over data otherwise; Ψ here is the share one tensor-parallel rank holds.
+    psi_t = psi / tensor
+    grad_formula = formulas.gradient_traffic_elements(psi_t, fsdp, 3) + formulas.gradient_traffic_elements(
+        psi_t / fsdp, data, stage
+    )
+    itemsize = lambda c: jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize  # noqa: E731
+    grad_measured = sum(
+        c.bytes_per_step / itemsize(c)
+        for c in report.collectives
+        if c.axes and set(c.axes) <= set(DP_AXES) and c.kind in GRAD_KINDS
+    )
+    return {
+        "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
+        f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
+        f"zero_stage {stage} | {config.train.compute_dtype} | batch {config.train.global_batch} x seq {config.train.seq_len}"
+        f" | {config.train.microbatches} microbatch{'es' if config.train.microbatches > 1 else ''} | remat {getattr(config.model, 'remat', 'none')}",
+        "params": psi,
+        "memory": [_row(n, a, b) for n, a, b in memory_rows],
+        "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
+        f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else ""),
+        "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
+        "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)",
+        "gradient_traffic": _row("elements over data, fsdp", grad_measured, grad_formula),
+        "gradient_traffic_formula": f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor",
+        "collectives": [
+            {**row, "axes": list(row["axes"])} for row in summarize(report.collectives)
+        ],
+        "lowered_differently": sorted({f"{c.kind} as {c.lowered_as}" for c in report.collectives if c.lowered_as}),
+        "async": {
+            "collectives": sum(1 for c in report.collectives if c.is_async),
+            "overlapped": sum(1 for c in report.collectives if c.overlapped),
+        },
+        "cross_host_bytes": report.cross_host_bytes() if report.num_hosts > 1 else None,
+        "findings": [str(f) for f in report.findings],
+        "compile_seconds": report.compile_seconds,
+    }
+
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8",
+               "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
+
+
+def describe_shape(mesh: dict[str, int]) -> str:
+    return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "single device"
+
+
+def _row(name: str, measured: float, formula: float | None) -> dict[str, Any]:
+    ratio = measured / formula if formula else None
+    return {"name": name, "measured": measured, "formula": formula, "ratio": ratio}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The table `jaxpar explain` prints."""
+    lines = [doc["title"], ""]
+    lines.append(f"{'memory per device':<52}{'measured':>12}{'formula':>12}{'ratio':>8}")
+    for row in doc["memory"]:
+        lines.append(_line(row, _bytes))
+    lines.append(f"  formula: {doc['memory_formula']}")
+    lines += ["", f"{'compute and traffic per device per step':<52}{'measured':>12}{'formula':>12}{'ratio':>8}"]
+    lines.append(_line(doc["flops"], _count))
+    lines.append(_line(doc["gradient_traffic"], _count))
+    lines.append(f"  formula: {doc['gradient_traffic_formula']}")
+    lines += ["", f"{'collectives':<20}{'axes':<22}{'dtype':<7}{'ops':>5}{'runs/step':>11}{'bytes/step':>12}"]
+    for row in doc["collectives"]:
+        hosts = "  crosses hosts" if row["crosses_hosts"] else ""
+        lines.append(
+            f"  {row['kind']:<18}{'+'.join(row['axes']) or '-':<22}{row['dtype']:<7}{row['count']:>5}"
+            f"{row['executions']:>11}{_bytes(row['bytes_per_step']):>12}{hosts}"
+        )
+    if not doc["collectives"]:
+        lines.append("  none")
+    for note in doc["lowered_differently"]:
+        lines.append(f"  note: {note} on this backend; counted as the GPU compiler emits it")
+    if doc["async"]["collectives"]:
+        lines.append(f"  async: {doc['async']['overlapped']} of {doc['async']['collectives']} have compute scheduled between start and done")
+    if doc["cross_host_bytes"] is not None:
+        lines.append(f"  crossing hosts: {_bytes(doc['cross_host_bytes'])} per device per step")
+    lines += ["", "findings:" if doc["findings"] else "findings: none (no involuntary rematerialisation)"]
+    lines += [f"  {f}" for f in doc["findings"]]
+    lines.append(f"compiled in {doc['compile_seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def _line(row: dict[str, Any], fmt) -> str:
+    formula = fmt(row["formula"]) if row["formula"] is not None else ""
+    ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else ""
+    return f"  {row['name']:<50}{fmt(row['measured']):>12}{formula:>12}{ratio:>8}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"

@@ -1,0 +1,77 @@
+"""The published figures a compiled step is measured against (../shared/reference.md).
+
+Ψ = parameter count, N = data-parallel degree. Bytes unless a name says elements.
+  model state, mixed-precision Adam (ZeRO, arXiv 1910.02054): 2Ψ bf16 parameters + 2Ψ
+  gradients + 12Ψ fp32 master, momentum and variance; stage k shards its share over N.
+  gradient traffic per device: 2Ψ(N-1)/N elements at ZeRO 0-2 (reduce-scatter + all-gather,
+  or one all-reduce), 3Ψ(N-1)/N at ZeRO-3 (all-gather forward and backward, reduce-scatter).
+  activations per transformer layer (Korthikanti et al., arXiv 2205.05198), 16-bit:
+  s·b·h·(34 + 5as/h) plain; (10 + 24/t + 5as/(ht)) with TP; (34/t + 5as/(ht)) with TP + SP;
+  34/t with SP and selective recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Per-device bytes of each part of the model state."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+def model_state(
+    psi: float,
+    stage: int,
+    zero_degree: int,
+    sharded_degree: int = 1,
+    compute_bytes: int = 2,
+    optimizer_bytes: int = 8,
+) -> ModelState:
+    """ZeRO's per-device model state. `zero_degree` is N (the axis ZeRO shards over, at its
+    stage); `sharded_degree` is what already shards everything (FSDP x TP); `compute_bytes`
+    2 for bf16 (with a 4-byte master) or 4 for fp32 (no separate master)."""
+    base = psi / sharded_degree
+    at = lambda k: base / (zero_degree if stage >= k else 1)  # noqa: E731
+    mixed = compute_bytes < 4
+    return ModelState(
+        params=compute_bytes * at(3),
+        grads=compute_bytes * at(2),
+        master=4 * at(1) if mixed else 0.0,
+        optimizer=optimizer_bytes * at(1),
+    )
+
+
+def zero_paper_bytes(psi: float, stage: int, n: int) -> float:
+    """The ZeRO paper's table: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def gradient_traffic_elements(psi: float, n: int, stage: int) -> float:
+    """Per-device elements sent per step by the gradient / parameter collectives."""
+    if n <= 1:
+        return 0.0
+    return (3 if stage >= 3 else 2) * psi * (n - 1) / n
+
+
+def activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, selective: bool = False
+) -> float:
+    """Korthikanti et al. eq. 1-2 and table 2, 16-bit activations, per device."""
+    attention = 5 * a * s / (h * t)
+    if selective:
+        return s * b * h * (34 / t if sequence_parallel else 10 + 24 / t)
+    if sequence_parallel:
+        return s * b * h * (34 / t + attention)
+    if t > 1:
+        return s * b * h * (10 + 24 / t + attention)
+    return s * b * h * (34 + 5 * a * s / h)

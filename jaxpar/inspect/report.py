@@ -1,0 +1,141 @@
+"""What a compiled train step holds and sends, per device, without running it.
+
+`inspect_step(trainer)` lowers the step on abstract inputs (nothing is allocated), compiles
+it, and reads back:
+  memory       the model state by role, from the shardings the step was compiled with,
+               and the compiler's own totals (arguments, outputs, temporaries, peak)
+  flops        matmul FLOPs of the per-device program, loops counted by trip count
+  collectives  every collective with its mesh axes and bytes per step (jaxpar.inspect.hlo)
+  findings     the partitioner's warnings (involuntary full rematerialisation)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.inspect.findings import Finding, captured_stderr, parse_findings
+from jaxpar.inspect.hlo import Collective, collectives, matmul_flops, summarize
+from jaxpar.mesh import host_of_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes. The first five come from the compiled step's shardings; the rest
+    are the compiler's buffer assignment."""
+
+    params: int
+    master: int
+    optimizer: int
+    gradients: int  # the reduced gradient buffer the optimizer reads (or the accumulator)
+    batch: int
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # donated inputs reused for outputs
+    peak: int
+    host_temporaries: int  # pinned-host buffers (offload); 0 on backends without host memory
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.master + self.optimizer + self.gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    mesh: dict[str, int]
+    num_hosts: int
+    memory: Memory
+    flops: float  # per device per step: matmuls, with loop trip counts
+    xla_flops: float  # XLA's cost analysis (counts each loop body once)
+    collectives: list[Collective]
+    findings: list[Finding]
+    compile_seconds: float
+    platform: str
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def bytes_over(self, axes: Iterable[str], kinds: Iterable[str] | None = None) -> int:
+        """Bytes per step per device of collectives whose groups span only `axes` (and at
+        least one of them)."""
+        axes, kinds = set(axes), None if kinds is None else set(kinds)
+        return sum(
+            c.bytes_per_step
+            for c in self.collectives
+            if c.axes and set(c.axes) <= axes and (kinds is None or c.kind in kinds)
+        )
+
+    def cross_host_bytes(self) -> int:
+        return sum(c.bytes_per_step for c in self.collectives if c.crosses_hosts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mesh": self.mesh,
+            "num_devices": self.num_devices,
+            "num_hosts": self.num_hosts,
+            "platform": self.platform,
+            "memory": {**dataclasses.asdict(self.memory), "model_state": self.memory.model_state},
+            "flops": self.flops,
+            "xla_flops": self.xla_flops,
+            "collectives": summarize(self.collectives),
+            "cross_host_bytes": self.cross_host_bytes(),
+            "findings": [str(f) for f in self.findings],
+            "compile_seconds": self.compile_seconds,
+        }
+
+
+def inspect_step(trainer) -> StepReport:
+    """Compile `trainer.step` ahead of time and account for it."""
+    state, batch = trainer.abstract_state(), trainer.abstract_batch()
+    t0 = time.perf_counter()
+    with captured_stderr() as log:
+        compiled = trainer.step.lower(state, batch).compile()
+    seconds = time.perf_counter() - t0
+    mesh = trainer.mesh
+    num_hosts = trainer.config.mesh.hosts.num_hosts
+    stats = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    grad_dtype = jnp.float32 if trainer.config.train.microbatches > 1 else jnp.dtype(trainer.config.train.compute_dtype)
+    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, grad_dtype, sharding=s), state.params, trainer.shardings.grads)
+    memory = Memory(
+        params=shard_bytes(state.params),
+        master=shard_bytes(state.master),
+        optimizer=shard_bytes(state.opt_state),
+        gradients=shard_bytes(grads),
+        batch=shard_bytes(batch),
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+        peak=getattr(stats, "peak_memory_in_bytes", 0)
+        or stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
+        host_temporaries=stats.host_temp_size_in_bytes,
+    )
+    text = compiled.as_text()
+    return StepReport(
+        mesh=dict(mesh.shape),
+        num_hosts=num_hosts,
+        memory=memory,
+        flops=matmul_flops(text)[0],
+        xla_flops=float(cost.get("flops", 0.0)),
+        collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts)),
+        findings=parse_findings(log),
+        compile_seconds=seconds,
+        platform=mesh.devices.flat[0].platform,
+    )
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (device 0's share;
+    every layout jaxpar builds is even)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )

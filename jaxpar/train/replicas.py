@@ -1,0 +1,67 @@
+"""Gradients per data-parallel replica, so the reduction over `data` is ours to place.
+
+Left to the partitioner, each microbatch's gradient is reduced over every batch axis at once:
+one all-reduce over data x fsdp, of the whole layer gradient, across hosts when `data` spans
+them. Computing the gradient under `jax.vmap(..., spmd_axis_name="data")` instead gives one
+gradient per data replica, stacked on a leading axis sharded over `data`: inside a replica the
+partitioner reduce-scatters over `fsdp` only (inside the host), and summing the leading axis
+is a separate reduction over `data` of what is left, 1/fsdp of it (hybrid sharding's
+two-level reduction). It also lets ZeRO 0-1 accumulate microbatches unreduced and reduce
+once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import Layout, use_layout
+
+AXIS = "data"
+
+
+def inner_layout(layout: Layout) -> Layout:
+    """The layout one replica's computation sees: `data` taken out of every compute rule
+    (the vmapped replica axis holds it)."""
+    table = {k: tuple(a for a in v if a != AXIS) for k, v in layout.rules.table("compute").items()}
+    return Layout(layout.mesh, layout.rules.with_overrides(compute=table))
+
+
+def without_data(sharding: NamedSharding) -> NamedSharding:
+    def drop(entry):
+        if entry is None:
+            return None
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != AXIS)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return NamedSharding(sharding.mesh, P(*(drop(e) for e in sharding.spec)))
+
+
+def split_replicas(x: jax.Array, names: tuple, layout: Layout) -> jax.Array:
+    """[B, ...] -> [data, B/data, ...]: each replica's rows (batch is sharded data-major)."""
+    d = layout.mesh.shape[AXIS]
+    x = x.reshape(d, x.shape[0] // d, *x.shape[1:])
+    spec = inner_layout(layout).rules.spec(names, "compute")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(AXIS, *spec)))
+
+
+def per_replica(grad_fn: Callable, layout: Layout, grad_shardings: Any) -> Callable:
+    """(params, replica batch [data, b, ...]) -> (loss sums [data], weights [data],
+    gradients [data, ...]), each replica's gradient reduced inside it only."""
+    inner = inner_layout(layout)
+    inside = jax.tree.map(without_data, grad_shardings)
+
+    def one(params, batch):
+        with use_layout(inner):
+            (loss, weight), grads = grad_fn(params, batch)
+            return loss, weight, jax.lax.with_sharding_constraint(grads, inside)
+
+    return jax.vmap(one, in_axes=(None, 0), spmd_axis_name=AXIS)
+
+
+def stacked_over_data(sharding: NamedSharding) -> NamedSharding:
+    """Sharding of per-replica values [data, ...] of an array sharded like `sharding`."""
+    return NamedSharding(sharding.mesh, P(AXIS, *without_data(sharding).spec))

@@ -1,0 +1,77 @@
+"""ZeRO stages: how much of the model state the `data` axis shards.
+
+  stage   parameters   gradients (accumulated)   fp32 master + optimizer state
+  0       replicated   replicated                replicated
+  1       replicated   replicated                sharded
+  2       replicated   sharded                   sharded
+  3       sharded      sharded                   sharded
+
+The `fsdp` axis always shards all three (it is ZeRO-3 by construction, through the storage
+rules); `parallel.zero_stage` says what the `data` axis adds on top. So `mesh.fsdp=8` inside a
+host with `mesh.data=4` across hosts is hybrid sharding (HSDP) at stage 0, and stage 1 there
+also spreads the optimizer state over every device.
+
+ZeRO shards whole-model state, not one named dimension: each array gets the data axis on the
+dimension with the largest shard that the data degree still divides (never the stacked
+`layers` dimension, which the layer scan slices). Arrays no dimension fits stay replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import Layout, shardings_for
+from jaxpar.sharding.annotate import _Names
+
+ZERO_STAGES = (0, 1, 2, 3)
+UNSHARDABLE_NAMES = ("layers",)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShardings:
+    """Trees of NamedShardings, one per role a parameter-shaped array plays."""
+
+    params: Any  # the parameters the forward pass reads (compute dtype)
+    grads: Any  # the gradient accumulator across microbatches
+    optimizer: Any  # fp32 master weights and optimizer moments
+
+
+def state_shardings(names: Any, shapes: Any, layout: Layout, stage: int, axes: Sequence[str] = ("data",)) -> StateShardings:
+    storage = shardings_for(names, shapes, layout, "storage")
+    axes = tuple(a for a in axes if layout.mesh.shape[a] > 1)
+    if not axes:
+        return StateShardings(storage, storage, storage)
+
+    def widen(sharding: NamedSharding, names_: _Names, shape) -> NamedSharding:
+        return NamedSharding(layout.mesh, add_axes(sharding.spec, shape.shape, names_.names, layout.mesh, axes))
+
+    sharded = jax.tree.map(widen, storage, names, shapes, is_leaf=lambda x: isinstance(x, (_Names, NamedSharding)))
+    return StateShardings(
+        params=sharded if stage >= 3 else storage,
+        grads=sharded if stage >= 2 else storage,
+        optimizer=sharded if stage >= 1 else storage,
+    )
+
+
+def add_axes(spec: P, shape: Sequence[int], names: Sequence[str | None], mesh: Mesh, axes: tuple[str, ...]) -> P:
+    """`spec` with `axes` appended (minor-most) to the dimension whose shard is largest
+    among those they divide; `spec` unchanged if none qualifies."""
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
+    extra = math.prod(mesh.shape[a] for a in axes)
+    best, best_shard = None, 0
+    for dim, (size, name, held) in enumerate(zip(shape, names, entries)):
+        degree = math.prod(mesh.shape[a] for a in held)
+        if name in UNSHARDABLE_NAMES or any(a in held for a in axes) or size % (degree * extra):
+            continue
+        if size // degree > best_shard:
+            best, best_shard = dim, size // degree
+    if best is None:
+        return spec
+    entries[best] = entries[best] + axes
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))

@@ -1,0 +1,75 @@
+"""ZeRO stages and remat policies equal the single-device run (fp32: losses and first-step
+gradients within 1e-5 relative, parameters after three AdamW steps within 1e-5), and shard
+what they say they shard."""
+
+import math
+import warnings
+
+import jax
+import pytest
+
+from jaxpar.config import apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.testing import check, compare, run_layout
+from jaxpar.train import build
+from jaxpar.train.trainer import OffloadIsANoOp
+
+ZERO_LAYOUTS = {
+    "zero1_dp8": ["mesh.data=8", "parallel.zero_stage=1"],
+    "zero2_dp4_tp2_micro2": ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=2", "train.microbatches=2"],
+    "zero3_dp4_tp2_sp": ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3", "parallel.sequence_parallel=true"],
+    "zero1_micro2_hsdp_two_hosts": ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero_stage=1", "train.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("name", ZERO_LAYOUTS)
+def test_zero_stage_equals_single_device(tiny_llama, reference, name):
+    overrides = ZERO_LAYOUTS[name]
+    micro = [o for o in overrides if o.startswith("train.")]
+    base = apply_overrides(tiny_llama, micro)
+    check(compare(run_layout(apply_overrides(tiny_llama, overrides)), reference(base)), 1e-5, where=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_shards_what_it_says(tiny_llama, stage):
+    """Per-device elements of each role, from the shardings the step is compiled with."""
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", f"parallel.zero_stage={stage}", "train.compute_dtype=bfloat16"]))
+    state = trainer.abstract_state()
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
+    master = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.master))
+    grads = sum(math.prod(s.shard_shape(x.shape)) for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(trainer.shardings.grads)))
+    assert (params, grads, master) == (
+        total // 8 if stage >= 3 else total,
+        total // 8 if stage >= 2 else total,
+        total // 8 if stage >= 1 else total,
+    )
+
+
+@pytest.mark.parametrize("remat", ["full", "selective", "dots"])
+def test_remat_policy_equals_single_device(tiny_llama, reference, remat):
+    config = apply_overrides(tiny_llama, [f"model.remat={remat}"])
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]
+    check(compare(run_layout(apply_overrides(config, layout)), reference(tiny_llama)), 1e-5, where=remat)
+
+
+def test_offload_warns_on_cpu_and_stays_exact(tiny_llama, reference):
+    config = apply_overrides(tiny_llama, ["model.remat=offload"])
+    with pytest.warns(OffloadIsANoOp, match="cpu backend has no separate host memory"):
+        run = run_layout(apply_overrides(config, ["mesh.data=1", "mesh.fsdp=8"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadIsANoOp)
+        check(compare(run, reference(tiny_llama)), 1e-5, where="offload")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.zero_stage=4", "parallel.zero_stage=4; use 0"),
+        ("parallel.zero_stage=-1", "parallel.zero_stage=-1; use 0"),
+        ("model.remat=attention", "model.remat='attention' is not a remat policy; use one of none, full, selective"),
+    ],
+)
+def test_bad_zero_and_remat_input(tiny_llama, override, message):
+    with pytest.raises(ConfigError, match=message):
+        build(apply_overrides(tiny_llama, [override]))
