@@ -4,8 +4,9 @@
 Remat policies (per layer of a scanned stack):
   none       save what the backward pass needs, except parameters gathered for use
   full       save only each layer's input; recompute the whole layer in the backward pass
-  selective  like none, but the attention core (scores, softmax, probabilities: the
-             s^2-sized part) is recomputed from Q, K, V (Korthikanti et al., arXiv 2205.05198)
+  selective  save the linear layers' inputs and outputs (the names in SELECTIVE_SAVED);
+             the attention core (scores, softmax, probabilities: the s^2-sized part) and the
+             element-wise rest are recomputed (Korthikanti et al., arXiv 2205.05198)
   offload    like full, but each layer's input is kept in pinned host memory
   dots       save matmul outputs, recompute the element-wise rest
   dots_no_batch  save only matmuls without batch dimensions (weight-only products)
@@ -25,6 +26,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
 OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
+# What `selective` keeps: the inputs and outputs of the linear layers, as models name them
+# with `jax.ad_checkpoint.checkpoint_name`; everything else (norms, RoPE, the attention
+# core) is recomputed.
+SELECTIVE_SAVED = ("layer_input", "qkv", "attention_out", "mlp_hidden", "residual")
 
 
 def _not_a_layout_change(prim: Any, *_, **__) -> bool:
@@ -40,8 +45,10 @@ def _both(a: Callable, b: Callable) -> Callable:
 def layer_policy(remat: str) -> Callable:
     """The jax.checkpoint policy applied to each layer for a remat name."""
     cp = jax.checkpoint_policies
-    if remat in ("none", "selective"):
+    if remat == "none":
         return _not_a_layout_change
+    if remat == "selective":
+        return cp.save_only_these_names(*SELECTIVE_SAVED)
     if remat == "full":
         return cp.nothing_saveable
     if remat == "dots":
@@ -56,14 +63,6 @@ def layer_policy(remat: str) -> Callable:
             offload_dst="pinned_host",
         )
     raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT_POLICIES)}")
-
-
-def recompute_attention(core: Callable, remat: str) -> Callable:
-    """The attention core as the model should call it: recomputed in the backward pass
-    under the `selective` policy, unchanged otherwise."""
-    if remat == "selective":
-        return jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-    return core
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:

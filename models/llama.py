@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.nn import REMAT_POLICIES, recompute_attention, scan_layers, stack_layers
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
 from jaxpar.sharding import compute_value, constrain
 
 RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
@@ -119,7 +121,8 @@ class Attention(nnx.Module):
         k = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wk)), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wv)), ("batch", "seq", "kv_heads", "head_dim"))
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        o = recompute_attention(attention, cfg.remat)(q, k, v)
+        q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
+        o = checkpoint_name(attention(q, k, v), "attention_out")
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bshk,hkd->bsd", o, compute_value(self.wo))
         return constrain(out, RESIDUAL)  # SP: reduce-scatter; otherwise all-reduce
@@ -152,6 +155,7 @@ class MLP(nnx.Module):
         x_BSD = constrain(x_BSD, HIDDEN)
         gate = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_gate))
         up = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_up))
+        gate, up = checkpoint_name(gate, "mlp_hidden"), checkpoint_name(up, "mlp_hidden")
         h_BSF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return constrain(jnp.einsum("bsf,fd->bsd", h_BSF, compute_value(self.w_down)), RESIDUAL)
 
@@ -164,7 +168,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array) -> jax.Array:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions)
+        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions), "residual")
         x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
         return constrain(x_BSD, RESIDUAL)
 

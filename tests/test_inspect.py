@@ -107,3 +107,14 @@ def test_explain_cli_json(capsys):
 def test_explain_cli_rejects_bad_device_count(capsys):
     assert main(["explain", "llama", "--devices", "1000"]) == 2
     assert "--devices=1000; use 1 to 512" in capsys.readouterr().err
+
+
+def test_remat_policies_shrink_activation_memory(tiny_llama):
+    """Compiled temporaries: recomputing everything (full) < recomputing the attention core
+    (selective) < saving everything (none)."""
+    def temporaries(remat):
+        config = apply_overrides(tiny_llama, [f"model.remat={remat}", "mesh.data=8", "train.seq_len=128"])
+        return inspect_step(build(config)).memory.temporaries
+
+    full, selective, none = temporaries("full"), temporaries("selective"), temporaries("none")
+    assert full < selective < none, (full, selective, none)

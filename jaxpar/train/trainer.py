@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import Any, Sequence
 
@@ -145,11 +144,14 @@ def build(
             opt_state=tx.init(master),
         )
 
-    # Outside the layer scan too, a gathered parameter (embedding, head) is gathered again
-    # for the backward pass rather than kept whole: ZeRO-3's 3x traffic, 1/N memory.
-    @functools.partial(jax.checkpoint, policy=layer_policy("none"), prevent_cse=True)
     def loss_sum(params, batch) -> tuple[jax.Array, jax.Array]:
         return model_loss(nnx.merge(graphdef, params), batch)
+
+    if getattr(config.model, "remat", "none") == "none":
+        # Outside the layer scan too, a gathered parameter (embedding, head) is gathered
+        # again for the backward pass rather than kept whole (ZeRO-3: 3x traffic, 1/N
+        # memory). Only under "none": an outer checkpoint overrides the layers' own policy.
+        loss_sum = jax.checkpoint(loss_sum, policy=layer_policy("none"), prevent_cse=True)
 
     # Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
     # (reduce inside the host first) and to accumulate ZeRO 0-1 microbatches unreduced.
