@@ -28,7 +28,7 @@ def test_token_file_windows(tmp_path, tiny_llama, suffix):
     tokens = (np.arange(5000) % 128).astype(np.uint16)
     path = tmp_path / f"tokens{suffix}"
     np.save(path, tokens) if suffix == ".npy" else tokens.tofile(path)
-    config = apply_overrides(tiny_llama, [f"data.source=tokens", f"data.path={path}", "data.dtype=uint16"])
+    config = apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}", "data.dtype=uint16"])
     source = make_source(build(config))
     assert isinstance(source, TokenFile)
     batch = source(0)

@@ -1,7 +1,6 @@
 """The seed's MLP: gradient accumulation over microbatches equals one large batch, and the
 data-parallel run equals one device (fp32, 1e-5 relative)."""
 
-import dataclasses
 
 import recipes
 from jaxpar.config import apply_overrides
