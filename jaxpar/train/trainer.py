@@ -158,7 +158,7 @@ def build(
     # Elsewhere each layer's gradient is reduced inside the backward loop, where a GPU can
     # overlap it with the layers still to go.
     replicas = mesh.shape["data"] > 1 and (
-        mesh.shape["fsdp"] > 1 or (microbatches > 1 and config.parallel.zero_stage < 2)
+        mesh.shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2)
     )
 
     def normalised_grads(params, batch) -> tuple[jax.Array, Any]:
@@ -193,7 +193,6 @@ def build(
             total, weight, grads = microbatch(batch)
         else:
             micro = {k: _split_microbatches(v, microbatches, FIELDS[task][k][0], layout) for k, v in batch.items()}
-            _, _, acc_shapes = jax.eval_shape(microbatch, jax.tree.map(lambda x: x[0], micro))
             acc_shardings = jax.tree.map(stacked_over_data, shardings.grads) if per_step else shardings.grads
 
             def accumulate(carry, mb):
@@ -202,7 +201,8 @@ def build(
                 g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), acc_shardings)
                 return (g_acc, l_acc + l, w_acc + w), None
 
-            zeros = jax.tree.map(lambda p, s: jnp.zeros(p.shape, jnp.float32, device=s), acc_shapes, acc_shardings)
+            lead = (mesh.shape["data"],) if per_step else ()  # per-replica gradients are stacked
+            zeros = jax.tree.map(lambda p, s: jnp.zeros(lead + p.shape, jnp.float32, device=s), params, acc_shardings)
             zero = jnp.zeros((), jnp.float32)
             (grads, total, weight), _ = jax.lax.scan(accumulate, (zeros, zero, zero), micro)
             # Pin the loop's output too: otherwise the optimizer's sharding below is
