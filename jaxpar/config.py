@@ -22,6 +22,17 @@ class ParallelConfig:
     # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
     # 2 + gradients, 3 + parameters (jaxpar.train.zero).
     zero_stage: int = 0
+    # ZeRO++ (arXiv 2306.10209). hpz: at zero_stage=3, keep a secondary parameter shard
+    # inside the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
+    hpz: bool = False
+    # qwZ: parameter all-gathers in int8; qgZ: the gradient reduction over mesh.data as an
+    # int8 all-to-all. One float32 scale per `quantization_block` elements.
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantization_block: int = 256
+    # fp32 master weights and optimizer state rest in pinned host memory between steps and
+    # are brought to the device for the update.
+    offload_optimizer: bool = False
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -168,6 +179,7 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
             f"parallel.zero_stage={config.parallel.zero_stage}; use 0 (replicate), 1 (shard optimizer state), "
             "2 (+ gradients) or 3 (+ parameters)"
         )
+    _validate_zero_plus_plus(config.parallel, sizes)
     from jaxpar.train.optim import OPTIMIZERS
 
     if optim.name not in OPTIMIZERS:
@@ -179,6 +191,42 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
     if isinstance(config.model, LlamaConfig):
         _validate_llama(config, sizes)
     return sizes
+
+
+def _validate_zero_plus_plus(parallel: ParallelConfig, sizes: dict[str, int]) -> None:
+    stage = parallel.zero_stage
+    if parallel.hpz:
+        if sizes["data"] == 1:
+            raise ConfigError(
+                "parallel.hpz=true is hierarchical ZeRO but mesh.data=1 leaves no across-host degree; "
+                "set mesh.data to the number of hosts (e.g. mesh.data=2) and mesh.fsdp to the devices per host"
+            )
+        if sizes["fsdp"] == 1:
+            raise ConfigError(
+                "parallel.hpz=true needs an in-host shard for the secondary copy but mesh.fsdp=1; "
+                "set mesh.fsdp to the devices per host (e.g. mesh.fsdp=4)"
+            )
+        if stage != 3:
+            raise ConfigError(
+                f"parallel.hpz=true needs parallel.zero_stage=3 (parameters sharded across hosts), got {stage}; "
+                "below stage 3 parameters already rest inside the host (hybrid sharding)"
+            )
+    if parallel.quantized_weights and sizes["fsdp"] == 1 and not (stage == 3 and sizes["data"] > 1):
+        raise ConfigError(
+            "parallel.quantized_weights=true quantizes parameter all-gathers, but with mesh.fsdp=1 and "
+            f"zero_stage={stage} parameters are not sharded; set mesh.fsdp>1 or parallel.zero_stage=3 with mesh.data>1"
+        )
+    if parallel.quantized_gradients and (sizes["data"] == 1 or stage == 0):
+        raise ConfigError(
+            f"parallel.quantized_gradients=true quantizes the gradient reduce-scatter over mesh.data, but "
+            f"mesh.data={sizes['data']} and zero_stage={stage}; use mesh.data>1 and parallel.zero_stage>=1 "
+            "(so the data axis shards the reduced gradient)"
+        )
+    if parallel.quantization_block < 1:
+        raise ConfigError(
+            f"parallel.quantization_block={parallel.quantization_block} must be a positive number of elements "
+            "per scale; e.g. 256"
+        )
 
 
 def _validate_llama(config: Config, sizes: dict[str, int]) -> None:

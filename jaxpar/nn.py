@@ -13,7 +13,8 @@ Remat policies (per layer of a scanned stack):
 
 No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
 the backward pass rather than kept whole per layer, which would cost 2 bytes per parameter
-of every layer and undo the sharding.
+of every layer and undo the sharding. Every policy saves hpZ's in-host secondary shard
+(HPZ_NAME), the point of which is that the backward gather starts from it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.sharding import HPZ_NAME
+
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
 OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
 # What `selective` keeps: the inputs and outputs of the linear layers, as models name them
@@ -32,32 +35,42 @@ OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
 SELECTIVE_SAVED = ("layer_input", "qkv", "attention_out", "mlp_hidden", "residual")
 
 
+# Outputs recomputed from their (saved) inputs rather than stored: sharding constraints mark
+# gathered parameters and resharded activations. The int8 parameter gather
+# (jaxpar.kernels.quantized) appears to a policy as `remat_opt` (its custom VJP), or as
+# `custom_vmap_call` under the per-replica vmap (its custom batching rule).
+LAYOUT_CHANGES = ("sharding_constraint", "remat_opt", "custom_vmap_call")
+
+
 def _not_a_layout_change(prim: Any, *_, **__) -> bool:
-    # Sharding constraints mark both gathered parameters and resharded activations; their
-    # outputs are recomputed from their (saved) inputs instead of being stored.
-    return prim.name != "sharding_constraint"
+    return prim.name not in LAYOUT_CHANGES
 
 
 def _both(a: Callable, b: Callable) -> Callable:
     return lambda prim, *args, **params: a(prim, *args, **params) and b(prim, *args, **params)
 
 
+def _either(a: Callable, b: Callable) -> Callable:
+    return lambda prim, *args, **params: a(prim, *args, **params) or b(prim, *args, **params)
+
+
 def layer_policy(remat: str) -> Callable:
     """The jax.checkpoint policy applied to each layer for a remat name."""
     cp = jax.checkpoint_policies
+    hpz = cp.save_only_these_names(HPZ_NAME)
     if remat == "none":
         return _not_a_layout_change
     if remat == "selective":
-        return cp.save_only_these_names(*SELECTIVE_SAVED)
+        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME)
     if remat == "full":
-        return cp.nothing_saveable
+        return hpz
     if remat == "dots":
-        return _both(cp.dots_saveable, _not_a_layout_change)
+        return _either(_both(cp.dots_saveable, _not_a_layout_change), hpz)
     if remat == "dots_no_batch":
-        return _both(cp.dots_with_no_batch_dims_saveable, _not_a_layout_change)
+        return _either(_both(cp.dots_with_no_batch_dims_saveable, _not_a_layout_change), hpz)
     if remat == "offload":
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
+            names_which_can_be_saved=[HPZ_NAME],
             names_which_can_be_offloaded=[OFFLOADED_NAME],
             offload_src="device",
             offload_dst="pinned_host",

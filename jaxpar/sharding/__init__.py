@@ -1,7 +1,9 @@
 """Logical sharding: rules tables, layouts, and annotations."""
 
 from jaxpar.sharding.annotate import (
+    HPZ_NAME,
     Layout,
+    ParamGather,
     active_layout,
     compute_value,
     constrain,
@@ -13,7 +15,9 @@ from jaxpar.sharding.annotate import (
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 __all__ = [
+    "HPZ_NAME",
     "Layout",
+    "ParamGather",
     "Rules",
     "active_layout",
     "compute_value",

@@ -15,26 +15,58 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather
 from jaxpar.mesh import divisors
 from jaxpar.sharding.rules import Rules
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpar_layout", default=None)
 
 
+# The name under which hpZ's secondary parameter shard is saved for the backward pass
+# (every remat policy keeps it: jaxpar.nn.layer_policy).
+HPZ_NAME = "hpz_secondary"
+UNSHARDABLE_NAMES = ("layers",)  # the layer scan slices this dimension: ZeRO never shards it
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGather:
+    """How a stored parameter becomes the value a layer computes with (`compute_value`).
+
+    zero_axes       mesh axes ZeRO-3 adds to parameter storage, on top of the storage rules
+    hpz             ZeRO++ hpZ: gather over `zero_axes` first into a secondary copy sharded
+                    by the storage rules only (inside a host), saved for the backward pass,
+                    whose gather then stays inside the host
+    quantize_block  > 0: ZeRO++ qwZ, every gather moves int8 with a scale per this many
+                    elements (jaxpar.kernels.quantized)
+    """
+
+    zero_axes: tuple[str, ...] = ()
+    hpz: bool = False
+    quantize_block: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh and the rules that place logical names on it."""
+    """A mesh, the rules that place logical names on it, and how parameters are gathered."""
 
     mesh: Mesh
     rules: Rules
+    params: ParamGather = ParamGather()
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(names, kind))
+
+    def param_spec(self, names: Sequence[str | None], shape: Sequence[int]) -> P:
+        """Where a parameter rests: the storage rules plus ZeRO-3's axes (`add_axes`)."""
+        spec = self.rules.spec(names, "storage")
+        return add_axes(spec, shape, names, self.mesh, self.params.zero_axes) if self.params.zero_axes else spec
 
 
 
@@ -77,7 +109,28 @@ def compute_value(param: nnx.Variable) -> jax.Array:
     """
     value = param[...]
     names = logical_names(param)
-    return constrain(value, names[len(names) - value.ndim :])
+    layout = _ACTIVE.get()
+    if layout is None:
+        return value
+    return gather_param(value, names[len(names) - value.ndim :], layout)
+
+
+def gather_param(value: jax.Array, names: Sequence[str | None], layout: Layout) -> jax.Array:
+    """Stored shards -> compute layout, the way `layout.params` says (see ParamGather)."""
+    how = layout.params
+    source = layout.param_spec(names, value.shape)
+    if how.hpz:
+        secondary = layout.rules.spec(names, "storage")
+        value = checkpoint_name(_reshard(value, source, secondary, layout), HPZ_NAME)
+        source = secondary
+    return _reshard(value, source, layout.rules.spec(names, "compute"), layout)
+
+
+def _reshard(value: jax.Array, source: P, target: P, layout: Layout) -> jax.Array:
+    block = layout.params.quantize_block
+    if block and jnp.issubdtype(value.dtype, jnp.floating) and any(gathered_axes(source, target, value.ndim)):
+        return quantized_all_gather(value, layout.mesh, source, target, block)
+    return jax.lax.with_sharding_constraint(value, NamedSharding(layout.mesh, target))
 
 
 def param_names(abstract_state: nnx.State) -> dict:
@@ -129,3 +182,21 @@ def check_divisible(
                 f"{'x'.join(axes)}={degree} does not divide; use a degree in "
                 f"{divisors(size)} or change the rules for '{name}'"
             )
+
+
+def add_axes(spec: P, shape: Sequence[int], names: Sequence[str | None], mesh: Mesh, axes: tuple[str, ...]) -> P:
+    """`spec` with `axes` appended (minor-most) to the dimension whose shard is largest
+    among those they divide; `spec` unchanged if none qualifies."""
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
+    extra = math.prod(mesh.shape[a] for a in axes)
+    best, best_shard = None, 0
+    for dim, (size, name, held) in enumerate(zip(shape, names, entries)):
+        degree = math.prod(mesh.shape[a] for a in held)
+        if name in UNSHARDABLE_NAMES or any(a in held for a in axes) or size % (degree * extra):
+            continue
+        if size // degree > best_shard:
+            best, best_shard = dim, size // degree
+    if best is None:
+        return spec
+    entries[best] = entries[best] + axes
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))

@@ -24,10 +24,12 @@ from jaxpar.config import Config, validate
 from jaxpar.data.batch import FIELDS, batch_shapes
 from jaxpar.mesh import make_mesh
 from jaxpar.nn import layer_policy
-from jaxpar.sharding import Layout, default_rules, param_names, parse_table, use_layout
+from jaxpar.errors import ConfigError
+from jaxpar.kernels.quantized import gathered_axes, quantized_reduce_scatter
+from jaxpar.sharding import Layout, ParamGather, default_rules, param_names, parse_table, use_layout
 from jaxpar.train.loss import model_loss
 from jaxpar.train.optim import make_optimizer
-from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data
+from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
 from jaxpar.train.zero import StateShardings, state_shardings
 
 
@@ -96,7 +98,17 @@ def build(
         storage=parse_table(config.parallel.storage_rules, "parallel.storage_rules"),
         compute=parse_table(config.parallel.compute_rules, "parallel.compute_rules"),
     )
-    layout = Layout(mesh, rules)
+    parallel = config.parallel
+    zero_axes = ("data",) if parallel.zero_stage >= 3 and mesh.shape["data"] > 1 else ()
+    layout = Layout(
+        mesh,
+        rules,
+        ParamGather(
+            zero_axes=zero_axes,
+            hpz=parallel.hpz,
+            quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
+        ),
+    )
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
     lr_schedule = lr_schedule or (lambda step: jnp.zeros((), jnp.float32))
@@ -109,6 +121,8 @@ def build(
     names = param_names(abstract)
     abstract_params = nnx.to_pure_dict(abstract)
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
+    if parallel.quantized_weights:
+        _check_quantized_gathers(names, abstract_params, layout)
     compute_dtype = jnp.dtype(config.train.compute_dtype)
     mixed = compute_dtype != jnp.float32
     replicated = NamedSharding(mesh, P())
@@ -122,12 +136,19 @@ def build(
         abstract_params,
         transform_non_params=lambda _: replicated,
     )
+    # Offloaded optimizer state rests in pinned host memory between steps: `state_sharding`
+    # (the jit boundary) says so; the update fetches it to the device (`device_state`).
+    def resting(tree: Any) -> Any:
+        host = parallel.offload_optimizer
+        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree) if host else tree
+
     state_sharding = TrainState(
         step=replicated,
         params=shardings.params,
-        master=shardings.optimizer if mixed else None,
-        opt_state=opt_shardings,
+        master=resting(shardings.optimizer) if mixed else None,
+        opt_state=resting(opt_shardings),
     )
+    device_state = TrainState(replicated, shardings.params, shardings.optimizer if mixed else None, opt_shardings)
 
     task = config.model.task
     shapes = batch_shapes(task, config.train.global_batch, config.train.seq_len, getattr(config.model, "in_features", 0))
@@ -157,9 +178,22 @@ def build(
     # (reduce inside the host first) and to accumulate ZeRO 0-1 microbatches unreduced.
     # Elsewhere each layer's gradient is reduced inside the backward loop, where a GPU can
     # overlap it with the layers still to go.
+    # qgZ needs them too: its int8 all-to-all replaces the reduction over data.
     replicas = mesh.shape["data"] > 1 and (
-        mesh.shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2)
+        mesh.shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or parallel.quantized_gradients
     )
+
+    def reduce_replicas(grads: Any, target: Any) -> Any:
+        """Per-replica gradients [data, ...] -> their sum, sharded as `target`: an int8
+        all-to-all under qgZ where `target` shards over data, else the partitioner's reduction."""
+
+        def one(g, sharding):
+            source = without_data(sharding).spec
+            if parallel.quantized_gradients and source != sharding.spec:
+                return quantized_reduce_scatter(g, mesh, "data", source, sharding.spec, parallel.quantization_block)
+            return jax.lax.with_sharding_constraint(g.sum(0), sharding)
+
+        return jax.tree.map(one, grads, target)
 
     def normalised_grads(params, batch) -> tuple[jax.Array, Any]:
         """Gradient of (sum of per-token losses over the global batch) / (its token count),
@@ -186,7 +220,7 @@ def build(
             l, w, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
             g = _cast_floats(g, jnp.float32)
             if not per_step:
-                g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.sum(0), g), reduce_to)
+                g = reduce_replicas(g, reduce_to)
             return l.sum(), w.sum(), g
 
         if microbatches == 1:
@@ -209,13 +243,22 @@ def build(
             # propagated into the carry, which then gathers every microbatch.
             grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
         if per_step:
-            grads = jax.tree.map(lambda x: x.sum(0), grads)
+            grads = reduce_replicas(grads, shardings.optimizer)
         grads = jax.lax.with_sharding_constraint(grads, shardings.optimizer)
         return total / weight, jax.tree.map(lambda g: g / weight, grads)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = normalised_grads(state.params, batch)
-        master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
+        if parallel.offload_optimizer:  # fetch from host memory for the update
+            state = dataclasses.replace(
+                state,
+                master=_to_device(state.master, device_state.master),
+                opt_state=_to_device(state.opt_state, device_state.opt_state),
+            )
+        if mixed:
+            master = state.master
+        else:  # the float32 parameters are the master weights
+            master = jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
@@ -255,6 +298,26 @@ def build(
     )
 
 
+def _to_device(tree: Any, shardings: Any) -> Any:
+    return None if tree is None else jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+
+
+def _check_quantized_gathers(names: Any, shapes: Any, layout: Layout) -> None:
+    """qwZ gathers blocks that must stay contiguous: a parameter's compute axes must lead
+    its storage axes on every dimension."""
+
+    def one(path, n: Any, shape: Any) -> None:
+        try:
+            gathered_axes(layout.param_spec(n.names, shape.shape), layout.rules.spec(n.names, "compute"), len(shape.shape))
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.quantized_weights: parameter {jax.tree_util.keystr(path)} cannot be gathered in int8: {e}; "
+                "order parallel.storage_rules so the compute axes come first"
+            ) from None
+
+    jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: hasattr(x, "names"))
+
+
 def warn_if_offload_is_a_no_op(config: Config, devices: Sequence[jax.Device]) -> None:
     """Memory kinds compile on the CPU backend but place nothing elsewhere: say so."""
     asked = [k for k, v in offload_requests(config).items() if v]
@@ -272,7 +335,10 @@ class OffloadIsANoOp(UserWarning):
 
 
 def offload_requests(config: Config) -> dict[str, bool]:
-    return {"model.remat=offload": getattr(config.model, "remat", "none") == "offload"}
+    return {
+        "model.remat=offload": getattr(config.model, "remat", "none") == "offload",
+        "parallel.offload_optimizer": config.parallel.offload_optimizer,
+    }
 
 
 def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:

@@ -19,18 +19,15 @@ dimension with the largest shard that the data degree still divides (never the s
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from jaxpar.sharding import Layout, shardings_for
-from jaxpar.sharding.annotate import _Names
+from jaxpar.sharding.annotate import _Names, add_axes
 
 ZERO_STAGES = (0, 1, 2, 3)
-UNSHARDABLE_NAMES = ("layers",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +54,3 @@ def state_shardings(names: Any, shapes: Any, layout: Layout, stage: int, axes: S
         grads=sharded if stage >= 2 else storage,
         optimizer=sharded if stage >= 1 else storage,
     )
-
-
-def add_axes(spec: P, shape: Sequence[int], names: Sequence[str | None], mesh: Mesh, axes: tuple[str, ...]) -> P:
-    """`spec` with `axes` appended (minor-most) to the dimension whose shard is largest
-    among those they divide; `spec` unchanged if none qualifies."""
-    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
-    extra = math.prod(mesh.shape[a] for a in axes)
-    best, best_shard = None, 0
-    for dim, (size, name, held) in enumerate(zip(shape, names, entries)):
-        degree = math.prod(mesh.shape[a] for a in held)
-        if name in UNSHARDABLE_NAMES or any(a in held for a in axes) or size % (degree * extra):
-            continue
-        if size // degree > best_shard:
-            best, best_shard = dim, size // degree
-    if best is None:
-        return spec
-    entries[best] = entries[best] + axes
-    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
