@@ -206,3 +206,11 @@ def test_qwz_keeps_no_gathered_weight_for_backward(tiny_llama):
 
     plain = per_layer([])
     assert per_layer(["parallel.quantized_weights=true"]) <= 1.05 * plain, plain
+
+
+def test_explain_reports_offloaded_state(tiny_llama):
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "parallel.zero_stage=1", "parallel.offload_optimizer=true", "train.compute_dtype=bfloat16"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadIsANoOp)
+        memory = inspect_step(build(config)).memory
+    assert memory.host_state == memory.master + memory.optimizer > 0

@@ -40,6 +40,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         ("fp32 master weights", m.master, expected.master),
         ("optimizer state", m.optimizer, expected.optimizer),
         ("model state", m.model_state, expected.total),
+        *([("  of which in pinned host memory between steps", m.host_state, None)] if m.host_state else []),
         ("arguments (compiler)", m.arguments, None),
         ("temporaries (compiler)", m.temporaries, None),
         ("total: arguments + outputs + temporaries - donated", m.arguments + m.outputs + m.temporaries - m.aliased, None),

@@ -40,6 +40,7 @@ class Memory:
     aliased: int  # donated inputs reused for outputs
     peak: int
     host_temporaries: int  # pinned-host buffers (offload); 0 on backends without host memory
+    host_state: int  # of the model state, bytes resting in pinned host memory between steps
 
     @property
     def model_state(self) -> int:
@@ -118,6 +119,7 @@ def inspect_step(trainer) -> StepReport:
         peak=getattr(stats, "peak_memory_in_bytes", 0)
         or stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
         host_temporaries=stats.host_temp_size_in_bytes,
+        host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
     return StepReport(
@@ -133,9 +135,11 @@ def inspect_step(trainer) -> StepReport:
     )
 
 
-def shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any, memory_kind: str | None = None) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (device 0's share;
-    every layout jaxpar builds is even)."""
+    every layout jaxpar builds is even), optionally only those in `memory_kind`."""
     return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+        if memory_kind is None or x.sharding.memory_kind == memory_kind
     )
