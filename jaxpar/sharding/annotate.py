@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather
 from jaxpar.mesh import divisors
 from jaxpar.sharding.rules import Rules
@@ -187,7 +188,7 @@ def check_divisible(
 def add_axes(spec: P, shape: Sequence[int], names: Sequence[str | None], mesh: Mesh, axes: tuple[str, ...]) -> P:
     """`spec` with `axes` appended (minor-most) to the dimension whose shard is largest
     among those they divide; `spec` unchanged if none qualifies."""
-    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in tuple(spec) + (None,) * (len(shape) - len(spec))]
+    entries = spec_entries(spec, len(shape))
     extra = math.prod(mesh.shape[a] for a in axes)
     best, best_shard = None, 0
     for dim, (size, name, held) in enumerate(zip(shape, names, entries)):
