@@ -72,19 +72,12 @@ def main() -> None:
     )
     base = apply_overrides(base, [f"mesh.hosts.data={hosts}"])
 
-    def total(report, kind, dtype=None, axes=None):
-        return sum(
-            c.bytes_per_step
-            for c in report.collectives
-            if c.kind == kind and (dtype is None or c.dtype == dtype) and (axes is None or c.axes == axes)
-        )
-
     rows = []
     t0 = time.time()
     for name, overrides in tqdm(VARIANTS.items(), desc=f"compile x{args.devices}", file=sys.stderr):
         report = inspect_step(build(apply_overrides(base, overrides), jax.devices()[: args.devices]))
-        codes = total(report, "all-gather", "s8")
-        wide = total(report, "all-gather", "f32") + total(report, "all-gather", "bf16")
+        codes = report.bytes_over(kinds=["all-gather"], dtypes=["s8"])
+        wide = report.bytes_over(kinds=["all-gather"], dtypes=["f32", "bf16"])
         # Under qwZ every float gather is int8 codes plus their f32 scales; otherwise the
         # gathers are bf16 parameters, which the CPU runs as f32: half that is bf16.
         scales = wide if codes else 0
@@ -96,8 +89,8 @@ def main() -> None:
                 gather_bytes_bf16_equivalent=gathered,
                 gather_int8_codes=codes,
                 gather_scales=scales,
-                grad_reduce_data_f32=total(report, "reduce-scatter", "f32", ("data",)),
-                grad_all_to_all_data=total(report, "all-to-all", None, ("data",)),
+                grad_reduce_data_f32=report.bytes_over(["data"], ["reduce-scatter"], ["f32"]),
+                grad_all_to_all_data=report.bytes_over(["data"], ["all-to-all"]),
                 temporaries=report.memory.temporaries,
                 compile_seconds=round(report.compile_seconds, 1),
             )

@@ -143,18 +143,14 @@ def test_quantized_traffic_is_int8(tiny_llama):
     plain = inspect_step(build(apply_overrides(tiny_llama, overrides)))
     quant = inspect_step(build(apply_overrides(tiny_llama, overrides + ["parallel.quantized_weights=true", "parallel.quantized_gradients=true"])))
 
-    def total(report, kind, dtype=None, axes=None):
-        return sum(c.bytes_per_step for c in report.collectives
-                   if c.kind == kind and (dtype is None or c.dtype == dtype) and (axes is None or c.axes == axes))
-
-    codes = total(quant, "all-gather", "s8")
-    scales = total(quant, "all-gather", "f32", ("data", "fsdp"))
+    codes = quant.bytes_over(kinds=["all-gather"], dtypes=["s8"])
+    scales = quant.bytes_over(["data", "fsdp"], ["all-gather"], ["f32"])
     # 4/64/2 = 3% for scales, plus the norm scales' 4-element shards, a block each: 0.533
     assert codes > 0 and (codes + scales) / (2 * codes) <= 0.54
-    assert total(quant, "all-gather", "f32") - scales < 1024  # nothing big left unquantized
-    reduced = total(plain, "reduce-scatter", "f32", ("data",))
-    sent = total(quant, "all-to-all", "s8", ("data",)) + total(quant, "all-to-all", "f32", ("data",))
-    assert total(quant, "reduce-scatter", axes=("data",)) == 0 and 0 < sent <= 0.3 * reduced, (sent, reduced)
+    assert quant.bytes_over(kinds=["all-gather"], dtypes=["f32"]) - scales < 1024  # nothing big left unquantized
+    reduced = plain.bytes_over(["data"], ["reduce-scatter"], ["f32"])
+    sent = quant.bytes_over(["data"], ["all-to-all"], ["s8", "f32"])
+    assert quant.bytes_over(["data"], ["reduce-scatter"]) == 0 and 0 < sent <= 0.3 * reduced, (sent, reduced)
 
 
 def test_optimizer_offload_equals_single_device_and_rests_on_host(tiny_llama, reference):

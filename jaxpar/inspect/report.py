@@ -63,14 +63,22 @@ class StepReport:
     def num_devices(self) -> int:
         return math.prod(self.mesh.values())
 
-    def bytes_over(self, axes: Iterable[str], kinds: Iterable[str] | None = None) -> int:
+    def bytes_over(
+        self,
+        axes: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        dtypes: Iterable[str] | None = None,
+    ) -> int:
         """Bytes per step per device of collectives whose groups span only `axes` (and at
-        least one of them)."""
-        axes, kinds = set(axes), None if kinds is None else set(kinds)
+        least one of them; None: any axes), of `kinds` and element `dtypes` (None: any)."""
+        axes, kinds, dtypes = (None if v is None else set(v) for v in (axes, kinds, dtypes))
         return sum(
             c.bytes_per_step
             for c in self.collectives
-            if c.axes and set(c.axes) <= axes and (kinds is None or c.kind in kinds)
+            if c.axes
+            and (axes is None or set(c.axes) <= axes)
+            and (kinds is None or c.kind in kinds)
+            and (dtypes is None or c.dtype in dtypes)
         )
 
     def cross_host_bytes(self) -> int:
