@@ -1,0 +1,22 @@
+"""Attention kernels: blockwise (one device) and context parallel (ring, Ulysses, all-gather)."""
+
+from jaxpar.kernels.attention.blocks import Masking
+from jaxpar.kernels.attention.context import KERNELS as CONTEXT_IMPLS
+from jaxpar.kernels.attention.context import ContextSpec, context_attention, executed_tiles
+from jaxpar.kernels.attention.flash import flash_attention
+from jaxpar.kernels.attention.order import SEQUENCE_LAYOUTS, local_index, sequence_order, unpermute
+from jaxpar.kernels.attention.reference import reference_attention
+
+__all__ = [
+    "CONTEXT_IMPLS",
+    "ContextSpec",
+    "Masking",
+    "SEQUENCE_LAYOUTS",
+    "context_attention",
+    "executed_tiles",
+    "flash_attention",
+    "local_index",
+    "reference_attention",
+    "sequence_order",
+    "unpermute",
+]

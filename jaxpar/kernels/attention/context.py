@@ -1,0 +1,189 @@
+"""Context-parallel attention: one differentiable entry point over the three kernels.
+
+  ring       K/V blocks circulate (ppermute); memory and traffic per device ~ s/n
+  ulysses    all-to-all to head shards and back; degree must divide the kv heads
+  allgather  K/V gathered whole; the simple baseline
+
+`context_attention` runs the chosen kernel in `jax.shard_map` over a mesh, forward and
+backward each a kernel of its own (`jax.custom_vjp`): the backward recomputes block by block
+from the queries, keys, values, output and log-normaliser, never from an s x s matrix.
+Kernels know only their mesh axes and specs, nothing about models.
+
+Gradients per data replica are taken under `jax.vmap(spmd_axis_name=...)`, where a
+shard_map may not be traced; a `custom_vmap` rule folds the replica dimension into the batch
+(sharded over the replica axis) and runs the kernel once, outside that vmap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.kernels.attention import allgather, ring, ulysses
+from jaxpar.kernels.attention.blocks import Masking
+
+KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextSpec:
+    """Where q [B, S, H, K], k/v [B, S, G, K] and segment ids [B, S] live, and how to attend.
+
+    q_spec / kv_spec shard the sequence (dimension 1) over `axis`; batch and heads may be
+    sharded over any other mesh axes, which the kernel treats as independent work.
+    replica_axis: the mesh axis of an enclosing `vmap(spmd_axis_name=...)`, if any.
+    """
+
+    impl: str
+    mesh: Mesh
+    axis: tuple[str, ...]
+    q_spec: P
+    kv_spec: P
+    seq_layout: str = "zigzag"
+    masking: Masking = Masking()
+    replica_axis: str | None = None
+
+    @property
+    def degree(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axis)
+
+    @property
+    def seg_spec(self) -> P:
+        return P(self.q_spec[0], self.q_spec[1])
+
+    def with_replicas(self) -> "ContextSpec":
+        """The spec with the replica axis leading the batch dimension (folded replicas)."""
+        fold = lambda spec: P(_join(self.replica_axis, spec[0]), *spec[1:])
+        return dataclasses.replace(self, q_spec=fold(self.q_spec), kv_spec=fold(self.kv_spec), replica_axis=None)
+
+
+def _join(first: str, entry: Any) -> Any:
+    rest = _axes(entry)
+    return (first,) + rest if rest else first
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def context_attention(q, k, v, segment_ids, spec: ContextSpec) -> jax.Array:
+    """Attention of q over k, v with the sequence sharded over `spec.axis`. segment_ids
+    [B, S] or None; the sequence is laid out as `spec.seq_layout` says (jaxpar...order)."""
+    if spec.impl not in KERNELS:
+        raise ValueError(f"context impl {spec.impl!r}; use one of {', '.join(KERNELS)}")
+    if spec.impl == "ulysses":
+        local_kv = k.shape[2] // math.prod(spec.mesh.shape[a] for a in _axes(spec.kv_spec[2]))
+        if local_kv % spec.degree:
+            raise ValueError(
+                f"ulysses: context degree {spec.degree} does not divide the {local_kv} kv heads each device "
+                "holds; use ring or allgather, or a degree that divides them"
+            )
+    return _attend(q, k, v, segment_ids, spec)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q, k, v, segment_ids, spec):
+    return _forward(spec)(q, k, v, segment_ids)[0]
+
+
+def _attend_fwd(q, k, v, segment_ids, spec):
+    o, residuals, _ = _forward(spec)(q, k, v, segment_ids)
+    return o, residuals
+
+
+def _attend_bwd(spec, residuals, do):
+    dq, dk, dv = _backward(spec)(residuals, do)
+    return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _per_device_tiles(tiles):
+    return tiles.reshape((1,))
+
+
+def _forward(spec: ContextSpec):
+    """(q, k, v, seg) -> (o, residuals, tiles per device [n_devices])."""
+    kernel = KERNELS[spec.impl]
+    devices = P(tuple(spec.mesh.axis_names))
+
+    def sharded(q, k, v, seg):
+        has_seg = seg is not None
+        seg_spec = spec.seg_spec if has_seg else None
+        res_specs = kernel.residual_specs(spec.q_spec, spec.kv_spec, seg_spec, spec)
+
+        @partial(
+            jax.shard_map,
+            mesh=spec.mesh,
+            in_specs=(spec.q_spec, spec.kv_spec, spec.kv_spec, seg_spec),
+            out_specs=(spec.q_spec, res_specs, devices),
+            check_vma=False,
+        )
+        def body(q, k, v, seg):
+            o, residuals, tiles = kernel.forward(q, k, v, seg, spec)
+            return o, residuals, _per_device_tiles(tiles)
+
+        return body(q, k, v, seg)
+
+    return _outside_replica_vmap(sharded, spec, _forward)
+
+
+def _backward(spec: ContextSpec):
+    kernel = KERNELS[spec.impl]
+
+    def sharded(residuals, do):
+        seg_spec = spec.seg_spec if residuals[3] is not None else None
+        res_specs = kernel.residual_specs(spec.q_spec, spec.kv_spec, seg_spec, spec)
+
+        @partial(
+            jax.shard_map,
+            mesh=spec.mesh,
+            in_specs=(res_specs, spec.q_spec),
+            out_specs=(spec.q_spec, spec.kv_spec, spec.kv_spec),
+            check_vma=False,
+        )
+        def body(residuals, do):
+            return kernel.backward(residuals, do, spec)
+
+        return body(residuals, do)
+
+    return _outside_replica_vmap(sharded, spec, _backward)
+
+
+def _outside_replica_vmap(sharded, spec: ContextSpec, rebuild):
+    """`sharded`, plus a batching rule for the per-replica vmap: fold [R, B, ...] into
+    [R*B, ...] sharded over (replica axis, batch axes), run once, unfold."""
+    if spec.replica_axis is None:
+        return sharded
+
+    @custom_vmap
+    def run(*args):
+        return sharded(*args)
+
+    @run.def_vmap
+    def _(axis_size, in_batched, *args):
+        args = jax.tree.map(
+            lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)), args, tuple(in_batched)
+        )
+        folded = jax.tree.map(lambda x: x.reshape(axis_size * x.shape[1], *x.shape[2:]), args)
+        out = rebuild(spec.with_replicas())(*folded)
+        unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+        out = jax.tree.map(unfold, out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
+def executed_tiles(q, k, v, segment_ids, spec: ContextSpec) -> jax.Array:
+    """Score tiles each device computed in the forward pass ([n_devices], mesh order): the
+    kernel's own count of the (query tile, key tile) pairs its causal skip let through."""
+    return _forward(spec)(q, k, v, segment_ids)[2]
