@@ -33,6 +33,12 @@ class ParallelConfig:
     # fp32 master weights and optimizer state rest in pinned host memory between steps and
     # are brought to the device for the update.
     offload_optimizer: bool = False
+    # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention):
+    # ring | ulysses | allgather; sequences laid out zigzag (causal load balance) or
+    # contiguous; query/key tile length of the blockwise kernels.
+    context_impl: str = "ring"
+    context_layout: str = "zigzag"
+    attention_block: int = 512
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -180,6 +186,7 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
             "2 (+ gradients) or 3 (+ parameters)"
         )
     _validate_zero_plus_plus(config.parallel, sizes)
+    _validate_context(config, sizes)
     from jaxpar.train.optim import OPTIMIZERS
 
     if optim.name not in OPTIMIZERS:
@@ -227,6 +234,38 @@ def _validate_zero_plus_plus(parallel: ParallelConfig, sizes: dict[str, int]) ->
             f"parallel.quantization_block={parallel.quantization_block} must be a positive number of elements "
             "per scale; e.g. 256"
         )
+
+
+def _validate_context(config: Config, sizes: dict[str, int]) -> None:
+    from jaxpar.kernels.attention import CONTEXT_IMPLS, SEQUENCE_LAYOUTS
+
+    parallel = config.parallel
+    if parallel.context_impl not in CONTEXT_IMPLS:
+        raise ConfigError(f"parallel.context_impl={parallel.context_impl!r}; use one of {', '.join(CONTEXT_IMPLS)}")
+    if parallel.context_layout not in SEQUENCE_LAYOUTS:
+        raise ConfigError(
+            f"parallel.context_layout={parallel.context_layout!r}; use one of {', '.join(SEQUENCE_LAYOUTS)}"
+        )
+    if parallel.attention_block < 1:
+        raise ConfigError(f"parallel.attention_block={parallel.attention_block} must be a positive tile length; e.g. 512")
+    c = sizes["context"]
+    if c > 1 and not isinstance(config.model, LlamaConfig):
+        raise ConfigError(
+            f"mesh.context={c} shards the sequence, but model {type(config.model).__name__} has none; use mesh.context=1"
+        )
+    if c > 1 and parallel.context_layout == "zigzag" and config.train.seq_len % (2 * c):
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} is not divisible by 2 x mesh.context = {2 * c} (the zigzag layout "
+            f"gives each device two chunks); use a multiple of {2 * c} or parallel.context_layout=contiguous"
+        )
+    if c > 1 and parallel.context_impl == "ulysses":
+        kv_local = config.model.num_kv_heads // sizes["tensor"]
+        if kv_local % c:
+            raise ConfigError(
+                f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {kv_local} kv heads per tensor "
+                f"shard (model.num_kv_heads={config.model.num_kv_heads} / mesh.tensor={sizes['tensor']}); use "
+                f"mesh.context in {divisors(kv_local)}, or context_impl=ring or allgather"
+            )
 
 
 def _validate_llama(config: Config, sizes: dict[str, int]) -> None:

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
-from jaxpar.sharding import compute_value, constrain
+from jaxpar.sharding import attend, compute_value, constrain
 
 RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
 HIDDEN = ("batch", "seq", "embed")  # inputs of column-parallel matmuls: full sequence
@@ -94,11 +94,12 @@ class RMSNorm(nnx.Module):
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[S]."""
+    """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[B, S] or [S]."""
     half = x.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, None] * freq[None, :]  # [S, K/2]
-    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    positions = jnp.broadcast_to(positions, x.shape[:2])
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [B, S, K/2]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -114,7 +115,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), h * k)
         self.cfg = cfg
 
-    def __call__(self, x_BSD: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         x_BSD = constrain(x_BSD, HIDDEN)  # SP: all-gather the sequence here
         q = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wq)), ("batch", "seq", "heads", "head_dim"))
@@ -122,24 +123,10 @@ class Attention(nnx.Module):
         v = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wv)), ("batch", "seq", "kv_heads", "head_dim"))
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
-        o = checkpoint_name(attention(q, k, v), "attention_out")
+        o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         out = jnp.einsum("bshk,hkd->bsd", o, compute_value(self.wo))
         return constrain(out, RESIDUAL)  # SP: reduce-scatter; otherwise all-reduce
-
-
-def attention(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array) -> jax.Array:
-    """Plain causal grouped-query attention, softmax in float32 (the reference every
-    attention kernel is checked against)."""
-    b, s, h, kd = q_BSHK.shape
-    g = k_BTGK.shape[2]
-    q = q_BSHK.reshape(b, s, g, h // g, kd)
-    scores = jnp.einsum("bsgrk,btgk->bgrst", q, k_BTGK).astype(jnp.float32) * kd**-0.5
-    causal = jnp.tril(jnp.ones((s, k_BTGK.shape[1]), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BTGK.dtype)
-    out = jnp.einsum("bgrst,btgk->bsgrk", probs, v_BTGK)
-    return out.reshape(b, s, h, kd)
 
 
 class MLP(nnx.Module):
@@ -167,8 +154,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BSD: jax.Array, positions: jax.Array) -> jax.Array:
-        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions), "residual")
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
         x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
         return constrain(x_BSD, RESIDUAL)
 
@@ -185,14 +172,19 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
 
-    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        """Logits[B, S, V@tensor] for token ids[B, S]."""
+    def __call__(self, tokens_BS: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits[B, S, V@tensor] for token ids[B, S].
+
+        positions[B, S] (RoPE; default 0..S-1) and segment_ids[B, S] (packed sequences attend
+        only inside their segment) come with the tokens when the sequence is reordered for
+        context parallelism or packed.
+        """
         table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
         # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
         # sequence on one gather makes the partitioner replicate the table's gradient.
         x = constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
-        positions = jnp.arange(tokens_BS.shape[1])
-        x = scan_layers(self.layers, x, positions, remat=self.cfg.remat)
+        positions = jnp.arange(tokens_BS.shape[1]) if positions is None else positions
+        x = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
         x = constrain(self.final_norm(x), HIDDEN)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("bsd,vd->bsv", x, table) * self.cfg.embed**-0.5

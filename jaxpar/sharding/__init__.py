@@ -2,6 +2,7 @@
 
 from jaxpar.sharding.annotate import (
     HPZ_NAME,
+    ContextAttention,
     Layout,
     ParamGather,
     active_layout,
@@ -12,20 +13,25 @@ from jaxpar.sharding.annotate import (
     shardings_for,
     use_layout,
 )
+from jaxpar.sharding.attend import attend, context_spec, sequence_degree
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 __all__ = [
+    "ContextAttention",
     "HPZ_NAME",
     "Layout",
     "ParamGather",
     "Rules",
     "active_layout",
+    "attend",
+    "context_spec",
     "compute_value",
     "constrain",
     "default_rules",
     "logical_names",
     "param_names",
     "parse_table",
+    "sequence_degree",
     "shardings_for",
     "use_layout",
 ]

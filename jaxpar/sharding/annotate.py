@@ -54,12 +54,33 @@ class ParamGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextAttention:
+    """How attention runs when the compute rules shard "seq" (jaxpar.kernels.attention).
+
+    impl        ring | ulysses | allgather
+    seq_layout  zigzag | contiguous: the order the trainer lays each sequence out in
+    block       query and key tile length of the blockwise kernels
+    """
+
+    impl: str = "ring"
+    seq_layout: str = "zigzag"
+    block: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh, the rules that place logical names on it, and how parameters are gathered."""
+    """A mesh, the rules that place logical names on it, how parameters are gathered, and
+    how attention runs over a sharded sequence.
+
+    replica_axis: set inside the per-replica vmap (jaxpar.train.replicas), whose mapped
+    dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
+    """
 
     mesh: Mesh
     rules: Rules
     params: ParamGather = ParamGather()
+    context: ContextAttention = ContextAttention()
+    replica_axis: str | None = None
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(names, kind))

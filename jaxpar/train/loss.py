@@ -25,8 +25,10 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
 
 def model_loss(model, batch: dict) -> tuple[jax.Array, jax.Array]:
     """Next-token (lm) or class (classify) loss: both are a model applied to `inputs`
-    scored against `targets`, weighted by `weights`."""
-    return cross_entropy_sum(model(batch["inputs"]), batch["targets"], batch["weights"])
+    scored against `targets`, weighted by `weights`. Optional per-token `positions` and
+    `segment_ids` (reordered or packed sequences) are passed to the model."""
+    extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
+    return cross_entropy_sum(model(batch["inputs"], **extra), batch["targets"], batch["weights"])
 
 
 LossFn = Callable[[object, dict], tuple[jax.Array, jax.Array]]

@@ -28,7 +28,7 @@ def inner_layout(layout: Layout) -> Layout:
     """The layout one replica's computation sees: `data` taken out of every compute rule
     (the vmapped replica axis holds it)."""
     table = {k: tuple(a for a in v if a != AXIS) for k, v in layout.rules.table("compute").items()}
-    return dataclasses.replace(layout, rules=layout.rules.with_overrides(compute=table))
+    return dataclasses.replace(layout, rules=layout.rules.with_overrides(compute=table), replica_axis=AXIS)
 
 
 def without_data(sharding: NamedSharding) -> NamedSharding:

@@ -26,9 +26,10 @@ from jaxpar.mesh import make_mesh
 from jaxpar.nn import layer_policy
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes, quantized_reduce_scatter
-from jaxpar.sharding import Layout, ParamGather, default_rules, param_names, parse_table, use_layout
+from jaxpar.sharding import ContextAttention, Layout, ParamGather, default_rules, param_names, parse_table, use_layout
 from jaxpar.train.loss import model_loss
 from jaxpar.train.optim import make_optimizer
+from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
 from jaxpar.train.zero import StateShardings, state_shardings
 
@@ -108,6 +109,7 @@ def build(
             hpz=parallel.hpz,
             quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
         ),
+        ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block),
     )
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
@@ -166,6 +168,8 @@ def build(
         )
 
     def loss_sum(params, batch) -> tuple[jax.Array, jax.Array]:
+        if task == "lm":
+            batch = lay_out_sequences(batch, layout)
         return model_loss(nnx.merge(graphdef, params), batch)
 
     if getattr(config.model, "remat", "none") == "none":

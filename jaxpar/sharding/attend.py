@@ -1,0 +1,51 @@
+"""The attention call models make: plain attention, or a context-parallel kernel when the
+active layout shards the sequence ("seq") over mesh axes.
+
+Like `constrain` and `compute_value`, `attend` reads the layout entered around tracing, so a
+model names no mesh and holds no collective. The sequence it sees is laid out as
+`layout.context.seq_layout` says (the trainer permutes each batch into that order and hands
+the model matching RoPE positions); the kernels mask by each token's original place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, reference_attention
+from jaxpar.kernels.quantized import entries
+from jaxpar.sharding.annotate import Layout, active_layout
+
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def sequence_degree(layout: Layout) -> int:
+    """How many ways attention's sequence is split (1: no context parallelism)."""
+    axes = entries(layout.rules.spec(Q_NAMES, "compute"), 4)[1]
+    return math.prod(layout.mesh.shape[a] for a in axes)
+
+
+def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
+    """The kernel's view of `layout`: its mesh axes, specs and block sizes."""
+    q_spec = layout.rules.spec(Q_NAMES, "compute")
+    block = layout.context.block
+    return ContextSpec(
+        impl=layout.context.impl,
+        mesh=layout.mesh,
+        axis=entries(q_spec, 4)[1],
+        q_spec=q_spec,
+        kv_spec=layout.rules.spec(KV_NAMES, "compute"),
+        seq_layout=layout.context.seq_layout,
+        masking=Masking(causal, block, block),
+        replica_axis=layout.replica_axis,
+    )
+
+
+def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True) -> jax.Array:
+    """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart."""
+    layout = active_layout()
+    if layout is None or sequence_degree(layout) == 1:
+        return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal)
+    return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal))
