@@ -51,6 +51,11 @@ class ContextSpec:
     masking: Masking = Masking()
     replica_axis: str | None = None
 
+    def __post_init__(self):
+        for name in ("q_spec", "kv_spec"):  # four entries, so kernels may index any dimension
+            spec = getattr(self, name)
+            object.__setattr__(self, name, P(*spec, *(None,) * (4 - len(spec))))
+
     @property
     def degree(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axis)

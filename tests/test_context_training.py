@@ -1,0 +1,106 @@
+"""Whole-model training with context parallelism equals the single-device run: each
+context_impl alone, with tensor + sequence parallelism, and with FSDP x data parallelism
+(gradients per data replica through the kernels' vmap rule). fp32, 1e-5 relative for losses
+and first-step gradients, parameters after three AdamW steps. The zigzag layout reorders
+every sequence, so equality also checks the RoPE positions the step hands the model."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxpar.config import apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.testing import check, compare, run_layout, tree_error
+from jaxpar.train import build
+from jaxpar.train.sequence import lay_out_sequences
+from jaxpar.sharding import use_layout
+from models.llama import LlamaConfig
+
+RTOL = 1e-5
+SP = "parallel.sequence_parallel=true"
+
+LAYOUTS = {
+    "ring": ["mesh.data=1", "mesh.context=8", "parallel.context_impl=ring"],
+    "ulysses": ["mesh.data=2", "mesh.context=4", "parallel.context_impl=ulysses"],
+    "allgather": ["mesh.data=1", "mesh.context=8", "parallel.context_impl=allgather"],
+    "ring_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=ring"],
+    "ulysses_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=ulysses"],
+    "allgather_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=allgather"],
+    "ring_dp_fsdp": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=ring"],
+    "ulysses_dp_fsdp_contiguous": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=ulysses", "parallel.context_layout=contiguous"],
+    "allgather_dp_fsdp_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather", "train.microbatches=2"],
+}
+
+
+@pytest.fixture
+def long_llama(tiny_llama):
+    """Sequence 32 (4 tokens per zigzag chunk at context 4), 4 kv heads for Ulysses."""
+    return dataclasses.replace(tiny_llama, train=dataclasses.replace(tiny_llama.train, seq_len=32))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_training_equals_single_device(long_llama, reference, name):
+    config = apply_overrides(long_llama, LAYOUTS[name] + ["parallel.attention_block=4"])
+    check(compare(run_layout(config), reference(long_llama)), RTOL, where=name)
+
+
+def test_grouped_query_ring_with_selective_remat(long_llama, reference):
+    config = dataclasses.replace(
+        long_llama, model=dataclasses.replace(long_llama.model, num_kv_heads=2, remat="selective")
+    )
+    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", SP]))
+    check(compare(run, reference(config)), RTOL, where="gqa ring selective")
+
+
+def test_packed_segments_through_the_model(long_llama):
+    """Packed documents (segment ids) and their own RoPE positions through the whole model
+    under ring attention on context=4, against the same model on one device."""
+    config = apply_overrides(long_llama, ["mesh.data=2", "mesh.context=4"])
+    trainer = build(config)
+    model = nnx.merge(trainer.graphdef, jax.device_get(trainer.init().params))
+    b, s = 4, 32
+    tokens = jax.random.randint(jax.random.key(0), (b, s), 0, config.model.vocab_size)
+    segments = jnp.asarray([[0] * 10 + [1] * 22, [0] * 31 + [1], [0] * 32, [0] * 5 + [1] * 5 + [2] * 22], jnp.int32)
+    starts = jnp.maximum.accumulate(jnp.where(jnp.diff(segments, prepend=-1, axis=1) != 0, jnp.arange(s), 0), axis=1)
+    positions = jnp.arange(s) - starts
+    batch = {"inputs": tokens, "targets": tokens, "weights": jnp.ones((b, s)), "positions": positions, "segment_ids": segments}
+
+    def loss(params, batch, layout):
+        m = nnx.merge(trainer.graphdef, params)
+        with use_layout(layout):
+            if layout is not None:
+                batch = lay_out_sequences(batch, layout)
+            logits = m(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        return jnp.sum(jax.nn.logsumexp(logits, -1) * batch["weights"])
+
+    params = nnx.to_pure_dict(nnx.state(model))
+    want = jax.value_and_grad(loss)(params, batch, None)
+    got = jax.jit(jax.value_and_grad(loss), static_argnums=2)(params, batch, trainer.layout)
+    assert tree_error(got, want) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=24"], r"train.seq_len=24 is not divisible by 2 x mesh.context = 16"),
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=20", "parallel.context_layout=contiguous"], r"train.seq_len=20 is not divisible by context x tensor = 8"),
+        (["mesh.context=8", "mesh.data=1", "parallel.context_impl=ulysses", "model.num_kv_heads=2"], r"parallel.context_impl=ulysses: mesh.context=8 does not divide the 2 kv heads"),
+        (["parallel.context_impl=striped"], r"parallel.context_impl='striped'; use one of ring, ulysses, allgather"),
+        (["parallel.context_layout=random"], r"parallel.context_layout='random'; use one of zigzag, contiguous"),
+        (["parallel.attention_block=0"], r"parallel.attention_block=0 must be a positive tile length"),
+    ],
+)
+def test_bad_context_config(long_llama, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build(apply_overrides(long_llama, overrides))
+
+
+def test_context_axis_on_a_model_without_a_sequence():
+    from jaxpar.config import Config
+    from models.mlp import MLPConfig
+
+    with pytest.raises(ConfigError, match=r"mesh.context=2 shards the sequence, but model MLPConfig has none"):
+        build(apply_overrides(Config(model=MLPConfig()), ["mesh.context=2"]))
