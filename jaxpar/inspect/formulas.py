@@ -75,3 +75,31 @@ def activation_bytes_per_layer(
     if t > 1:
         return s * b * h * (10 + 24 / t + attention)
     return s * b * h * (34 + 5 * a * s / h)
+
+
+def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: int) -> dict[str, dict[str, float]]:
+    """Per-device elements one attention layer sends over a context axis of n devices,
+    {"forward"|"backward": {collective kind: elements}}. s is the whole sequence, b the
+    batch per device, hq / hkv the query / key-value widths (heads x head dim) per device.
+
+    ring (reference.md; Liu et al.): K and V hop n-1 times forward, 2(s/n)·b·hkv·(n-1); the
+      backward hops them again and sends dK, dV n times (home with their block).
+    ulysses (DeepSpeed blog, 4sh/n for MHA): all-to-alls of q, k, v and o, each sending
+      (n-1)/n of its s/n shard: (2hq + 2hkv)·(s/n)·b·(n-1)/n; the backward mirrors it.
+    allgather: K and V gathered, 2·s·b·hkv·(n-1)/n; gathered again backward and their
+      gradients reduce-scattered.
+    """
+    if n <= 1:
+        return {"forward": {}, "backward": {}}
+    shard = s // n * b
+    if impl == "ring":
+        kv = 2 * shard * hkv
+        return {"forward": {"collective-permute": kv * (n - 1)},
+                "backward": {"collective-permute": kv * (n - 1) + kv * n}}
+    if impl == "ulysses":
+        each = (2 * hq + 2 * hkv) * shard * (n - 1) / n
+        return {"forward": {"all-to-all": each}, "backward": {"all-to-all": each}}
+    if impl == "allgather":
+        kv = 2 * s * b * hkv * (n - 1) / n
+        return {"forward": {"all-gather": kv}, "backward": {"all-gather": kv, "reduce-scatter": kv}}
+    raise ValueError(f"context impl {impl!r}; use ring, ulysses or allgather")

@@ -1,0 +1,229 @@
+"""Context parallelism on CPU virtual devices: memory, causal load balance and traffic of the
+ring, Ulysses and all-gather attention kernels, and whole-model memory of `llama_long`.
+
+  1. memory (compile only): forward + backward of one attention layer (batch 1, 8 heads of
+     64, fp32, tiles of 512) for n = 2, 4, 8 devices and several sequence lengths. Per
+     device: the compiler's arguments + outputs + temporaries, that figure x n / s (flat when
+     memory grows as s/n), and the largest single buffer in the compiled program against
+     one (s/n) x (s/n) score block, with the plain single-device attention for contrast.
+  2. causal load balance (run): score tiles each device's kernel computed in the forward
+     pass, as attention FLOPs per device; max / min across devices, zigzag vs contiguous.
+  3. traffic (compile only): collective bytes per device over the context axis, measured in
+     the compiled program against jaxpar.inspect.formulas.context_traffic_elements.
+  4. llama_long (compile only): the recipe's whole training step at sequence 8k to 128k on
+     8 devices (context=8, ring): per-device memory from the compiled step.
+
+  python benchmarks/context.py [--out benchmarks/results/context.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import re
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+
+from jaxpar.mesh import force_cpu_devices  # noqa: E402
+
+HEADS, HEAD_DIM, BLOCK = 8, 64, 512
+IMPLS = ("ring", "ulysses", "allgather")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqs", default="4096,8192,16384,32768", help="sequence lengths for the memory table")
+    p.add_argument("--long-seqs", default="8192,16384,32768,65536,131072", help="llama_long sequence lengths")
+    p.add_argument("--out", default="benchmarks/results/context.json")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    force_cpu_devices(8)
+    import jax
+    from tqdm import tqdm
+
+    seqs = [int(x) for x in args.seqs.split(",")]
+    long_seqs = [int(x) for x in args.long_seqs.split(",")]
+    work = [(impl, n, s) for impl in IMPLS for n in (2, 4, 8) for s in seqs]
+    memory, traffic = [], []
+    for impl, n, s in tqdm(work, desc="compile attention layers", leave=False):
+        compiled, mesh = compile_layer(impl, n, s)
+        memory.append(memory_row(impl, n, s, compiled))
+        if s == seqs[0]:
+            traffic.append(traffic_row(impl, n, s, compiled, mesh))
+    for s in tqdm(seqs[:2], desc="plain attention", leave=False):
+        memory.append(memory_row("plain (1 device)", 1, s, compile_layer("plain", 1, s)[0]))
+    balance = [balance_row(impl, layout, n) for impl in IMPLS for layout in ("zigzag", "contiguous") for n in (2, 4, 8)]
+    long = [long_row(s) for s in tqdm(long_seqs, desc="llama_long steps", leave=False)]
+    doc = {
+        "setup": {"heads": HEADS, "head_dim": HEAD_DIM, "batch": 1, "block": BLOCK, "dtype": "float32",
+                  "platform": jax.devices()[0].platform, "jax": jax.__version__, "machine": platform.machine(),
+                  "date": time.strftime("%Y-%m-%d")},
+        "memory": memory,
+        "balance": balance,
+        "traffic": traffic,
+        "llama_long": long,
+    }
+    print(render(doc))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {out}")
+
+
+def layer_fn(impl: str, n: int, layout: str = "zigzag", block: int = BLOCK):
+    """(mesh, f(q, k, v, do) -> (o, dq, dk, dv)) for one causal attention layer."""
+    import jax
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, reference_attention
+
+    mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+    if impl == "plain":
+        attend = lambda q, k, v: reference_attention(q, k, v, None, True)  # noqa: E731
+    else:
+        spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout, Masking(True, block, block))
+        attend = lambda q, k, v: context_attention(q, k, v, None, spec)  # noqa: E731
+
+    def f(q, k, v, do):
+        o, vjp = jax.vjp(attend, q, k, v)
+        return (o, *vjp(do))
+
+    return mesh, f
+
+
+def compile_layer(impl: str, n: int, s: int):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, f = layer_fn(impl, n)
+    sharding = NamedSharding(mesh, P(None, "context"))
+    arg = jax.ShapeDtypeStruct((1, s, HEADS, HEAD_DIM), "float32", sharding=sharding)
+    return jax.jit(f, out_shardings=sharding).lower(arg, arg, arg, arg).compile(), mesh
+
+
+def largest_buffer(hlo: str) -> int:
+    """Elements of the largest array any instruction of the compiled program produces."""
+    import math
+
+    best = 0
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s[a-z\-]+\(", line)
+        if not m:
+            continue
+        for dims in re.findall(r"[a-z][a-z0-9]*\[([\d,]*)\]", m.group(1)):
+            best = max(best, math.prod(int(d) for d in dims.split(",") if d))
+    return best
+
+
+def memory_row(impl: str, n: int, s: int, compiled) -> dict:
+    stats = compiled.memory_analysis()
+    total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    largest = largest_buffer(compiled.as_text())
+    return {
+        "impl": impl, "devices": n, "seq": s,
+        "bytes_per_device": total, "temporaries": stats.temp_size_in_bytes,
+        "bytes_x_n_over_s": total * n / s,
+        "largest_buffer_elements": largest,
+        "largest_over_score_block": largest / (s // n) ** 2,
+        "holds_s_by_s": largest >= s * s,
+    }
+
+
+def traffic_row(impl: str, n: int, s: int, compiled, mesh) -> dict:
+    from jaxpar.inspect.formulas import context_traffic_elements
+    from jaxpar.inspect.hlo import collectives
+
+    colls = [c for c in collectives(compiled.as_text(), mesh) if c.axes == ("context",)]
+    formula = context_traffic_elements(impl, s, 1, HEADS * HEAD_DIM, HEADS * HEAD_DIM, n)
+    expected = {}
+    for part in formula.values():
+        for kind, elements in part.items():
+            expected[kind] = expected.get(kind, 0) + 4 * elements  # fp32 everywhere here
+    rows = []
+    for kind, want in expected.items():
+        got = sum(c.bytes_per_step for c in colls if c.kind == kind)
+        rows.append({"kind": kind, "measured_bytes": got, "formula_bytes": want, "ratio": got / want})
+    other = sorted({c.kind for c in colls} - set(expected))
+    return {"impl": impl, "devices": n, "seq": s, "by_kind": rows, "unexpected_kinds": other}
+
+
+def balance_row(impl: str, layout: str, n: int, s: int = 2048, heads: int = 8, head_dim: int = 8, block: int = 64) -> dict:
+    """Attention FLOPs each device computed in the forward pass, from the kernel's own tile count."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.kernels.attention import ContextSpec, Masking, executed_tiles
+    from jaxpar.kernels.attention.blocks import tile
+
+    mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+    spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout, Masking(True, block, block))
+    x = jax.random.normal(jax.random.key(0), (1, s, heads, head_dim))
+    tiles = np.asarray(jax.jit(lambda q: executed_tiles(q, q, q, None, spec))(x))
+    local_heads, length = (heads // n, s) if impl == "ulysses" else (heads, s // n)
+    bq = tile(length, block)
+    flops = tiles * 4 * bq * bq * head_dim * local_heads  # QK^T and PV per tile
+    return {"impl": impl, "layout": layout, "devices": n, "seq": s, "flops_per_device": flops.tolist(),
+            "max_over_min": float(flops.max() / flops.min()),
+            "useful_flops": 4 * head_dim * heads * s * (s + 1) / 2 / n}
+
+
+def long_row(s: int) -> dict:
+    from jaxpar.config import apply_overrides
+    from jaxpar.inspect import inspect_step
+    from jaxpar.train import build
+    from recipes import load
+
+    config = apply_overrides(load("llama_long"), [f"train.seq_len={s}"])
+    report = inspect_step(build(config))
+    m = report.memory
+    total = m.arguments + m.outputs + m.temporaries - m.aliased
+    return {"seq": s, "mesh": {k: v for k, v in report.mesh.items() if v > 1}, "bytes_per_device": total,
+            "temporaries": m.temporaries, "model_state": m.model_state, "bytes_x_8_over_s": total * 8 / s,
+            "compile_seconds": report.compile_seconds}
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.1f}"
+
+
+def render(doc: dict) -> str:
+    lines = ["per-device memory of one causal attention layer, forward + backward "
+             f"(batch 1, {HEADS} heads x {HEAD_DIM}, fp32, tiles {BLOCK})",
+             f"{'impl':<18}{'n':>3}{'seq':>8}{'MiB/device':>12}{'x n/s (B)':>11}{'largest buf / (s/n)^2':>23}{'s x s?':>8}"]
+    for r in doc["memory"]:
+        lines.append(f"{r['impl']:<18}{r['devices']:>3}{r['seq']:>8}{_mib(r['bytes_per_device']):>12}"
+                     f"{r['bytes_x_n_over_s']:>11,.0f}{r['largest_over_score_block']:>23.3f}{'yes' if r['holds_s_by_s'] else 'no':>8}")
+    lines += ["", "causal load balance: attention FLOPs per device in the forward pass (kernel tile counts)",
+              f"{'impl':<11}{'layout':<12}{'n':>3}{'max/min':>9}{'computed/useful':>17}"]
+    for r in doc["balance"]:
+        lines.append(f"{r['impl']:<11}{r['layout']:<12}{r['devices']:>3}{r['max_over_min']:>9.3f}"
+                     f"{max(r['flops_per_device']) / r['useful_flops']:>17.3f}")
+    lines += ["", "collective bytes per device over the context axis, one layer forward + backward",
+              f"{'impl':<11}{'n':>3}{'kind':<20}{'measured':>14}{'formula':>14}{'ratio':>8}"]
+    for r in doc["traffic"]:
+        for k in r["by_kind"]:
+            lines.append(f"{r['impl']:<11}{r['devices']:>3}  {k['kind']:<18}{k['measured_bytes']:>14,}"
+                         f"{k['formula_bytes']:>14,.0f}{k['ratio']:>8.3f}")
+        if r["unexpected_kinds"]:
+            lines.append(f"{'':<14}also: {', '.join(r['unexpected_kinds'])}")
+    lines += ["", "llama_long whole training step (context=8, ring): per-device memory from the compiled step",
+              f"{'seq':>8}{'MiB/device':>12}{'temporaries':>13}{'x 8/s (B)':>11}{'compile s':>11}"]
+    for r in doc["llama_long"]:
+        lines.append(f"{r['seq']:>8}{_mib(r['bytes_per_device']):>12}{_mib(r['temporaries']):>13}"
+                     f"{r['bytes_x_8_over_s']:>11,.0f}{r['compile_seconds']:>11.1f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

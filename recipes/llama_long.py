@@ -1,0 +1,21 @@
+"""Long sequences on 8 devices: a narrow Llama whose 4k-token sequences are split 8 ways
+over mesh.context with ring attention (zigzag layout, so causal work is even).
+
+  jaxpar train llama_long --set train.steps=20
+  jaxpar train llama_long --set parallel.context_impl=ulysses
+  jaxpar explain llama_long --set train.seq_len=131072     # compile only: memory at 128k
+"""
+
+from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.mesh import MeshConfig
+from models.llama import LlamaConfig
+
+
+def recipe() -> Config:
+    return Config(
+        model=LlamaConfig(vocab_size=256, embed=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=16, mlp=256),
+        mesh=MeshConfig(data=-1, context=8),
+        parallel=ParallelConfig(context_impl="ring", context_layout="zigzag", attention_block=512),
+        train=TrainConfig(steps=40, global_batch=2, seq_len=4096, compute_dtype="bfloat16"),
+        optim=OptimConfig(lr=3e-3, warmup_steps=5),
+    )
