@@ -137,9 +137,16 @@ def _forward(spec: ContextSpec):
             o, residuals, tiles = kernel.forward(q, k, v, seg, spec)
             return o, residuals, _per_device_tiles(tiles)
 
-        return body(q, k, v, seg)
+        return _opaque(body)(q, k, v, seg)
 
     return _outside_replica_vmap(sharded, spec, _forward)
+
+
+def _opaque(fn):
+    """`fn` as one step to an enclosing remat policy: it may keep or recompute the outputs,
+    never the score tiles inside (a policy that saves matmul outputs would otherwise stack
+    every tile of every ring step, s^2/n^2 per head)."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
 def _backward(spec: ContextSpec):
