@@ -35,10 +35,13 @@ class ParallelConfig:
     offload_optimizer: bool = False
     # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention):
     # ring | ulysses | allgather; sequences laid out zigzag (causal load balance) or
-    # contiguous; query/key tile length of the blockwise kernels.
+    # contiguous; query/key tile length of the blockwise kernels; the block forward in
+    # pure JAX (jax) or as one fused Pallas kernel (pallas: Triton on GPUs, interpreted
+    # elsewhere, for checking).
     context_impl: str = "ring"
     context_layout: str = "zigzag"
     attention_block: int = 512
+    attention_kernel: str = "jax"
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -237,7 +240,7 @@ def _validate_zero_plus_plus(parallel: ParallelConfig, sizes: dict[str, int]) ->
 
 
 def _validate_context(config: Config, sizes: dict[str, int]) -> None:
-    from jaxpar.kernels.attention import CONTEXT_IMPLS, SEQUENCE_LAYOUTS
+    from jaxpar.kernels.attention import ATTENTION_KERNELS, CONTEXT_IMPLS, SEQUENCE_LAYOUTS
 
     parallel = config.parallel
     if parallel.context_impl not in CONTEXT_IMPLS:
@@ -248,7 +251,16 @@ def _validate_context(config: Config, sizes: dict[str, int]) -> None:
         )
     if parallel.attention_block < 1:
         raise ConfigError(f"parallel.attention_block={parallel.attention_block} must be a positive tile length; e.g. 512")
+    if parallel.attention_kernel not in ATTENTION_KERNELS:
+        raise ConfigError(
+            f"parallel.attention_kernel={parallel.attention_kernel!r}; use one of {', '.join(ATTENTION_KERNELS)}"
+        )
     c = sizes["context"]
+    if parallel.attention_kernel != "jax" and c == 1:
+        raise ConfigError(
+            f"parallel.attention_kernel={parallel.attention_kernel} is the block kernel of context-parallel attention, "
+            "but mesh.context=1 runs plain attention; set mesh.context>1 or parallel.attention_kernel=jax"
+        )
     if c > 1 and not isinstance(config.model, LlamaConfig):
         raise ConfigError(
             f"mesh.context={c} shards the sequence, but model {type(config.model).__name__} has none; use mesh.context=1"

@@ -10,6 +10,9 @@ Remat policies (per layer of a scanned stack):
   offload    like full, but each layer's input is kept in pinned host memory
   dots       save matmul outputs, recompute the element-wise rest
   dots_no_batch  save only matmuls without batch dimensions (weight-only products)
+  (dots and dots_no_batch also keep a context-parallel attention kernel's outputs, which
+  the kernel's backward reads, rather than run its ring again; the kernel is one opaque
+  step to every policy, so no policy keeps its score tiles)
 
 No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
 the backward pass rather than kept whole per layer, which would cost 2 bytes per parameter
@@ -25,6 +28,7 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.sharding import HPZ_NAME
 
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
@@ -58,6 +62,7 @@ def layer_policy(remat: str) -> Callable:
     """The jax.checkpoint policy applied to each layer for a remat name."""
     cp = jax.checkpoint_policies
     hpz = cp.save_only_these_names(HPZ_NAME)
+    kept_like_matmuls = cp.save_only_these_names(HPZ_NAME, RESIDUALS_NAME)  # the attention kernel's outputs
     if remat == "none":
         return _not_a_layout_change
     if remat == "selective":
@@ -65,9 +70,9 @@ def layer_policy(remat: str) -> Callable:
     if remat == "full":
         return hpz
     if remat == "dots":
-        return _either(_both(cp.dots_saveable, _not_a_layout_change), hpz)
+        return _either(_both(cp.dots_saveable, _not_a_layout_change), kept_like_matmuls)
     if remat == "dots_no_batch":
-        return _either(_both(cp.dots_with_no_batch_dims_saveable, _not_a_layout_change), hpz)
+        return _either(_both(cp.dots_with_no_batch_dims_saveable, _not_a_layout_change), kept_like_matmuls)
     if remat == "offload":
         return cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[HPZ_NAME],

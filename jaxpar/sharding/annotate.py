@@ -60,11 +60,13 @@ class ContextAttention:
     impl        ring | ulysses | allgather
     seq_layout  zigzag | contiguous: the order the trainer lays each sequence out in
     block       query and key tile length of the blockwise kernels
+    kernel      jax | pallas: the block forward (jaxpar.kernels.attention.blocks.Masking)
     """
 
     impl: str = "ring"
     seq_layout: str = "zigzag"
     block: int = 512
+    kernel: str = "jax"
 
 
 @dataclasses.dataclass(frozen=True)

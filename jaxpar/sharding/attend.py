@@ -38,7 +38,7 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
         q_spec=q_spec,
         kv_spec=layout.rules.spec(KV_NAMES, "compute"),
         seq_layout=layout.context.seq_layout,
-        masking=Masking(causal, block, block),
+        masking=Masking(causal, block, block, layout.context.kernel),
         replica_axis=layout.replica_axis,
     )
 

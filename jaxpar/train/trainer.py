@@ -109,7 +109,7 @@ def build(
             hpz=parallel.hpz,
             quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
         ),
-        ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block),
+        ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
     )
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)

@@ -1,5 +1,6 @@
 """Attention kernels: blockwise (one device) and context parallel (ring, Ulysses, all-gather)."""
 
+from jaxpar.kernels.attention.blocks import KERNELS as ATTENTION_KERNELS
 from jaxpar.kernels.attention.blocks import Masking
 from jaxpar.kernels.attention.context import KERNELS as CONTEXT_IMPLS
 from jaxpar.kernels.attention.context import ContextSpec, context_attention, executed_tiles
@@ -8,6 +9,7 @@ from jaxpar.kernels.attention.order import SEQUENCE_LAYOUTS, local_index, sequen
 from jaxpar.kernels.attention.reference import reference_attention
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "CONTEXT_IMPLS",
     "ContextSpec",
     "Masking",

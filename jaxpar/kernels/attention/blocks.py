@@ -24,13 +24,19 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
+KERNELS = ("jax", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class Masking:
-    """What a query may see: keys at or before it (causal) and in its segment."""
+    """What a query may see (keys at or before it when causal, and in its segment), the
+    tile lengths, and which block forward runs: "jax" (this module, everywhere) or "pallas"
+    (one fused kernel, jaxpar.kernels.attention.pallas)."""
 
     causal: bool = True
     block_q: int = 512
     block_kv: int = 512
+    kernel: str = "jax"
 
 
 def tile(n: int, block: int) -> int:
@@ -61,6 +67,15 @@ def _needed(q_index: jax.Array, kv_index: jax.Array, causal: bool) -> jax.Array:
     return jnp.min(kv_index) <= jnp.max(q_index) if causal else jnp.bool_(True)
 
 
+def needed_tiles(q_index: jax.Array, kv_index: jax.Array, bq: int, bk: int, causal: bool) -> jax.Array:
+    """How many (query tile, key tile) pairs the causal skip lets through."""
+    if not causal:
+        return jnp.int32((q_index.shape[0] // bq) * (kv_index.shape[0] // bk))
+    q_last = q_index.reshape(-1, bq).max(1)
+    kv_first = kv_index.reshape(-1, bk).min(1)
+    return jnp.sum(kv_first[None, :] <= q_last[:, None]).astype(jnp.int32)
+
+
 def _mask(q_index, kv_index, q_segment, kv_segment, causal: bool) -> jax.Array:
     """[B or 1, 1, 1, bq, bk] visibility of each key to each query."""
     visible = jnp.ones((q_index.shape[0], kv_index.shape[0]), bool)
@@ -82,6 +97,10 @@ def _scores(q, k, visible) -> jax.Array:
 def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking):
     """(o float32, lse, tiles computed): attention of `q` over this block of keys only.
     Blocks combine exactly with `merge`."""
+    if masking.kernel == "pallas":
+        from jaxpar.kernels.attention import pallas
+
+        return pallas.forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking)
     bq, bk = tile(q.shape[1], masking.block_q), tile(k.shape[1], masking.block_kv)
     has_seg = q_segment is not None
     kt, vt, kit = _tiles(k, 1, bk), _tiles(v, 1, bk), _tiles(kv_index, 0, bk)

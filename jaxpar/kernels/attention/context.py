@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -31,6 +32,7 @@ from jaxpar.kernels.attention import allgather, ring, ulysses
 from jaxpar.kernels.attention.blocks import Masking
 
 KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}
+RESIDUALS_NAME = "context_attention"  # what the backward pass reads: q, k, v, segments, o, lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,8 @@ def _attend(q, k, v, segment_ids, spec):
 
 def _attend_fwd(q, k, v, segment_ids, spec):
     o, residuals, _ = _forward(spec)(q, k, v, segment_ids)
-    return o, residuals
+    # named, so remat policies that keep matmul outputs keep these too (jaxpar.nn)
+    return o, jax.tree.map(lambda x: checkpoint_name(x, RESIDUALS_NAME), residuals)
 
 
 def _attend_bwd(spec, residuals, do):
@@ -143,10 +146,21 @@ def _forward(spec: ContextSpec):
 
 
 def _opaque(fn):
-    """`fn` as one step to an enclosing remat policy: it may keep or recompute the outputs,
-    never the score tiles inside (a policy that saves matmul outputs would otherwise stack
-    every tile of every ring step, s^2/n^2 per head)."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    """`fn` as one operation to an enclosing `jax.checkpoint`: a policy keeps or recomputes
+    its outputs whole. Remat looks inside ordinary calls, loops and even nested checkpoints
+    (a dots policy, or a checkpoint around a checkpointed layer scan, stacked every score
+    tile of every ring step: s^2/n^2 per head), but not inside a custom VJP call. The
+    wrapper is never differentiated: `_attend`'s own VJP covers the kernel."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return fn(*args)
+
+    def never_differentiated(*_):
+        raise TypeError("the context attention forward kernel is differentiated only through context_attention")
+
+    run.defvjp(lambda *args: (fn(*args), None), never_differentiated)
+    return run
 
 
 def _backward(spec: ContextSpec):
@@ -164,6 +178,10 @@ def _backward(spec: ContextSpec):
             check_vma=False,
         )
         def body(residuals, do):
+            # A fresh value for the compiler: otherwise the backward's K/V ring hops (or
+            # gathers) are the forward's, merged by CSE, and every device keeps all of K/V
+            # from the forward to the backward pass.
+            residuals = jax.lax.optimization_barrier(residuals)
             return kernel.backward(residuals, do, spec)
 
         return body(residuals, do)
