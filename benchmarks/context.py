@@ -3,9 +3,11 @@ ring, Ulysses and all-gather attention kernels, and whole-model memory of `llama
 
   1. memory (compile only): forward + backward of one attention layer (batch 1, 8 heads of
      64, fp32, tiles of 512) for n = 2, 4, 8 devices and several sequence lengths. Per
-     device: the compiler's arguments + outputs + temporaries, that figure x n / s (flat when
-     memory grows as s/n), and the largest single buffer in the compiled program against
-     one (s/n) x (s/n) score block, with the plain single-device attention for contrast.
+     device: the compiler's arguments + outputs + temporaries; its slope, the bytes each
+     further token held per device adds (d bytes / d(s/n) between neighbouring lengths: the
+     same for every n when memory grows as s/n, the rest being fixed tile buffers); and the
+     largest single buffer in the compiled program against one (s/n) x (s/n) score block,
+     with the plain single-device attention for contrast.
   2. causal load balance (run): score tiles each device's kernel computed in the forward
      pass, as attention FLOPs per device; max / min across devices, zigzag vs contiguous.
   3. traffic (compile only): collective bytes per device over the context axis, measured in
@@ -36,7 +38,7 @@ IMPLS = ("ring", "ulysses", "allgather")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seqs", default="4096,8192,16384,32768", help="sequence lengths for the memory table")
+    p.add_argument("--seqs", default="4096,8192,16384,32768,65536", help="sequence lengths for the memory table")
     p.add_argument("--long-seqs", default="8192,16384,32768,65536,131072", help="llama_long sequence lengths")
     p.add_argument("--out", default="benchmarks/results/context.json")
     return p.parse_args()
@@ -59,6 +61,7 @@ def main() -> None:
             traffic.append(traffic_row(impl, n, s, compiled, mesh))
     for s in tqdm(seqs[:2], desc="plain attention", leave=False):
         memory.append(memory_row("plain (1 device)", 1, s, compile_layer("plain", 1, s)[0]))
+    add_slopes(memory)
     balance = [balance_row(impl, layout, n) for impl in IMPLS for layout in ("zigzag", "contiguous") for n in (2, 4, 8)]
     long = [long_row(s) for s in tqdm(long_seqs, desc="llama_long steps", leave=False)]
     doc = {
@@ -138,6 +141,20 @@ def memory_row(impl: str, n: int, s: int, compiled) -> dict:
     }
 
 
+def add_slopes(rows: list[dict]) -> None:
+    """Each row's bytes per further token held per device, from the row of the next shorter
+    sequence with the same impl and n (None for the shortest)."""
+    previous = {}
+    for r in rows:
+        key = (r["impl"], r["devices"])
+        before = previous.get(key)
+        r["bytes_per_local_token"] = None
+        if before is not None:
+            tokens = (r["seq"] - before["seq"]) / r["devices"]
+            r["bytes_per_local_token"] = (r["bytes_per_device"] - before["bytes_per_device"]) / tokens
+        previous[key] = r
+
+
 def traffic_row(impl: str, n: int, s: int, compiled, mesh) -> dict:
     from jaxpar.inspect.formulas import context_traffic_elements
     from jaxpar.inspect.hlo import collectives
@@ -200,10 +217,11 @@ def _mib(x: float) -> str:
 def render(doc: dict) -> str:
     lines = ["per-device memory of one causal attention layer, forward + backward "
              f"(batch 1, {HEADS} heads x {HEAD_DIM}, fp32, tiles {BLOCK})",
-             f"{'impl':<18}{'n':>3}{'seq':>8}{'MiB/device':>12}{'x n/s (B)':>11}{'largest buf / (s/n)^2':>23}{'s x s?':>8}"]
+             f"{'impl':<18}{'n':>3}{'seq':>8}{'MiB/device':>12}{'B per token held':>18}{'largest buf / (s/n)^2':>23}{'s x s?':>8}"]
     for r in doc["memory"]:
+        slope = "" if r["bytes_per_local_token"] is None else f"{r['bytes_per_local_token']:,.0f}"
         lines.append(f"{r['impl']:<18}{r['devices']:>3}{r['seq']:>8}{_mib(r['bytes_per_device']):>12}"
-                     f"{r['bytes_x_n_over_s']:>11,.0f}{r['largest_over_score_block']:>23.3f}{'yes' if r['holds_s_by_s'] else 'no':>8}")
+                     f"{slope:>18}{r['largest_over_score_block']:>23.3f}{'yes' if r['holds_s_by_s'] else 'no':>8}")
     lines += ["", "causal load balance: attention FLOPs per device in the forward pass (kernel tile counts)",
               f"{'impl':<11}{'layout':<12}{'n':>3}{'max/min':>9}{'computed/useful':>17}"]
     for r in doc["balance"]:

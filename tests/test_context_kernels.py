@@ -225,3 +225,28 @@ def test_collective_bytes_match_the_formula(impl):
     assert set(sent) == set(want), (sent, want)
     for kind in want:
         assert abs(sent[kind] / want[kind] - 1) <= 0.05, (kind, sent[kind], want[kind])
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_pallas_kernel_lowers_to_triton_for_an_h100(monkeypatch):
+    """No GPU here, but the kernel's Triton lowering runs on any machine: lower the block
+    forward for CUDA against an abstract H100 and check a Triton kernel comes out (the PTX
+    compile and the run itself need the GPU). bf16, head dim 64, GQA, causal, packed."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    from jaxpar.kernels.attention import blocks, pallas
+
+    monkeypatch.setattr(pallas, "lowering_for_gpu", lambda: True)
+    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=h100)
+    b, s, g, r, d = 1, 512, 2, 4, 64
+    q = jax.ShapeDtypeStruct((b, s, g, r, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, g, d), jnp.bfloat16)
+    index, seg = jax.ShapeDtypeStruct((s,), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
+    forward = jax.jit(lambda *a: blocks.forward(*a, Masking(True, 128, 64, kernel="pallas")))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = forward.trace(q, kv, kv, index, index, seg, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and 'name = "jaxpar_block_attention"' in text
+    with pytest.raises(ValueError, match="power-of-two head dimension >= 16, got 8"):
+        pallas.check_shapes(8, 128, 128, on_gpu=True)

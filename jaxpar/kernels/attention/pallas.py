@@ -29,6 +29,11 @@ from jaxpar.kernels.attention.blocks import NEG_INF, Masking, needed_tiles, tile
 PALLAS_KERNELS = ("pallas",)  # Masking.kernel values this module serves
 
 
+def lowering_for_gpu() -> bool:
+    """Lower through Triton (True) or run in the Pallas interpreter (False)."""
+    return jax.default_backend() == "gpu"
+
+
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -50,7 +55,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
     b, sq, g, r, d = q.shape
     sk = k.shape[1]
     bq, bk = tile(sq, masking.block_q), tile(sk, masking.block_kv)
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = lowering_for_gpu()
     check_shapes(d, bq, bk, on_gpu)
     has_seg = q_segment is not None
     heads = g * r

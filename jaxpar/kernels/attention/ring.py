@@ -27,23 +27,41 @@ def _pass_on(tree, axis, n):
     return jax.lax.ppermute(tree, axis, perm=[(i, (i + 1) % n) for i in range(n)])
 
 
+def _ring(n, step, carry, held, axis):
+    """Run `step(i, carry, held) -> carry` for i = 0..n-1 while the key/value block `held`
+    travels the ring: n-1 hops, each sent at the start of a step so the transfer overlaps
+    that step's block. A loop, not n unrolled copies: one set of buffers whatever n is, and
+    the next hop cannot start before this step's block is done (`optimization_barrier`),
+    so no device holds more than two blocks."""
+
+    def hop(i, state):
+        carry, held = state
+        incoming = _pass_on(held, axis, n)
+        return jax.lax.optimization_barrier((step(i, carry, held), incoming))
+
+    carry, held = jax.lax.fori_loop(0, n - 1, hop, (carry, held))
+    return step(n - 1, carry, held)
+
+
 def forward(q, k, v, segment, ctx):
     """(o, residuals, tiles computed) for local q [B, S/n, H, K], k/v [B, S/n, G, K]."""
     n, s = ctx.degree, q.shape[1] * ctx.degree
     rank = jax.lax.axis_index(ctx.axis)
     q_index = local_index(ctx.seq_layout, n, s, rank)
     qg = grouped(q, k.shape[2])
-    o = jnp.zeros(qg.shape, jnp.float32)
-    lse = jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), blocks.NEG_INF, jnp.float32)
-    tiles = jnp.int32(0)
-    held = (k, v, segment)
-    for step in range(n):
-        incoming = _pass_on(held, ctx.axis, n) if step < n - 1 else None  # overlaps the block below
-        kv_index = local_index(ctx.seq_layout, n, s, (rank - step) % n)
+
+    def step(i, carry, held):
+        o, lse, tiles = carry
+        kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
         o_b, lse_b, t = blocks.forward(qg, held[0], held[1], q_index, kv_index, segment, held[2], ctx.masking)
-        o, lse = blocks.merge(o, lse, o_b, lse_b)
-        tiles += t
-        held = incoming
+        return (*blocks.merge(o, lse, o_b, lse_b), tiles + t)
+
+    init = (
+        jnp.zeros(qg.shape, jnp.float32),
+        jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), blocks.NEG_INF, jnp.float32),
+        jnp.int32(0),
+    )
+    o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx.axis)
     o = o.reshape(q.shape).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
@@ -54,18 +72,18 @@ def backward(residuals, do, ctx):
     rank = jax.lax.axis_index(ctx.axis)
     q_index = local_index(ctx.seq_layout, n, s, rank)
     qg, og, dog = grouped(q, g), grouped(o, g), grouped(do, g)
-    dq = jnp.zeros(qg.shape, jnp.float32)
-    held = (k, v, segment)
-    # float32 on the wire: these are sums over every device's queries
-    grads = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(n):
-        incoming = _pass_on(held, ctx.axis, n) if step < n - 1 else None
-        kv_index = local_index(ctx.seq_layout, n, s, (rank - step) % n)
+
+    def step(i, carry, held):
+        dq, dk, dv = carry
+        kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
         dq_b, dk_b, dv_b = blocks.backward(qg, held[0], held[1], og, lse, dog, q_index, kv_index, segment, held[2], ctx.masking)
-        dq = dq + dq_b
-        grads = _pass_on((grads[0] + dk_b, grads[1] + dv_b), ctx.axis, n)  # travels with its block
-        held = incoming
-    return dq.reshape(q.shape).astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype)
+        # The gradient of the block in hand travels with it, so it is home after n hops;
+        # float32 on the wire: these are sums over every device's queries.
+        return (dq + dq_b, *_pass_on((dk + dk_b, dv + dv_b), ctx.axis, n))
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dq, dk, dv = _ring(n, step, (jnp.zeros(qg.shape, jnp.float32), zeros, zeros), (k, v, segment), ctx.axis)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def residual_specs(q_spec, kv_spec, seg_spec, ctx):
