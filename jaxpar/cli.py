@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config field, e.g. --set parallel.zero_stage=3 (repeatable)")
     explain.add_argument("--devices", type=int, metavar="N",
-                         help="compile for N virtual CPU devices (up to 512); default: the devices present")
+                         help="compile for N virtual CPU devices (up to 512); default: the accelerators present, "
+                         "else 8 CPU devices as `train` uses")
     explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
     sub.add_parser("recipes", help="list recipes")
     return p
@@ -110,6 +111,10 @@ def explain(args) -> int:
         from jaxpar.mesh import force_cpu_devices
 
         force_cpu_devices(args.devices)
+    else:
+        from jaxpar.mesh import force_cpu_devices
+
+        force_cpu_devices(8)  # as `train` does: only the CPU backend reads it; accelerators win if present
     import json
 
     import jax

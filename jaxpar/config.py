@@ -77,6 +77,10 @@ class DataConfig:
     source: str = "synthetic"  # synthetic | tokens
     path: str = ""  # tokens: a .npy or .bin file of token ids
     dtype: str = "uint16"  # tokens: element type of a .bin file
+    # Packed documents: the id that ends each document in the token stream (-1: none).
+    # Tokens then attend only inside their document, RoPE positions restart at each one,
+    # and no token is trained to predict the next document's first token.
+    eos_id: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +202,12 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
+    eos = config.data.eos_id
+    if eos != -1 and (config.model.task != "lm" or not 0 <= eos < config.model.vocab_size):
+        raise ConfigError(
+            f"data.eos_id={eos} must be a token id of the language model (0 to model.vocab_size - 1), "
+            "or -1 for unpacked rows"
+        )
     if isinstance(config.model, LlamaConfig):
         _validate_llama(config, sizes)
     return sizes

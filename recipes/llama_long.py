@@ -1,7 +1,7 @@
 """Long sequences on 8 devices: a narrow Llama whose 4k-token sequences are split 8 ways
 over mesh.context with ring attention (zigzag layout, so causal work is even).
 
-  jaxpar train llama_long --set train.steps=20
+  jaxpar train llama_long --set train.steps=10
   jaxpar train llama_long --set parallel.context_impl=ulysses
   jaxpar explain llama_long --set train.seq_len=131072     # compile only: memory at 128k
 """

@@ -83,6 +83,20 @@ def test_packed_segments_through_the_model(long_llama):
     assert tree_error(got, want) <= RTOL
 
 
+def test_packed_documents_train_as_on_one_device(long_llama, reference, tmp_path):
+    """data.eos_id packs documents: segment ids and restarting positions go through the
+    zigzag layout and the ring (context=4) x data=2, and equal one device."""
+    import numpy as np
+
+    path = tmp_path / "docs.npy"
+    tokens = np.random.default_rng(0).integers(1, 128, 20000)
+    tokens[np.random.default_rng(1).random(20000) < 0.1] = 0  # documents of ~10 tokens
+    np.save(path, tokens.astype(np.uint16))
+    config = apply_overrides(long_llama, ["data.source=tokens", f"data.path={path}", "data.eos_id=0"])
+    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.context=4", "parallel.attention_block=4"]))
+    check(compare(run, reference(config)), RTOL, where="packed ring")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -49,3 +49,23 @@ def test_token_file_errors(tmp_path, tiny_llama):
 def test_local_rows_cover_this_process(trainer):
     # One process holds every row; the per-process slice is what multi-host runs read.
     assert local_rows(trainer.batch_shardings["inputs"], (16, 16)) == slice(0, 16)
+
+
+def test_packed_documents_get_segments_positions_and_no_cross_document_target(tmp_path, tiny_llama):
+    """data.eos_id: a new segment after each end-of-document token, positions restarting,
+    and the end-of-document token's target (the next document's first token) weighing 0."""
+    from jaxpar.data.sources import _lm_rows
+
+    rows = _lm_rows(np.array([[5, 6, 0, 7, 8, 9, 0, 0, 4, 3]]), eos_id=0)
+    np.testing.assert_array_equal(rows["segment_ids"], [[0, 0, 0, 1, 1, 1, 1, 2, 3]])
+    np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 0, 1, 2, 3, 0, 0]])
+    np.testing.assert_array_equal(rows["weights"], [[1, 1, 0, 1, 1, 1, 0, 0, 1]])
+    path = tmp_path / "docs.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=2", "mesh.context=4", "data.source=tokens",
+                                                 f"data.path={path}", "data.eos_id=3"]))
+    batch = make_source(trainer)(0)
+    assert set(batch) == {"inputs", "targets", "weights", "segment_ids", "positions"}
+    assert batch["segment_ids"].sharding == trainer.batch_shardings["segment_ids"]
+    with pytest.raises(ConfigError, match="data.eos_id=128 must be a token id of the language model"):
+        build(apply_overrides(tiny_llama, ["data.eos_id=128"]))

@@ -118,3 +118,18 @@ def test_remat_policies_shrink_activation_memory(tiny_llama):
 
     full, selective, none = temporaries("full"), temporaries("selective"), temporaries("none")
     assert full < selective < none, (full, selective, none)
+
+
+@pytest.mark.parametrize(
+    "impl, remat", [("ring", "none"), ("ulysses", "selective"), ("allgather", "full")], ids=["ring", "ulysses", "allgather"]
+)
+def test_explain_context_traffic_matches_the_formulas(tiny_llama, impl, remat):
+    """A whole step on context=4 x data=2: attention traffic over context equals the
+    per-layer formula x layers (with the forward again where remat recomputes attention),
+    and the gradient all-reduce over context equals 2Ψ(c-1)/c."""
+    config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.context=4", "train.seq_len=32",
+                                          f"parallel.context_impl={impl}", f"model.remat={remat}"])
+    trainer = build(config)
+    doc = explain(trainer, inspect_step(trainer))
+    assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]
+    assert abs(doc["context_gradient_traffic"]["ratio"] - 1) < 0.05, doc["context_gradient_traffic"]

@@ -21,8 +21,21 @@ FIELDS = {
 }
 
 
+# Packed documents add, per token, its document within the row and its place in it.
+FIELDS["lm_packed"] = {
+    **FIELDS["lm"],
+    "segment_ids": (("batch", None), np.int32),
+    "positions": (("batch", None), np.int32),
+}
+
+
+def batch_kind(task: str, eos_id: int) -> str:
+    """The FIELDS key of a config's batches."""
+    return "lm_packed" if task == "lm" and eos_id >= 0 else task
+
+
 def batch_shapes(task: str, global_batch: int, seq_len: int, in_features: int = 0) -> dict[str, tuple[int, ...]]:
-    second = seq_len if task == "lm" else in_features
+    second = in_features if task == "classify" else seq_len
     return {name: (global_batch, second)[: len(names)] for name, (names, _) in FIELDS[task].items()}
 
 

@@ -20,6 +20,7 @@ class Source:
         self.shapes = trainer.batch_shapes
         self.rows = local_rows(self.shardings["inputs"], self.shapes["inputs"])
         self.seed = trainer.config.train.seed
+        self.eos_id = trainer.config.data.eos_id
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -49,7 +50,7 @@ class SyntheticTokens(Source):
         tokens[:, 0] = first
         for i in range(seq):
             tokens[:, i + 1] = np.where(noise[:, i], random_tokens[:, i], self.successor[tokens[:, i]])
-        return _lm_rows(tokens)
+        return _lm_rows(tokens, self.eos_id)
 
 
 class TokenFile(Source):
@@ -76,7 +77,7 @@ class TokenFile(Source):
         batch, seq = self.shapes["inputs"]
         starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - seq - 1, size=batch)
         tokens = np.stack([np.asarray(self.tokens[s : s + seq + 1]) for s in starts[rows]]).astype(np.int32)
-        return _lm_rows(tokens)
+        return _lm_rows(tokens, self.eos_id)
 
 
 class SyntheticClasses(Source):
@@ -97,8 +98,23 @@ class SyntheticClasses(Source):
         }
 
 
-def _lm_rows(tokens: np.ndarray) -> dict[str, np.ndarray]:
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
+def _lm_rows(tokens: np.ndarray, eos_id: int = -1) -> dict[str, np.ndarray]:
+    """Inputs, next-token targets and weights from windows of seq_len + 1 tokens; with
+    `eos_id` >= 0, packed documents: a new segment starts after each end-of-document token,
+    positions count from 0 in each, and the end-of-document token's own target (the next
+    document's first token) weighs 0."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    rows = {"inputs": inputs, "targets": targets, "weights": np.ones(targets.shape, np.float32)}
+    if eos_id < 0:
+        return rows
+    ends = inputs == eos_id
+    segment_ids = np.concatenate([np.zeros((len(inputs), 1), np.int32), np.cumsum(ends, 1, dtype=np.int32)[:, :-1]], 1)
+    index = np.arange(inputs.shape[1])
+    first = np.where(np.diff(segment_ids, axis=1, prepend=-1) != 0, index, 0)
+    rows["positions"] = (index - np.maximum.accumulate(first, axis=1)).astype(np.int32)
+    rows["segment_ids"] = segment_ids
+    rows["weights"] = np.where(ends, 0.0, 1.0).astype(np.float32)
+    return rows
 
 
 def open_tokens(path: str, dtype: str) -> np.ndarray:

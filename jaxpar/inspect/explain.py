@@ -63,6 +63,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         for c in report.collectives
         if c.axes and set(c.axes) <= set(DP_AXES) and c.kind in GRAD_KINDS
     )
+    context = _context_traffic(config, mesh, report, itemsize, psi_t)
     return {
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
@@ -76,6 +77,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)",
         "gradient_traffic": _row("elements over data, fsdp", grad_measured, grad_formula),
         "gradient_traffic_formula": f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor",
+        **context,
         "collectives": [
             {**row, "axes": list(row["axes"])} for row in summarize(report.collectives)
         ],
@@ -87,6 +89,45 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "cross_host_bytes": report.cross_host_bytes() if report.num_hosts > 1 else None,
         "findings": [str(f) for f in report.findings],
         "compile_seconds": report.compile_seconds,
+    }
+
+
+# Remat policies that run a layer's attention forward again in the backward pass.
+_RECOMPUTE_ATTENTION = ("full", "selective", "offload")
+
+
+def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, psi_t: float) -> dict[str, Any]:
+    """Elements the attention kernels send over the context axis per step, beside
+    formulas.context_traffic_elements x layers x microbatches (plus the forward again under a
+    remat policy that recomputes attention); and the gradient all-reduce over context (the
+    parameters are replicated over it), beside 2Ψ'(c-1)/c."""
+    n = mesh.get("context", 1)
+    model = config.model
+    if n == 1 or not hasattr(model, "num_kv_heads"):
+        return {}
+    impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
+    b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
+    per_layer = formulas.context_traffic_elements(
+        impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim, n
+    )
+    forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
+    remat = getattr(model, "remat", "none")
+    again = 0.0  # the forward run again in the backward pass
+    if remat in _RECOMPUTE_ATTENTION:
+        again = forward
+        if remat == "selective" and impl == "ulysses":  # the output is kept: its all-to-all back is not redone
+            hq, hkv = model.num_heads, model.num_kv_heads
+            again = forward * (hq + 2 * hkv) / (2 * hq + 2 * hkv)
+    formula = model.num_layers * micro * (forward + again + backward)
+    kinds = set(per_layer["forward"]) | set(per_layer["backward"])
+    over_context = [c for c in report.collectives if c.axes == ("context",)]
+    measured = sum(c.bytes_per_step / itemsize(c) for c in over_context if c.kind in kinds)
+    grads = sum(c.bytes_per_step / itemsize(c) for c in over_context if c.kind == "all-reduce")
+    return {
+        "context_traffic": _row(f"elements over context ({impl} attention)", measured, formula),
+        "context_traffic_formula": f"{impl} per layer (docs/context_parallel.md) x {model.num_layers} layers x {micro} "
+        f"microbatch{'es' if micro > 1 else ''}" + (f", with the forward again (remat {remat})" if again else ""),
+        "context_gradient_traffic": _row("gradient elements over context (all-reduce)", grads, 2 * psi_t * (n - 1) / n),
     }
 
 
@@ -114,11 +155,16 @@ def render(doc: dict[str, Any]) -> str:
     lines.append(_line(doc["flops"], _count))
     lines.append(_line(doc["gradient_traffic"], _count))
     lines.append(f"  formula: {doc['gradient_traffic_formula']}")
-    lines += ["", f"{'collectives':<20}{'axes':<22}{'dtype':<7}{'ops':>5}{'runs/step':>11}{'bytes/step':>12}"]
+    if "context_traffic" in doc:
+        lines.append(_line(doc["context_traffic"], _count))
+        lines.append(f"  formula: {doc['context_traffic_formula']}")
+        lines.append(_line(doc["context_gradient_traffic"], _count))
+        lines.append("  formula: 2Ψ'(c-1)/c: parameters are replicated over context, Ψ' = Ψ/tensor")
+    lines += ["", f"{'collectives':<22}{'axes':<22}{'dtype':<7}{'ops':>5}{'runs/step':>11}{'bytes/step':>12}"]
     for row in doc["collectives"]:
         hosts = "  crosses hosts" if row["crosses_hosts"] else ""
         lines.append(
-            f"  {row['kind']:<18}{'+'.join(row['axes']) or '-':<22}{row['dtype']:<7}{row['count']:>5}"
+            f"  {row['kind']:<20}{'+'.join(row['axes']) or '-':<22}{row['dtype']:<7}{row['count']:>5}"
             f"{row['executions']:>11}{_bytes(row['bytes_per_step']):>12}{hosts}"
         )
     if not doc["collectives"]:

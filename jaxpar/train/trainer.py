@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config, validate
-from jaxpar.data.batch import FIELDS, batch_shapes
+from jaxpar.data.batch import FIELDS, batch_kind, batch_shapes
 from jaxpar.mesh import make_mesh
 from jaxpar.nn import layer_policy
 from jaxpar.errors import ConfigError
@@ -74,7 +74,7 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        task = FIELDS[self.config.model.task]
+        task = FIELDS[batch_kind(self.config.model.task, self.config.data.eos_id)]
         return {
             k: jax.ShapeDtypeStruct(self.batch_shapes[k], task[k][1], sharding=self.batch_shardings[k]) for k in task
         }
@@ -153,8 +153,9 @@ def build(
     device_state = TrainState(replicated, shardings.params, shardings.optimizer if mixed else None, opt_shardings)
 
     task = config.model.task
-    shapes = batch_shapes(task, config.train.global_batch, config.train.seq_len, getattr(config.model, "in_features", 0))
-    batch_shardings = {k: layout.sharding(names_, "compute") for k, (names_, _) in FIELDS[task].items()}
+    kind = batch_kind(task, config.data.eos_id)
+    shapes = batch_shapes(kind, config.train.global_batch, config.train.seq_len, getattr(config.model, "in_features", 0))
+    batch_shardings = {k: layout.sharding(names_, "compute") for k, (names_, _) in FIELDS[kind].items()}
     microbatches = config.train.microbatches
     zero_stage = config.parallel.zero_stage
 
@@ -220,7 +221,7 @@ def build(
                 with use_layout(layout):
                     (l, w), g = grad_fn(params, mb)
                 return l, w, _cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
-            mb = {k: split_replicas(v, FIELDS[task][k][0], layout) for k, v in mb.items()}
+            mb = {k: split_replicas(v, FIELDS[kind][k][0], layout) for k, v in mb.items()}
             l, w, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
             g = _cast_floats(g, jnp.float32)
             if not per_step:
@@ -230,7 +231,7 @@ def build(
         if microbatches == 1:
             total, weight, grads = microbatch(batch)
         else:
-            micro = {k: _split_microbatches(v, microbatches, FIELDS[task][k][0], layout) for k, v in batch.items()}
+            micro = {k: _split_microbatches(v, microbatches, FIELDS[kind][k][0], layout) for k, v in batch.items()}
             acc_shardings = jax.tree.map(stacked_over_data, shardings.grads) if per_step else shardings.grads
 
             def accumulate(carry, mb):
