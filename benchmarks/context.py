@@ -173,7 +173,7 @@ def traffic_row(impl: str, n: int, s: int, compiled, mesh) -> dict:
     return {"impl": impl, "devices": n, "seq": s, "by_kind": rows, "unexpected_kinds": other}
 
 
-def balance_row(impl: str, layout: str, n: int, s: int = 2048, heads: int = 8, head_dim: int = 8, block: int = 64) -> dict:
+def balance_row(impl: str, layout: str, n: int, s: int = 2048, heads: int = 8, head_dim: int = 8, block: int = 512) -> dict:
     """Attention FLOPs each device computed in the forward pass, from the kernel's own tile count."""
     import jax
     import numpy as np
@@ -182,13 +182,14 @@ def balance_row(impl: str, layout: str, n: int, s: int = 2048, heads: int = 8, h
 
     from jaxpar.kernels.attention import ContextSpec, Masking, executed_tiles
     from jaxpar.kernels.attention.blocks import tile
+    from jaxpar.kernels.attention.order import chunk_length
 
     mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
     spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout, Masking(True, block, block))
     x = jax.random.normal(jax.random.key(0), (1, s, heads, head_dim))
     tiles = np.asarray(jax.jit(lambda q: executed_tiles(q, q, q, None, spec))(x))
-    local_heads, length = (heads // n, s) if impl == "ulysses" else (heads, s // n)
-    bq = tile(length, block)
+    local_heads = heads // n if impl == "ulysses" else heads
+    bq = tile(chunk_length(layout, n, s), block)  # the kernels' tiles divide the layout's chunks
     flops = tiles * 4 * bq * bq * head_dim * local_heads  # QK^T and PV per tile
     return {"impl": impl, "layout": layout, "devices": n, "seq": s, "flops_per_device": flops.tolist(),
             "max_over_min": float(flops.max() / flops.min()),

@@ -35,9 +35,9 @@ class ParallelConfig:
     offload_optimizer: bool = False
     # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention):
     # ring | ulysses | allgather; sequences laid out zigzag (causal load balance) or
-    # contiguous; query/key tile length of the blockwise kernels; the block forward in
-    # pure JAX (jax) or as one fused Pallas kernel (pallas: Triton on GPUs, interpreted
-    # elsewhere, for checking).
+    # contiguous; longest query/key tile of the blockwise kernels (tiles divide the layout's
+    # chunks); the block forward in pure JAX (jax), as one fused Pallas kernel (pallas:
+    # Triton, GPUs) or that kernel in the Pallas interpreter (pallas_interpret: for checking).
     context_impl: str = "ring"
     context_layout: str = "zigzag"
     attention_block: int = 512
@@ -193,7 +193,6 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
             "2 (+ gradients) or 3 (+ parameters)"
         )
     _validate_zero_plus_plus(config.parallel, sizes)
-    _validate_context(config, sizes)
     from jaxpar.train.optim import OPTIMIZERS
 
     if optim.name not in OPTIMIZERS:
@@ -203,13 +202,16 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
     eos = config.data.eos_id
-    if eos != -1 and (config.model.task != "lm" or not 0 <= eos < config.model.vocab_size):
+    if eos != -1 and config.model.task != "lm":
+        raise ConfigError(f"data.eos_id={eos} packs documents of a language model, but model.task={config.model.task!r}; use -1")
+    if eos != -1 and not 0 <= eos < config.model.vocab_size:
         raise ConfigError(
-            f"data.eos_id={eos} must be a token id of the language model (0 to model.vocab_size - 1), "
+            f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
             "or -1 for unpacked rows"
         )
     if isinstance(config.model, LlamaConfig):
         _validate_llama(config, sizes)
+    _validate_context(config, sizes)  # after the model's checks: it divides heads by the tensor degree
     return sizes
 
 
@@ -280,6 +282,8 @@ def _validate_context(config: Config, sizes: dict[str, int]) -> None:
             f"train.seq_len={config.train.seq_len} is not divisible by 2 x mesh.context = {2 * c} (the zigzag layout "
             f"gives each device two chunks); use a multiple of {2 * c} or parallel.context_layout=contiguous"
         )
+    if c > 1:
+        _validate_tiles(config, c)
     if c > 1 and parallel.context_impl == "ulysses":
         kv_local = config.model.num_kv_heads // sizes["tensor"]
         if kv_local % c:
@@ -287,6 +291,34 @@ def _validate_context(config: Config, sizes: dict[str, int]) -> None:
                 f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {kv_local} kv heads per tensor "
                 f"shard (model.num_kv_heads={config.model.num_kv_heads} / mesh.tensor={sizes['tensor']}); use "
                 f"mesh.context in {divisors(kv_local)}, or context_impl=ring or allgather"
+            )
+
+
+def _validate_tiles(config: Config, c: int) -> None:
+    """The attention tiles must divide the chunks the sequence layout deals out, so a chunk
+    whose length has no divisor near attention_block would silently run tiny tiles."""
+    from jaxpar.kernels.attention.blocks import tile
+    from jaxpar.kernels.attention.order import chunk_length
+    from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
+
+    parallel, s = config.parallel, config.train.seq_len
+    chunk = chunk_length(parallel.context_layout, c, s)
+    block = parallel.attention_block
+    used = tile(chunk, block)
+    if used < min(block, chunk) // 4:
+        per = s // chunk
+        unit = per * min(block, 64)
+        raise ConfigError(
+            f"parallel.attention_block={block}: the {chunk}-token chunks of train.seq_len={s} over {per} "
+            f"({parallel.context_layout} over mesh.context={c}) split only into tiles of {used}; use a train.seq_len "
+            f"that is a multiple of {unit}, e.g. {max(unit, s // unit * unit)}"
+        )
+    if parallel.attention_kernel == "pallas":
+        problem = shape_problem(config.model.head_dim, triton_tile(used), triton_tile(used))
+        if problem:
+            raise ConfigError(
+                f"parallel.attention_kernel=pallas (Triton) needs {problem} (model.head_dim={config.model.head_dim}, "
+                f"tiles from parallel.attention_block={block} and {chunk}-token chunks); use attention_kernel=jax"
             )
 
 

@@ -10,9 +10,10 @@ Remat policies (per layer of a scanned stack):
   offload    like full, but each layer's input is kept in pinned host memory
   dots       save matmul outputs, recompute the element-wise rest
   dots_no_batch  save only matmuls without batch dimensions (weight-only products)
-  (dots and dots_no_batch also keep a context-parallel attention kernel's outputs, which
-  the kernel's backward reads, rather than run its ring again; the kernel is one opaque
-  step to every policy, so no policy keeps its score tiles)
+  (selective, dots and dots_no_batch also keep a context-parallel attention kernel's
+  residuals, which its backward reads, rather than run the ring again: a blockwise kernel
+  has no s^2 part to drop. The kernel is one opaque step to every policy, so no policy
+  keeps its score tiles; full and offload run it again.)
 
 No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
 the backward pass rather than kept whole per layer, which would cost 2 bytes per parameter
@@ -66,7 +67,7 @@ def layer_policy(remat: str) -> Callable:
     if remat == "none":
         return _not_a_layout_change
     if remat == "selective":
-        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME)
+        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME, RESIDUALS_NAME)
     if remat == "full":
         return hpz
     if remat == "dots":

@@ -119,6 +119,11 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     assert len(set(counts["zigzag"].tolist())) == 1
     assert counts["contiguous"].max() > 4 * counts["contiguous"].min()
     assert counts["zigzag"].sum() == counts["contiguous"].sum()  # the same tiles, spread evenly
+    # A block longer than a zigzag chunk still tiles by chunk: a tile spanning a device's
+    # early and late chunk would never be skipped (every device would compute every tile).
+    spec = ContextSpec("ring", mesh, ("context",), P(None, "context"), P(None, "context"), "zigzag", Masking(True, 512, 512))
+    big = np.asarray(jax.jit(lambda q, k, v: executed_tiles(q, k, v, None, spec))(q, k, v))
+    np.testing.assert_array_equal(big, counts["zigzag"])
 
 
 def test_kernel_under_per_replica_vmap():
@@ -166,7 +171,7 @@ def test_pallas_block_forward_equals_the_jax_forward(causal, segments):
         segs = (None, None) if seg is None else (seg[:, :nq], seg[:, :nk])
         args = (qg[:, :nq], k[:, :nk], v[:, :nk], q_index, kv_index, *segs)
         want = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 4, 8)))(*args)
-        got = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 4, 8, kernel="pallas")))(*args)
+        got = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 4, 8, kernel="pallas_interpret")))(*args)
         assert tree_error(got[0], want[0]) <= RTOL
         np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
         finite = np.isfinite(np.asarray(want[1]))
@@ -182,7 +187,7 @@ def test_ring_with_the_pallas_block_kernel_equals_dot_product_attention():
     q, k, v, ct = inputs(*dims)
     seg = packed(2, 32)
     spec = ContextSpec("ring", mesh, ("context",), P("data", "context"), P("data", "context"), "zigzag",
-                       Masking(True, 4, 4, kernel="pallas"))
+                       Masking(True, 4, 4, kernel="pallas_interpret"))
     order = sequence_order("zigzag", 4, 32)
     got = jax.jit(lambda *a: value_and_grads(lambda *b: context_attention(*b, seg[:, order], spec), *a))(
         *(x[:, order] for x in (q, k, v, ct))
@@ -228,25 +233,28 @@ def test_collective_bytes_match_the_formula(impl):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-def test_pallas_kernel_lowers_to_triton_for_an_h100(monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("causal, segments", [(True, True), (False, False)], ids=["causal-packed", "full"])
+def test_pallas_kernel_lowers_to_triton_for_an_h100(dtype, causal, segments):
     """No GPU here, but the kernel's Triton lowering runs on any machine: lower the block
     forward for CUDA against an abstract H100 and check a Triton kernel comes out (the PTX
-    compile and the run itself need the GPU). bf16, head dim 64, GQA, causal, packed."""
+    compile and the run itself need the GPU). Head dim 64, GQA, tiles capped at 128."""
     from jax._src.mesh import AbstractDevice
     from jax.sharding import AbstractMesh
 
     from jaxpar.kernels.attention import blocks, pallas
 
-    monkeypatch.setattr(pallas, "lowering_for_gpu", lambda: True)
     h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=h100)
-    b, s, g, r, d = 1, 512, 2, 4, 64
-    q = jax.ShapeDtypeStruct((b, s, g, r, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, s, g, d), jnp.bfloat16)
+    b, s, g, r, d = 1, 1024, 2, 4, 64
+    q = jax.ShapeDtypeStruct((b, s, g, r, d), dtype)
+    kv = jax.ShapeDtypeStruct((b, s, g, d), dtype)
     index, seg = jax.ShapeDtypeStruct((s,), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
-    forward = jax.jit(lambda *a: blocks.forward(*a, Masking(True, 128, 64, kernel="pallas")))
+    segs = (seg, seg) if segments else (None, None)
+    forward = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512, kernel="pallas")))
     with jax.sharding.use_abstract_mesh(mesh):
-        text = forward.trace(q, kv, kv, index, index, seg, seg).lower(lowering_platforms=("cuda",)).as_text()
+        text = forward.trace(q, kv, kv, index, index, *segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and 'name = "jaxpar_block_attention"' in text
-    with pytest.raises(ValueError, match="power-of-two head dimension >= 16, got 8"):
-        pallas.check_shapes(8, 128, 128, on_gpu=True)
+    assert "grid_z = 8 : i32" in text  # 1024 / 128 query tiles: the 512 asked for is capped
+    assert pallas.shape_problem(8, 128, 128) == "a power-of-two head dimension of at least 16, not 8"
+    assert pallas.shape_problem(64, 96, 128) == "power-of-two tiles of at least 16 tokens, not a query tile of 96"

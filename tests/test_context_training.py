@@ -32,7 +32,7 @@ LAYOUTS = {
     "ring_dp_fsdp": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=ring"],
     "ulysses_dp_fsdp_contiguous": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=ulysses", "parallel.context_layout=contiguous"],
     "allgather_dp_fsdp_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather", "train.microbatches=2"],
-    "ring_pallas_block_kernel": ["mesh.data=2", "mesh.context=4", "parallel.context_impl=ring", "parallel.attention_kernel=pallas"],
+    "ring_pallas_block_kernel": ["mesh.data=2", "mesh.context=4", "parallel.context_impl=ring", "parallel.attention_kernel=pallas_interpret"],
 }
 
 
@@ -106,8 +106,12 @@ def test_packed_documents_train_as_on_one_device(long_llama, reference, tmp_path
         (["parallel.context_impl=striped"], r"parallel.context_impl='striped'; use one of ring, ulysses, allgather"),
         (["parallel.context_layout=random"], r"parallel.context_layout='random'; use one of zigzag, contiguous"),
         (["parallel.attention_block=0"], r"parallel.attention_block=0 must be a positive tile length"),
-        (["mesh.context=2", "parallel.attention_kernel=cudnn"], r"parallel.attention_kernel='cudnn'; use one of jax, pallas"),
+        (["mesh.context=2", "parallel.attention_kernel=cudnn"], r"parallel.attention_kernel='cudnn'; use one of jax, pallas, pallas_interpret"),
         (["parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas is the block kernel of context-parallel attention, but mesh.context=1"),
+        (["mesh.context=2", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas \(Triton\) needs a power-of-two head dimension of at least 16, not 8"),
+        (["mesh.context=2", "model.head_dim=16", "train.seq_len=64", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are cpu"),
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=16672"], r"parallel.attention_block=512: the 1042-token chunks of train.seq_len=16672 over 16 \(zigzag over mesh.context=8\) split only into tiles of 2; use a train.seq_len that is a multiple of 1024, e.g. 16384"),
+        (["data.eos_id=128"], r"data.eos_id=128 must be a token id \(0 to model.vocab_size - 1 = 127\)"),
     ],
 )
 def test_bad_context_config(long_llama, overrides, message):

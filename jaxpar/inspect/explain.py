@@ -93,7 +93,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
 
 
 # Remat policies that run a layer's attention forward again in the backward pass.
-_RECOMPUTE_ATTENTION = ("full", "selective", "offload")
+_RECOMPUTE_ATTENTION = ("full", "offload")
 
 
 def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, psi_t: float) -> dict[str, Any]:
@@ -112,12 +112,7 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     )
     forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
     remat = getattr(model, "remat", "none")
-    again = 0.0  # the forward run again in the backward pass
-    if remat in _RECOMPUTE_ATTENTION:
-        again = forward
-        if remat == "selective" and impl == "ulysses":  # the output is kept: its all-to-all back is not redone
-            hq, hkv = model.num_heads, model.num_kv_heads
-            again = forward * (hq + 2 * hkv) / (2 * hq + 2 * hkv)
+    again = forward if remat in _RECOMPUTE_ATTENTION else 0.0  # the forward run again in the backward pass
     formula = model.num_layers * micro * (forward + again + backward)
     kinds = set(per_layer["forward"]) | set(per_layer["backward"])
     over_context = [c for c in report.collectives if c.axes == ("context",)]

@@ -93,6 +93,11 @@ def build(
     """Everything checked and every sharding derived before the first compile."""
     devices = list(jax.devices() if devices is None else devices)
     validate(config, len(devices))
+    if config.parallel.attention_kernel == "pallas" and devices[0].platform != "gpu":
+        raise ConfigError(
+            f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {devices[0].platform}; "
+            "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
+        )
     warn_if_offload_is_a_no_op(config, devices)
     mesh = make_mesh(config.mesh, devices)
     rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_overrides(

@@ -24,19 +24,26 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
-KERNELS = ("jax", "pallas")
+KERNELS = ("jax", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
 class Masking:
     """What a query may see (keys at or before it when causal, and in its segment), the
-    tile lengths, and which block forward runs: "jax" (this module, everywhere) or "pallas"
-    (one fused kernel, jaxpar.kernels.attention.pallas)."""
+    tile lengths, and which block forward runs: "jax" (this module, everywhere), "pallas"
+    (one fused Triton kernel, GPUs) or "pallas_interpret" (the same kernel in the Pallas
+    interpreter; jaxpar.kernels.attention.pallas)."""
 
     causal: bool = True
     block_q: int = 512
     block_kv: int = 512
     kernel: str = "jax"
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r}; use one of {', '.join(KERNELS)}")
+        if min(self.block_q, self.block_kv) < 1:
+            raise ValueError(f"attention tiles must hold at least one token, not {self.block_q} x {self.block_kv}")
 
 
 def tile(n: int, block: int) -> int:
@@ -97,7 +104,7 @@ def _scores(q, k, visible) -> jax.Array:
 def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking):
     """(o float32, lse, tiles computed): attention of `q` over this block of keys only.
     Blocks combine exactly with `merge`."""
-    if masking.kernel == "pallas":
+    if masking.kernel != "jax":
         from jaxpar.kernels.attention import pallas
 
         return pallas.forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking)
@@ -182,11 +189,13 @@ def backward(q, k, v, o, lse, do, q_index, kv_index, q_segment, kv_segment, mask
             def compute(dk, dv):
                 s = _scores(q_t, k_t, _mask(qi_t, ki_t, qs_t, ks_t, masking.causal))
                 p = jnp.exp(s - lse_t[..., None])  # masked logits are -inf: p = 0 there
-                dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_t.astype(jnp.float32))
-                dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_t.astype(jnp.float32), v_t.astype(jnp.float32))
+                # Matmul operands in the inputs' dtype (bf16 runs at bf16 rate), sums in float32.
+                f32 = dict(preferred_element_type=jnp.float32)
+                dv = dv + jnp.einsum("bgrqs,bqgrk->bsgk", p.astype(do_t.dtype), do_t, **f32)
+                dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_t, v_t.astype(do_t.dtype), **f32)
                 ds = p * (dp - delta_t[..., None]) * scale
-                dq = jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_t.astype(jnp.float32))
-                dk = dk + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_t.astype(jnp.float32))
+                dq = jnp.einsum("bgrqs,bsgk->bqgrk", ds.astype(k_t.dtype), k_t, **f32)
+                dk = dk + jnp.einsum("bgrqs,bqgrk->bsgk", ds.astype(q_t.dtype), q_t, **f32)
                 return dk, dv, dq
 
             skip = lambda dk, dv: (dk, dv, jnp.zeros(q_t.shape, jnp.float32))

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.attention import allgather, ring, ulysses
-from jaxpar.kernels.attention.blocks import Masking
+from jaxpar.kernels.attention.blocks import Masking, tile
+from jaxpar.kernels.attention.order import chunk_length
 
 KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}
 RESIDUALS_NAME = "context_attention"  # what the backward pass reads: q, k, v, segments, o, lse
@@ -61,6 +62,14 @@ class ContextSpec:
     @property
     def degree(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axis)
+
+    def masking_for(self, s: int) -> Masking:
+        """`masking` with tiles that divide the layout's chunks of a length-s sequence: a tile
+        spanning a zigzag device's early and late chunk is never wholly in the future, and
+        would defeat the causal skip (and the balance)."""
+        chunk = chunk_length(self.seq_layout, self.degree, s)
+        m = self.masking
+        return dataclasses.replace(m, block_q=tile(chunk, m.block_q), block_kv=tile(chunk, m.block_kv))
 
     @property
     def seg_spec(self) -> P:

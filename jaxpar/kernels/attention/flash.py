@@ -1,5 +1,6 @@
 """Blockwise attention on one device (no collectives), differentiable with a recomputing
-backward pass: the local step of the Ulysses and all-gather kernels, and usable alone."""
+backward pass: `blocks.forward` / `blocks.backward` behind a custom VJP, the same pair the
+context-parallel kernels call per block; usable alone."""
 
 from __future__ import annotations
 

@@ -29,6 +29,12 @@ def sequence_order(layout: str, n: int, s: int) -> np.ndarray:
     raise ValueError(f"sequence layout {layout!r}; use one of {', '.join(SEQUENCE_LAYOUTS)}")
 
 
+def chunk_length(layout: str, n: int, s: int) -> int:
+    """Length of the runs of consecutive positions the layout deals out: a tile that stays
+    inside one run holds neighbouring tokens, so the causal skip can drop it whole."""
+    return s // (2 * n) if layout == "zigzag" and n > 1 else s // n
+
+
 def local_index(layout: str, n: int, s: int, rank: jax.Array) -> jax.Array:
     """[s/n] original positions of the tokens device `rank` (traced) holds."""
     return jnp.asarray(sequence_order(layout, n, s).reshape(n, s // n), jnp.int32)[rank]

@@ -12,10 +12,11 @@ Masking follows each token's place in the sequence (q_index, kv_index) and its s
 the zigzag layout, ring steps and packed documents work unchanged; a key tile wholly in a
 query tile's future is skipped (`lax.cond`).
 
-On a GPU the kernel is lowered by Pallas's Triton backend; anywhere else it runs in Pallas's
-interpreter (the same kernel body, evaluated with jnp: slow, for checking only). Triton
-wants power-of-two tiles and a head dimension of at least 16; `check_shapes` says so before
-anything is traced.
+Masking.kernel "pallas" lowers it with Pallas's Triton backend (GPUs), tiles capped at
+TRITON_MAX_TILE; "pallas_interpret" runs the same kernel body in Pallas's interpreter, on any
+backend (slow: for checking only). Triton wants a power-of-two head dimension of at least 16
+and power-of-two tiles; `shape_problem` says which is missing (the trainer asks it before
+compiling).
 """
 
 from __future__ import annotations
@@ -26,27 +27,27 @@ from jax.experimental import pallas as pl
 
 from jaxpar.kernels.attention.blocks import NEG_INF, Masking, needed_tiles, tile
 
-PALLAS_KERNELS = ("pallas",)  # Masking.kernel values this module serves
-
-
-def lowering_for_gpu() -> bool:
-    """Lower through Triton (True) or run in the Pallas interpreter (False)."""
-    return jax.default_backend() == "gpu"
+TRITON_MAX_TILE = 128  # a program's score tile stays in registers / shared memory
 
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def check_shapes(head_dim: int, block_q: int, block_kv: int, on_gpu: bool) -> None:
-    """Raise ValueError, naming the value, when Triton could not lower the kernel."""
-    if not on_gpu:
-        return  # the interpreter takes any shape
+def triton_tile(tile_length: int) -> int:
+    """The tile the Triton kernel uses for a blockwise tile: the largest divisor within
+    TRITON_MAX_TILE, so it still never crosses a layout chunk."""
+    return tile(tile_length, TRITON_MAX_TILE)
+
+
+def shape_problem(head_dim: int, block_q: int, block_kv: int) -> str | None:
+    """Why Triton could not lower the kernel for these shapes, or None."""
     if head_dim < 16 or not _power_of_two(head_dim):
-        raise ValueError(f"the pallas attention kernel needs a power-of-two head dimension >= 16, got {head_dim}")
+        return f"a power-of-two head dimension of at least 16, not {head_dim}"
     for name, block in (("query", block_q), ("key", block_kv)):
         if block < 16 or not _power_of_two(block):
-            raise ValueError(f"the pallas attention kernel needs power-of-two tiles >= 16, got a {name} tile of {block}")
+            return f"power-of-two tiles of at least 16 tokens, not a {name} tile of {block}"
+    return None
 
 
 def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking):
@@ -55,8 +56,12 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
     b, sq, g, r, d = q.shape
     sk = k.shape[1]
     bq, bk = tile(sq, masking.block_q), tile(sk, masking.block_kv)
-    on_gpu = lowering_for_gpu()
-    check_shapes(d, bq, bk, on_gpu)
+    interpret = masking.kernel == "pallas_interpret"
+    if not interpret:
+        bq, bk = triton_tile(bq), triton_tile(bk)
+        problem = shape_problem(d, bq, bk)
+        if problem:
+            raise ValueError(f"the pallas attention kernel needs {problem}")
     has_seg = q_segment is not None
     heads = g * r
 
@@ -76,7 +81,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
 
     kernel = _kernel(bk, sk // bk, masking.causal, has_seg, d**-0.5)
     compiler_params = None
-    if on_gpu:
+    if not interpret:
         from jax.experimental.pallas import triton as pl_triton
 
         compiler_params = pl_triton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
@@ -87,7 +92,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
         out_specs=[pl.BlockSpec((None, bq, None, d), per_q_tile), pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
         out_shape=[jax.ShapeDtypeStruct((b, sq, heads, d), jnp.float32), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)],
         compiler_params=compiler_params,
-        interpret=not on_gpu,
+        interpret=interpret,
         name="jaxpar_block_attention",
     )(*args)
     tiles = needed_tiles(q_index, kv_index, bq, bk, masking.causal)

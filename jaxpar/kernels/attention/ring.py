@@ -3,8 +3,9 @@
 Each device keeps its queries and passes its key/value block around the ring: n steps, each
 attending to the block in hand while `ppermute` fetches the next, partial results combined
 with the online softmax (`blocks.merge`). The backward pass recomputes block by block and
-sends the key/value gradients around the ring with their block, so they arrive home after n
-hops. No device holds more than two key/value blocks or one score tile per head.
+sums the key/value gradients on their way round the ring (one step behind their block), so
+they arrive home after n hops. No device holds more than two key/value blocks or one score
+tile per head.
 
 Under a causal mask with the zigzag layout, a block from an earlier device is visible to all
 of this device's queries but only its first half of keys is (the rest lies in the future),
@@ -53,7 +54,7 @@ def forward(q, k, v, segment, ctx):
     def step(i, carry, held):
         o, lse, tiles = carry
         kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
-        o_b, lse_b, t = blocks.forward(qg, held[0], held[1], q_index, kv_index, segment, held[2], ctx.masking)
+        o_b, lse_b, t = blocks.forward(qg, held[0], held[1], q_index, kv_index, segment, held[2], ctx.masking_for(s))
         return (*blocks.merge(o, lse, o_b, lse_b), tiles + t)
 
     init = (
@@ -67,23 +68,41 @@ def forward(q, k, v, segment, ctx):
 
 
 def backward(residuals, do, ctx):
+    """dq, dk, dv. Each block's key/value gradient is summed on its way round the ring: a
+    device adds its share to the sum that arrives for the block it holds, and passes it on at
+    the start of the next step, beside the next key/value hop, so both transfers overlap that
+    step's block; after the last step one more hop takes every sum home (n hops in all, in
+    float32: they are sums over every device's queries)."""
     q, k, v, segment, o, lse = residuals
     n, s, g = ctx.degree, q.shape[1] * ctx.degree, k.shape[2]
     rank = jax.lax.axis_index(ctx.axis)
     q_index = local_index(ctx.seq_layout, n, s, rank)
     qg, og, dog = grouped(q, g), grouped(o, g), grouped(do, g)
 
-    def step(i, carry, held):
-        dq, dk, dv = carry
+    def step(i, dq, held, arrived):
+        """This device's share for block `held`, added to the sum `arrived` for it."""
         kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
-        dq_b, dk_b, dv_b = blocks.backward(qg, held[0], held[1], og, lse, dog, q_index, kv_index, segment, held[2], ctx.masking)
-        # The gradient of the block in hand travels with it, so it is home after n hops;
-        # float32 on the wire: these are sums over every device's queries.
-        return (dq + dq_b, *_pass_on((dk + dk_b, dv + dv_b), ctx.axis, n))
+        dq_b, dk_b, dv_b = blocks.backward(qg, held[0], held[1], og, lse, dog, q_index, kv_index, segment, held[2], ctx.masking_for(s))
+        return dq + dq_b, (arrived[0] + dk_b, arrived[1] + dv_b)
+
+    def hop(i, state):
+        dq, held, sums = state  # sums: for the block held in the step before
+        incoming, arrived = _pass_on(held, ctx.axis, n), _pass_on(sums, ctx.axis, n)
+        dq, sums = step(i, dq, held, arrived)
+        return jax.lax.optimization_barrier((dq, incoming, sums))
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dq, dk, dv = _ring(n, step, (jnp.zeros(qg.shape, jnp.float32), zeros, zeros), (k, v, segment), ctx.axis)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    held, dq = (k, v, segment), jnp.zeros(qg.shape, jnp.float32)
+    if n == 1:
+        dq, sums = step(0, dq, held, (zeros, zeros))
+    else:
+        incoming = _pass_on(held, ctx.axis, n)  # step 0: no sums have arrived yet
+        dq, sums = step(0, dq, held, (zeros, zeros))
+        state = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
+        dq, held, sums = state
+        dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx.axis, n))  # the last step: no block to fetch
+        sums = _pass_on(sums, ctx.axis, n)  # home
+    return dq.reshape(q.shape).astype(q.dtype), sums[0].astype(k.dtype), sums[1].astype(v.dtype)
 
 
 def residual_specs(q_spec, kv_spec, seg_spec, ctx):
