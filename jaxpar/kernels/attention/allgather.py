@@ -29,7 +29,8 @@ def _indices(q, ctx):
 def forward(q, k, v, segment, ctx):
     k_all, v_all, seg_all = _gather(k, v, segment, ctx.axis)
     q_index, kv_index = _indices(q, ctx)
-    o, lse, tiles = blocks.forward(grouped(q, k.shape[2]), k_all, v_all, q_index, kv_index, segment, seg_all, ctx.masking_for(q.shape[1] * ctx.degree))
+    masking = ctx.masking_for(q.shape[1] * ctx.degree)
+    o, lse, tiles = blocks.forward(grouped(q, k.shape[2]), k_all, v_all, q_index, kv_index, segment, seg_all, masking)
     o = o.reshape(q.shape).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
@@ -40,7 +41,8 @@ def backward(residuals, do, ctx):
     k_all, v_all, seg_all = _gather(k, v, segment, ctx.axis)
     q_index, kv_index = _indices(q, ctx)
     dq, dk, dv = blocks.backward(
-        grouped(q, g), k_all, v_all, grouped(o, g), lse, grouped(do, g), q_index, kv_index, segment, seg_all, ctx.masking_for(q.shape[1] * ctx.degree)
+        grouped(q, g), k_all, v_all, grouped(o, g), lse, grouped(do, g), q_index, kv_index, segment, seg_all,
+        ctx.masking_for(q.shape[1] * ctx.degree),
     )
     scatter = lambda x: jax.lax.psum_scatter(x, ctx.axis, scatter_dimension=1, tiled=True)
     return dq.reshape(q.shape).astype(q.dtype), scatter(dk).astype(k.dtype), scatter(dv).astype(v.dtype)

@@ -54,7 +54,9 @@ def forward(q, k, v, segment, ctx):
     def step(i, carry, held):
         o, lse, tiles = carry
         kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
-        o_b, lse_b, t = blocks.forward(qg, held[0], held[1], q_index, kv_index, segment, held[2], ctx.masking_for(s))
+        o_b, lse_b, t = blocks.forward(
+            qg, held[0], held[1], q_index, kv_index, segment, held[2], ctx.masking_for(s)
+        )
         return (*blocks.merge(o, lse, o_b, lse_b), tiles + t)
 
     init = (
@@ -82,7 +84,9 @@ def backward(residuals, do, ctx):
     def step(i, dq, held, arrived):
         """This device's share for block `held`, added to the sum `arrived` for it."""
         kv_index = local_index(ctx.seq_layout, n, s, (rank - i) % n)
-        dq_b, dk_b, dv_b = blocks.backward(qg, held[0], held[1], og, lse, dog, q_index, kv_index, segment, held[2], ctx.masking_for(s))
+        dq_b, dk_b, dv_b = blocks.backward(
+            qg, held[0], held[1], og, lse, dog, q_index, kv_index, segment, held[2], ctx.masking_for(s)
+        )
         return dq + dq_b, (arrived[0] + dk_b, arrived[1] + dv_b)
 
     def hop(i, state):
@@ -98,8 +102,7 @@ def backward(residuals, do, ctx):
     else:
         incoming = _pass_on(held, ctx.axis, n)  # step 0: no sums have arrived yet
         dq, sums = step(0, dq, held, (zeros, zeros))
-        state = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
-        dq, held, sums = state
+        dq, held, sums = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
         dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx.axis, n))  # the last step: no block to fetch
         sums = _pass_on(sums, ctx.axis, n)  # home
     return dq.reshape(q.shape).astype(q.dtype), sums[0].astype(k.dtype), sums[1].astype(v.dtype)

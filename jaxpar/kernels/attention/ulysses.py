@@ -31,7 +31,8 @@ def forward(q, k, v, segment, ctx):
     q_h, k_h, v_h = (_to_heads(x, ctx.axis) for x in (q, k, v))
     seg_all = None if segment is None else jax.lax.all_gather(segment, ctx.axis, axis=1, tiled=True)
     index = jnp.asarray(sequence_order(ctx.seq_layout, ctx.degree, q_h.shape[1]), jnp.int32)
-    o_h, lse, tiles = blocks.forward(grouped(q_h, k_h.shape[2]), k_h, v_h, index, index, seg_all, seg_all, ctx.masking_for(q_h.shape[1]))
+    masking = ctx.masking_for(q_h.shape[1])
+    o_h, lse, tiles = blocks.forward(grouped(q_h, k_h.shape[2]), k_h, v_h, index, index, seg_all, seg_all, masking)
     o_h = o_h.reshape(q_h.shape).astype(q.dtype)
     return _to_sequence(o_h, ctx.axis), (q_h, k_h, v_h, seg_all, o_h, lse), tiles
 
@@ -42,7 +43,8 @@ def backward(residuals, do, ctx):
     index = jnp.asarray(sequence_order(ctx.seq_layout, ctx.degree, q_h.shape[1]), jnp.int32)
     do_h = _to_heads(do, ctx.axis)
     dq, dk, dv = blocks.backward(
-        grouped(q_h, g), k_h, v_h, grouped(o_h, g), lse, grouped(do_h, g), index, index, seg_all, seg_all, ctx.masking_for(q_h.shape[1])
+        grouped(q_h, g), k_h, v_h, grouped(o_h, g), lse, grouped(do_h, g), index, index, seg_all, seg_all,
+        ctx.masking_for(q_h.shape[1]),
     )
     return (
         _to_sequence(dq.reshape(q_h.shape).astype(q_h.dtype), ctx.axis),
