@@ -203,7 +203,9 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
     eos = config.data.eos_id
     if eos != -1 and config.model.task != "lm":
-        raise ConfigError(f"data.eos_id={eos} packs documents of a language model, but model.task={config.model.task!r}; use -1")
+        raise ConfigError(
+            f"data.eos_id={eos} packs documents of a language model, but model.task={config.model.task!r}; use -1"
+        )
     if eos != -1 and not 0 <= eos < config.model.vocab_size:
         raise ConfigError(
             f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
@@ -307,7 +309,7 @@ def _validate_tiles(config: Config, c: int) -> None:
     used = tile(chunk, block)
     if used < min(block, chunk) // 4:
         per = s // chunk
-        unit = per * min(block, 64)
+        unit = per * (1 << (block.bit_length() - 1))  # chunks a multiple of a power of two <= block
         raise ConfigError(
             f"parallel.attention_block={block}: the {chunk}-token chunks of train.seq_len={s} over {per} "
             f"({parallel.context_layout} over mesh.context={c}) split only into tiles of {used}; use a train.seq_len "

@@ -33,6 +33,9 @@ from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.sharding import HPZ_NAME
 
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
+# The policies that keep nothing named RESIDUALS_NAME: a context-parallel attention kernel
+# runs its forward (ring hops included) again in the backward pass.
+RECOMPUTES_ATTENTION = ("full", "offload")
 OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
 # What `selective` keeps: the inputs and outputs of the linear layers, as models name them
 # with `jax.ad_checkpoint.checkpoint_name`; everything else (norms, RoPE, the attention

@@ -110,7 +110,7 @@ def test_packed_documents_train_as_on_one_device(long_llama, reference, tmp_path
         (["parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas is the block kernel of context-parallel attention, but mesh.context=1"),
         (["mesh.context=2", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas \(Triton\) needs a power-of-two head dimension of at least 16, not 8"),
         (["mesh.context=2", "model.head_dim=16", "train.seq_len=64", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are cpu"),
-        (["mesh.context=8", "mesh.data=1", "train.seq_len=16672"], r"parallel.attention_block=512: the 1042-token chunks of train.seq_len=16672 over 16 \(zigzag over mesh.context=8\) split only into tiles of 2; use a train.seq_len that is a multiple of 1024, e.g. 16384"),
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=16672"], r"parallel.attention_block=512: the 1042-token chunks of train.seq_len=16672 over 16 \(zigzag over mesh.context=8\) split only into tiles of 2; use a train.seq_len that is a multiple of 8192, e.g. 16384"),
         (["data.eos_id=128"], r"data.eos_id=128 must be a token id \(0 to model.vocab_size - 1 = 127\)"),
     ],
 )

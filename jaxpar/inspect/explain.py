@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.inspect import formulas
+from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
 
@@ -92,10 +93,6 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     }
 
 
-# Remat policies that run a layer's attention forward again in the backward pass.
-_RECOMPUTE_ATTENTION = ("full", "offload")
-
-
 def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, psi_t: float) -> dict[str, Any]:
     """Elements the attention kernels send over the context axis per step, beside
     formulas.context_traffic_elements x layers x microbatches (plus the forward again under a
@@ -112,7 +109,7 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     )
     forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
     remat = getattr(model, "remat", "none")
-    again = forward if remat in _RECOMPUTE_ATTENTION else 0.0  # the forward run again in the backward pass
+    again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
     formula = model.num_layers * micro * (forward + again + backward)
     kinds = set(per_layer["forward"]) | set(per_layer["backward"])
     over_context = [c for c in report.collectives if c.axes == ("context",)]
