@@ -104,17 +104,14 @@ def explain(args) -> int:
     """Nothing runs and nothing is allocated: the step is lowered on abstract inputs."""
     import os
 
+    from jaxpar.mesh import force_cpu_devices
+
     if args.devices is not None:
         if not 1 <= args.devices <= 512:
             raise ConfigError(f"--devices={args.devices}; use 1 to 512 virtual CPU devices")
         os.environ["JAX_PLATFORMS"] = "cpu"  # must precede JAX's backend start
-        from jaxpar.mesh import force_cpu_devices
-
-        force_cpu_devices(args.devices)
-    else:
-        from jaxpar.mesh import force_cpu_devices
-
-        force_cpu_devices(8)  # as `train` does: only the CPU backend reads it; accelerators win if present
+    # Without --devices, 8 as `train` uses: only the CPU backend reads it; accelerators win.
+    force_cpu_devices(8 if args.devices is None else args.devices)
     import json
 
     import jax
