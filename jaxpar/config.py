@@ -11,8 +11,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig, divisors
 from models.llama import LlamaConfig
 from models.mlp import MLPConfig
+from models.moe import MoEConfig
 
-ModelConfig = Union[LlamaConfig, MLPConfig]
+ModelConfig = Union[LlamaConfig, MoEConfig, MLPConfig]
 DTYPES = ("float32", "bfloat16")
 
 
@@ -214,7 +215,24 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
     if isinstance(config.model, LlamaConfig):
         _validate_llama(config, sizes)
     _validate_context(config, sizes)  # after the model's checks: it divides heads by the tensor degree
+    _validate_experts(config, sizes)
     return sizes
+
+
+def _validate_experts(config: Config, sizes: dict[str, int]) -> None:
+    model, e = config.model, sizes["expert"]
+    if not isinstance(model, MoEConfig):
+        return  # without experts, mesh.expert is one more batch axis
+    if model.num_experts % e:
+        raise ConfigError(
+            f"mesh.expert={e} does not divide model.num_experts={model.num_experts}; use mesh.expert in "
+            f"{divisors(model.num_experts)}"
+        )
+    if model.routing == "capacity" and sizes["context"] > 1:
+        raise ConfigError(
+            f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} splits "
+            "sequences across devices; use model.routing=dropless, or mesh.context=1"
+        )
 
 
 def _validate_zero_plus_plus(parallel: ParallelConfig, sizes: dict[str, int]) -> None:

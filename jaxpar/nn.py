@@ -99,18 +99,20 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
     return make(rngs)
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none") -> jax.Array:
+def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none") -> Any:
     """Run a stack made by `stack_layers`: x = layer_i(x, *args) for each layer in turn.
 
     Each step sees one layer's parameters, so FSDP gathers (`compute_value`) happen one
-    layer at a time, and the remat policy applies per layer.
+    layer at a time, and the remat policy applies per layer. A layer may return (x, report):
+    the reports are stacked on a leading layer axis and returned beside x.
     """
     policy = layer_policy(remat)
     graphdef, stacked = nnx.split(layers)
 
-    def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+    def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, Any]:
         carry = checkpoint_name(carry, OFFLOADED_NAME)
-        return nnx.merge(graphdef, layer_state)(carry, *args), None
+        out = nnx.merge(graphdef, layer_state)(carry, *args)
+        return out if isinstance(out, tuple) else (out, None)
 
-    out, _ = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
-    return out
+    out, reports = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
+    return out if reports is None else (out, reports)

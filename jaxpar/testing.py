@@ -58,11 +58,10 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     trainer = build(config, devices)
     source = make_source(trainer)
     state = trainer.init()
-    _, grads = trainer.grads(state.params, source(0))
-    grads = jax.device_get(grads)
-    losses = []
-    for i in range(steps):
-        state, metrics = trainer.step(state, source(i))
+    losses, grads = [], None
+    for i in range(steps):  # one compile: the step that also returns its gradients
+        state, metrics, step_grads = trainer.step_and_grads(state, source(i))
+        grads = jax.device_get(step_grads) if i == 0 else grads
         losses.append(float(metrics["loss"]))
     return Run(losses, grads, jax.device_get(trainer.master_params(state)))
 

@@ -46,6 +46,10 @@ class LlamaConfig:
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)
 
+    def block(self, rngs: nnx.Rngs) -> nnx.Module:
+        """One decoder layer (models.moe swaps the MLP for experts)."""
+        return Block(self, rngs=rngs)
+
     def param_count(self, include_embedding: bool = True) -> int:
         d, h, kv, k, f, v = self.embed, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp, self.vocab_size
         per_layer = d * k * (2 * h + 2 * kv) + 3 * d * f + 2 * d
@@ -167,7 +171,7 @@ class Llama(nnx.Module):
         self.embedding = nnx.Param(
             nnx.with_partitioning(init, ("vocab", "embed"))(rngs.params(), (cfg.vocab_size, cfg.embed), jnp.float32)
         )
-        self.layers = stack_layers(lambda r: Block(cfg, rngs=r), cfg.num_layers, rngs)
+        self.layers = stack_layers(lambda r: cfg.block(r), cfg.num_layers, rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
@@ -179,15 +183,23 @@ class Llama(nnx.Module):
         only inside their segment) come with the tokens when the sequence is reordered for
         context parallelism or packed.
         """
+        x, _ = self.trunk(tokens_BS, positions, segment_ids)
+        return self.logits(x)
+
+    def trunk(self, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
+        """(hidden states after the last layer, what each layer reported or None)."""
         table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
         # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
         # sequence on one gather makes the partitioner replicate the table's gradient.
         x = constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
         positions = jnp.arange(tokens_BS.shape[1]) if positions is None else positions
-        x = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
+        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
+        return out if isinstance(out, tuple) else (out, None)
+
+    def logits(self, x: jax.Array) -> jax.Array:
         x = constrain(self.final_norm(x), HIDDEN)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bsd,vd->bsv", x, table) * self.cfg.embed**-0.5
+            logits = jnp.einsum("bsd,vd->bsv", x, compute_value(self.embedding)) * self.cfg.embed**-0.5
         else:
             logits = jnp.einsum("bsd,dv->bsv", x, compute_value(self.head))
         return constrain(logits, ("batch", "seq", "vocab"))

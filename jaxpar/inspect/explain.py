@@ -30,8 +30,13 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
     moments = sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / psi
     stage = config.parallel.zero_stage
-    data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
-    expected = formulas.model_state(psi, stage, data, fsdp * tensor, compute_bytes, round(4 * moments))
+    data, fsdp, tensor, expert = mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["expert"]
+    # Expert weights are split over mesh.expert besides; every other parameter is replicated over it.
+    psi_e = _expert_params(trainer, state)
+    psi_d = psi - psi_e
+    dense = formulas.model_state(psi_d, stage, data, fsdp * tensor, compute_bytes, round(4 * moments))
+    routed = formulas.model_state(psi_e, stage, data, fsdp * tensor * expert, compute_bytes, round(4 * moments))
+    expected = formulas.ModelState(*(getattr(dense, f) + getattr(routed, f) for f in ("params", "grads", "master", "optimizer")))
     m = report.memory
     if config.train.microbatches > 1:  # the accumulator is float32
         expected = formulas.ModelState(expected.params, expected.grads * 4 / compute_bytes, expected.master, expected.optimizer)
@@ -54,17 +59,22 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
 
     # Traffic over the data-parallel axes: ZeRO-3 over fsdp (and over data at stage 3),
     # 2 x (N-1)/N over data otherwise; Ψ here is the share one tensor-parallel rank holds.
-    psi_t = psi / tensor
-    grad_formula = formulas.gradient_traffic_elements(psi_t, fsdp, 3) + formulas.gradient_traffic_elements(
-        psi_t / fsdp, data, stage
+    # Without experts, mesh.expert is a data axis: the other parameters' gradients reduce over it too.
+    psi_t, psi_dt, psi_et = psi / tensor, psi_d / tensor, psi_e / tensor / expert
+    grad_formula = (
+        formulas.gradient_traffic_elements(psi_dt, fsdp, 3)
+        + formulas.gradient_traffic_elements(psi_dt / fsdp, data * expert, stage)
+        + formulas.gradient_traffic_elements(psi_et, fsdp, 3)
+        + formulas.gradient_traffic_elements(psi_et / fsdp, data, stage)
     )
     itemsize = lambda c: jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize  # noqa: E731
     grad_measured = sum(
         c.bytes_per_step / itemsize(c)
         for c in report.collectives
-        if c.axes and set(c.axes) <= set(DP_AXES) and c.kind in GRAD_KINDS
+        if c.axes and set(c.axes) <= set(DP_AXES) | {"expert"} and c.kind in GRAD_KINDS
     )
     context = _context_traffic(config, mesh, report, itemsize, psi_t)
+    experts = _expert_traffic(config, mesh, report, itemsize)
     return {
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
@@ -73,12 +83,15 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "params": psi,
         "memory": [_row(n, a, b) for n, a, b in memory_rows],
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
-        f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else ""),
+        f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
+        + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else ""),
         "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)",
-        "gradient_traffic": _row("elements over data, fsdp", grad_measured, grad_formula),
-        "gradient_traffic_formula": f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor",
+        "gradient_traffic": _row("elements over data, fsdp" + (", expert" if expert > 1 else ""), grad_measured, grad_formula),
+        "gradient_traffic_formula": f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor"
+        + ("; expert weights Ψ'/e, others with d x e (expert as a data axis)" if expert > 1 else ""),
         **context,
+        **experts,
         "collectives": [
             {**row, "axes": list(row["axes"])} for row in summarize(report.collectives)
         ],
@@ -91,6 +104,12 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "findings": [str(f) for f in report.findings],
         "compile_seconds": report.compile_seconds,
     }
+
+
+def _expert_params(trainer, state) -> int:
+    """Parameters whose logical names include "experts" (MoE expert weights)."""
+    names = jax.tree.leaves(trainer.param_names, is_leaf=lambda x: hasattr(x, "names"))
+    return sum(math.prod(x.shape) for n, x in zip(names, jax.tree.leaves(state.params)) if "experts" in n.names)
 
 
 def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, psi_t: float) -> dict[str, Any]:
@@ -123,6 +142,32 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     }
 
 
+def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize) -> dict[str, Any]:
+    """Elements the expert all-to-alls move per device per step, beside
+    formulas.expert_traffic_elements x 4 (dispatch and combine, forward and backward; 6
+    when the remat policy runs the layer again) x layers x microbatches."""
+    n, model = mesh.get("expert", 1), config.model
+    if n == 1 or not hasattr(model, "num_experts"):
+        return {}
+    micro, c = config.train.microbatches, mesh.get("context", 1)
+    tokens = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * n) // micro * config.train.seq_len // c
+    factor = model.capacity_factor if model.routing == "capacity" else 1.0
+    passes = 6 if getattr(model, "remat", "none") in RECOMPUTES_ATTENTION else 4  # full and offload rerun the layer
+    formula = passes * model.num_layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
+    measured = sum(
+        c.buffer_bytes * c.trip_count / itemsize(c)
+        for c in report.collectives
+        if c.kind == "all-to-all" and c.axes == ("expert",) and c.dtype in ("f32", "bf16", "f16")
+    )
+    padded = model.routing == "dropless"
+    return {
+        "expert_traffic": _row(f"elements over expert (all-to-all, {model.routing})", measured, formula),
+        "expert_traffic_formula": f"tokens x k x hidden x {'capacity factor' if not padded else '1 (dropless)'} per all-to-all, "
+        f"{passes} per layer x {model.num_layers} layers x {micro} microbatch{'es' if micro > 1 else ''}"
+        + (f"; the padded exchange (no ragged all-to-all) sends {n}x: every pair to one device fits" if padded else ""),
+    }
+
+
 _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8",
                "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
 
@@ -152,6 +197,9 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"  formula: {doc['context_traffic_formula']}")
         lines.append(_line(doc["context_gradient_traffic"], _count))
         lines.append("  formula: 2Ψ'(c-1)/c: parameters are replicated over context, Ψ' = Ψ/tensor")
+    if "expert_traffic" in doc:
+        lines.append(_line(doc["expert_traffic"], _count))
+        lines.append(f"  formula: {doc['expert_traffic_formula']}")
     lines += ["", f"{'collectives':<22}{'axes':<22}{'dtype':<7}{'ops':>5}{'runs/step':>11}{'bytes/step':>12}"]
     for row in doc["collectives"]:
         hosts = "  crosses hosts" if row["crosses_hosts"] else ""

@@ -103,3 +103,10 @@ def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: in
         kv = 2 * s * b * hkv * (n - 1) / n
         return {"forward": {"all-gather": kv}, "backward": {"all-gather": kv, "reduce-scatter": kv}}
     raise ValueError(f"context impl {impl!r}; use ring, ulysses or allgather")
+
+
+def expert_traffic_elements(tokens: int, top_k: int, hidden: int, capacity_factor: float) -> float:
+    """Elements one all-to-all of expert parallelism moves per device (reference.md): each of
+    a device's `tokens` goes to its top-k experts, in buffers capacity_factor x the balanced
+    share. A MoE layer runs two forward (dispatch, combine) and two backward."""
+    return tokens * top_k * hidden * capacity_factor

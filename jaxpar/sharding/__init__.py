@@ -14,6 +14,7 @@ from jaxpar.sharding.annotate import (
     use_layout,
 )
 from jaxpar.sharding.attend import attend, context_spec, sequence_degree
+from jaxpar.sharding.experts import run_experts
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "parse_table",
     "sequence_degree",
     "shardings_for",
+    "run_experts",
     "use_layout",
 ]

@@ -7,7 +7,8 @@ Tensor-parallel dimensions (heads, mlp, vocab) are sharded in both.
 
 Logical names used by jaxpar's models:
   batch, norm_seq (sequence in norm/residual regions: Megatron-SP shards it over tensor),
-  seq (sequence inside attention/MLP), embed, heads, kv_heads, head_dim, mlp, vocab, layers.
+  seq (sequence inside attention/MLP), embed, heads, kv_heads, head_dim, mlp, vocab, layers,
+  experts (expert parallelism), expert_mlp (each expert's hidden layer).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rul
         "mlp": tensor,
         "vocab": tensor,
         "layers": (),
+        "experts": live("expert"),
+        "expert_mlp": tensor,
     }
     storage = dict(compute, embed=live("fsdp"))
     return Rules.of(storage, compute)

@@ -61,7 +61,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                     out.flush()
                 bar.set_postfix_str(
                     f"loss={values['loss']:.4f} tok/s={record['tokens_per_s']:,.0f} "
-                    f"mfu={'n/a' if util is None else f'{util:.1%}'}",
+                    f"mfu={'n/a' if util is None else f'{util:.1%}'}" + _expert_postfix(values),
                     refresh=False,
                 )
                 bar.update(1)
@@ -71,3 +71,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         if out:
             out.close()
     return history
+
+
+def _expert_postfix(values: dict) -> str:
+    """MoE runs: dropped share and expert load max/mean (1.0 is balanced)."""
+    if "moe_load" not in values:
+        return ""
+    return f" drop={values['moe_dropped']:.1%} load={values['moe_load']:.2f}"

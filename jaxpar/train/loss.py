@@ -23,12 +23,29 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
     return jnp.sum((lse - target_logit) * weights), jnp.sum(weights)
 
 
-def model_loss(model, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """Next-token (lm) or class (classify) loss: both are a model applied to `inputs`
-    scored against `targets`, weighted by `weights`. Optional per-token `positions` and
-    `segment_ids` (reordered or packed sequences) are passed to the model."""
+def model_loss(model, batch: dict) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """(objective sum, (weight, sums)): next-token (lm) or class (classify) loss, a model
+    applied to `inputs` scored against `targets`, weighted by `weights`. Optional per-token
+    `positions` and `segment_ids` (reordered or packed sequences) are passed to the model.
+
+    A model may return (logits, aux) (models.moe): aux["penalty"] [B, S] is added to each
+    token's loss under the same weights, and `sums` carries, summed over the batch, the
+    weighted aux["token_metrics"] and the raw aux["counts"]. Sums add up across
+    microbatches and replicas, so the step reports them for the whole batch.
+    """
     extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
-    return cross_entropy_sum(model(batch["inputs"], **extra), batch["targets"], batch["weights"])
+    out = model(batch["inputs"], **extra)
+    logits, aux = out if isinstance(out, tuple) else (out, None)
+    total, weight = cross_entropy_sum(logits, batch["targets"], batch["weights"])
+    if aux is None:
+        return total, (weight, {})
+    weights = batch["weights"].astype(jnp.float32)
+    total = total + jnp.sum(aux["penalty"] * weights)
+    sums = {
+        "token_metrics": {k: jnp.sum(v * weights) for k, v in aux["token_metrics"].items()},
+        "counts": aux["counts"],
+    }
+    return total, (weight, jax.lax.stop_gradient(sums))
 
 
-LossFn = Callable[[object, dict], tuple[jax.Array, jax.Array]]
+LossFn = Callable[[object, dict], tuple[jax.Array, tuple[jax.Array, dict]]]

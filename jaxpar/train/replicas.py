@@ -50,15 +50,15 @@ def split_replicas(x: jax.Array, names: tuple, layout: Layout) -> jax.Array:
 
 
 def per_replica(grad_fn: Callable, layout: Layout, grad_shardings: Any) -> Callable:
-    """(params, replica batch [data, b, ...]) -> (loss sums [data], weights [data],
-    gradients [data, ...]), each replica's gradient reduced inside it only."""
+    """(params, replica batch [data, b, ...]) -> (loss sums [data], (weights, other sums)
+    each [data, ...], gradients [data, ...]), each replica's gradient reduced inside it only."""
     inner = inner_layout(layout)
     inside = jax.tree.map(without_data, grad_shardings)
 
     def one(params, batch):
         with use_layout(inner):
-            (loss, weight), grads = grad_fn(params, batch)
-            return loss, weight, jax.lax.with_sharding_constraint(grads, inside)
+            (loss, aux), grads = grad_fn(params, batch)
+            return loss, aux, jax.lax.with_sharding_constraint(grads, inside)
 
     return jax.vmap(one, in_axes=(None, 0), spmd_axis_name=AXIS)
 

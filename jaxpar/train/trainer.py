@@ -5,6 +5,8 @@
     init()              -> TrainState, created directly in its shards (out_shardings)
     step(state, batch)  -> (TrainState, metrics), buffers donated
     grads(params, batch) -> (loss, grads), the step's gradient, for equivalence tests
+    step_and_grads(state, batch) -> (TrainState, metrics, grads): one compile for tests
+                        that want both (jaxpar.testing)
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Trainer:
     init: Any  # () -> TrainState
     step: Any  # (TrainState, batch) -> (TrainState, metrics)
     grads: Any  # (params, batch) -> (loss, grads)
+    step_and_grads: Any  # (TrainState, batch) -> (TrainState, metrics, grads)
 
     @property
     def mesh(self):
@@ -127,6 +130,7 @@ def build(
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names = param_names(abstract)
     abstract_params = nnx.to_pure_dict(abstract)
+    tx = _train_params_only(tx, abstract)
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
     if parallel.quantized_weights:
         _check_quantized_gathers(names, abstract_params, layout)
@@ -173,7 +177,7 @@ def build(
             opt_state=tx.init(master),
         )
 
-    def loss_sum(params, batch) -> tuple[jax.Array, jax.Array]:
+    def loss_sum(params, batch) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         if task == "lm":
             batch = lay_out_sequences(batch, layout)
         return model_loss(nnx.merge(graphdef, params), batch)
@@ -205,9 +209,10 @@ def build(
 
         return jax.tree.map(one, grads, target)
 
-    def normalised_grads(params, batch) -> tuple[jax.Array, Any]:
+    def normalised_grads(params, batch) -> tuple[jax.Array, dict, Any]:
         """Gradient of (sum of per-token losses over the global batch) / (its token count),
-        accumulated over microbatches in float32, returned in the optimizer's sharding.
+        accumulated over microbatches in float32, returned in the optimizer's sharding,
+        with the loss and the model's other sums over the batch (jaxpar.train.loss).
 
         Per-replica gradients are reduced over fsdp inside the replica, then over data:
         once per step at ZeRO 0-1 (microbatches accumulate unreduced), once per microbatch
@@ -220,45 +225,47 @@ def build(
         per_step = replicas and zero_stage < 2  # reduce over data once per step
 
         def microbatch(mb):
-            """(loss sum, weight, gradient) of one microbatch; the gradient is [data, ...]
-            per replica if reduced per step, else reduced to `reduce_to`."""
+            """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is
+            [data, ...] per replica if reduced per step, else reduced to `reduce_to`."""
             if not replicas:
                 with use_layout(layout):
-                    (l, w), g = grad_fn(params, mb)
-                return l, w, _cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
+                    (l, aux), g = grad_fn(params, mb)
+                return l, aux, _cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
             mb = {k: split_replicas(v, FIELDS[kind][k][0], layout) for k, v in mb.items()}
-            l, w, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
+            l, aux, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
             g = _cast_floats(g, jnp.float32)
             if not per_step:
                 g = reduce_replicas(g, reduce_to)
-            return l.sum(), w.sum(), g
+            return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
         if microbatches == 1:
-            total, weight, grads = microbatch(batch)
+            total, (weight, sums), grads = microbatch(batch)
         else:
             micro = {k: _split_microbatches(v, microbatches, FIELDS[kind][k][0], layout) for k, v in batch.items()}
             acc_shardings = jax.tree.map(stacked_over_data, shardings.grads) if per_step else shardings.grads
 
             def accumulate(carry, mb):
-                g_acc, l_acc, w_acc = carry
-                l, w, g = microbatch(mb)
+                g_acc, l_acc, aux_acc = carry
+                l, aux, g = microbatch(mb)
                 g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), acc_shardings)
-                return (g_acc, l_acc + l, w_acc + w), None
+                return (g_acc, l_acc + l, jax.tree.map(jnp.add, aux_acc, aux)), None
 
             lead = (mesh.shape["data"],) if per_step else ()  # per-replica gradients are stacked
             zeros = jax.tree.map(lambda p, s: jnp.zeros(lead + p.shape, jnp.float32, device=s), params, acc_shardings)
             zero = jnp.zeros((), jnp.float32)
-            (grads, total, weight), _ = jax.lax.scan(accumulate, (zeros, zero, zero), micro)
+            first = jax.tree.map(lambda x: x[0], micro)
+            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(microbatch, first)[1])
+            (grads, total, (weight, sums)), _ = jax.lax.scan(accumulate, (zeros, zero, aux_zeros), micro)
             # Pin the loop's output too: otherwise the optimizer's sharding below is
             # propagated into the carry, which then gathers every microbatch.
             grads = jax.lax.with_sharding_constraint(grads, acc_shardings)
         if per_step:
             grads = reduce_replicas(grads, shardings.optimizer)
         grads = jax.lax.with_sharding_constraint(grads, shardings.optimizer)
-        return total / weight, jax.tree.map(lambda g: g / weight, grads)
+        return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda g: g / weight, grads)
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = normalised_grads(state.params, batch)
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
+        loss, sums, grads = normalised_grads(state.params, batch)
         if parallel.offload_optimizer:  # fetch from host memory for the update
             state = dataclasses.replace(
                 state,
@@ -271,6 +278,9 @@ def build(
             master = jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
+        counts = sums.get("counts", {})
+        if counts and hasattr(config.model, "update"):  # e.g. MoE bias balancing, from the step's loads
+            master = config.model.update(master, counts)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(_cast_floats(master, compute_dtype), shardings.params)
@@ -278,9 +288,11 @@ def build(
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(lr_schedule(state.step), jnp.float32),
+            **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
+            **(config.model.summarise(counts) if counts and hasattr(config.model, "summarise") else {}),
         }
         new = TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state)
-        return new, metrics
+        return new, metrics, grads
 
     return Trainer(
         config=config,
@@ -295,17 +307,41 @@ def build(
         batch_shapes=shapes,
         init=jax.jit(init, out_shardings=state_sharding),
         step=jax.jit(
-            step,
+            lambda state, batch: step(state, batch)[:2],
             in_shardings=(state_sharding, batch_shardings),
             out_shardings=(state_sharding, replicated),
             donate_argnums=0,
         ),
+        step_and_grads=jax.jit(
+            step,
+            in_shardings=(state_sharding, batch_shardings),
+            out_shardings=(state_sharding, replicated, shardings.optimizer),
+            donate_argnums=0,
+        ),
         grads=jax.jit(
-            normalised_grads,
+            lambda params, batch: _without_sums(normalised_grads(params, batch)),
             in_shardings=(shardings.params, batch_shardings),
             out_shardings=(replicated, shardings.optimizer),
         ),
     )
+
+
+def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State) -> optax.GradientTransformation:
+    """`tx` on the nnx.Params; other variables (an MoE router's balancing bias) are left to
+    their own rules: the optimizer changes them by zero (no weight decay creeps in)."""
+    fixed = nnx.to_pure_dict(
+        jax.tree.map(lambda v: not isinstance(v, nnx.Param), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    )
+    if not any(jax.tree.leaves(fixed)):
+        return tx
+    # Zeroed after `tx` rather than routed around it, so the optimizer state keeps the
+    # parameters' tree (its shardings are derived leaf by leaf).
+    return optax.chain(tx, optax.masked(optax.set_to_zero(), fixed))
+
+
+def _without_sums(out: tuple) -> tuple:
+    loss, _, grads = out
+    return loss, grads
 
 
 def _to_device(tree: Any, shardings: Any) -> Any:

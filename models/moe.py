@@ -1,0 +1,207 @@
+"""Mixtral-style mixture-of-experts decoder in Flax NNX: the Llama blocks with the MLP
+replaced by routed experts (and optional always-on shared experts, as in DeepSeek).
+
+Each token's router picks its top-k experts (softmax over experts, then top-k, gates
+optionally renormalised to sum to one); the experts run through `jaxpar.sharding.run_experts`,
+which dispatches over the expert-parallel mesh axes. No collective appears here.
+Sharded shapes under the default rules (storage):
+  router       [D@fsdp, E]              router_bias [E] (bias balancing only; not trained)
+  w_gate, w_up [E@expert, D@fsdp, F@tensor]    w_down [E@expert, F@tensor, D@fsdp]
+  shared experts: the Llama MLP of width shared_experts x mlp
+
+Load balancing (each is averaged over the layers):
+  aux_loss_weight   Switch loss, E x sum_e f_e P_e per sequence (f_e: share of the sequence's
+                    choices routed to e; P_e: its mean router probability), arXiv 2101.03961
+  z_loss_weight     router z-loss, logsumexp(router logits)^2 per token, arXiv 2202.08906
+  bias_update_rate  auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437): a bias per
+                    expert added to the scores that choose experts (not to the gates),
+                    moved by this rate against each expert's load after every step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
+from jaxpar.kernels.experts import grouped_matmul
+from jaxpar.sharding import compute_value, constrain, run_experts
+
+ROUTINGS = ("capacity", "dropless")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """`mlp` is each expert's hidden width (Mixtral's intermediate size)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    routing: str = "capacity"  # capacity (drop past capacity_factor) | dropless
+    capacity_factor: float = 1.25
+    renormalize: bool = True
+    shared_experts: int = 0
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    bias_update_rate: float = 0.0
+
+    def build(self, rngs: nnx.Rngs) -> "MoETransformer":
+        return MoETransformer(self, rngs=rngs)
+
+    def block(self, rngs: nnx.Rngs) -> nnx.Module:
+        return MoEBlock(self, rngs=rngs)
+
+    def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
+        """All parameters, or those one token uses (`active`: k experts of E)."""
+        d, h, kv, k, f, v = self.embed, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp, self.vocab_size
+        experts = self.top_k if active else self.num_experts
+        per_layer = d * k * (2 * h + 2 * kv) + d * self.num_experts + 3 * d * f * (experts + self.shared_experts) + 2 * d
+        embedding = v * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x the parameters one token uses (k experts) plus attention, as for Llama."""
+        matmul_params = self.param_count(include_embedding=False, active=True) + self.vocab_size * self.embed
+        return 6 * matmul_params + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+    def validate(self) -> None:
+        from jaxpar.errors import ConfigError
+
+        super().validate()
+        if self.num_experts < 1:
+            raise ConfigError(f"model.num_experts={self.num_experts} must be a positive integer")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
+                f"e.g. model.top_k={min(2, self.num_experts)}"
+            )
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"model.routing={self.routing!r} is not a router option; use one of {', '.join(ROUTINGS)}")
+        if not self.capacity_factor > 0:
+            raise ConfigError(
+                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 is each expert's balanced share); "
+                "e.g. 1.25, or model.routing=dropless to drop nothing"
+            )
+        for field in ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate"):
+            if getattr(self, field) < 0:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be >= 0")
+
+    def summarise(self, counts: dict) -> dict:
+        """Per-step metrics from the step's summed counts: the share of (token, choice)
+        pairs dropped, and expert load max / mean (averaged over layers; 1.0 is balanced)."""
+        load = counts["expert_load"]  # [L, E] pairs routed to each expert
+        return {
+            "moe_dropped": jnp.sum(counts["dropped"]) / jnp.maximum(jnp.sum(load), 1),
+            "moe_load": jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)),
+        }
+
+    def update(self, params: dict, counts: dict) -> dict:
+        """Bias balancing after the optimizer step: b_e += rate x sign(mean load - load_e)."""
+        if not self.bias_update_rate:
+            return params
+        load = counts["expert_load"]
+        moe = params["layers"]["moe"]
+        bias = moe["router_bias"] + self.bias_update_rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)
+        return {**params, "layers": {**params["layers"], "moe": {**moe, "router_bias": bias.astype(moe["router_bias"].dtype)}}}
+
+
+class RouterBias(nnx.Variable):
+    """Set by the balancing rule (MoEConfig.update), never by gradients: not an nnx.Param."""
+
+
+def expert_ffn(weights, x, group_sizes=None):
+    """SwiGLU of every expert: x [E, C, D] (one buffer per expert), or x [M, D] grouped by
+    expert with `group_sizes` [E] (a ragged matmul; rows past the groups give zeros)."""
+    w_gate, w_up, w_down = weights
+    if group_sizes is None:
+        gate = jnp.einsum("ecd,edf->ecf", x, w_gate)
+        up = jnp.einsum("ecd,edf->ecf", x, w_up)
+        h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        return jnp.einsum("ecf,efd->ecd", h, w_down)
+    gate = grouped_matmul(x, w_gate, group_sizes)
+    up = grouped_matmul(x, w_up, group_sizes)
+    h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    return grouped_matmul(h, w_down, group_sizes)
+
+
+class MoE(nnx.Module):
+    """Router + routed experts; returns (y, what the layer reports for losses and metrics)."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        d, e, f = cfg.embed, cfg.num_experts, cfg.mlp
+        self.router = _param(rngs, (d, e), ("embed", None), d)
+        self.w_gate = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
+        self.w_up = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
+        self.w_down = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), f)
+        if cfg.bias_update_rate:
+            self.router_bias = RouterBias(nnx.with_partitioning(nnx.initializers.zeros, (None,))(rngs.params(), (e,)))
+        self.cfg = cfg
+
+    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict]:
+        cfg = self.cfg
+        x_BSD = constrain(x_BSD, HIDDEN)
+        logits = jnp.einsum("bsd,de->bse", x_BSD.astype(jnp.float32), compute_value(self.router).astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        scores = probs
+        if cfg.bias_update_rate:  # chooses experts; the gates stay the router's probabilities
+            scores = probs + jax.lax.stop_gradient(compute_value(self.router_bias).astype(jnp.float32))
+        _, ids = jax.lax.top_k(scores, cfg.top_k)
+        gates = jnp.take_along_axis(probs, ids, axis=-1)
+        if cfg.renormalize:
+            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        y, kept = run_experts(
+            x_BSD, ids, gates, (self.w_gate, self.w_up, self.w_down), expert_ffn, cfg.routing, cfg.capacity_factor
+        )
+        chosen = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32), axis=2)  # [B, S, E]
+        share = jnp.mean(chosen, axis=1) / cfg.top_k  # f per sequence [B, E]
+        switch = cfg.num_experts * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [B]
+        report = {
+            "switch": switch,
+            "z": jnp.square(jax.nn.logsumexp(logits, axis=-1)),  # [B, S]
+            "expert_load": jnp.sum(chosen, axis=(0, 1)),  # [E]
+            "dropped": jnp.sum(~kept).astype(jnp.float32),
+        }
+        return constrain(y, RESIDUAL), report
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.moe = MoE(cfg, rngs=rngs)
+        if cfg.shared_experts:
+            self.shared = MLP(dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp), rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, dict]:
+        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
+        h = self.mlp_norm(x_BSD)
+        y, report = self.moe(h)
+        if hasattr(self, "shared"):
+            y = y + self.shared(h)
+        return constrain(x_BSD + y, RESIDUAL), report
+
+
+class MoETransformer(Llama):
+    """The Llama decoder with MoE blocks. Returns (logits, aux) where aux is what
+    jaxpar.train.loss.model_loss adds to the objective and reports:
+      penalty        [B, S] per-token addition to the loss (weighted like the cross-entropy)
+      token_metrics  per-token values reported as their weighted mean over the step
+      counts         arrays summed over the step (MoEConfig.summarise / update read them)
+    """
+
+    def __call__(self, tokens_BS, positions=None, segment_ids=None):
+        cfg = self.cfg
+        x, reports = self.trunk(tokens_BS, positions, segment_ids)
+        switch = jnp.mean(reports["switch"], axis=0)  # [B], averaged over layers
+        z = jnp.mean(reports["z"], axis=0)  # [B, S]
+        switch_BS = jnp.broadcast_to(switch[:, None], z.shape)
+        aux = {
+            "penalty": cfg.aux_loss_weight * switch_BS + cfg.z_loss_weight * z,
+            "token_metrics": {"moe_aux_loss": switch_BS, "moe_z_loss": z},
+            "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
+        }
+        return self.logits(x), aux

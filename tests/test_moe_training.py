@@ -1,0 +1,128 @@
+"""Mixture-of-experts training equals the single-device run: expert parallelism over
+mesh.expert with all-to-all dispatch, alone and with tensor parallelism inside the experts,
+FSDP, data parallelism (per-replica gradients), microbatches, ZeRO and context parallelism;
+capacity and dropless routing. fp32, 1e-5 relative for losses, first-step gradients and
+parameters after three AdamW steps. Also: the auxiliary losses enter the objective, the
+metrics, bias balancing, the all-to-all bytes against the formula, and bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.config import Config, TrainConfig, apply_overrides
+from jaxpar.data.sources import make_source
+from jaxpar.errors import ConfigError
+from jaxpar.inspect import formulas
+from jaxpar.inspect.hlo import collectives
+from jaxpar.testing import check, compare, run_layout
+from jaxpar.train import build
+from models.moe import MoEConfig
+
+RTOL = 1e-5
+
+
+@pytest.fixture
+def tiny_moe() -> Config:
+    return Config(
+        model=MoEConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=32,
+                        num_experts=8, top_k=2, capacity_factor=1.0),
+        train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32"),
+    )
+
+
+LAYOUTS = {
+    "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
+    "expert4_tensor2_sp": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
+    "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
+    "expert8_zero1": ["mesh.data=1", "mesh.expert=8", "parallel.zero_stage=1"],
+    "expert2_data4_zero3": ["mesh.data=4", "mesh.expert=2", "parallel.zero_stage=3"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_capacity_routing_equals_single_device(tiny_moe, reference, name):
+    check(compare(run_layout(apply_overrides(tiny_moe, LAYOUTS[name])), reference(tiny_moe)), RTOL, where=name)
+
+
+DROPLESS = {
+    "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
+    "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
+    "expert2_context2_tensor2_ring": ["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2", "parallel.attention_block=4"],
+}
+
+
+@pytest.mark.parametrize("name", list(DROPLESS))
+def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
+    config = apply_overrides(tiny_moe, ["model.routing=dropless"])
+    check(compare(run_layout(apply_overrides(config, DROPLESS[name])), reference(config)), RTOL, where=name)
+
+
+def test_shared_experts_and_bias_balancing_equal_single_device(tiny_moe, reference):
+    config = apply_overrides(tiny_moe, ["model.shared_experts=1", "model.bias_update_rate=0.01", "model.aux_loss_weight=0"])
+    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]))
+    check(compare(run, reference(config)), RTOL, where="shared + bias")
+    bias = run.params["layers"]["moe"]["router_bias"]  # [layers, experts], 3 steps of +-0.01 or 0
+    steps = np.round(np.asarray(bias) / 0.01)
+    assert np.allclose(bias, steps * 0.01, atol=1e-6) and np.abs(steps).max() <= 3 and np.abs(steps).sum() > 0
+
+
+def first_step(config, overrides=()):
+    trainer = build(apply_overrides(config, list(overrides)))
+    _, metrics = trainer.step(trainer.init(), make_source(trainer)(0))
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def test_auxiliary_losses_enter_the_objective(tiny_moe):
+    """loss = cross-entropy + aux_loss_weight x Switch loss + z_loss_weight x z-loss."""
+    base = first_step(tiny_moe, ["model.aux_loss_weight=0", "model.z_loss_weight=0"])
+    both = first_step(tiny_moe, ["model.aux_loss_weight=0.5", "model.z_loss_weight=0.25"])
+    assert both["moe_aux_loss"] == pytest.approx(base["moe_aux_loss"], rel=1e-6)
+    want = base["loss"] + 0.5 * base["moe_aux_loss"] + 0.25 * base["moe_z_loss"]
+    assert both["loss"] == pytest.approx(want, rel=1e-6)
+    assert base["moe_aux_loss"] >= 1.0 - 1e-6  # the Switch loss is 1 when routing is uniform, above otherwise
+
+
+def test_metrics_report_drops_and_load(tiny_moe):
+    tight = first_step(tiny_moe, ["model.capacity_factor=0.5", "mesh.data=2", "mesh.expert=4"])
+    assert tight["moe_dropped"] >= 0.5 - 1e-6  # at most half of the pairs fit
+    assert tight["moe_load"] >= 1.0
+    assert first_step(tiny_moe, ["model.routing=dropless"])["moe_dropped"] == 0.0
+
+
+def expert_all_to_all_elements(trainer) -> float:
+    compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    colls = collectives(compiled.as_text(), trainer.mesh)
+    return sum(c.buffer_bytes * c.trip_count / 4 for c in colls if c.kind == "all-to-all" and c.axes == ("expert",) and c.dtype == "f32")
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
+def test_all_to_all_elements_match_the_formula(tiny_moe, factor):
+    """Per MoE layer: dispatch and combine forward, their transposes backward, each
+    tokens x k x hidden x capacity_factor elements per device."""
+    config = apply_overrides(tiny_moe, ["mesh.data=2", "mesh.expert=4", f"model.capacity_factor={factor}", "train.seq_len=32"])
+    trainer = build(config)
+    tokens = config.train.global_batch // 8 * config.train.seq_len
+    m = config.model
+    formula = 4 * m.num_layers * formulas.expert_traffic_elements(tokens, m.top_k, m.embed, factor)
+    assert expert_all_to_all_elements(trainer) / formula == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.expert=4", "model.num_experts=6"], r"mesh.expert=4 does not divide model.num_experts=6; use mesh.expert in \[1, 2, 3, 6\]"),
+        (["model.top_k=9"], r"model.top_k=9 must be between 1 and model.num_experts=8"),
+        (["model.capacity_factor=0"], r"model.capacity_factor=0.0 must be > 0"),
+        (["model.capacity_factor=-1"], r"model.capacity_factor=-1.0 must be > 0"),
+        (["model.routing=sinkhorn"], r"model.routing='sinkhorn' is not a router option; use one of capacity, dropless"),
+        (["mesh.context=2"], r"model.routing=capacity gives each sequence its expert capacity, but mesh.context=2"),
+        (["model.num_experts=0"], r"model.num_experts=0 must be a positive integer"),
+        (["model.aux_loss_weight=-0.1"], r"model.aux_loss_weight=-0.1 must be >= 0"),
+    ],
+)
+def test_bad_moe_config(tiny_moe, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build(apply_overrides(tiny_moe, overrides))
