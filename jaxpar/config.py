@@ -15,6 +15,7 @@ from models.moe import MoEConfig
 
 ModelConfig = Union[LlamaConfig, MoEConfig, MLPConfig]
 DTYPES = ("float32", "bfloat16")
+EXPERT_EXCHANGES = ("auto", "padded", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ParallelConfig:
     context_layout: str = "zigzag"
     attention_block: int = 512
     attention_kernel: str = "jax"
+    # How dropless MoE routing sends each expert device its rows: ragged
+    # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
+    # or auto (ragged on GPUs, padded elsewhere).
+    expert_exchange: str = "auto"
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -221,6 +226,10 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
 
 def _validate_experts(config: Config, sizes: dict[str, int]) -> None:
     model, e = config.model, sizes["expert"]
+    if config.parallel.expert_exchange not in EXPERT_EXCHANGES:
+        raise ConfigError(
+            f"parallel.expert_exchange={config.parallel.expert_exchange!r}; use one of {', '.join(EXPERT_EXCHANGES)}"
+        )
     if not isinstance(model, MoEConfig):
         return  # without experts, mesh.expert is one more batch axis
     if model.num_experts % e:

@@ -13,7 +13,8 @@ Remat policies (per layer of a scanned stack):
   (selective, dots and dots_no_batch also keep a context-parallel attention kernel's
   residuals, which its backward reads, rather than run the ring again: a blockwise kernel
   has no s^2 part to drop. The kernel is one opaque step to every policy, so no policy
-  keeps its score tiles; full and offload run it again.)
+  keeps its score tiles; full and offload run it again. Likewise they keep the buffers the
+  MoE all-to-alls deliver, so only full and offload exchange tokens again.)
 
 No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
 the backward pass rather than kept whole per layer, which would cost 2 bytes per parameter
@@ -30,11 +31,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.kernels.attention.context import RESIDUALS_NAME
+from jaxpar.kernels.experts.exchange import EXCHANGED_NAME
 from jaxpar.sharding import HPZ_NAME
 
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
-# The policies that keep nothing named RESIDUALS_NAME: a context-parallel attention kernel
-# runs its forward (ring hops included) again in the backward pass.
+# The policies that keep nothing named RESIDUALS_NAME or EXCHANGED_NAME: a context-parallel
+# attention kernel runs its forward (ring hops included) again in the backward pass, and the
+# MoE layers their forward all-to-alls.
 RECOMPUTES_ATTENTION = ("full", "offload")
 OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
 # What `selective` keeps: the inputs and outputs of the linear layers, as models name them
@@ -66,11 +69,12 @@ def layer_policy(remat: str) -> Callable:
     """The jax.checkpoint policy applied to each layer for a remat name."""
     cp = jax.checkpoint_policies
     hpz = cp.save_only_these_names(HPZ_NAME)
-    kept_like_matmuls = cp.save_only_these_names(HPZ_NAME, RESIDUALS_NAME)  # the attention kernel's outputs
+    # the attention kernel's outputs, and what the expert all-to-alls deliver
+    kept_like_matmuls = cp.save_only_these_names(HPZ_NAME, RESIDUALS_NAME, EXCHANGED_NAME)
     if remat == "none":
         return _not_a_layout_change
     if remat == "selective":
-        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME, RESIDUALS_NAME)
+        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME, RESIDUALS_NAME, EXCHANGED_NAME)
     if remat == "full":
         return hpz
     if remat == "dots":

@@ -183,12 +183,12 @@ class Llama(nnx.Module):
         only inside their segment) come with the tokens when the sequence is reordered for
         context parallelism or packed.
         """
-        x, _ = self.trunk(tokens_BS, positions, segment_ids)
-        return self.logits(x)
-
-    def trunk(self, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
-        """(hidden states after the last layer, what each layer reported or None)."""
         table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
+        x, _ = self.trunk(table, tokens_BS, positions, segment_ids)
+        return self.logits(x, table)
+
+    def trunk(self, table: jax.Array, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
+        """(hidden states after the last layer, what each layer reported or None)."""
         # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
         # sequence on one gather makes the partitioner replicate the table's gradient.
         x = constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
@@ -196,10 +196,10 @@ class Llama(nnx.Module):
         out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
         return out if isinstance(out, tuple) else (out, None)
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, table: jax.Array) -> jax.Array:
         x = constrain(self.final_norm(x), HIDDEN)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bsd,vd->bsv", x, compute_value(self.embedding)) * self.cfg.embed**-0.5
+            logits = jnp.einsum("bsd,vd->bsv", x, table) * self.cfg.embed**-0.5
         else:
             logits = jnp.einsum("bsd,dv->bsv", x, compute_value(self.head))
         return constrain(logits, ("batch", "seq", "vocab"))

@@ -2,16 +2,18 @@
 replaced by routed experts (and optional always-on shared experts, as in DeepSeek).
 
 Each token's router picks its top-k experts (softmax over experts, then top-k, gates
-optionally renormalised to sum to one); the experts run through `jaxpar.sharding.run_experts`,
+optionally renormalised to sum to one when k > 1); the experts run through `jaxpar.sharding.run_experts`,
 which dispatches over the expert-parallel mesh axes. No collective appears here.
 Sharded shapes under the default rules (storage):
-  router       [D@fsdp, E]              router_bias [E] (bias balancing only; not trained)
+  router       [D@fsdp, E]              router_bias [E] per layer (bias balancing only; not trained)
   w_gate, w_up [E@expert, D@fsdp, F@tensor]    w_down [E@expert, F@tensor, D@fsdp]
   shared experts: the Llama MLP of width shared_experts x mlp
 
-Load balancing (each is averaged over the layers):
+Load balancing (each is averaged over the layers, where Megatron sums them: its weight is
+this one / layers):
   aux_loss_weight   Switch loss, E x sum_e f_e P_e per sequence (f_e: share of the sequence's
-                    choices routed to e; P_e: its mean router probability), arXiv 2101.03961
+                    choices routed to e; P_e: its mean router probability), arXiv 2101.03961;
+                    per sequence like Megatron's seq_aux_loss, so no batch split changes it
   z_loss_weight     router z-loss, logsumexp(router logits)^2 per token, arXiv 2202.08906
   bias_update_rate  auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437): a bias per
                     expert added to the scores that choose experts (not to the gates),
@@ -28,10 +30,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
-from jaxpar.kernels.experts import grouped_matmul
+from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
 from jaxpar.sharding import compute_value, constrain, run_experts
-
-ROUTINGS = ("capacity", "dropless")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class MoEConfig(LlamaConfig):
     top_k: int = 2
     routing: str = "capacity"  # capacity (drop past capacity_factor) | dropless
     capacity_factor: float = 1.25
-    renormalize: bool = True
+    renormalize: bool = True  # gates of the k chosen experts sum to one (k > 1; top-1 keeps p)
     shared_experts: int = 0
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
@@ -72,7 +72,7 @@ class MoEConfig(LlamaConfig):
 
         super().validate()
         if self.num_experts < 1:
-            raise ConfigError(f"model.num_experts={self.num_experts} must be a positive integer")
+            raise ConfigError(f"model.num_experts={self.num_experts} must be a positive integer; e.g. model.num_experts=8")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(
                 f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
@@ -87,12 +87,12 @@ class MoEConfig(LlamaConfig):
             )
         for field in ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate"):
             if getattr(self, field) < 0:
-                raise ConfigError(f"model.{field}={getattr(self, field)} must be >= 0")
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be >= 0; use 0 to turn it off")
 
     def summarise(self, counts: dict) -> dict:
         """Per-step metrics from the step's summed counts: the share of (token, choice)
         pairs dropped, and expert load max / mean (averaged over layers; 1.0 is balanced)."""
-        load = counts["expert_load"]  # [L, E] pairs routed to each expert
+        load = counts["expert_load"].astype(jnp.float32)  # [L, E] pairs routed to each expert
         return {
             "moe_dropped": jnp.sum(counts["dropped"]) / jnp.maximum(jnp.sum(load), 1),
             "moe_load": jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)),
@@ -102,7 +102,7 @@ class MoEConfig(LlamaConfig):
         """Bias balancing after the optimizer step: b_e += rate x sign(mean load - load_e)."""
         if not self.bias_update_rate:
             return params
-        load = counts["expert_load"]
+        load = counts["expert_load"].astype(jnp.float32)
         moe = params["layers"]["moe"]
         bias = moe["router_bias"] + self.bias_update_rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)
         return {**params, "layers": {**params["layers"], "moe": {**moe, "router_bias": bias.astype(moe["router_bias"].dtype)}}}
@@ -117,12 +117,12 @@ def expert_ffn(weights, x, group_sizes=None):
     expert with `group_sizes` [E] (a ragged matmul; rows past the groups give zeros)."""
     w_gate, w_up, w_down = weights
     if group_sizes is None:
-        gate = jnp.einsum("ecd,edf->ecf", x, w_gate)
-        up = jnp.einsum("ecd,edf->ecf", x, w_up)
+        gate = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_gate), "mlp_hidden")
+        up = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_up), "mlp_hidden")
         h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
         return jnp.einsum("ecf,efd->ecd", h, w_down)
-    gate = grouped_matmul(x, w_gate, group_sizes)
-    up = grouped_matmul(x, w_up, group_sizes)
+    gate = checkpoint_name(grouped_matmul(x, w_gate, group_sizes), "mlp_hidden")
+    up = checkpoint_name(grouped_matmul(x, w_up, group_sizes), "mlp_hidden")
     h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
     return grouped_matmul(h, w_down, group_sizes)
 
@@ -137,7 +137,8 @@ class MoE(nnx.Module):
         self.w_up = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
         self.w_down = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), f)
         if cfg.bias_update_rate:
-            self.router_bias = RouterBias(nnx.with_partitioning(nnx.initializers.zeros, (None,))(rngs.params(), (e,)))
+            # Zeros drawn from no key, so turning balancing on leaves every other initial weight as it was.
+            self.router_bias = RouterBias(nnx.with_partitioning(nnx.initializers.zeros, (None,))(None, (e,)))
         self.cfg = cfg
 
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict]:
@@ -149,20 +150,21 @@ class MoE(nnx.Module):
         if cfg.bias_update_rate:  # chooses experts; the gates stay the router's probabilities
             scores = probs + jax.lax.stop_gradient(compute_value(self.router_bias).astype(jnp.float32))
         _, ids = jax.lax.top_k(scores, cfg.top_k)
-        gates = jnp.take_along_axis(probs, ids, axis=-1)
-        if cfg.renormalize:
+        chosen_probs = jnp.take_along_axis(probs, ids, axis=-1)
+        gates = chosen_probs
+        if cfg.renormalize and cfg.top_k > 1:  # at k = 1 it would make every gate 1: no gradient to the router
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         y, kept = run_experts(
-            x_BSD, ids, gates, (self.w_gate, self.w_up, self.w_down), expert_ffn, cfg.routing, cfg.capacity_factor
+            x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down), expert_ffn, cfg.routing, cfg.capacity_factor
         )
-        chosen = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32), axis=2)  # [B, S, E]
-        share = jnp.mean(chosen, axis=1) / cfg.top_k  # f per sequence [B, E]
+        chosen = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.int32).sum(axis=2)  # [B, S, E]
+        share = jnp.mean(chosen, axis=1, dtype=jnp.float32) / cfg.top_k  # f per sequence [B, E]
         switch = cfg.num_experts * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [B]
         report = {
             "switch": switch,
             "z": jnp.square(jax.nn.logsumexp(logits, axis=-1)),  # [B, S]
-            "expert_load": jnp.sum(chosen, axis=(0, 1)),  # [E]
-            "dropped": jnp.sum(~kept).astype(jnp.float32),
+            "expert_load": jnp.sum(chosen, axis=(0, 1)),  # [E], int32: exact at any batch
+            "dropped": jnp.sum(~kept, dtype=jnp.int32),
         }
         return constrain(y, RESIDUAL), report
 
@@ -195,7 +197,8 @@ class MoETransformer(Llama):
 
     def __call__(self, tokens_BS, positions=None, segment_ids=None):
         cfg = self.cfg
-        x, reports = self.trunk(tokens_BS, positions, segment_ids)
+        table = compute_value(self.embedding)
+        x, reports = self.trunk(table, tokens_BS, positions, segment_ids)
         switch = jnp.mean(reports["switch"], axis=0)  # [B], averaged over layers
         z = jnp.mean(reports["z"], axis=0)  # [B, S]
         switch_BS = jnp.broadcast_to(switch[:, None], z.shape)
@@ -204,4 +207,4 @@ class MoETransformer(Llama):
             "token_metrics": {"moe_aux_loss": switch_BS, "moe_z_loss": z},
             "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
         }
-        return self.logits(x), aux
+        return self.logits(x, table), aux

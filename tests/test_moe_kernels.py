@@ -68,13 +68,14 @@ def routed_problem(b=4, s=16, d=8, f=12, e=8, k=2, seed=0):
     x = jax.random.normal(keys[0], (b, s, d))
     logits = jax.random.normal(keys[1], (b, s, e)) * 2
     probs = jax.nn.softmax(logits)
-    gates, ids = jax.lax.top_k(probs, k)
+    priority, ids = jax.lax.top_k(probs, k)  # the router's probabilities order the claims on capacity
+    gates = priority / priority.sum(-1, keepdims=True)  # renormalised, as the model does
     weights = (
         jax.random.normal(keys[2], (e, d, f)) / d**0.5,
         jax.random.normal(keys[3], (e, d, f)) / d**0.5,
         jax.random.normal(keys[4], (e, f, d)) / f**0.5,
     )
-    return x, ids, gates, weights
+    return x, ids, gates, priority, weights
 
 
 def value_and_grads(fn, x, gates, weights):
@@ -86,9 +87,9 @@ def value_and_grads(fn, x, gates, weights):
 
 @pytest.mark.parametrize("routing, factor", [("capacity", 1.0), ("capacity", 0.5), ("dropless", None)])
 def test_one_device_routing_equals_every_token_through_its_experts(routing, factor):
-    x, ids, gates, weights = routed_problem()
-    got = value_and_grads(lambda x, g, w: local_experts(x, ids, g, w, expert_ffn, routing, factor or 1.0), x, gates, weights)
-    want = value_and_grads(lambda x, g, w: reference_experts(x, ids, g, w, expert_ffn, factor), x, gates, weights)
+    x, ids, gates, priority, weights = routed_problem()
+    got = value_and_grads(lambda x, g, w: local_experts(x, ids, g, priority, w, expert_ffn, routing, factor or 1.0), x, gates, weights)
+    want = value_and_grads(lambda x, g, w: reference_experts(x, ids, g, w, expert_ffn, factor, priority), x, gates, weights)
     np.testing.assert_array_equal(got[0][1], want[0][1])  # the same pairs kept
     if factor == 0.5:
         assert not got[0][1].all()  # and some were dropped
@@ -105,39 +106,55 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("routing", ["capacity", "dropless"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_parallel_equals_the_reference(name, routing):
+def layout_spec(name: str, routing: str, exchange: str = "padded") -> ExpertSpec:
     axes, token_spec, ep, tp = LAYOUTS[name]
-    mesh = make_mesh(MeshConfig(**axes), jax.devices())
-    x, ids, gates, weights = routed_problem(b=8)
     hidden = tp[0] if tp else None
-    spec = ExpertSpec(
-        mesh=mesh,
+    return ExpertSpec(
+        mesh=make_mesh(MeshConfig(**axes), jax.devices()),
         token_spec=token_spec,
         weight_specs=(P(ep, None, hidden), P(ep, None, hidden), P(ep, hidden, None)),
         axis=ep,
         reduce_axes=tp,
         routing=routing,
         capacity_factor=1.0,
+        exchange=exchange,
     )
+
+
+@pytest.mark.parametrize("routing, exchange", [("capacity", "padded"), ("dropless", "padded"), ("dropless", "ragged_emulated")])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_equals_the_reference(name, routing, exchange):
+    """ragged_emulated: the ragged exchange's offsets, with all_to_all standing in for
+    ragged_all_to_all, which the CPU backend lacks."""
+    ep = LAYOUTS[name][2]
+    x, ids, gates, priority, weights = routed_problem(b=8)
+    spec = layout_spec(name, routing, exchange)
     factor = 1.0 if routing == "capacity" else None
-    sharded = jax.jit(lambda x, g, w: value_and_grads(lambda x, g, w: expert_parallel(x, ids, g, w, expert_ffn, spec), x, g, w))
-    got = sharded(x, gates, weights)
-    want = value_and_grads(lambda x, g, w: reference_experts(x, ids, g, w, expert_ffn, factor), x, gates, weights)
+    run = lambda x, g, w: expert_parallel(x, ids, g, priority, w, expert_ffn, spec)  # noqa: E731
+    got = jax.jit(lambda x, g, w: value_and_grads(run, x, g, w))(x, gates, weights)
+    want = value_and_grads(lambda x, g, w: reference_experts(x, ids, g, w, expert_ffn, factor, priority), x, gates, weights)
     np.testing.assert_array_equal(got[0][1], want[0][1])
     assert tree_error(got[0][0], want[0][0]) <= RTOL
     assert tree_error(got[1], want[1]) <= RTOL
-    hlo = jax.jit(lambda x, g, w: expert_parallel(x, ids, g, w, expert_ffn, spec)).lower(x, gates, weights).compile().as_text()
+    hlo = jax.jit(run).lower(x, gates, weights).compile().as_text()
     assert ("all-to-all" in hlo) == (len(ep) > 0)
+
+
+def test_ragged_exchange_lowers_to_ragged_all_to_all_for_gpus():
+    """The GPU path: lowered for CUDA (not run here), forward and backward."""
+    x, ids, gates, priority, weights = routed_problem(b=8)
+    spec = layout_spec("expert4_data2", "dropless", "ragged")
+    step = jax.jit(lambda x, g, w: value_and_grads(lambda x, g, w: expert_parallel(x, ids, g, priority, w, expert_ffn, spec), x, g, w))
+    text = step.trace(x, gates, weights).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @ragged_all_to_all(") >= 4  # dispatch, combine and their transposes
 
 
 def test_capacity_refuses_a_sharded_sequence():
     mesh = make_mesh(MeshConfig(data=1, expert=2, context=4), jax.devices())
     spec = ExpertSpec(mesh, P("expert", "context"), (P("expert"),) * 3, ("expert",), routing="capacity")
-    x, ids, gates, weights = routed_problem()
+    x, ids, gates, priority, weights = routed_problem()
     with pytest.raises(ValueError, match="capacity routing groups whole sequences"):
-        expert_parallel(x, ids, gates, weights, expert_ffn, spec)
+        expert_parallel(x, ids, gates, priority, weights, expert_ffn, spec)
 
 
 def test_grouped_matmul_under_vmap_equals_ragged_dot_per_example():

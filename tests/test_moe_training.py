@@ -48,7 +48,8 @@ def test_capacity_routing_equals_single_device(tiny_moe, reference, name):
 
 
 DROPLESS = {
-    "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
+    "expert4_data2_zero2": ["mesh.data=2", "mesh.expert=4", "parallel.zero_stage=2"],
+    "expert4_tensor2": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2"],
     "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
     "expert2_context2_tensor2_ring": ["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2", "parallel.attention_block=4"],
 }
@@ -61,8 +62,10 @@ def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
 
 
 def test_shared_experts_and_bias_balancing_equal_single_device(tiny_moe, reference):
+    """The bias moves by the loads of the whole batch: summed over microbatches and over the
+    per-replica gradients (data x fsdp), then all-reduced."""
     config = apply_overrides(tiny_moe, ["model.shared_experts=1", "model.bias_update_rate=0.01", "model.aux_loss_weight=0"])
-    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]))
+    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"]))
     check(compare(run, reference(config)), RTOL, where="shared + bias")
     bias = run.params["layers"]["moe"]["router_bias"]  # [layers, experts], 3 steps of +-0.01 or 0
     steps = np.round(np.asarray(bias) / 0.01)
@@ -85,6 +88,16 @@ def test_auxiliary_losses_enter_the_objective(tiny_moe):
     assert base["moe_aux_loss"] >= 1.0 - 1e-6  # the Switch loss is 1 when routing is uniform, above otherwise
 
 
+def test_top_1_routing_trains_the_router(tiny_moe):
+    """At k = 1 the gate is the router's probability (renormalising would make it 1 and
+    leave the router no gradient from the language-model loss)."""
+    config = apply_overrides(tiny_moe, ["model.top_k=1", "model.aux_loss_weight=0", "model.z_loss_weight=0"])
+    trainer = build(config)
+    state = trainer.init()
+    _, grads = trainer.grads(state.params, make_source(trainer)(0))
+    assert float(jnp.abs(grads["layers"]["moe"]["router"]).max()) > 0
+
+
 def test_metrics_report_drops_and_load(tiny_moe):
     tight = first_step(tiny_moe, ["model.capacity_factor=0.5", "mesh.data=2", "mesh.expert=4"])
     assert tight["moe_dropped"] >= 0.5 - 1e-6  # at most half of the pairs fit
@@ -98,15 +111,18 @@ def expert_all_to_all_elements(trainer) -> float:
     return sum(c.buffer_bytes * c.trip_count / 4 for c in colls if c.kind == "all-to-all" and c.axes == ("expert",) and c.dtype == "f32")
 
 
-@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
-def test_all_to_all_elements_match_the_formula(tiny_moe, factor):
+@pytest.mark.parametrize("factor, remat", [(1.0, "none"), (1.25, "selective"), (2.0, "dots"), (1.25, "full")])
+def test_all_to_all_elements_match_the_formula(tiny_moe, factor, remat):
     """Per MoE layer: dispatch and combine forward, their transposes backward, each
-    tokens x k x hidden x capacity_factor elements per device."""
-    config = apply_overrides(tiny_moe, ["mesh.data=2", "mesh.expert=4", f"model.capacity_factor={factor}", "train.seq_len=32"])
+    tokens x k x hidden x capacity_factor elements per device; the forward pair again only
+    under a policy that reruns the layer (full)."""
+    config = apply_overrides(tiny_moe, ["mesh.data=2", "mesh.expert=4", f"model.capacity_factor={factor}", "train.seq_len=32",
+                                        f"model.remat={remat}"])
     trainer = build(config)
     tokens = config.train.global_batch // 8 * config.train.seq_len
     m = config.model
-    formula = 4 * m.num_layers * formulas.expert_traffic_elements(tokens, m.top_k, m.embed, factor)
+    passes = 6 if remat == "full" else 4
+    formula = passes * m.num_layers * formulas.expert_traffic_elements(tokens, m.top_k, m.embed, factor)
     assert expert_all_to_all_elements(trainer) / formula == pytest.approx(1.0, abs=0.05)
 
 
@@ -121,6 +137,8 @@ def test_all_to_all_elements_match_the_formula(tiny_moe, factor):
         (["mesh.context=2"], r"model.routing=capacity gives each sequence its expert capacity, but mesh.context=2"),
         (["model.num_experts=0"], r"model.num_experts=0 must be a positive integer"),
         (["model.aux_loss_weight=-0.1"], r"model.aux_loss_weight=-0.1 must be >= 0"),
+        (["parallel.expert_exchange=nccl"], r"parallel.expert_exchange='nccl'; use one of auto, padded, ragged"),
+        (["model.routing=dropless", "parallel.expert_exchange=ragged"], r"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the cpu backend lacks"),
     ],
 )
 def test_bad_moe_config(tiny_moe, overrides, message):

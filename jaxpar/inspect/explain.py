@@ -74,7 +74,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         if c.axes and set(c.axes) <= set(DP_AXES) | {"expert"} and c.kind in GRAD_KINDS
     )
     context = _context_traffic(config, mesh, report, itemsize, psi_t)
-    experts = _expert_traffic(config, mesh, report, itemsize)
+    experts = _expert_traffic(config, mesh, report, itemsize, trainer.layout.expert_exchange)
     return {
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
@@ -142,10 +142,11 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     }
 
 
-def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize) -> dict[str, Any]:
+def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, exchange: str) -> dict[str, Any]:
     """Elements the expert all-to-alls move per device per step, beside
     formulas.expert_traffic_elements x 4 (dispatch and combine, forward and backward; 6
-    when the remat policy runs the layer again) x layers x microbatches."""
+    when the remat policy runs the layer again) x layers x microbatches. A ragged
+    all-to-all is counted by its receive buffer: the worst case, not what routing sends."""
     n, model = mesh.get("expert", 1), config.model
     if n == 1 or not hasattr(model, "num_experts"):
         return {}
@@ -157,14 +158,16 @@ def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize) 
     measured = sum(
         c.buffer_bytes * c.trip_count / itemsize(c)
         for c in report.collectives
-        if c.kind == "all-to-all" and c.axes == ("expert",) and c.dtype in ("f32", "bf16", "f16")
+        if c.kind in ("all-to-all", "ragged-all-to-all") and c.axes == ("expert",) and c.dtype in ("f32", "bf16", "f16")
     )
-    padded = model.routing == "dropless"
+    dropless = model.routing == "dropless"
+    padded = dropless and exchange == "padded"
     return {
         "expert_traffic": _row(f"elements over expert (all-to-all, {model.routing})", measured, formula),
-        "expert_traffic_formula": f"tokens x k x hidden x {'capacity factor' if not padded else '1 (dropless)'} per all-to-all, "
+        "expert_traffic_formula": f"tokens x k x hidden x {'1 (dropless)' if dropless else 'capacity factor'} per all-to-all, "
         f"{passes} per layer x {model.num_layers} layers x {micro} microbatch{'es' if micro > 1 else ''}"
-        + (f"; the padded exchange (no ragged all-to-all) sends {n}x: every pair to one device fits" if padded else ""),
+        + (f"; the padded exchange sends {n}x: every pair to one device fits" if padded else "")
+        + (f"; ragged: counted as its {n}x receive buffer, what is sent depends on routing" if dropless and not padded else ""),
     }
 
 

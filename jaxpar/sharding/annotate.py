@@ -74,6 +74,7 @@ class Layout:
     """A mesh, the rules that place logical names on it, how parameters are gathered, and
     how attention runs over a sharded sequence.
 
+    expert_exchange: how dropless MoE routing moves rows (jaxpar.kernels.experts.exchange).
     replica_axis: set inside the per-replica vmap (jaxpar.train.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     """
@@ -82,6 +83,7 @@ class Layout:
     rules: Rules
     params: ParamGather = ParamGather()
     context: ContextAttention = ContextAttention()
+    expert_exchange: str = "padded"
     replica_axis: str | None = None
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:

@@ -24,18 +24,20 @@ def run_experts(
     x_BSD: jax.Array,
     expert_ids_BSK: jax.Array,
     gates_BSK: jax.Array,
+    priority_BSK: jax.Array,
     params: Sequence[nnx.Variable],
     ffn: Callable,
     routing: str,
     capacity_factor: float,
 ) -> tuple[jax.Array, jax.Array]:
     """(y [B, S, D], kept [B, S, K]): each token's kept choices through their experts,
-    weighted by the gates. `ffn(weights, x[, group_sizes])` is the experts' computation on
-    the weights `params` hold, laid out for use (see jaxpar.kernels.experts.exchange)."""
+    weighted by the gates; under capacity, the higher `priority` (router probability) keeps
+    its slot. `ffn(weights, x[, group_sizes])` is the experts' computation on the weights
+    `params` hold, laid out for use (see jaxpar.kernels.experts.exchange)."""
     weights = tuple(compute_value(p) for p in params)
     layout = active_layout()
     if layout is None:
-        return local_experts(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn, routing, capacity_factor)
+        return local_experts(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing, capacity_factor)
     rules = layout.rules
     names = [logical_names(p)[len(logical_names(p)) - w.ndim :] for p, w in zip(params, weights)]
     live = lambda name: tuple(a for a in rules.table("compute").get(name, ()) if layout.mesh.shape[a] > 1)
@@ -47,5 +49,6 @@ def run_experts(
         reduce_axes=live("expert_mlp"),
         routing=routing,
         capacity_factor=capacity_factor,
+        exchange=layout.expert_exchange,
     )
-    return expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn, spec)
+    return expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, spec)

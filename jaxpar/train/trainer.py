@@ -101,6 +101,14 @@ def build(
             f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {devices[0].platform}; "
             "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
         )
+    exchange = config.parallel.expert_exchange
+    if exchange == "ragged" and devices[0].platform != "gpu":
+        raise ConfigError(
+            f"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the {devices[0].platform} backend "
+            "lacks; use padded (or auto, which picks ragged on GPUs)"
+        )
+    if exchange == "auto":
+        exchange = "ragged" if devices[0].platform == "gpu" else "padded"
     warn_if_offload_is_a_no_op(config, devices)
     mesh = make_mesh(config.mesh, devices)
     rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_overrides(
@@ -118,6 +126,7 @@ def build(
             quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
         ),
         ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
+        expert_exchange=exchange,
     )
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)

@@ -8,13 +8,20 @@ Each device routes the tokens it holds, then
              [E/n, n x groups x C, D] for its own experts, which run as one batched matmul
              each; a second all-to-all returns the outputs.
   dropless   sorts its (token, choice) pairs by expert and sends each expert device its
-             run of them. Runs differ in length; the CPU backend has no ragged all-to-all,
-             so each device sends a buffer sized for the worst case (every pair to one
-             device: n x T x k rows received) and the receiver regroups by expert for
-             `jax.lax.ragged_dot`. Nothing is dropped, and the results equal the ragged
-             exchange's.
+             run of them; the receiver regroups the rows by expert for a grouped matmul.
+             Runs differ in length. `exchange` says how they travel:
+               ragged   jax.lax.ragged_all_to_all: only the real rows (GPU; the CPU
+                        backend has none)
+               padded   all_to_all of a buffer per peer sized for the worst case (every
+                        pair to one device), on any backend: n x the traffic
+               ragged_emulated  the ragged exchange's bookkeeping with its collective built
+                        from all_to_all: checks the ragged path where it cannot run
+             Either way each device can receive n x T x k rows (T: tokens per device), so
+             nothing is dropped; the results are the same.
 
-The expert computation is the caller's: `ffn(weights, x)` with x [E_local, C, D]
+The buffers each all-to-all delivers are named EXCHANGED_NAME, so remat policies can keep
+them rather than exchange again (jaxpar.nn). The expert computation is the caller's:
+`ffn(weights, x)` with x [E_local, C, D]
 (capacity) or `ffn(weights, x, group_sizes)` with x [M, D] grouped by expert, rows past
 the groups zero (dropless). Its output is a partial sum over `reduce_axes` (tensor
 parallelism inside the experts) that the kernel completes.
@@ -29,12 +36,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
 
 ROUTINGS = ("capacity", "dropless")
+EXCHANGES = ("padded", "ragged", "ragged_emulated")
+EXCHANGED_NAME = "expert_exchange"  # the all-to-all outputs, for remat policies to keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +64,13 @@ class ExpertSpec:
     reduce_axes: tuple[str, ...] = ()
     routing: str = "capacity"
     capacity_factor: float = 1.25
+    exchange: str = "padded"  # dropless only: padded | ragged | ragged_emulated
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing={self.routing!r}; use one of {', '.join(ROUTINGS)}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r}; use one of {', '.join(EXCHANGES)}")
         object.__setattr__(self, "token_spec", P(*self.token_spec, *(None,) * (3 - len(self.token_spec))))
 
     @property
@@ -69,31 +82,38 @@ class ExpertSpec:
         return P(self.token_spec[0], self.token_spec[1], None)
 
 
-def expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn: Callable, spec: ExpertSpec):
+def expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn: Callable, spec: ExpertSpec):
     """y [B, S, D] = sum over each token's kept choices of gate x expert(token), and the
-    kept mask [B, S, K]. Differentiable (all-to-all transposes to all-to-all)."""
+    kept mask [B, S, K]; `priority` orders the claims on capacity (router probabilities).
+    Differentiable (all-to-all transposes to all-to-all)."""
     if spec.routing == "capacity" and spec.token_spec[1] is not None:
         raise ValueError(
             f"capacity routing groups whole sequences, but the sequence is sharded over {spec.token_spec[1]}; "
             "use dropless routing"
         )
+    if spec.token_spec[2] is not None:
+        raise ValueError(f"the hidden dimension of the tokens must be whole on each device, not sharded over {spec.token_spec[2]}")
+    if weights[0].shape[0] % spec.degree:
+        raise ValueError(f"{weights[0].shape[0]} experts do not split over expert-parallel degree {spec.degree}")
 
     @partial(
         jax.shard_map,
         mesh=spec.mesh,
-        in_specs=(spec.token_spec, spec.pair_spec, spec.pair_spec, spec.weight_specs),
+        in_specs=(spec.token_spec, spec.pair_spec, spec.pair_spec, spec.pair_spec, spec.weight_specs),
         out_specs=(spec.token_spec, spec.pair_spec),
         check_vma=False,
     )
-    def body(x, ids, gates, weights):
-        return local_experts(x, ids, gates, weights, ffn, spec.routing, spec.capacity_factor,
-                             spec.axis if spec.degree > 1 else (), spec.reduce_axes, weights[0].shape[0] * spec.degree)
+    def body(x, ids, gates, priority, weights):
+        return local_experts(x, ids, gates, priority, weights, ffn, spec.routing, spec.capacity_factor,
+                             spec.axis if spec.degree > 1 else (), spec.reduce_axes, weights[0].shape[0] * spec.degree,
+                             spec.exchange)
 
-    return body(x_BSD, expert_ids_BSK, gates_BSK, tuple(weights))
+    return body(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, tuple(weights))
 
 
-def local_experts(x_BSD, ids_BSK, gates_BSK, weights, ffn, routing: str, capacity_factor: float,
-                  axis: tuple[str, ...] = (), reduce_axes: tuple[str, ...] = (), num_experts: int | None = None):
+def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing: str, capacity_factor: float,
+                  axis: tuple[str, ...] = (), reduce_axes: tuple[str, ...] = (), num_experts: int | None = None,
+                  exchange: str = "padded"):
     """One device's part (or the whole computation, with no axes): route, exchange over
     `axis`, run the local experts, exchange back, combine."""
     num_experts = weights[0].shape[0] if num_experts is None else num_experts
@@ -101,12 +121,12 @@ def local_experts(x_BSD, ids_BSK, gates_BSK, weights, ffn, routing: str, capacit
     k = ids_BSK.shape[-1]
     if routing == "capacity":
         cap = expert_capacity(capacity_factor, s, k, num_experts)
-        slots = jax.vmap(lambda e, g: capacity_slots(e, g, num_experts, cap))(ids_BSK, gates_BSK)
+        slots = jax.vmap(lambda e, p: capacity_slots(e, p, num_experts, cap))(ids_BSK, priority_BSK)
         kept = slots >= 0
         y_pairs = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts)
     else:
         kept = jnp.ones(ids_BSK.shape, bool)
-        y_pairs = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts)
+        y_pairs = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange)
     gates = jnp.where(kept, gates_BSK, 0).astype(jnp.float32)
     y = jnp.einsum("bskd,bsk->bsd", y_pairs.astype(jnp.float32), gates)
     return y.astype(x_BSD.dtype), kept
@@ -121,16 +141,22 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     pairs = jnp.broadcast_to(x_BSD[:, :, None, :], (b, s, k, d))
     buf = jnp.zeros((num_experts, b * cap, d), x_BSD.dtype).at[ids_BSK, where].add(pairs, mode="drop")
     if axis:
-        buf = jax.lax.all_to_all(buf, axis, 0, 1, tiled=True)  # [E/n, n x b x C, D]: my experts, every sender
+        buf = _arrived(jax.lax.all_to_all(buf, axis, 0, 1, tiled=True))  # [E/n, n x b x C, D]: my experts, every sender
     out = ffn(weights, buf)
     if reduce_axes:
         out = jax.lax.psum(out, reduce_axes)
     if axis:
-        out = jax.lax.all_to_all(out, axis, 1, 0, tiled=True)  # back: [E, b x C, D]
+        out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
     return out.at[ids_BSK, where].get(mode="fill", fill_value=0)
 
 
-def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts):
+def _arrived(x):
+    """An exchanged buffer, named so remat policies can keep it (jaxpar.nn) rather than run
+    the all-to-all again in the backward pass."""
+    return checkpoint_name(x, EXCHANGED_NAME)
+
+
+def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange):
     b, s, d = x_BSD.shape
     k = ids_BSK.shape[-1]
     pairs = b * s * k
@@ -140,8 +166,11 @@ def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_expe
     counts = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
     if not axis:
         y_sorted = _reduced(ffn(weights, x_sorted, counts), reduce_axes)
-    else:
+    elif exchange == "padded":
         y_sorted = _padded_exchange(x_sorted, jnp.sort(ids), counts, weights, ffn, axis, reduce_axes)
+    else:
+        collective = jax.lax.ragged_all_to_all if exchange == "ragged" else emulated_ragged_all_to_all
+        y_sorted = _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(b, s, k, d)
 
 
@@ -161,7 +190,7 @@ def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_ax
     take = starts[:, None] + j[None, :]  # [n, P]
     valid = j[None, :] < per_device[:, None]
     send = jnp.where(valid[..., None], x_sorted[jnp.minimum(take, pairs - 1)], 0)
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [n senders, P, D]
+    recv = _arrived(jax.lax.all_to_all(send, axis, 0, 0, tiled=True))  # [n senders, P, D]
     recv_counts = jax.lax.all_to_all(counts.reshape(n, local), axis, 0, 0, tiled=True)  # [n senders, E_local]
     # Each sender's rows arrive sorted by my local experts; regroup all of them by expert.
     ends = jnp.cumsum(recv_counts, axis=1)
@@ -170,6 +199,48 @@ def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_ax
     out = ffn(weights, recv.reshape(n * pairs, d)[regroup], recv_counts.sum(0))
     out = _reduced(out, reduce_axes)
     out = jnp.zeros_like(out).at[regroup].set(out).reshape(n, pairs, d)
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # [n receivers, P, D]
+    back = _arrived(jax.lax.all_to_all(out, axis, 0, 0, tiled=True))  # [n receivers, P, D]
     device = ids_sorted // local
     return back[device, j - starts[device]]
+
+
+def _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective):
+    """Rows [P, D] sorted by expert -> their experts' outputs, same order, moving only the
+    real rows. Each receiver lays its rows out sender by sender, each sender's run sorted
+    by the receiver's experts; the return trip retraces the offsets."""
+    pairs, d = x_sorted.shape
+    local = weights[0].shape[0]
+    n = counts.shape[0] // local
+    send_sizes = counts.reshape(n, local).sum(1)  # rows to each device
+    send_offsets = jnp.cumsum(send_sizes) - send_sizes
+    recv_counts = jax.lax.all_to_all(counts.reshape(n, local), axis, 0, 0, tiled=True)  # [n senders, E_local]
+    recv_sizes = recv_counts.sum(1)
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    # Where my rows land on each receiver: its offset for me; and, for the way back, where
+    # each sender keeps the rows it sent me.
+    land_at = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)
+    kept_at = jax.lax.all_to_all(send_offsets, axis, 0, 0, tiled=True)
+    received = _arrived(collective(x_sorted, jnp.zeros((n * pairs, d), x_sorted.dtype), send_offsets, send_sizes,
+                                   land_at, recv_sizes, axis_name=axis))
+    row = jnp.arange(n * pairs)
+    sender = jnp.minimum(jnp.searchsorted(jnp.cumsum(recv_sizes), row, side="right"), n - 1)
+    within = row - recv_offsets[sender]
+    expert_of_row = jax.vmap(lambda s, w: jnp.searchsorted(jnp.cumsum(recv_counts[s]), w, side="right"))(sender, within)
+    regroup = jnp.argsort(expert_of_row, stable=True)  # rows past the received ones: `local`, last
+    out = _reduced(ffn(weights, received[regroup], recv_counts.sum(0)), reduce_axes)
+    out = jnp.zeros_like(out).at[regroup].set(out)
+    return _arrived(collective(out, jnp.zeros((pairs, d), out.dtype), recv_offsets, recv_sizes, kept_at, send_sizes,
+                               axis_name=axis))
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """jax.lax.ragged_all_to_all's semantics from all_to_all of one padded slice per peer
+    (one slice per device: len(offsets) == the axis size)."""
+    rows, n = operand.shape[0], input_offsets.shape[0]
+    r = jnp.arange(rows)
+    send = jnp.where((r[None, :] < send_sizes[:, None])[..., None],
+                     operand[jnp.minimum(input_offsets[:, None] + r[None, :], rows - 1)], 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [n senders, rows, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender's slice goes here
+    where = jnp.where(r[None, :] < recv_sizes[:, None], at[:, None] + r[None, :], output.shape[0])
+    return output.at[where.reshape(-1)].set(recv.reshape(n * rows, *operand.shape[1:]), mode="drop")

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
 
 
-def reference_experts(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn, capacity_factor: float | None = None):
-    """(y [B, S, D], kept [B, S, K]); capacity per sequence if `capacity_factor` is set."""
+def reference_experts(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn, capacity_factor: float | None = None, priority_BSK=None):
+    """(y [B, S, D], kept [B, S, K]); capacity per sequence if `capacity_factor` is set,
+    claimed in `priority` order (default: the gates)."""
     b, s, d = x_BSD.shape
     k = expert_ids_BSK.shape[-1]
     num_experts = weights[0].shape[0]
@@ -22,6 +23,7 @@ def reference_experts(x_BSD, expert_ids_BSK, gates_BSK, weights, ffn, capacity_f
         kept = jnp.ones(expert_ids_BSK.shape, bool)
     else:
         cap = expert_capacity(capacity_factor, s, k, num_experts)
-        kept = jax.vmap(lambda e, g: capacity_slots(e, g, num_experts, cap) >= 0)(expert_ids_BSK, gates_BSK)
+        priority = gates_BSK if priority_BSK is None else priority_BSK
+        kept = jax.vmap(lambda e, p: capacity_slots(e, p, num_experts, cap) >= 0)(expert_ids_BSK, priority)
     y = jnp.einsum("bskd,bsk->bsd", picked.astype(jnp.float32), jnp.where(kept, gates_BSK, 0).astype(jnp.float32))
     return y.astype(x_BSD.dtype), kept

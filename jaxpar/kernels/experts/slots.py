@@ -25,14 +25,13 @@ def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts
 def capacity_slots(expert_ids_TK: jax.Array, priority_TK: jax.Array, num_experts: int, capacity: int) -> jax.Array:
     """Slot in [0, capacity) of each pair [T, k] in its expert's buffer, or DROPPED.
 
-    priority_TK: routing weights in [0, 1], higher first within a choice rank.
+    priority_TK: router probabilities, higher first within a choice rank.
     """
     t, k = expert_ids_TK.shape
-    rank = jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), (t, k))
-    # Choice rank first, then confidence: the key is rank + (1 - weight), rank-major.
-    key = (rank + (1.0 - jnp.clip(priority_TK.astype(jnp.float32), 0.0, 1.0))).T.reshape(-1)
-    ids = expert_ids_TK.T.reshape(-1)  # rank-major, so equal keys keep token order
-    order = jnp.argsort(jax.lax.stop_gradient(key), stable=True)
+    rank = jnp.broadcast_to(jnp.arange(k), (t, k)).T.reshape(-1)  # rank-major, so equal keys keep token order
+    confidence = -jax.lax.stop_gradient(priority_TK).astype(jnp.float32).T.reshape(-1)
+    order = jnp.lexsort((confidence, rank))  # choice rank first, then confidence; stable
+    ids = expert_ids_TK.T.reshape(-1)
     claimed = jax.nn.one_hot(ids[order], num_experts, dtype=jnp.int32)
     place_sorted = jnp.sum(jnp.cumsum(claimed, axis=0) * claimed, axis=-1) - 1  # 0-based, per expert
     place = jnp.zeros_like(place_sorted).at[order].set(place_sorted)
