@@ -1,4 +1,5 @@
-"""`jaxpar train RECIPE [--set key=value ...]`, `jaxpar explain RECIPE` and `jaxpar recipes`.
+"""`jaxpar train RECIPE [--set key=value ...]`, `jaxpar explain RECIPE`, `jaxpar schedule NAME`
+and `jaxpar recipes`.
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
 """
@@ -32,6 +33,12 @@ def parser() -> argparse.ArgumentParser:
                          help="compile for N virtual CPU devices (up to 512); default: the accelerators present, "
                          "else 8 CPU devices as `train` uses")
     explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    schedule = sub.add_parser("schedule", help="draw a pipeline schedule and measure its bubble")
+    schedule.add_argument("name", help="gpipe, 1f1b, interleaved or zb-h1")
+    schedule.add_argument("--stages", type=int, default=4, metavar="P", help="pipeline stages (default 4)")
+    schedule.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches (default 8)")
+    schedule.add_argument("--chunks", type=int, default=1, metavar="V", help="virtual stages per device (interleaved)")
+    schedule.add_argument("--png", metavar="PATH", help="also write the picture as a PNG")
     sub.add_parser("recipes", help="list recipes")
     return p
 
@@ -58,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n".join(recipes.names()))
         return 0
+    if args.command == "schedule":
+        return schedule(args)
     try:
         return explain(args) if args.command == "explain" else train(args)
     except ConfigError as e:
@@ -125,6 +134,29 @@ def explain(args) -> int:
     trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
     doc = explain_step(trainer, inspect_step(trainer))
     print(json.dumps(doc, indent=1) if args.json else render(doc))
+    return 0
+
+
+def schedule(args) -> int:
+    """The timeline a schedule gives, its bubble beside the published one, and the
+    activations in flight on the first stage."""
+    from jaxpar.pipeline import build_schedule, bubble_fraction, peak_in_flight, render
+    from jaxpar.pipeline.schedule import published_bubble
+
+    p, m, v = args.stages, args.microbatches, args.chunks
+    try:
+        timeline = build_schedule(args.name, p, m, v)
+    except ValueError as e:
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+    print(render(timeline))
+    print("forwards: microbatch digits; backwards: lower-case letters (a = 0); weight gradients: upper case; idle: .")
+    print(f"bubble {bubble_fraction(timeline):.4f} (published {published_bubble(args.name, p, m, v):.4f}); "
+          f"{peak_in_flight(timeline)} microbatch chunks of activations in flight on stage 0")
+    if args.png:
+        from jaxpar.pipeline.picture import save_png
+
+        print(f"wrote {save_png(timeline, args.png, f'{args.name}: p={p}, m={m}, v={v}')}")
     return 0
 
 

@@ -12,10 +12,11 @@ CASES = [(p, m) for p in (2, 4) for m in (4, 8, 16)]
 
 
 def check_complete_and_ordered(t):
+    split = any(op is not None and op.kind == "W" for row in t.grid for op in row)
     seen = {}
     for s, row in enumerate(t.grid):
         for time, op in enumerate(row):
-            if op is not None:
+            if op is not None and (time == 0 or row[time - 1] is not op):  # an op's first step
                 key = (op.kind, op.microbatch, op.chunk * t.p + s)
                 assert key not in seen, f"{key} runs twice"
                 seen[key] = time
@@ -25,7 +26,9 @@ def check_complete_and_ordered(t):
         assert seen[("B", i, vs)] > seen[("F", i, vs)]
         if vs < last:
             assert seen[("B", i, vs)] > seen[("B", i, vs + 1)]
-    assert len(seen) == 2 * t.m * t.p * t.v
+        if split:
+            assert seen[("W", i, vs)] > seen[("B", i, vs)]
+    assert len(seen) == (3 if split else 2) * t.m * t.p * t.v
 
 
 @pytest.mark.parametrize("p, m", CASES)
@@ -41,6 +44,18 @@ def test_interleaved_bubble_shrinks_with_virtual_stages(p, m, v):
     t = build_schedule("interleaved", p, m, v)
     check_complete_and_ordered(t)
     assert bubble_fraction(t) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert peak_in_flight(t) == (p - 1) * 2 + (v - 1) * p + 1  # Megatron's warm-up forwards, plus one
+
+
+@pytest.mark.parametrize("p, m", CASES + [(8, 16)])
+def test_zero_bubble_h1_is_below_one_f_one_b_at_the_same_memory(p, m):
+    """With the weight gradient split off (F, B, W one step each), ZB-H1's bubble is
+    (p-1)/(3m+p-1), a third of 1F1B's idle time, with 1F1B's p microbatches in flight."""
+    t = build_schedule("zb-h1", p, m)
+    check_complete_and_ordered(t)
+    assert bubble_fraction(t) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble_fraction(t) < bubble_fraction(build_schedule("1f1b", p, m))
+    assert peak_in_flight(t) == peak_in_flight(build_schedule("1f1b", p, m)) == p
 
 
 def test_one_f_one_b_memory_is_flat_in_microbatches():
@@ -49,14 +64,15 @@ def test_one_f_one_b_memory_is_flat_in_microbatches():
 
 
 def test_render_draws_forwards_backwards_and_idle():
-    picture = render(build_schedule("1f1b", 2, 2))  # stage 0 waits for each backward from stage 1
-    assert picture.splitlines() == ["stage 0  01.a.b", "stage 1  .0a1b."]
+    picture = render(build_schedule("1f1b", 2, 2))  # a backward takes two steps
+    assert picture.splitlines() == ["stage 0  01..aa.bb", "stage 1  .0aa1bb.."]
+    assert render(build_schedule("zb-h1", 2, 2)).splitlines() == ["stage 0  01.aAbB", "stage 1  .0a1bAB"]
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("zb-v", 2, 4), "schedule 'zb-v'; use one of gpipe, 1f1b, interleaved"),
+        (("zb-v", 2, 4), "schedule 'zb-v'; use one of gpipe, 1f1b, interleaved, zb-h1"),
         (("1f1b", 4, 2), "1f1b needs at least as many microbatches as stages: m=2 < p=4"),
         (("interleaved", 4, 6, 2), "m=6 is not a multiple of p=4"),
         (("gpipe", 2, 4, 2), "gpipe runs one chunk per device"),
@@ -67,3 +83,24 @@ def test_bad_schedule(args, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(*args)
 
+
+
+def test_an_order_that_waits_on_itself_is_reported():
+    from jaxpar.pipeline.schedule import Op, simulate
+
+    backward_first = [[Op("B", 0, 0), Op("F", 0, 0)], [Op("F", 0, 0), Op("B", 0, 0)]]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate(backward_first, 2, 1, 1)
+
+
+def test_schedule_command_prints_the_timeline_and_writes_a_png(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    png = tmp_path / "zb.png"
+    assert main(["schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "stage 3  ...0a1b2c3dA4eB5fC6gD7hEFGH" in out
+    assert "bubble 0.1111 (published 0.1111)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["schedule", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
+    assert "1f1b needs at least as many microbatches as stages" in capsys.readouterr().err

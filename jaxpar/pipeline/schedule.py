@@ -1,11 +1,13 @@
 """Pipeline schedules as tables: which operation each stage runs at each time step.
 
 A schedule is, per device, the order in which it runs its operations: F (forward of one
-microbatch through one model chunk) and B (its backward). `simulate` turns those orders
-into a timeline by running every operation as soon as its device is free and its inputs
-exist (a forward needs the previous chunk's forward of the same microbatch; a backward the
-next chunk's backward and its own forward). Every operation takes one time step, so idle
-slots / all slots of the timeline is the bubble fraction the papers give:
+microbatch through one model chunk), B (its backward) and, where the backward is split,
+W (the weight gradient, after B). `simulate` turns those orders into a timeline by
+running every operation as soon as its device is free and its inputs exist (a forward
+needs the previous chunk's forward of the same microbatch; a backward the next chunk's
+backward and its own forward). A forward takes one time step, a whole backward two (input
+and weight gradients; split, one each), so idle slots / all slots of the timeline is the
+bubble fraction the papers give:
 
   gpipe        all forwards, then all backwards                     (p-1)/(m+p-1)
   1f1b         PipeDream-Flush: p-s-1 warm-up forwards, then one     (p-1)/(m+p-1), with at
@@ -14,6 +16,9 @@ slots / all slots of the timeline is the bubble fraction the papers give:
   interleaved  Megatron's virtual stages: device s holds chunks      (p-1)/(v*m+p-1)
                s, s+p, ..., s+(v-1)p; forwards in groups of p
                microbatches per chunk (m a multiple of p)
+  zb-h1        zero bubble (arXiv 2401.10241): 1F1B with the         (p-1)/(3m+p-1) when
+               backward split, stage s putting off s weight          F, B, W take the same
+               gradients; in flight as 1F1B (p on stage 0)           time
 
 p stages (devices), m microbatches, v chunks per device (v = 1 but for interleaved).
 """
@@ -23,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+DURATION = {"F": 1, "B": 2, "W": 1}  # time steps; B is 1 when a W follows it (split backward)
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     microbatch: int
     chunk: int  # virtual stage: chunk c of device s is model piece c * p + s
 
@@ -54,11 +60,11 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Timeline:
         raise ValueError(f"stages, microbatches and chunks must be positive, not p={p}, m={m}, v={v}")
     if name != "interleaved" and v != 1:
         raise ValueError(f"{name} runs one chunk per device, not v={v}; use interleaved")
-    if name == "1f1b" and m < p:
-        raise ValueError(f"1f1b needs at least as many microbatches as stages: m={m} < p={p}")
+    if name in ("1f1b", "zb-h1") and m < p:
+        raise ValueError(f"{name} needs at least as many microbatches as stages: m={m} < p={p}")
     if name == "interleaved" and m % p:
         raise ValueError(f"interleaved needs microbatches in groups of the stages: m={m} is not a multiple of p={p}")
-    orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
+    orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble_h1}[name]
     return simulate([orders(s, p, m, v) for s in range(p)], p, m, v)
 
 
@@ -72,6 +78,19 @@ def _one_f_one_b(s: int, p: int, m: int, v: int) -> list[Op]:
     for i in range(m - warmup):
         order += [Op("F", warmup + i, 0), Op("B", i, 0)]
     return order + [Op("B", i, 0) for i in range(m - warmup, m)]
+
+
+def _zero_bubble_h1(s: int, p: int, m: int, v: int) -> list[Op]:
+    """1F1B's order with each backward split: stage s runs W(i) after B(i + s), its last s
+    weight gradients after the final backward. Later stages put off more, so the chain of
+    input gradients back to stage 0 (the critical path) never waits behind a W."""
+    late = s
+    order = []
+    for op in _one_f_one_b(s, p, m, v):
+        order.append(op)
+        if op.kind == "B" and op.microbatch >= late:
+            order.append(Op("W", op.microbatch - late, 0))
+    return order + [Op("W", i, 0) for i in range(m - late, m)]
 
 
 def _interleaved(s: int, p: int, m: int, v: int) -> list[Op]:
@@ -93,13 +112,19 @@ def _interleaved(s: int, p: int, m: int, v: int) -> list[Op]:
 def simulate(orders: list[list[Op]], p: int, m: int, v: int) -> Timeline:
     """Run each device's ops in order, each as early as its dependencies allow."""
     last = p * v - 1  # the last virtual stage
+    split = any(op.kind == "W" for order in orders for op in order)
     done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> finish time
     grid: list[list[Op | None]] = [[] for _ in range(p)]
     cursor = [0] * p
+    busy_until = [0] * p
     t = 0
-    while any(cursor[s] < len(orders[s]) for s in range(p)):
-        ran = False
+    while any(cursor[s] < len(orders[s]) for s in range(p)) or any(b > t for b in busy_until):
+        started = False
+        running = any(b > t for b in busy_until)
         for s in range(p):
+            if busy_until[s] > t:  # still running a longer op
+                grid[s].append(grid[s][-1])
+                continue
             if cursor[s] == len(orders[s]):
                 grid[s].append(None)
                 continue
@@ -107,22 +132,29 @@ def simulate(orders: list[list[Op]], p: int, m: int, v: int) -> Timeline:
             vs = op.chunk * p + s
             if op.kind == "F":
                 needs = [("F", op.microbatch, vs - 1)] if vs > 0 else []
-            else:
+            elif op.kind == "B":
                 needs = [("F", op.microbatch, vs)] + ([("B", op.microbatch, vs + 1)] if vs < last else [])
+            else:
+                needs = [("B", op.microbatch, vs)]
             if all(done.get(n, t + 1) <= t for n in needs):
+                length = 1 if split and op.kind == "B" else DURATION[op.kind]
+                busy_until[s] = t + length
+                done[(op.kind, op.microbatch, vs)] = t + length
                 grid[s].append(op)
                 cursor[s] += 1
-                ran = True
+                started = True
             else:
                 grid[s].append(None)
-        for s in range(p):
-            op = grid[s][-1]
-            if op is not None:
-                done[(op.kind, op.microbatch, op.chunk * p + s)] = t + 1
-        if not ran:
-            raise RuntimeError(f"schedule deadlocks at time {t}: {[orders[s][cursor[s]] for s in range(p) if cursor[s] < len(orders[s])]}")
+        if not started and not running:  # nothing ran and nothing will: an order waits on itself
+            pending = [orders[s][cursor[s]] for s in range(p) if cursor[s] < len(orders[s])]
+            raise RuntimeError(f"schedule deadlocks at time {t}: {pending}")
         t += 1
     return Timeline(p, m, v, tuple(tuple(row) for row in grid))
+
+
+def published_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The papers' bubble fraction for a schedule (the table at the top of this module)."""
+    return (p - 1) / ({"interleaved": v * m, "zb-h1": 3 * m}.get(name, m) + p - 1)
 
 
 def bubble_fraction(timeline: Timeline) -> float:
@@ -132,21 +164,29 @@ def bubble_fraction(timeline: Timeline) -> float:
 
 
 def peak_in_flight(timeline: Timeline, device: int = 0) -> int:
-    """Most microbatch chunks whose forward has run on `device` and whose backward has not:
-    the activations it holds at once."""
+    """Most microbatch chunks whose forward has started on `device` and whose backward
+    (its weight gradient, where split) has not finished: the activations it holds at once."""
+    frees = "W" if any(op is not None and op.kind == "W" for row in timeline.grid for op in row) else "B"
     live = peak = 0
+    previous = None
     for op in timeline.grid[device]:
-        if op is not None:
-            live += 1 if op.kind == "F" else -1
-            peak = max(peak, live)
+        if op is not None and op is not previous:  # the first step of an op
+            if op.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif op.kind == frees:
+                live -= 1
+        previous = op
     return peak
 
 
 def render(timeline: Timeline, label: Callable[[Op], str] | None = None) -> str:
     """A text picture: one row per device, one column per time step; forwards as the
-    microbatch number, backwards as letters (a = microbatch 0), idle as '.'."""
+    microbatch number, backwards as lower-case letters (a = microbatch 0), weight
+    gradients as upper-case letters, idle as '.'."""
     def default(op: Op) -> str:
-        return str(op.microbatch % 10) if op.kind == "F" else "abcdefghijklmnopqrstuvwxyz"[op.microbatch % 26]
+        letter = "abcdefghijklmnopqrstuvwxyz"[op.microbatch % 26]
+        return str(op.microbatch % 10) if op.kind == "F" else letter if op.kind == "B" else letter.upper()
 
     label = label or default
     rows = [f"stage {s}  " + "".join("." if op is None else label(op) for op in row) for s, row in enumerate(timeline.grid)]
