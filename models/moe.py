@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
 from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
-from jaxpar.sharding import compute_value, constrain, run_experts
+from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ class MoE(nnx.Module):
         scores = probs
         if cfg.bias_update_rate:  # chooses experts; the gates stay the router's probabilities
             scores = probs + jax.lax.stop_gradient(compute_value(self.router_bias).astype(jnp.float32))
-        _, ids = jax.lax.top_k(scores, cfg.top_k)
+        ids = top_k_indices(scores, cfg.top_k)
         chosen_probs = jnp.take_along_axis(probs, ids, axis=-1)
         gates = chosen_probs
         if cfg.renormalize and cfg.top_k > 1:  # at k = 1 it would make every gate 1: no gradient to the router

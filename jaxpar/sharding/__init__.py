@@ -14,7 +14,7 @@ from jaxpar.sharding.annotate import (
     use_layout,
 )
 from jaxpar.sharding.attend import attend, context_spec, sequence_degree
-from jaxpar.sharding.experts import run_experts
+from jaxpar.sharding.experts import run_experts, top_k_indices
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "sequence_degree",
     "shardings_for",
     "run_experts",
+    "top_k_indices",
     "use_layout",
 ]

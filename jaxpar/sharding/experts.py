@@ -18,6 +18,19 @@ from jaxpar.kernels.experts import ExpertSpec, expert_parallel, local_experts
 from jaxpar.sharding.annotate import active_layout, compute_value, logical_names
 
 TOKEN_NAMES = ("batch", "seq", "embed")
+PAIR_NAMES = ("batch", "seq", None)
+
+
+def top_k_indices(scores_BSE: jax.Array, k: int) -> jax.Array:
+    """Indices [B, S, k] of each token's k largest scores, found where the tokens live.
+    XLA does not partition top-k: left to jit, every device gathers every token's scores."""
+    scores_BSE = jax.lax.stop_gradient(scores_BSE)
+    layout = active_layout()
+    if layout is None:
+        return jax.lax.top_k(scores_BSE, k)[1]
+    spec = layout.rules.spec(PAIR_NAMES, "compute")
+    local = jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=layout.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return local(scores_BSE)
 
 
 def run_experts(
