@@ -142,9 +142,7 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     buf = jnp.zeros((num_experts, b * cap, d), x_BSD.dtype).at[ids_BSK, where].add(pairs, mode="drop")
     if axis:
         buf = _arrived(jax.lax.all_to_all(buf, axis, 0, 1, tiled=True))  # [E/n, n x b x C, D]: my experts, every sender
-    out = ffn(weights, buf)
-    if reduce_axes:
-        out = jax.lax.psum(out, reduce_axes)
+    out = _reduced(ffn(weights, buf), reduce_axes)
     if axis:
         out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
     return out.at[ids_BSK, where].get(mode="fill", fill_value=0)
@@ -178,6 +176,14 @@ def _reduced(out, reduce_axes):
     return jax.lax.psum(out, reduce_axes) if reduce_axes else out
 
 
+def _by_expert(rows, expert_of_row, group_sizes, weights, ffn, reduce_axes):
+    """The received rows through their local experts, back in arrival order: grouped by
+    expert for the grouped matmul (rows past the received ones carry expert `local`, last)."""
+    regroup = jnp.argsort(expert_of_row, stable=True)
+    out = _reduced(ffn(weights, rows[regroup], group_sizes), reduce_axes)
+    return jnp.zeros_like(out).at[regroup].set(out)
+
+
 def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_axes):
     """Rows [P, D] sorted by expert -> their experts' outputs, same order. Device d gets the
     rows of experts [d x E_local, (d+1) x E_local): a contiguous run, sent in a P-row buffer."""
@@ -195,10 +201,8 @@ def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_ax
     # Each sender's rows arrive sorted by my local experts; regroup all of them by expert.
     ends = jnp.cumsum(recv_counts, axis=1)
     expert_of_row = jax.vmap(lambda e: jnp.searchsorted(e, j, side="right"))(ends)  # [n, P]; `local` = padding
-    regroup = jnp.argsort(expert_of_row.reshape(-1), stable=True)
-    out = ffn(weights, recv.reshape(n * pairs, d)[regroup], recv_counts.sum(0))
-    out = _reduced(out, reduce_axes)
-    out = jnp.zeros_like(out).at[regroup].set(out).reshape(n, pairs, d)
+    out = _by_expert(recv.reshape(n * pairs, d), expert_of_row.reshape(-1), recv_counts.sum(0), weights, ffn, reduce_axes)
+    out = out.reshape(n, pairs, d)
     back = _arrived(jax.lax.all_to_all(out, axis, 0, 0, tiled=True))  # [n receivers, P, D]
     device = ids_sorted // local
     return back[device, j - starts[device]]
@@ -226,9 +230,7 @@ def _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collecti
     sender = jnp.minimum(jnp.searchsorted(jnp.cumsum(recv_sizes), row, side="right"), n - 1)
     within = row - recv_offsets[sender]
     expert_of_row = jax.vmap(lambda s, w: jnp.searchsorted(jnp.cumsum(recv_counts[s]), w, side="right"))(sender, within)
-    regroup = jnp.argsort(expert_of_row, stable=True)  # rows past the received ones: `local`, last
-    out = _reduced(ffn(weights, received[regroup], recv_counts.sum(0)), reduce_axes)
-    out = jnp.zeros_like(out).at[regroup].set(out)
+    out = _by_expert(received, expert_of_row, recv_counts.sum(0), weights, ffn, reduce_axes)
     return _arrived(collective(out, jnp.zeros((pairs, d), out.dtype), recv_offsets, recv_sizes, kept_at, send_sizes,
                                axis_name=axis))
 
