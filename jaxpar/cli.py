@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
                          help="compile for N virtual CPU devices (up to 512); default: the accelerators present, "
                          "else 8 CPU devices as `train` uses")
     explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    explain.add_argument("--png", metavar="PATH", help="with mesh.stage > 1: also draw the pipeline schedule as a PNG")
     schedule = sub.add_parser("schedule", help="draw a pipeline schedule and measure its bubble")
     schedule.add_argument("name", help="gpipe, 1f1b, interleaved or zb-h1")
     schedule.add_argument("--stages", type=int, default=4, metavar="P", help="pipeline stages (default 4)")
@@ -100,6 +101,7 @@ def train(args) -> int:
         f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
         f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices | "
         f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+        f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
         f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches"
     )
     history = run(trainer, metrics_file=args.metrics_file, progress=not args.no_progress)
@@ -132,8 +134,18 @@ def explain(args) -> int:
 
     devices = jax.devices()
     trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
+    if args.png and trainer.pipeline is None:
+        raise ConfigError("--png draws the pipeline schedule, but mesh.stage=1; set mesh.stage>1")
     doc = explain_step(trainer, inspect_step(trainer))
     print(json.dumps(doc, indent=1) if args.json else render(doc))
+    if args.png:
+        from jaxpar.pipeline import build_schedule
+        from jaxpar.pipeline.picture import save_png
+
+        parallel, t = trainer.config.parallel, trainer.pipeline.timeline
+        timeline = build_schedule(parallel.pipeline_schedule, t.p, t.m, t.v)
+        title = f"{args.recipe}: {parallel.pipeline_schedule}, p={t.p}, m={t.m}, v={t.v}"
+        print(f"wrote {save_png(timeline, args.png, title)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -48,6 +48,11 @@ class ParallelConfig:
     # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
     # or auto (ragged on GPUs, padded elsewhere).
     expert_exchange: str = "auto"
+    # Pipeline parallelism over mesh.stage (jaxpar.pipeline): the schedule (gpipe | 1f1b |
+    # interleaved | zb-h1), run over train.microbatches microbatches, and the model chunks
+    # (virtual stages) each device holds, more than 1 only for interleaved.
+    pipeline_schedule: str = "1f1b"
+    pipeline_chunks: int = 1
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
@@ -221,7 +226,69 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
         _validate_llama(config, sizes)
     _validate_context(config, sizes)  # after the model's checks: it divides heads by the tensor degree
     _validate_experts(config, sizes)
+    _validate_pipeline(config, sizes)
     return sizes
+
+
+def _validate_pipeline(config: Config, sizes: dict[str, int]) -> None:
+    from jaxpar.pipeline.schedule import SCHEDULES
+
+    parallel, p = config.parallel, sizes["stage"]
+    name, v, m = parallel.pipeline_schedule, parallel.pipeline_chunks, config.train.microbatches
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.pipeline_schedule={name!r}; use one of {', '.join(SCHEDULES)}")
+    if v < 1:
+        raise ConfigError(f"parallel.pipeline_chunks={v} must be a positive number of chunks per device; e.g. 2")
+    if v > 1 and name != "interleaved":
+        raise ConfigError(
+            f"parallel.pipeline_chunks={v} gives each device several model chunks, which only the interleaved "
+            f"schedule runs, but parallel.pipeline_schedule={name}; use pipeline_schedule=interleaved or pipeline_chunks=1"
+        )
+    if p == 1:
+        if v > 1:
+            raise ConfigError(f"parallel.pipeline_chunks={v} splits a pipeline, but mesh.stage=1; set mesh.stage>1")
+        return
+    model = config.model
+    if type(model) is not LlamaConfig:
+        raise ConfigError(
+            f"mesh.stage={p} pipelines the layer stack of a Llama model, but model is {type(model).__name__} "
+            "(MoE and MLP models are not cut into stages yet); use mesh.stage=1"
+        )
+    if model.num_layers % (p * v):
+        ok = [d for d in divisors(model.num_layers) if d % v == 0 and d > v] or ["none"]
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} does not split evenly into mesh.stage x parallel.pipeline_chunks = "
+            f"{p} x {v} = {p * v} chunks; use num_layers a multiple of {p * v}, or stage x chunks in {ok}"
+        )
+    if name in ("1f1b", "zb-h1") and m < p:
+        raise ConfigError(
+            f"parallel.pipeline_schedule={name} needs at least one microbatch per stage: train.microbatches={m} < "
+            f"mesh.stage={p}; use train.microbatches>={p} (more shrinks the bubble, (p-1)/(m+p-1))"
+        )
+    if name == "interleaved" and m % p:
+        raise ConfigError(
+            f"parallel.pipeline_schedule=interleaved sends microbatches in groups of mesh.stage={p}, but "
+            f"train.microbatches={m}; use a multiple of {p}, e.g. {p * max(1, round(m / p))}"
+        )
+    for axis in ("context", "expert"):
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"mesh.stage={p} with mesh.{axis}={sizes[axis]}: pipeline stages do not yet run the {axis}-parallel "
+                f"kernels; use mesh.{axis}=1 (data, fsdp and tensor compose with stages)"
+            )
+    if parallel.zero_stage >= 2:
+        raise ConfigError(
+            f"parallel.zero_stage={parallel.zero_stage} with mesh.stage={p}: a pipeline stage accumulates its "
+            "microbatches' gradients unreduced and reduces them over data once per step, so ZeRO-2/3 would only "
+            "add traffic (DeepSpeed refuses the pair too); use zero_stage 0 or 1, and mesh.fsdp to shard "
+            "parameters and gradients inside each stage"
+        )
+    for flag in ("quantized_weights", "quantized_gradients"):
+        if getattr(parallel, flag):
+            raise ConfigError(
+                f"parallel.{flag}=true with mesh.stage={p}: ZeRO++ collectives are not wired into pipeline stages "
+                f"yet; set parallel.{flag}=false or mesh.stage=1"
+            )
 
 
 def _validate_experts(config: Config, sizes: dict[str, int]) -> None:

@@ -61,9 +61,9 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     losses, grads = [], None
     for i in range(steps):  # one compile: the step that also returns its gradients
         state, metrics, step_grads = trainer.step_and_grads(state, source(i))
-        grads = jax.device_get(step_grads) if i == 0 else grads
+        grads = jax.device_get(trainer.model_order(step_grads)) if i == 0 else grads
         losses.append(float(metrics["loss"]))
-    return Run(losses, grads, jax.device_get(trainer.master_params(state)))
+    return Run(losses, grads, jax.device_get(trainer.model_order(trainer.master_params(state))))
 
 
 def reference_run(config: Config, steps: int = 3) -> Run:

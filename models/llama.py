@@ -189,10 +189,19 @@ class Llama(nnx.Module):
 
     def trunk(self, table: jax.Array, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(hidden states after the last layer, what each layer reported or None)."""
+        return self.run_layers(self.embed(table, tokens_BS), positions, segment_ids)
+
+    # The pieces a pipeline places on its stages (jaxpar.pipeline.stages): the embedding on
+    # the first, the layer stack split across all, the head on the last.
+
+    def embed(self, table: jax.Array, tokens_BS: jax.Array) -> jax.Array:
         # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
         # sequence on one gather makes the partitioner replicate the table's gradient.
-        x = constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
-        positions = jnp.arange(tokens_BS.shape[1]) if positions is None else positions
+        return constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
+
+    def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
+        """(x through every layer in `self.layers`, what each layer reported or None)."""
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
         out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
         return out if isinstance(out, tuple) else (out, None)
 

@@ -33,7 +33,10 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     data, fsdp, tensor, expert = mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["expert"]
     # Expert weights are split over mesh.expert besides; every other parameter is replicated over it.
     psi_e = _expert_params(trainer, state)
-    psi_d = psi - psi_e
+    # A pipeline stage holds 1/stage of the layer stack and all of the rest (embedding, head).
+    p = mesh.get("stage", 1)
+    psi_layers = _params_named(trainer, state, "layers") if p > 1 else 0
+    psi_d = psi - psi_e - psi_layers + psi_layers / p
     dense = formulas.model_state(psi_d, stage, data, fsdp * tensor, compute_bytes, round(4 * moments))
     routed = formulas.model_state(psi_e, stage, data, fsdp * tensor * expert, compute_bytes, round(4 * moments))
     expected = formulas.ModelState(*(getattr(dense, f) + getattr(routed, f) for f in ("params", "grads", "master", "optimizer")))
@@ -55,7 +58,8 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         memory_rows.append(("pinned host temporaries", m.host_temporaries, None))
 
     tokens = config.train.global_batch * config.train.seq_len
-    flops_formula = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
+    recompute = pipeline_recompute(trainer.pipeline) if trainer.pipeline is not None else 1.0
+    flops_formula = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices * recompute
 
     # Traffic over the data-parallel axes: ZeRO-3 over fsdp (and over data at stage 3),
     # 2 x (N-1)/N over data otherwise; Ψ here is the share one tensor-parallel rank holds.
@@ -74,6 +78,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         if c.axes and set(c.axes) <= set(DP_AXES) | {"expert"} and c.kind in GRAD_KINDS
     )
     context = _context_traffic(config, mesh, report, itemsize, psi_t)
+    pipeline = _pipeline(trainer, mesh, report, itemsize, psi - psi_layers) if trainer.pipeline is not None else {}
     experts = _expert_traffic(config, mesh, report, itemsize, trainer.layout.expert_exchange)
     return {
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
@@ -84,14 +89,17 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "memory": [_row(n, a, b) for n, a, b in memory_rows],
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
         f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
+        + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
         + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else ""),
         "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
-        "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)",
+        "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
+        + (f", x {recompute:.3f} for the pipeline's recomputed forwards" if trainer.pipeline is not None else ""),
         "gradient_traffic": _row("elements over data, fsdp" + (", expert" if expert > 1 else ""), grad_measured, grad_formula),
         "gradient_traffic_formula": f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor"
         + ("; expert weights Ψ'/e, others with d x e (expert as a data axis)" if expert > 1 else ""),
         **context,
         **experts,
+        **pipeline,
         "collectives": [
             {**row, "axes": list(row["axes"])} for row in summarize(report.collectives)
         ],
@@ -108,8 +116,61 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
 
 def _expert_params(trainer, state) -> int:
     """Parameters whose logical names include "experts" (MoE expert weights)."""
+    return _params_named(trainer, state, "experts")
+
+
+def _params_named(trainer, state, name: str) -> int:
     names = jax.tree.leaves(trainer.param_names, is_leaf=lambda x: hasattr(x, "names"))
-    return sum(math.prod(x.shape) for n, x in zip(names, jax.tree.leaves(state.params)) if "experts" in n.names)
+    return sum(math.prod(x.shape) for n, x in zip(names, jax.tree.leaves(state.params)) if name in n.names)
+
+
+def pipeline_recompute(program) -> float:
+    """Matmul work of a pipelined step over that of a plain one. In units of one chunk's
+    forward, a plain step does 3 per chunk and microbatch (forward, input and weight
+    gradients); the executor's backward runs the forward again (4), except that the last
+    chunk's forward is left to its backward (3), and a split backward runs it twice (input
+    gradient 2, weight gradient 2; the first chunk has no input gradient)."""
+    n = program.timeline.p * program.timeline.v
+    work = (n - 1) * 1 + ((n - 1) * 2 + n * 2 if program.split else n * 3)
+    return work / (3 * n)
+
+
+def _pipeline(trainer, mesh: dict[str, int], report: StepReport, itemsize, psi_other: float) -> dict[str, Any]:
+    """The schedule as the papers draw it, its bubble, and the traffic over `stage`: the
+    executor sends a microbatch's activation forward and a gradient back at every tick (in
+    lockstep, idle ticks send zeros), and sums the replicated weights' gradients once."""
+    from jaxpar.pipeline import bubble_fraction, build_schedule, peak_in_flight, render as draw
+    from jaxpar.pipeline.schedule import published_bubble
+
+    config, program = trainer.config, trainer.pipeline
+    t = program.timeline
+    name = config.parallel.pipeline_schedule
+    timeline = build_schedule(name, t.p, t.m, t.v)
+    model, train = config.model, config.train
+    rows = train.global_batch // (mesh["data"] * mesh["fsdp"]) // train.microbatches
+    seq = train.seq_len // (mesh["tensor"] if config.parallel.sequence_parallel else 1)
+    message = rows * seq * model.embed  # one microbatch's hidden states, one device's shard
+    useful = 2 * t.m * (t.p * t.v - 1) / t.p  # messages that carry data, per device
+    over_stage = [c for c in report.collectives if c.axes == ("stage",)]
+    sent = sum(c.bytes_per_step / itemsize(c) for c in over_stage if c.kind == "collective-permute")
+    reduced = sum(c.bytes_per_step / itemsize(c) for c in over_stage if c.kind == "all-reduce")
+    other = psi_other / mesh["tensor"]
+    return {
+        "pipeline": {
+            "schedule": name, "p": t.p, "m": t.m, "v": t.v,
+            "picture": draw(timeline),
+            "bubble": bubble_fraction(timeline),
+            "published_bubble": published_bubble(name, t.p, t.m, t.v),
+            "in_flight": peak_in_flight(timeline),
+            "ticks": program.ticks,
+            "activation_slots": program.act_slots,
+            "gradient_slots": program.grad_slots,
+        },
+        "pipeline_traffic": _row("elements over stage (activations, gradients)", sent, 2 * program.ticks * message),
+        "pipeline_traffic_formula": f"2 per tick x {program.ticks} ticks x microbatch hidden states {rows} x {seq} x "
+        f"{model.embed}; {useful / (2 * program.ticks):.0%} of them carry data, the rest are idle ticks' zeros",
+        "pipeline_gradient_traffic": _row("gradient elements over stage (all-reduce)", reduced, 2 * other * (t.p - 1) / t.p),
+    }
 
 
 def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, psi_t: float) -> dict[str, Any]:
@@ -203,12 +264,17 @@ def render(doc: dict[str, Any]) -> str:
     if "expert_traffic" in doc:
         lines.append(_line(doc["expert_traffic"], _count))
         lines.append(f"  formula: {doc['expert_traffic_formula']}")
+    if "pipeline_traffic" in doc:
+        lines.append(_line(doc["pipeline_traffic"], _count))
+        lines.append(f"  formula: {doc['pipeline_traffic_formula']}")
+        lines.append(_line(doc["pipeline_gradient_traffic"], _count))
+        lines.append("  formula: 2Ψ'(p-1)/p, Ψ' = the weights outside the layer stack (replicated over stage) / tensor")
     lines += ["", f"{'collectives':<22}{'axes':<22}{'dtype':<7}{'ops':>5}{'runs/step':>11}{'bytes/step':>12}"]
     for row in doc["collectives"]:
         hosts = "  crosses hosts" if row["crosses_hosts"] else ""
         lines.append(
             f"  {row['kind']:<20}{'+'.join(row['axes']) or '-':<22}{row['dtype']:<7}{row['count']:>5}"
-            f"{row['executions']:>11}{_bytes(row['bytes_per_step']):>12}{hosts}"
+            f"{row['executions']:>11.0f}{_bytes(row['bytes_per_step']):>12}{hosts}"
         )
     if not doc["collectives"]:
         lines.append("  none")
@@ -218,6 +284,14 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"  async: {doc['async']['overlapped']} of {doc['async']['collectives']} have compute scheduled between start and done")
     if doc["cross_host_bytes"] is not None:
         lines.append(f"  crossing hosts: {_bytes(doc['cross_host_bytes'])} per device per step")
+    if "pipeline" in doc:
+        pp = doc["pipeline"]
+        lines += ["", f"pipeline: {pp['schedule']}, {pp['p']} stages x {pp['v']} chunk{'s' if pp['v'] > 1 else ''}, "
+                  f"{pp['m']} microbatches (forward 1 step, backward 2; digits forward, letters backward, capitals weight gradients)"]
+        lines += ["  " + row for row in pp["picture"].splitlines()]
+        lines.append(f"  bubble {pp['bubble']:.3f} (published {pp['published_bubble']:.3f}); {pp['in_flight']} microbatch "
+                     f"chunks in flight on stage 0; executor: {pp['ticks']} lockstep ticks, "
+                     f"{pp['activation_slots']} activation and {pp['gradient_slots']} gradient slots per device")
     lines += ["", "findings:" if doc["findings"] else "findings: none (no involuntary rematerialisation)"]
     lines += [f"  {f}" for f in doc["findings"]]
     lines.append(f"compiled in {doc['compile_seconds']:.1f} s")

@@ -27,10 +27,12 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
+
+BranchShares = Mapping[int, Sequence[float]]  # a conditional's branch count -> share of its runs per branch
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "collective-broadcast", "ragged-all-to-all")
@@ -76,7 +78,8 @@ class Collective:
     group_size: int  # devices per group; collective-permute: largest connected set of pairs
     groups: tuple[tuple[int, ...], ...]  # partition ids; collective-permute: the pairs' sets
     axes: tuple[str, ...]  # mesh axes whose coordinate varies inside a group, mesh order
-    trip_count: int  # executions per step of the enclosing computation (loop trip products)
+    trip_count: float  # executions per step of the enclosing computation (loop trip products; averaged
+    # over devices inside the pipeline's switch)
     trip_count_known: bool  # False if some enclosing while loop had no known trip count
     link_bytes: int  # bytes each device sends per execution (ring model)
     is_async: bool
@@ -89,17 +92,20 @@ class Collective:
         return self.link_bytes * self.trip_count
 
 
-def collectives(hlo_text: str, mesh: Mesh, host_of: Sequence[int] | None = None) -> list[Collective]:
+def collectives(
+    hlo_text: str, mesh: Mesh, host_of: Sequence[int] | None = None, branch_shares: BranchShares | None = None
+) -> list[Collective]:
     """Every collective in `hlo_text`, in computation and schedule order.
 
     `host_of[p]` is the host of partition p; give it to learn which collectives cross hosts.
+    `branch_shares`: see `_executions`.
     """
     comps = _parse(hlo_text)
     header = re.search(r"num_partitions=(\d+)", hlo_text)
     num_devices = int(header.group(1)) if header else mesh.devices.size
     wrapped = {c for ins in _all(comps) if ins.opcode.startswith("async-")
                for _, c in _callees(ins)}
-    execs = _executions(comps)
+    execs = _executions(comps, branch_shares)
     users = _users(comps)
     finishers = {o: ins for ins in _all(comps) if re.search(r"-(done|update)$", ins.opcode)
                  for o in ins.operands}
@@ -195,12 +201,12 @@ def _elements(shape: str) -> int:
     return sum(math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape))
 
 
-def matmul_flops(hlo_text: str) -> tuple[float, bool]:
+def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tuple[float, bool]:
     """FLOPs of every dot in the program, 2 x result elements x contracted size, times how
     often its computation runs per step (XLA's cost analysis counts a loop body once).
-    Returns (flops, all trip counts known)."""
+    Returns (flops, all trip counts known). `branch_shares`: see `_executions`."""
     comps = _parse(hlo_text)
-    execs = _executions(comps)
+    execs = _executions(comps, branch_shares)
     shapes = {ins.name: ins.shape for ins in _all(comps)}
     total, known = 0.0, True
     for comp, instrs in comps.items():
@@ -306,18 +312,26 @@ def _callees(ins: _Instr) -> list[tuple[str, str]]:
     return found
 
 
-def _executions(comps: dict[str, list[_Instr]]) -> dict[str, tuple[int, bool]]:
+def _executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | None = None) -> dict[str, tuple[float, bool]]:
     """Computation -> (runs per step, all trip counts known), for those reachable from a root.
 
     A while body runs n times and its condition n + 1 (n from `known_trip_count`, 1 if absent);
-    conditional branches each count once (an upper bound); several call sites add up.
+    conditional branches each count once (an upper bound), unless `branch_shares` gives, for
+    conditionals with that many branches, the fraction of runs each branch takes (the
+    pipeline executor's switch: how often the average device runs each op); several call
+    sites add up.
     """
-    callers: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    callers: dict[str, list[tuple[str, float, bool]]] = defaultdict(list)
     for ins in _all(comps):
         trip = _TRIP.search(ins.attrs)
         n = int(trip.group(1)) if trip else 1
-        for role, callee in _callees(ins):
+        called = _callees(ins)
+        shares = (branch_shares or {}).get(sum(role == "branch" for role, _ in called)) if ins.opcode == "conditional" else None
+        branch = 0
+        for role, callee in called:
             mult = {"body": n, "condition": n + 1}.get(role, 1) if trip else 1
+            if role == "branch" and shares is not None:
+                mult, branch = shares[branch], branch + 1
             callers[callee].append((ins.computation, mult, bool(trip) or ins.opcode != "while"))
     memo: dict[str, tuple[int, bool]] = {}
 

@@ -130,13 +130,14 @@ def inspect_step(trainer) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
+    shares = trainer.pipeline.branch_shares() if trainer.pipeline is not None else None
     return StepReport(
         mesh=dict(mesh.shape),
         num_hosts=num_hosts,
         memory=memory,
-        flops=matmul_flops(text)[0],
+        flops=matmul_flops(text, shares)[0],
         xla_flops=float(cost.get("flops", 0.0)),
-        collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts)),
+        collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts), shares),
         findings=parse_findings(log),
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,

@@ -53,7 +53,9 @@ class Timeline:
         return len(self.grid[0])
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Timeline:
+def build_schedule(name: str, p: int, m: int, v: int = 1, unit: bool = False) -> Timeline:
+    """The timeline of schedule `name`; `unit`: every op one time step (the executor's
+    lockstep ticks, jaxpar.pipeline.program) instead of the papers' F 1, B 2 (or B 1, W 1)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule {name!r}; use one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
@@ -65,7 +67,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Timeline:
     if name == "interleaved" and m % p:
         raise ValueError(f"interleaved needs microbatches in groups of the stages: m={m} is not a multiple of p={p}")
     orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble_h1}[name]
-    return simulate([orders(s, p, m, v) for s in range(p)], p, m, v)
+    return simulate([orders(s, p, m, v) for s in range(p)], p, m, v, unit)
 
 
 def _gpipe(s: int, p: int, m: int, v: int) -> list[Op]:
@@ -109,8 +111,9 @@ def _interleaved(s: int, p: int, m: int, v: int) -> list[Op]:
     return order + [nth(k, "B") for k in range(total - warmup, total)]
 
 
-def simulate(orders: list[list[Op]], p: int, m: int, v: int) -> Timeline:
-    """Run each device's ops in order, each as early as its dependencies allow."""
+def simulate(orders: list[list[Op]], p: int, m: int, v: int, unit: bool = False) -> Timeline:
+    """Run each device's ops in order, each as early as its dependencies allow (each for
+    one time step if `unit`, else for its DURATION)."""
     last = p * v - 1  # the last virtual stage
     split = any(op.kind == "W" for order in orders for op in order)
     done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> finish time
@@ -137,7 +140,7 @@ def simulate(orders: list[list[Op]], p: int, m: int, v: int) -> Timeline:
             else:
                 needs = [("B", op.microbatch, vs)]
             if all(done.get(n, t + 1) <= t for n in needs):
-                length = 1 if split and op.kind == "B" else DURATION[op.kind]
+                length = 1 if unit or (split and op.kind == "B") else DURATION[op.kind]
                 busy_until[s] = t + length
                 done[(op.kind, op.microbatch, vs)] = t + length
                 grid[s].append(op)

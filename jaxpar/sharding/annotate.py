@@ -87,13 +87,21 @@ class Layout:
     replica_axis: str | None = None
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
-        return NamedSharding(self.mesh, self.rules.spec(names, kind))
+        return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))
 
     def param_spec(self, names: Sequence[str | None], shape: Sequence[int]) -> P:
         """Where a parameter rests: the storage rules plus ZeRO-3's axes (`add_axes`)."""
         spec = self.rules.spec(names, "storage")
         return add_axes(spec, shape, names, self.mesh, self.params.zero_axes) if self.params.zero_axes else spec
 
+
+
+def mesh_here(mesh: Mesh) -> Any:
+    """`mesh`, or inside a `shard_map` that is manual over some of its axes (the pipeline
+    executor), the context's abstract mesh: a sharding constraint there may name only the
+    axes left to the partitioner, and must say which are manual."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if context.manual_axes else mesh
 
 
 @contextlib.contextmanager
@@ -156,7 +164,7 @@ def _reshard(value: jax.Array, source: P, target: P, layout: Layout) -> jax.Arra
     block = layout.params.quantize_block
     if block and jnp.issubdtype(value.dtype, jnp.floating) and any(gathered_axes(source, target, value.ndim)):
         return quantized_all_gather(value, layout.mesh, source, target, block)
-    return jax.lax.with_sharding_constraint(value, NamedSharding(layout.mesh, target))
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh_here(layout.mesh), target))
 
 
 def param_names(abstract_state: nnx.State) -> dict:

@@ -63,7 +63,7 @@ class Rules:
 
 
 def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rules:
-    """Rules for DP x FSDP x TP (+SP) on a mesh; axes of size 1 are left out of every spec."""
+    """Rules for PP x DP x FSDP x TP (+SP) x EP on a mesh; axes of size 1 are left out of every spec."""
 
     def live(*axes: str) -> tuple[str, ...]:
         return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
@@ -79,7 +79,7 @@ def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rul
         "head_dim": (),
         "mlp": tensor,
         "vocab": tensor,
-        "layers": (),
+        "layers": live("stage"),  # pipeline parallelism: each stage holds its layers
         "experts": live("expert"),
         "expert_mlp": tensor,
     }

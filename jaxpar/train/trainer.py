@@ -28,11 +28,14 @@ from jaxpar.mesh import make_mesh
 from jaxpar.nn import layer_policy
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes, quantized_reduce_scatter
+from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline.program import compile_schedule
+from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, join_layers, language_model_stages, split_layers
 from jaxpar.sharding import ContextAttention, Layout, ParamGather, default_rules, param_names, parse_table, use_layout
 from jaxpar.train.loss import model_loss
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.sequence import lay_out_sequences
-from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
+from jaxpar.train.replicas import inner_layout, per_replica, split_replicas, stacked_over_data, without_data
 from jaxpar.train.zero import StateShardings, state_shardings
 
 
@@ -66,6 +69,10 @@ class Trainer:
     step: Any  # (TrainState, batch) -> (TrainState, metrics)
     grads: Any  # (params, batch) -> (loss, grads)
     step_and_grads: Any  # (TrainState, batch) -> (TrainState, metrics, grads)
+    # Parameter-shaped tree as stored -> in the model's layer order (they differ only under
+    # interleaved pipelining, whose stages hold strided chunks: jaxpar.pipeline.stages).
+    model_order: Any = lambda tree: tree
+    pipeline: Any = None  # the pipeline's jaxpar.pipeline.program.Program, when mesh.stage > 1
 
     @property
     def mesh(self):
@@ -177,8 +184,14 @@ def build(
     microbatches = config.train.microbatches
     zero_stage = config.parallel.zero_stage
 
+    stages = mesh.shape["stage"]
+    chunks = parallel.pipeline_chunks
+    pipelined = stages > 1
+
     def init() -> TrainState:
         master = nnx.to_pure_dict(nnx.state(make_model()))
+        if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
+            master = in_pipeline_order(master, stages, chunks)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=_cast_floats(master, compute_dtype),
@@ -273,6 +286,25 @@ def build(
         grads = jax.lax.with_sharding_constraint(grads, shardings.optimizer)
         return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda g: g / weight, grads)
 
+    if pipelined:
+        program = compile_schedule(parallel.pipeline_schedule, stages, microbatches, chunks)
+        model_stages = language_model_stages(graphdef, config.model.tie_embeddings)
+        inside = inner_layout(layout)  # the executor is manual over data: its rules leave it out
+
+        def pipelined_grads(params, batch) -> tuple[jax.Array, dict, Any]:
+            """normalised_grads through the pipeline executor: every replica accumulates
+            its stage's gradients over the microbatches unreduced, then one reduction over
+            data (ZeRO-1: a reduce-scatter to the optimizer's shards)."""
+            micro = {k: _split_microbatches(v, microbatches, FIELDS[kind][k][0], layout) for k, v in batch.items()}
+            layers, other = split_layers(params)
+            with use_layout(inside):
+                total, weight, d_layers, d_other = pipeline_grads(program, model_stages, mesh, layers, other, micro)
+            grads = reduce_replicas(join_layers(d_layers, d_other), shardings.optimizer)
+            total, weight = total.sum(), weight.sum()
+            return total / weight, {"weight": weight}, jax.tree.map(lambda g: g / weight, grads)
+
+        normalised_grads = pipelined_grads  # noqa: F811
+
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
         loss, sums, grads = normalised_grads(state.params, batch)
         if parallel.offload_optimizer:  # fetch from host memory for the update
@@ -332,6 +364,8 @@ def build(
             in_shardings=(shardings.params, batch_shardings),
             out_shardings=(replicated, shardings.optimizer),
         ),
+        model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
+        pipeline=program if pipelined else None,
     )
 
 

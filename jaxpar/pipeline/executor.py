@@ -1,0 +1,233 @@
+"""The SPMD pipeline executor: one program on every device of the `stage` axis, following
+a schedule's tick tables (jaxpar.pipeline.program), and its plain reference.
+
+Inside `jax.shard_map`, manual over `stage` and `data` (the other axes stay with the
+partitioner, so tensor parallelism and FSDP run inside each chunk as they do without
+pipelining), each device loops over the ticks. At each tick it looks up its op, runs it
+with `lax.switch` (each device executes only its own branch), and then two `ppermute`s
+move what the ops produced: chunk outputs to the next virtual stage, input gradients to the
+previous one. A backward recomputes its chunk's forward from the stored chunk input
+(stage-level recomputation: one activation per microbatch in flight is kept, not the
+chunk's internals) and takes the vector-Jacobian product there.
+
+Weight gradients accumulate on each device for its own chunks, per data replica, in
+float32; the caller reduces them over `data` once per step. Parameters outside the layer
+stack (embedding, final norm, head) are replicated over `stage`; their gradients, non-zero
+only on the first and last stages, are summed over `stage` once at the end.
+
+The executor knows nothing of the model: it is given three functions of (chunk weights,
+other weights, [input,] microbatch):
+  first  the first virtual stage: the input comes from the microbatch   -> output
+  mid    any stage but the first and last                               -> output
+  last   the last virtual stage, head and loss included                 -> (loss sum, weight)
+(first and mid must return the same shape and dtype.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
+
+STAGE, DATA = "stage", "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    first: Callable[[Any, Any, dict], jax.Array]
+    mid: Callable[[Any, Any, jax.Array, dict], jax.Array]
+    last: Callable[[Any, Any, jax.Array, dict], tuple[jax.Array, jax.Array]]
+
+
+def pipeline_grads(
+    program: Program, stages: Stages, mesh: Mesh, layers: Any, other: Any, micro: dict
+) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """Loss sums, weights and weight gradients of a whole batch, per data replica.
+
+    layers: the stacked layer weights [p * v * Lc, ...] in pipeline order (device s holds
+            its v chunks contiguously; `to_pipeline_order`), sharded over `stage`
+    other:  every other weight, replicated over `stage`
+    micro:  batch fields [m, B, ...], B sharded over `data`
+    Returns loss [data], weight [data], d_layers [data, p*v*Lc, ...], d_other [data, ...]:
+    sums over the replica's rows of every microbatch (float32).
+    """
+    p, v = program.timeline.p, program.timeline.v
+    tables = {c: jnp.asarray(program.tables[c]) for c in COLUMNS}
+    layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
+    other_spec = jax.tree.map(lambda _: P(), other)
+    micro_spec = jax.tree.map(lambda _: P(None, DATA), micro)
+    body = jax.shard_map(
+        lambda t, l, o, mb: _run(program, stages, p, v, t, l, o, mb),
+        mesh=mesh,
+        in_specs=({c: P(None, STAGE) for c in COLUMNS}, layer_spec, other_spec, micro_spec),
+        out_specs=(P(DATA), P(DATA), jax.tree.map(lambda _: P(DATA, STAGE), layers), jax.tree.map(lambda _: P(DATA), other)),
+        axis_names={STAGE, DATA},
+        check_vma=False,  # the body is never differentiated: it takes its own VJPs
+    )
+    # Sharding constraints inside the chunks name the auto axes of the mesh as seen from
+    # inside the shard_map (jaxpar.sharding.annotate uses the context's abstract mesh).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return body(tables, layers, other, micro)
+
+
+def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other, micro):
+    per_chunk = jax.tree.leaves(layers)[0].shape[0] // v
+    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+    mb0 = jax.tree.map(lambda a: a[0], micro)
+    chunk0 = jax.tree.map(lambda a: a[:per_chunk], layers)
+    message = jax.eval_shape(stages.first, chunk0, other, mb0)
+    zero_message = jnp.zeros(message.shape, message.dtype)
+    zero_chunk, zero_other = f32(chunk0), f32(other)
+    seed = (jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32))  # d(loss sum), d(weight)
+    none = jnp.zeros((), jnp.float32)
+
+    def as_f32(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+    # Each branch: (input, gradient in, microbatch, chunk, other) ->
+    #   (output sent on, input gradient sent back, d chunk, d other, loss, weight)
+    def idle(x, g, mb, c, o):
+        return zero_message, zero_message, zero_chunk, zero_other, none, none
+
+    def forward_first(x, g, mb, c, o):
+        return stages.first(c, o, mb), zero_message, zero_chunk, zero_other, none, none
+
+    def forward_mid(x, g, mb, c, o):
+        return stages.mid(c, o, x, mb), zero_message, zero_chunk, zero_other, none, none
+
+    def weights_first(x, g, mb, c, o):
+        _, vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
+        dc, do = vjp(g)
+        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+
+    def backward_mid(x, g, mb, c, o):
+        _, vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
+        dc, do, dx = vjp(g)
+        return zero_message, dx, as_f32(dc), as_f32(do), none, none
+
+    def backward_last(x, g, mb, c, o):
+        (loss, weight), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
+        dc, do, dx = vjp(seed)
+        return zero_message, dx, as_f32(dc), as_f32(do), loss, weight
+
+    def input_grad_mid(x, g, mb, c, o):
+        _, vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
+        return zero_message, vjp(g)[0], zero_chunk, zero_other, none, none
+
+    def input_grad_last(x, g, mb, c, o):
+        (loss, weight), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
+        return zero_message, vjp(seed)[0], zero_chunk, zero_other, loss, weight
+
+    def weight_grad_mid(x, g, mb, c, o):
+        _, vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
+        dc, do = vjp(g)
+        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+
+    def weight_grad_last(x, g, mb, c, o):
+        _, vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
+        dc, do = vjp(seed)
+        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+
+    functions = {
+        "idle": idle,
+        "forward_first": forward_first,
+        "forward_mid": forward_mid,
+        "backward_first": weights_first,
+        "backward_mid": backward_mid,
+        "backward_last": backward_last,
+        "input_grad_mid": input_grad_mid,
+        "input_grad_last": input_grad_last,
+        "weight_grad_first": weights_first,
+        "weight_grad_mid": weight_grad_mid,
+        "weight_grad_last": weight_grad_last,
+    }
+    branches = [functions[name] for name in BRANCHES]
+    send_on = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
+    send_back = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
+
+    def store(buffer, slot, value):
+        return jax.lax.cond(
+            slot >= 0, lambda b: jax.lax.dynamic_update_index_in_dim(b, value, slot, 0), lambda b: b, buffer
+        )
+
+    def tick(carry, row):
+        acts, grads, d_layers, d_other, loss, weight = carry
+        start = row["chunk"] * per_chunk
+        chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0), layers)
+        mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
+        x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
+        g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
+        out, back, dc, do, l, w = jax.lax.switch(row["branch"], branches, x, g, mb, chunk, other)
+        d_layers = jax.tree.map(
+            lambda acc, d: jax.lax.dynamic_update_slice_in_dim(
+                acc, jax.lax.dynamic_slice_in_dim(acc, start, per_chunk, 0) + d, start, 0
+            ),
+            d_layers,
+            dc,
+        )
+        d_other = jax.tree.map(jnp.add, d_other, do)
+        arrived = jax.lax.ppermute(out, STAGE, send_on)
+        returned = jax.lax.ppermute(back, STAGE, send_back)
+        acts = store(acts, row["recv_act"], arrived)
+        grads = store(grads, row["recv_grad"], returned)
+        return (acts, grads, d_layers, d_other, loss + l, weight + w), None
+
+    buffers = (
+        jnp.zeros((program.act_slots, *message.shape), message.dtype),
+        jnp.zeros((program.grad_slots, *message.shape), message.dtype),
+    )
+    carry = (*buffers, f32(layers), zero_other, none, none)
+    rows = {c: tables[c][:, 0] for c in COLUMNS}
+    (_, _, d_layers, d_other, loss, weight), _ = jax.lax.scan(tick, carry, rows)
+    d_other = jax.lax.psum(d_other, STAGE)
+    loss, weight = jax.lax.psum(loss, STAGE), jax.lax.psum(weight, STAGE)
+    lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731  the replica axis
+    return loss[None], weight[None], lead(d_layers), lead(d_other)
+
+
+def to_pipeline_order(x: jax.Array, p: int, v: int) -> jax.Array:
+    """Stacked layers [L, ...] in model order -> pipeline order: device s's v chunks
+    (virtual stages s, s + p, ...) contiguous, so sharding the leading axis over `stage`
+    gives each device its own. Identity when v = 1."""
+    if v == 1:
+        return x
+    return x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def to_model_order(x: jax.Array, p: int, v: int) -> jax.Array:
+    """The inverse of `to_pipeline_order`."""
+    if v == 1:
+        return x
+    return x.reshape(p, v, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, micro: dict):
+    """The plain reference: each microbatch through the p * v chunks in turn on one device,
+    differentiated by `jax.grad`; same arguments (pipeline order) and sums as
+    `pipeline_grads`, without the replica axis."""
+    per_chunk = jax.tree.leaves(layers)[0].shape[0] // (p * v)
+    m = jax.tree.leaves(micro)[0].shape[0]
+
+    def chunk(tree, vs):  # virtual stage vs lives on device vs % p as its chunk vs // p
+        row = ((vs % p) * v + vs // p) * per_chunk
+        return jax.tree.map(lambda a: a[row : row + per_chunk], tree)
+
+    def loss(layers, other):
+        total = weight = 0.0
+        for i in range(m):
+            mb = jax.tree.map(lambda a: a[i], micro)
+            x = stages.first(chunk(layers, 0), other, mb)
+            for vs in range(1, p * v - 1):
+                x = stages.mid(chunk(layers, vs), other, x, mb)
+            l, w = stages.last(chunk(layers, p * v - 1), other, x, mb)
+            total, weight = total + l, weight + w
+        return total, weight
+
+    (total, weight), (d_layers, d_other) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layers, other)
+    return total, weight, d_layers, d_other

@@ -1,0 +1,149 @@
+"""A schedule compiled into the tables the SPMD executor reads, one row per tick.
+
+Every device runs one operation per tick (or waits), in lockstep: the timeline is the
+schedule's with every op one step long (`build_schedule(..., unit=True)`), so the per-device
+orders and their dependencies are the schedule's own. At the end of each tick a device
+sends what its op produced: a forward its chunk's output to the device holding the next
+virtual stage, a backward the gradient of its chunk's input to the one holding the
+previous. What arrives waits in a slot of one of two buffers until the ops that need it
+have run:
+
+  activations  the input of (microbatch, virtual stage), from its arrival until the
+               backward (the weight gradient, where split) has recomputed it
+  gradients    the gradient of that chunk's output, from its arrival until the backward
+               (the weight gradient, where split) has used it
+
+The first virtual stage keeps nothing (its input is the token batch, looked up again),
+and the last needs no incoming gradient (it starts from its loss). Slots are reused as
+soon as they are free, so each buffer holds the most that is ever waiting on one device:
+GPipe's grow with m, 1F1B's stay near p.
+
+The loss is computed by the last stage's backward, which recomputes that chunk's forward
+anyway, so the last stage's forward only waits (its input is already in its slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.pipeline.schedule import Op, Timeline, build_schedule
+
+# branch ids, in the order the executor lists its functions
+BRANCHES = (
+    "idle",
+    "forward_first",  # embed, run chunk, send output
+    "forward_mid",  # run chunk on the arrived input, send output
+    "backward_first",  # recompute and take the gradients of the chunk's (and embedding's) weights
+    "backward_mid",  # recompute; weight gradients and the input gradient, sent back
+    "backward_last",  # recompute with the head; loss, weight gradients, input gradient sent back
+    "input_grad_mid",  # split backward: the input gradient only
+    "input_grad_last",  # split backward on the last stage: loss and input gradient
+    "weight_grad_first",  # split backward: the weight gradients (recomputed)
+    "weight_grad_mid",
+    "weight_grad_last",
+)
+BRANCH = {name: i for i, name in enumerate(BRANCHES)}
+COLUMNS = ("branch", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act", "recv_grad")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """tables[column]: int32 [ticks, p]; slot -1 means none."""
+
+    timeline: Timeline
+    tables: dict[str, np.ndarray]
+    act_slots: int  # buffer slots every device allocates: the most any one needs
+    grad_slots: int
+    split: bool
+    act_slots_used: tuple[int, ...]  # what each device needs
+    grad_slots_used: tuple[int, ...]  # backward split into input gradient and weight gradient (zb-h1)
+
+    @property
+    def ticks(self) -> int:
+        return self.timeline.steps
+
+    def branch_shares(self) -> dict[int, tuple[float, ...]]:
+        """For the compiled program's accounting (jaxpar.inspect.hlo): the share of the
+        executor's switch runs that take each branch on the average device."""
+        runs = self.tables["branch"].size
+        return {len(BRANCHES): tuple(float((self.tables["branch"] == b).sum()) / runs for b in range(len(BRANCHES)))}
+
+
+def compile_schedule(name: str, p: int, m: int, v: int = 1) -> Program:
+    timeline = build_schedule(name, p, m, v, unit=True)
+    return program(timeline)
+
+
+def program(timeline: Timeline) -> Program:
+    p, v = timeline.p, timeline.v
+    last = p * v - 1
+    split = any(op is not None and op.kind == "W" for row in timeline.grid for op in row)
+    when: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
+    for s, row in enumerate(timeline.grid):
+        for t, op in enumerate(row):
+            if op is not None:
+                when[(op.kind, op.microbatch, op.chunk * p + s)] = t
+    done = "W" if split else "B"  # the op after which a chunk's input and gradient are free
+
+    # What waits on each device: (arrival tick, last tick it is read, key)
+    acts: list[list[tuple[int, int, tuple[int, int]]]] = [[] for _ in range(p)]
+    grads: list[list[tuple[int, int, tuple[int, int]]]] = [[] for _ in range(p)]
+    for (kind, mb, vs), t in when.items():
+        device = vs % p
+        if kind == "F" and vs > 0:
+            acts[device].append((when[("F", mb, vs - 1)], when[(done, mb, vs)], (mb, vs)))
+        if kind == "B" and vs < last:
+            grads[device].append((when[("B", mb, vs + 1)], when[(done, mb, vs)], (mb, vs)))
+    act_slot, act_used = _allocate(acts)
+    grad_slot, grad_used = _allocate(grads)
+
+    ticks = timeline.steps
+    tables = {c: np.full((ticks, p), -1 if c not in ("branch", "microbatch", "chunk") else 0, np.int32) for c in COLUMNS}
+    for s, row in enumerate(timeline.grid):
+        for t, op in enumerate(row):
+            if op is None:
+                continue
+            vs = op.chunk * p + s
+            key = (op.microbatch, vs)
+            tables["branch"][t, s] = BRANCH[_branch(op, vs, last, split)]
+            tables["microbatch"][t, s] = op.microbatch
+            tables["chunk"][t, s] = op.chunk
+            tables["act_slot"][t, s] = act_slot.get((s, key), -1)
+            tables["grad_slot"][t, s] = grad_slot.get((s, key), -1)
+            # what this op sends lands on the neighbour at the end of this tick
+            if op.kind == "F" and vs < last:
+                tables["recv_act"][t, (s + 1) % p] = act_slot[((s + 1) % p, (op.microbatch, vs + 1))]
+            if op.kind == "B" and vs > 0:
+                tables["recv_grad"][t, (s - 1) % p] = grad_slot[((s - 1) % p, (op.microbatch, vs - 1))]
+    return Program(timeline, tables, max(*act_used, 1), max(*grad_used, 1), split, act_used, grad_used)
+
+
+def _branch(op: Op, vs: int, last: int, split: bool) -> str:
+    where = "first" if vs == 0 else "last" if vs == last else "mid"
+    if op.kind == "F":
+        return "idle" if where == "last" else f"forward_{where}"
+    if op.kind == "W":
+        return f"weight_grad_{where}"
+    if not split:
+        return f"backward_{where}"
+    return "idle" if where == "first" else f"input_grad_{where}"  # the first stage has no input to differentiate
+
+
+def _allocate(waiting: list[list[tuple[int, int, tuple[int, int]]]]) -> tuple[dict, tuple[int, ...]]:
+    """Slots per device, reused greedily: a value written at the end of tick `arrive` and
+    last read during tick `leave` frees its slot for a value written at the end of `leave`."""
+    slots: dict[tuple[int, tuple[int, int]], int] = {}
+    used = []
+    for device, items in enumerate(waiting):
+        free_at: list[int] = []  # per slot: the tick after whose reads it is free
+        for arrive, leave, key in sorted(items):
+            slot = next((i for i, f in enumerate(free_at) if f <= arrive), len(free_at))
+            if slot == len(free_at):
+                free_at.append(leave)
+            else:
+                free_at[slot] = leave
+            slots[(device, key)] = slot
+        used.append(len(free_at))
+    return slots, tuple(used)

@@ -1,0 +1,66 @@
+"""A model cut into pipeline stages: which piece runs where, as the executor's three
+functions (jaxpar.pipeline.executor.Stages).
+
+The model provides the pieces (models.llama.Llama: `embed`, `run_layers` over whatever
+layers its `layers` holds, `logits`); a stage rebuilds the model from the weights it
+holds, with only its chunk of the layer stack, so one model definition serves every
+stage. The embedding runs on the first virtual stage, the final norm, head and loss on
+the last (their cost lands on those two stages: `jaxpar explain` shows the split).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxpar.pipeline.executor import Stages, to_model_order, to_pipeline_order
+from jaxpar.sharding import compute_value
+from jaxpar.train.loss import cross_entropy_sum
+
+LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
+
+
+def split_layers(params: dict) -> tuple[Any, dict]:
+    """(the stacked layers, every other weight)."""
+    return params[LAYERS], {k: v for k, v in params.items() if k != LAYERS}
+
+
+def join_layers(layers: Any, other: dict) -> dict:
+    return {**other, LAYERS: layers}
+
+
+def in_pipeline_order(params: dict, p: int, v: int) -> dict:
+    layers, other = split_layers(params)
+    return join_layers(jax.tree.map(lambda a: to_pipeline_order(a, p, v), layers), other)
+
+
+def in_model_order(params: dict, p: int, v: int) -> dict:
+    layers, other = split_layers(params)
+    return join_layers(jax.tree.map(lambda a: to_model_order(a, p, v), layers), other)
+
+
+def language_model_stages(graphdef: nnx.GraphDef, tie_embeddings: bool) -> Stages:
+    """Stages of a decoder language model scored by next-token cross-entropy; a
+    microbatch holds inputs, targets, weights and optionally positions and segment_ids."""
+
+    def model(chunk: Any, other: dict):
+        return nnx.merge(graphdef, join_layers(chunk, other))
+
+    def layers(net, x, mb):
+        return net.run_layers(x, mb.get("positions"), mb.get("segment_ids"))[0]
+
+    def first(chunk, other, mb):
+        net = model(chunk, other)
+        return layers(net, net.embed(compute_value(net.embedding), mb["inputs"]), mb)
+
+    def mid(chunk, other, x, mb):
+        return layers(model(chunk, other), x, mb)
+
+    def last(chunk, other, x, mb):
+        net = model(chunk, other)
+        table = compute_value(net.embedding) if tie_embeddings else None
+        return cross_entropy_sum(net.logits(layers(net, x, mb), table), mb["targets"], mb["weights"])
+
+    return Stages(first, mid, last)
