@@ -165,6 +165,7 @@ def _pipeline(trainer, mesh: dict[str, int], report: StepReport, itemsize, psi_o
             "ticks": program.ticks,
             "activation_slots": program.act_slots,
             "gradient_slots": program.grad_slots,
+            "stage_flops": list(report.stage_flops),
         },
         "pipeline_traffic": _row("elements over stage (activations, gradients)", sent, 2 * program.ticks * message),
         "pipeline_traffic_formula": f"2 per tick x {program.ticks} ticks x microbatch hidden states {rows} x {seq} x "
@@ -292,6 +293,9 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"  bubble {pp['bubble']:.3f} (published {pp['published_bubble']:.3f}); {pp['in_flight']} microbatch "
                      f"chunks in flight on stage 0; executor: {pp['ticks']} lockstep ticks, "
                      f"{pp['activation_slots']} activation and {pp['gradient_slots']} gradient slots per device")
+        mean = sum(pp["stage_flops"]) / len(pp["stage_flops"])
+        lines.append("  matmul FLOPs per stage / mean: " + " ".join(f"{f / mean:.2f}" for f in pp["stage_flops"])
+                     + " (the last stage runs the head and loss, and leaves its forward to its backward)")
     lines += ["", "findings:" if doc["findings"] else "findings: none (no involuntary rematerialisation)"]
     lines += [f"  {f}" for f in doc["findings"]]
     lines.append(f"compiled in {doc['compile_seconds']:.1f} s")

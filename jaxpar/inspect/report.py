@@ -58,6 +58,7 @@ class StepReport:
     findings: list[Finding]
     compile_seconds: float
     platform: str
+    stage_flops: tuple[float, ...] = ()  # pipelines: matmul FLOPs per step on each stage's devices
 
     @property
     def num_devices(self) -> int:
@@ -141,6 +142,9 @@ def inspect_step(trainer) -> StepReport:
         findings=parse_findings(log),
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
+        stage_flops=tuple(matmul_flops(text, trainer.pipeline.branch_shares(s))[0] for s in range(trainer.pipeline.timeline.p))
+        if trainer.pipeline is not None
+        else (),
     )
 
 

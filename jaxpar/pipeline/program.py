@@ -64,11 +64,11 @@ class Program:
     def ticks(self) -> int:
         return self.timeline.steps
 
-    def branch_shares(self) -> dict[int, tuple[float, ...]]:
+    def branch_shares(self, device: int | None = None) -> dict[int, tuple[float, ...]]:
         """For the compiled program's accounting (jaxpar.inspect.hlo): the share of the
-        executor's switch runs that take each branch on the average device."""
-        runs = self.tables["branch"].size
-        return {len(BRANCHES): tuple(float((self.tables["branch"] == b).sum()) / runs for b in range(len(BRANCHES)))}
+        executor's switch runs that take each branch on `device` (None: the average device)."""
+        column = self.tables["branch"] if device is None else self.tables["branch"][:, device]
+        return {len(BRANCHES): tuple(float((column == b).sum()) / column.size for b in range(len(BRANCHES)))}
 
 
 def compile_schedule(name: str, p: int, m: int, v: int = 1) -> Program:
