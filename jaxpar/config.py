@@ -245,8 +245,13 @@ def _validate_pipeline(config: Config, sizes: dict[str, int]) -> None:
             f"schedule runs, but parallel.pipeline_schedule={name}; use pipeline_schedule=interleaved or pipeline_chunks=1"
         )
     if p == 1:
-        if v > 1:
-            raise ConfigError(f"parallel.pipeline_chunks={v} splits a pipeline, but mesh.stage=1; set mesh.stage>1")
+        default = ParallelConfig()
+        for field in ("pipeline_schedule", "pipeline_chunks"):
+            if getattr(parallel, field) != getattr(default, field):
+                raise ConfigError(
+                    f"parallel.{field}={getattr(parallel, field)!r} shapes a pipeline, but mesh.stage=1 runs none; "
+                    f"set mesh.stage>1, or leave {field} at {getattr(default, field)!r}"
+                )
         return
     model = config.model
     if type(model) is not LlamaConfig:
@@ -255,15 +260,17 @@ def _validate_pipeline(config: Config, sizes: dict[str, int]) -> None:
             "(MoE and MLP models are not cut into stages yet); use mesh.stage=1"
         )
     if model.num_layers % (p * v):
-        ok = [d for d in divisors(model.num_layers) if d % v == 0 and d > v] or ["none"]
+        stages = [d // v for d in divisors(model.num_layers) if d % v == 0 and d // v > 1]
         raise ConfigError(
             f"model.num_layers={model.num_layers} does not split evenly into mesh.stage x parallel.pipeline_chunks = "
-            f"{p} x {v} = {p * v} chunks; use num_layers a multiple of {p * v}, or stage x chunks in {ok}"
+            f"{p} x {v} = {p * v} chunks; use model.num_layers a multiple of {p * v}"
+            + (f", or mesh.stage in {stages}" if stages else "")
         )
     if name in ("1f1b", "zb-h1") and m < p:
         raise ConfigError(
             f"parallel.pipeline_schedule={name} needs at least one microbatch per stage: train.microbatches={m} < "
-            f"mesh.stage={p}; use train.microbatches>={p} (more shrinks the bubble, (p-1)/(m+p-1))"
+            f"mesh.stage={p}; use train.microbatches>={p} (more shrinks the bubble, "
+            f"{'(p-1)/(3m+p-1)' if name == 'zb-h1' else '(p-1)/(m+p-1)'})"
         )
     if name == "interleaved" and m % p:
         raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxpar.config import Config, apply_overrides
+from jaxpar.config import Config, ParallelConfig, apply_overrides
 from jaxpar.data.sources import make_source
 from jaxpar.mesh import MeshConfig, force_cpu_devices
 
@@ -47,8 +47,9 @@ class Comparison:
 
 
 def single_device(config: Config) -> tuple[Config, list[jax.Device]]:
-    """The reference: the same config on one device, every mesh axis 1."""
-    return dataclasses.replace(config, mesh=MeshConfig(data=1)), jax.devices()[:1]
+    """The reference: the same config on one device, every mesh axis 1 (and no pipeline)."""
+    plain = dataclasses.replace(config.parallel, pipeline_schedule=ParallelConfig().pipeline_schedule, pipeline_chunks=1)
+    return dataclasses.replace(config, mesh=MeshConfig(data=1), parallel=plain), jax.devices()[:1]
 
 
 def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, steps: int = 3) -> Run:

@@ -333,9 +333,9 @@ def _executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | No
             if role == "branch" and shares is not None:
                 mult, branch = shares[branch], branch + 1
             callers[callee].append((ins.computation, mult, bool(trip) or ins.opcode != "while"))
-    memo: dict[str, tuple[int, bool]] = {}
+    memo: dict[str, tuple[float, bool]] = {}
 
-    def runs(comp: str) -> tuple[int, bool]:
+    def runs(comp: str) -> tuple[float, bool]:
         if comp in memo:
             return memo[comp]
         memo[comp] = (0, True)  # a (malformed) call cycle adds nothing instead of recursing

@@ -78,72 +78,79 @@ def pipeline_grads(
 
 def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other, micro):
     per_chunk = jax.tree.leaves(layers)[0].shape[0] // v
-    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+    zeros_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     mb0 = jax.tree.map(lambda a: a[0], micro)
     chunk0 = jax.tree.map(lambda a: a[:per_chunk], layers)
     message = jax.eval_shape(stages.first, chunk0, other, mb0)
     zero_message = jnp.zeros(message.shape, message.dtype)
-    zero_chunk, zero_other = f32(chunk0), f32(other)
     seed = (jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32))  # d(loss sum), d(weight)
     none = jnp.zeros((), jnp.float32)
 
-    def as_f32(tree):
-        return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+    def add(acc, dc, do):
+        """acc = (d_layers, d_other, chunk offset) + this op's weight gradients, in float32."""
+        d_layers, d_other, start = acc
+        d_layers = jax.tree.map(
+            lambda a, d: jax.lax.dynamic_update_slice_in_dim(
+                a, jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0) + d.astype(jnp.float32), start, 0
+            ),
+            d_layers,
+            dc,
+        )
+        return d_layers, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_other, do), start
 
-    # Each branch: (input, gradient in, microbatch, chunk, other) ->
-    #   (output sent on, input gradient sent back, d chunk, d other, loss, weight)
-    def idle(x, g, mb, c, o):
-        return zero_message, zero_message, zero_chunk, zero_other, none, none
+    # Each branch: (input, gradient in, microbatch, chunk, other, accumulated gradients) ->
+    #   (output sent on, input gradient sent back, accumulated gradients, loss, weight).
+    # Gradients are added inside the branches that make them, so other ticks neither build
+    # zeros of the embedding's size nor add them.
+    def idle(x, g, mb, c, o, acc):
+        return zero_message, zero_message, acc, none, none
 
-    def forward_first(x, g, mb, c, o):
-        return stages.first(c, o, mb), zero_message, zero_chunk, zero_other, none, none
+    def forward_first(x, g, mb, c, o, acc):
+        return stages.first(c, o, mb), zero_message, acc, none, none
 
-    def forward_mid(x, g, mb, c, o):
-        return stages.mid(c, o, x, mb), zero_message, zero_chunk, zero_other, none, none
+    def forward_mid(x, g, mb, c, o, acc):
+        return stages.mid(c, o, x, mb), zero_message, acc, none, none
 
-    def weights_first(x, g, mb, c, o):
+    def backward_first(x, g, mb, c, o, acc):  # also the split weight gradient: no input to differentiate
         _, vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
-        dc, do = vjp(g)
-        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+        return zero_message, zero_message, add(acc, *vjp(g)), none, none
 
-    def backward_mid(x, g, mb, c, o):
+    def backward_mid(x, g, mb, c, o, acc):
         _, vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
         dc, do, dx = vjp(g)
-        return zero_message, dx, as_f32(dc), as_f32(do), none, none
+        return zero_message, dx, add(acc, dc, do), none, none
 
-    def backward_last(x, g, mb, c, o):
+    def backward_last(x, g, mb, c, o, acc):
         (loss, weight), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
         dc, do, dx = vjp(seed)
-        return zero_message, dx, as_f32(dc), as_f32(do), loss, weight
+        return zero_message, dx, add(acc, dc, do), loss, weight
 
-    def input_grad_mid(x, g, mb, c, o):
+    def input_grad_mid(x, g, mb, c, o, acc):
         _, vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
-        return zero_message, vjp(g)[0], zero_chunk, zero_other, none, none
+        return zero_message, vjp(g)[0], acc, none, none
 
-    def input_grad_last(x, g, mb, c, o):
+    def input_grad_last(x, g, mb, c, o, acc):
         (loss, weight), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
-        return zero_message, vjp(seed)[0], zero_chunk, zero_other, loss, weight
+        return zero_message, vjp(seed)[0], acc, loss, weight
 
-    def weight_grad_mid(x, g, mb, c, o):
+    def weight_grad_mid(x, g, mb, c, o, acc):
         _, vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
-        dc, do = vjp(g)
-        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+        return zero_message, zero_message, add(acc, *vjp(g)), none, none
 
-    def weight_grad_last(x, g, mb, c, o):
+    def weight_grad_last(x, g, mb, c, o, acc):
         _, vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
-        dc, do = vjp(seed)
-        return zero_message, zero_message, as_f32(dc), as_f32(do), none, none
+        return zero_message, zero_message, add(acc, *vjp(seed)), none, none
 
     functions = {
         "idle": idle,
         "forward_first": forward_first,
         "forward_mid": forward_mid,
-        "backward_first": weights_first,
+        "backward_first": backward_first,
         "backward_mid": backward_mid,
         "backward_last": backward_last,
         "input_grad_mid": input_grad_mid,
         "input_grad_last": input_grad_last,
-        "weight_grad_first": weights_first,
+        "weight_grad_first": backward_first,
         "weight_grad_mid": weight_grad_mid,
         "weight_grad_last": weight_grad_last,
     }
@@ -163,15 +170,9 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
-        out, back, dc, do, l, w = jax.lax.switch(row["branch"], branches, x, g, mb, chunk, other)
-        d_layers = jax.tree.map(
-            lambda acc, d: jax.lax.dynamic_update_slice_in_dim(
-                acc, jax.lax.dynamic_slice_in_dim(acc, start, per_chunk, 0) + d, start, 0
-            ),
-            d_layers,
-            dc,
+        out, back, (d_layers, d_other, _), l, w = jax.lax.switch(
+            row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start)
         )
-        d_other = jax.tree.map(jnp.add, d_other, do)
         arrived = jax.lax.ppermute(out, STAGE, send_on)
         returned = jax.lax.ppermute(back, STAGE, send_back)
         acts = store(acts, row["recv_act"], arrived)
@@ -182,7 +183,7 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
         jnp.zeros((program.act_slots, *message.shape), message.dtype),
         jnp.zeros((program.grad_slots, *message.shape), message.dtype),
     )
-    carry = (*buffers, f32(layers), zero_other, none, none)
+    carry = (*buffers, zeros_f32(layers), zeros_f32(other), none, none)
     rows = {c: tables[c][:, 0] for c in COLUMNS}
     (_, _, d_layers, d_other, loss, weight), _ = jax.lax.scan(tick, carry, rows)
     d_other = jax.lax.psum(d_other, STAGE)

@@ -56,9 +56,9 @@ class Program:
     tables: dict[str, np.ndarray]
     act_slots: int  # buffer slots every device allocates: the most any one needs
     grad_slots: int
-    split: bool
+    split: bool  # backward split into input gradient and weight gradient (zb-h1)
     act_slots_used: tuple[int, ...]  # what each device needs
-    grad_slots_used: tuple[int, ...]  # backward split into input gradient and weight gradient (zb-h1)
+    grad_slots_used: tuple[int, ...]
 
     @property
     def ticks(self) -> int:

@@ -289,7 +289,9 @@ def build(
     if pipelined:
         program = compile_schedule(parallel.pipeline_schedule, stages, microbatches, chunks)
         model_stages = language_model_stages(graphdef, config.model.tie_embeddings)
-        inside = inner_layout(layout)  # the executor is manual over data: its rules leave it out
+        # The executor is manual over stage and data: its rules leave data out, and no
+        # kernel folds a vmapped replica axis (data is not vmapped there).
+        inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
 
         def pipelined_grads(params, batch) -> tuple[jax.Array, dict, Any]:
             """normalised_grads through the pipeline executor: every replica accumulates
@@ -303,10 +305,10 @@ def build(
             total, weight = total.sum(), weight.sum()
             return total / weight, {"weight": weight}, jax.tree.map(lambda g: g / weight, grads)
 
-        normalised_grads = pipelined_grads  # noqa: F811
+    batch_grads = pipelined_grads if pipelined else normalised_grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
-        loss, sums, grads = normalised_grads(state.params, batch)
+        loss, sums, grads = batch_grads(state.params, batch)
         if parallel.offload_optimizer:  # fetch from host memory for the update
             state = dataclasses.replace(
                 state,
@@ -360,7 +362,7 @@ def build(
             donate_argnums=0,
         ),
         grads=jax.jit(
-            lambda params, batch: _without_sums(normalised_grads(params, batch)),
+            lambda params, batch: _without_sums(batch_grads(params, batch)),
             in_shardings=(shardings.params, batch_shardings),
             out_shardings=(replicated, shardings.optimizer),
         ),
