@@ -17,7 +17,6 @@ from jaxpar.testing import check, compare, run_layout, tree_error
 from jaxpar.train import build
 from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.sharding import use_layout
-from models.llama import LlamaConfig
 
 RTOL = 1e-5
 SP = "parallel.sequence_parallel=true"

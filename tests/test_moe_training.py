@@ -5,9 +5,6 @@ capacity and dropless routing. fp32, 1e-5 relative for losses, first-step gradie
 parameters after three AdamW steps. Also: the auxiliary losses enter the objective, the
 metrics, bias balancing, the all-to-all bytes against the formula, and bad input."""
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -28,14 +28,14 @@ from jaxpar.mesh import make_mesh
 from jaxpar.nn import layer_policy
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes, quantized_reduce_scatter
-from jaxpar.pipeline.executor import pipeline_grads
-from jaxpar.pipeline.program import compile_schedule
-from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, join_layers, language_model_stages, split_layers
+from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import ContextAttention, Layout, ParamGather, default_rules, param_names, parse_table, use_layout
 from jaxpar.train.loss import model_loss
 from jaxpar.train.optim import make_optimizer
+from jaxpar.train.microbatches import split_batch
+from jaxpar.train.pipelined import pipelined_grads as pipelined_grads_fn
 from jaxpar.train.sequence import lay_out_sequences
-from jaxpar.train.replicas import inner_layout, per_replica, split_replicas, stacked_over_data, without_data
+from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
 from jaxpar.train.zero import StateShardings, state_shardings
 
 
@@ -263,7 +263,7 @@ def build(
         if microbatches == 1:
             total, (weight, sums), grads = microbatch(batch)
         else:
-            micro = {k: _split_microbatches(v, microbatches, FIELDS[kind][k][0], layout) for k, v in batch.items()}
+            micro = split_batch(batch, microbatches, kind, layout)
             acc_shardings = jax.tree.map(stacked_over_data, shardings.grads) if per_step else shardings.grads
 
             def accumulate(carry, mb):
@@ -286,24 +286,11 @@ def build(
         grads = jax.lax.with_sharding_constraint(grads, shardings.optimizer)
         return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda g: g / weight, grads)
 
+    program = None
     if pipelined:
-        program = compile_schedule(parallel.pipeline_schedule, stages, microbatches, chunks)
-        model_stages = language_model_stages(graphdef, config.model.tie_embeddings)
-        # The executor is manual over stage and data: its rules leave data out, and no
-        # kernel folds a vmapped replica axis (data is not vmapped there).
-        inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
-
-        def pipelined_grads(params, batch) -> tuple[jax.Array, dict, Any]:
-            """normalised_grads through the pipeline executor: every replica accumulates
-            its stage's gradients over the microbatches unreduced, then one reduction over
-            data (ZeRO-1: a reduce-scatter to the optimizer's shards)."""
-            micro = {k: _split_microbatches(v, microbatches, FIELDS[kind][k][0], layout) for k, v in batch.items()}
-            layers, other = split_layers(params)
-            with use_layout(inside):
-                total, weight, d_layers, d_other = pipeline_grads(program, model_stages, mesh, layers, other, micro)
-            grads = reduce_replicas(join_layers(d_layers, d_other), shardings.optimizer)
-            total, weight = total.sum(), weight.sum()
-            return total / weight, {"weight": weight}, jax.tree.map(lambda g: g / weight, grads)
+        pipelined_grads, program = pipelined_grads_fn(
+            config, layout, graphdef, kind, lambda grads: reduce_replicas(grads, shardings.optimizer)
+        )
 
     batch_grads = pipelined_grads if pipelined else normalised_grads
 
@@ -367,7 +354,7 @@ def build(
             out_shardings=(replicated, shardings.optimizer),
         ),
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
-        pipeline=program if pipelined else None,
+        pipeline=program,
     )
 
 
@@ -435,11 +422,3 @@ def offload_requests(config: Config) -> dict[str, bool]:
 def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
     """Cast float leaves for compute, on their shards (so FSDP gathers move `dtype` bytes)."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def _split_microbatches(x: jax.Array, m: int, names: tuple, layout: Layout) -> jax.Array:
-    """[B, ...] -> [m, B/m, ...] taking rows i, i+m, i+2m, ... into microbatch i, so each
-    device's rows split evenly across microbatches and nothing moves between devices."""
-    b = x.shape[0]
-    x = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(x, layout.sharding((None, *names), "compute"))

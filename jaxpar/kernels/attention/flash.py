@@ -7,7 +7,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.kernels.attention import blocks
 from jaxpar.kernels.attention.blocks import Masking

@@ -1,0 +1,51 @@
+"""The train step's gradient when the layer stack is cut into pipeline stages
+(mesh.stage > 1): the batch goes through the executor (jaxpar.pipeline.executor) in
+microbatches, following the configured schedule.
+
+Each data replica accumulates its stage's gradients over the microbatches unreduced; they
+are reduced over `data` once per step (ZeRO-1: reduce-scattered to the optimizer's shards),
+and the loss is normalised by the whole batch's token count, as without stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from jaxpar.config import Config
+from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline.program import Program, compile_schedule
+from jaxpar.pipeline.stages import join_layers, language_model_stages, split_layers
+from jaxpar.sharding import Layout, use_layout
+from jaxpar.train.microbatches import split_batch
+from jaxpar.train.replicas import inner_layout
+
+GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
+
+
+def pipelined_grads(
+    config: Config, layout: Layout, graphdef: nnx.GraphDef, kind: str, reduce_over_data: Callable[[Any], Any]
+) -> tuple[GradFn, Program]:
+    """(params, batch) -> (loss, sums, gradients) like the trainer's unpipelined path, and
+    the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
+    the optimizer's sharding."""
+    p, m, v = layout.mesh.shape["stage"], config.train.microbatches, config.parallel.pipeline_chunks
+    program = compile_schedule(config.parallel.pipeline_schedule, p, m, v)
+    stages = language_model_stages(graphdef, config.model.tie_embeddings)
+    # The executor is manual over stage and data: its rules leave data out, and no kernel
+    # folds a vmapped replica axis (data is not vmapped there).
+    inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
+
+    def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Any]:
+        layers, other = split_layers(params)
+        micro = split_batch(batch, m, kind, layout)
+        with use_layout(inside):
+            total, weight, d_layers, d_other = pipeline_grads(program, stages, layout.mesh, layers, other, micro)
+        summed = reduce_over_data(join_layers(d_layers, d_other))
+        total, weight = total.sum(), weight.sum()
+        return total / weight, {"weight": weight}, jax.tree.map(lambda g: g / weight, summed)
+
+    return grads, program
