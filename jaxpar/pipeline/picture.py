@@ -38,6 +38,7 @@ def save_png(timeline: Timeline, path: str | pathlib.Path, title: str = "") -> p
     ax.set_title(title or f"p={p}, m={timeline.m}, v={timeline.v}: bubble {bubble_fraction(timeline):.1%}", fontsize=9)
     fig.tight_layout()
     path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
