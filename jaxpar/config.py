@@ -95,6 +95,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    # Where checkpoints go ("": none). A run whose directory holds one resumes from the
+    # latest, exactly (jaxpar.train.checkpoint).
+    dir: str = ""
+    every: int = 0  # steps between saves; 0: only at the end of the run
+    keep: int = 3  # the newest this many are kept
+    async_save: bool = True  # write in the background while training goes on
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -102,6 +112,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 # ---------------------------------------------------------------- overrides
@@ -208,6 +219,10 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
 
     if optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={optim.name!r}; use one of {', '.join(sorted(OPTIMIZERS))}")
+    if config.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={config.checkpoint.every}; use a number of steps, or 0 to save only at the end")
+    if config.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; keep at least 1 checkpoint, e.g. checkpoint.keep=3")
     if config.data.source not in ("synthetic", "tokens"):
         raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
     if config.data.source == "tokens" and not config.data.path:

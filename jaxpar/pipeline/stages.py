@@ -31,14 +31,22 @@ def join_layers(layers: Any, other: dict) -> dict:
     return {**other, LAYERS: layers}
 
 
-def in_pipeline_order(params: dict, p: int, v: int) -> dict:
-    layers, other = split_layers(params)
-    return join_layers(jax.tree.map(lambda a: to_pipeline_order(a, p, v), layers), other)
+def in_pipeline_order(tree: Any, p: int, v: int) -> Any:
+    """Every array under a "layers" key of `tree` (parameters, gradients, optimizer state,
+    a whole TrainState) put in pipeline order (`to_pipeline_order`)."""
+    return _under_layers(tree, lambda a: to_pipeline_order(a, p, v))
 
 
-def in_model_order(params: dict, p: int, v: int) -> dict:
-    layers, other = split_layers(params)
-    return join_layers(jax.tree.map(lambda a: to_model_order(a, p, v), layers), other)
+def in_model_order(tree: Any, p: int, v: int) -> Any:
+    """The inverse of `in_pipeline_order`."""
+    return _under_layers(tree, lambda a: to_model_order(a, p, v))
+
+
+def _under_layers(tree: Any, fn) -> Any:
+    def one(path, x):
+        return fn(x) if any(getattr(k, "key", None) == LAYERS for k in path) else x
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def language_model_stages(graphdef: nnx.GraphDef, tie_embeddings: bool) -> Stages:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from jaxpar.data.sources import make_source
 from jaxpar.flops import mfu, peak_flops
+from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.trainer import Trainer
 
 
@@ -23,9 +24,13 @@ def tokens_per_step(trainer: Trainer) -> int:
 
 
 def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True) -> list[dict]:
-    """Train for `steps` (default train.steps) from a fresh state; returns per-step metrics."""
+    """Train up to step `steps` (default train.steps) and return per-step metrics. With
+    `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
+    `checkpoint.every` steps and at the end."""
     cfg = trainer.config
     steps = cfg.train.steps if steps is None else steps
+    ckpt = cfg.checkpoint
+    checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save) if ckpt.dir else None
     source = make_source(trainer)
     devices = trainer.mesh.devices.flatten()
     tokens = tokens_per_step(trainer)
@@ -34,19 +39,27 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
 
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    state = trainer.init()
+    start = 0
+    if checkpoints is not None and checkpoints.latest_step() is not None:
+        state, start = checkpoints.restore(trainer)
+    else:
+        state = trainer.init()
     if progress:
-        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
+        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s"
+                   + (f"; resumed from step {start} ({ckpt.dir})" if start else ""))
 
     history: list[dict] = []
-    out: IO | None = open(metrics_file, "w") if metrics_file else None
-    bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
+    out: IO | None = open(metrics_file, "a" if start else "w") if metrics_file else None  # a resumed run appends
+    bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     pending = None
     last = time.perf_counter()
     try:
-        for step in range(steps + 1):
+        for step in range(start, steps + 1):
             if step < steps:
                 state, metrics = step_fn(state, source(step))
+                done = step + 1
+                if checkpoints is not None and (done == steps or (ckpt.every and done % ckpt.every == 0)):
+                    checkpoints.save(trainer, state, done)
             if pending is not None:  # read step-1 while `step` runs
                 values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
                 now = time.perf_counter()
@@ -70,6 +83,8 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         bar.close()
         if out:
             out.close()
+        if checkpoints is not None:
+            checkpoints.close()  # waits for saves in flight
     return history
 
 

@@ -69,9 +69,11 @@ class Trainer:
     step: Any  # (TrainState, batch) -> (TrainState, metrics)
     grads: Any  # (params, batch) -> (loss, grads)
     step_and_grads: Any  # (TrainState, batch) -> (TrainState, metrics, grads)
-    # Parameter-shaped tree as stored -> in the model's layer order (they differ only under
-    # interleaved pipelining, whose stages hold strided chunks: jaxpar.pipeline.stages).
+    # A tree as stored (parameters, gradients, a TrainState) -> in the model's layer order,
+    # and back. They differ only under interleaved pipelining, whose stages hold strided
+    # chunks (jaxpar.pipeline.stages); checkpoints are kept in model order.
     model_order: Any = lambda tree: tree
+    pipeline_order: Any = lambda tree: tree
     pipeline: Any = None  # the pipeline's jaxpar.pipeline.program.Program, when mesh.stage > 1
 
     @property
@@ -354,6 +356,7 @@ def build(
             out_shardings=(replicated, shardings.optimizer),
         ),
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
+        pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline=program,
     )
 

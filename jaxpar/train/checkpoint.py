@@ -1,0 +1,94 @@
+"""Checkpoints with orbax: the whole training state, saved in the background, atomically,
+restorable onto any layout.
+
+A checkpoint holds the TrainState (parameters, fp32 master weights, optimizer state, step)
+in the model's layer order, and a JSON record of the step, the data position (batches are
+a function of the seed and the step: jaxpar.data.sources) and the config. Nothing in it is
+pickled: arrays are tensorstore files, the rest JSON.
+
+  * Atomic: orbax writes into a temporary directory and renames it when complete, so a run
+    killed mid-save leaves the previous checkpoint whole; leftovers are removed on open.
+  * Asynchronous: `save` returns once the arrays are copied off the devices; the writing
+    goes on in a background thread while training continues.
+  * Resharding: `restore` reads each array straight into the shardings of the trainer it is
+    given, so a checkpoint written under one mesh loads under another (another device
+    count too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxpar.config import flatten
+from jaxpar.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Checkpoints:
+    """The checkpoints of one run directory (`checkpoint.dir`)."""
+
+    manager: ocp.CheckpointManager
+    directory: pathlib.Path
+
+    @staticmethod
+    def open(directory: str | pathlib.Path, keep: int = 3, async_save: bool = True) -> "Checkpoints":
+        directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True
+        )
+        return Checkpoints(ocp.CheckpointManager(directory, options=options), directory)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, trainer, state, step: int) -> None:
+        """Checkpoint `state` as the state after `step` steps (in the background if async)."""
+        meta = {
+            "step": int(step),
+            "data_position": int(step),
+            "seed": trainer.config.train.seed,
+            "compute_dtype": trainer.config.train.compute_dtype,
+            "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
+        }
+        args = ocp.args.Composite(state=ocp.args.StandardSave(trainer.model_order(state)), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, force=True)
+
+    def restore(self, trainer, step: int | None = None) -> tuple[Any, int]:
+        """(state laid out for `trainer`, its step): the latest checkpoint unless `step`."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            raise ConfigError(
+                f"checkpoint.dir={str(self.directory)!r} has no checkpoint {'' if step is None else step}; "
+                f"it holds steps {self.all_steps() or 'none'}"
+            )
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        ours = trainer.config.train.compute_dtype
+        if meta["compute_dtype"] != ours and "float32" in (meta["compute_dtype"], ours):
+            raise ConfigError(
+                f"checkpoint step {step} was written with train.compute_dtype={meta['compute_dtype']} (float32 keeps no "
+                f"separate master weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}"
+            )
+        target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        state = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
+        return state, int(meta["step"])
+
+    def wait(self) -> None:
+        """Block until every save in flight is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)

@@ -1,0 +1,166 @@
+"""Checkpoints (jaxpar.train.checkpoint): exact resume, restore onto another layout and
+device count, keep-last-k, atomic saves, no pickles."""
+
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.train import build
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.loop import run
+
+
+def _losses(history):
+    return [r["loss"] for r in history]
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path):
+    config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=4"])
+    whole = run(build(config), progress=False)
+    saving = apply_overrides(config, [f"checkpoint.dir={tmp_path}", "checkpoint.every=1"])
+    first = run(build(saving), steps=2, progress=False)  # "killed" after step 2
+    assert Checkpoints.open(tmp_path).all_steps() == [1, 2]
+    rest = run(build(saving), progress=False)  # resumes at step 2, data position included
+    assert [r["step"] for r in rest] == [2, 3]
+    assert _losses(first) + _losses(rest) == _losses(whole)  # bitwise
+
+
+def test_written_under_fsdp8_restored_under_data2_tensor2_on_four_devices(tiny_llama, tmp_path):
+    a = build(apply_overrides(tiny_llama, ["mesh.data=1", "mesh.fsdp=8", f"checkpoint.dir={tmp_path}", "train.steps=2"]))
+    run(a, progress=False)
+    saved, _ = Checkpoints.open(tmp_path).restore(a)
+    b_config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.tensor=2", f"checkpoint.dir={tmp_path}", "train.steps=3"])
+    b = build(b_config, jax.devices()[:4])
+    state, step = Checkpoints.open(tmp_path).restore(b)
+    assert step == 2
+    jax.tree.map(np.testing.assert_array_equal, _host(state.params), _host(saved.params))
+    jax.tree.map(np.testing.assert_array_equal, _host(state.opt_state), _host(saved.opt_state))
+    assert jax.tree.leaves(state.params)[0].sharding == jax.tree.leaves(b.state_shardings.params)[0]
+    history = run(b, progress=False)  # trains on from step 2
+    assert [r["step"] for r in history] == [2] and np.isfinite(history[0]["loss"])
+
+
+def test_keeps_the_newest_and_a_half_written_save_is_not_a_checkpoint(tiny_llama, tmp_path):
+    config = apply_overrides(
+        tiny_llama, ["mesh.data=8", f"checkpoint.dir={tmp_path}", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=3"]
+    )
+    trainer = build(config)
+    run(trainer, progress=False)
+    assert Checkpoints.open(tmp_path).all_steps() == [2, 3]
+    # what a save killed midway leaves: orbax's temporary directory, renamed only when complete
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1700000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "junk").write_bytes(b"\x00" * 10)
+    checkpoints = Checkpoints.open(tmp_path)
+    assert checkpoints.latest_step() == 3 and not partial.exists()
+    assert checkpoints.restore(trainer)[1] == 3
+
+
+def test_restore_never_unpickles(tiny_llama, tmp_path, monkeypatch):
+    config = apply_overrides(tiny_llama, ["mesh.data=8", f"checkpoint.dir={tmp_path}", "train.steps=1"])
+    trainer = build(config)
+    run(trainer, progress=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    assert Checkpoints.open(tmp_path).restore(trainer)[1] == 1
+
+
+def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
+    """Interleaved stages store strided layers; the checkpoint holds the model's order, so it
+    restores onto a layout without stages."""
+    deep = apply_overrides(tiny_llama, ["model.num_layers=4", "train.microbatches=2", "train.steps=1"])
+    piped = build(apply_overrides(deep, ["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved",
+                                         "parallel.pipeline_chunks=2", f"checkpoint.dir={tmp_path}"]))
+    run(piped, progress=False)
+    stored, _ = Checkpoints.open(tmp_path).restore(piped)
+    flat = build(apply_overrides(deep, ["mesh.data=8", f"checkpoint.dir={tmp_path}"]))
+    state, _ = Checkpoints.open(tmp_path).restore(flat)
+    jax.tree.map(np.testing.assert_array_equal, _host(state.params), _host(piped.model_order(stored.params)))
+
+
+def test_bad_checkpoint_settings_are_refused(tiny_llama, tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.keep=0"):
+        build(apply_overrides(tiny_llama, ["mesh.data=8", "checkpoint.keep=0"]))
+    with pytest.raises(ConfigError, match="checkpoint.every=-1"):
+        build(apply_overrides(tiny_llama, ["mesh.data=8", "checkpoint.every=-1"]))
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8"]))
+    with pytest.raises(ConfigError, match="has no checkpoint"):
+        Checkpoints.open(tmp_path).restore(trainer)
+
+
+# ------------------------------------------------------------------ killed with SIGKILL
+
+TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "train.compute_dtype=float32",
+        "train.steps=8", "mesh.data=4", "mesh.tensor=2"]
+
+
+def _train_process(metrics, ckpt=None):
+    import subprocess
+    import sys
+
+    sets = TINY + ([f"checkpoint.dir={ckpt}", "checkpoint.every=1"] if ckpt else [])
+    cmd = [sys.executable, "-m", "jaxpar.cli", "train", "llama", "--no-progress", "--metrics-file", str(metrics)]
+    return subprocess.Popen(cmd + [x for s in sets for x in ("--set", s)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _rows(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(predicate, proc, what, timeout=240.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
+    """SIGKILL after a random step and during a save (while orbax's temporary directory
+    exists); the resumed run's losses equal the uninterrupted run's at every step."""
+    import os
+    import random
+    import signal
+
+    reference = tmp_path / "reference.jsonl"
+    proc = _train_process(reference)
+    assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
+    want = {r["step"]: r["loss"] for r in _rows(reference)}
+    assert sorted(want) == list(range(8))
+
+    rng = random.Random(0)
+    for kill_point in (rng.randrange(1, 7), "during a save"):
+        ckpt, metrics = tmp_path / f"ckpt-{kill_point}", tmp_path / f"run-{kill_point}.jsonl"
+        proc = _train_process(metrics, ckpt)
+        if kill_point == "during a save":
+            def saving():
+                return ckpt.exists() and any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
+
+            _wait_for(lambda: len(_rows(metrics)) >= 2 and saving(), proc, "a save in flight")
+        else:
+            _wait_for(lambda: len(_rows(metrics)) >= kill_point, proc, f"step {kill_point}")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        resumed = _train_process(metrics, ckpt)  # appends the steps it runs
+        assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-2000:]
+        rows = _rows(metrics)
+        assert {r["step"] for r in rows} == set(range(8)), kill_point
+        for r in rows:  # steps run twice (after the last checkpoint, before the kill) agree too
+            assert r["loss"] == want[r["step"]], (kill_point, r["step"])
