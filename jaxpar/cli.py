@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import sys
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, TrainingStopped
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"jaxpar: training stopped: {e}", file=sys.stderr)
+        return 1
 
 
 def train(args) -> int:

@@ -16,6 +16,7 @@ from models.moe import MoEConfig
 ModelConfig = Union[LlamaConfig, MoEConfig, MLPConfig]
 DTYPES = ("float32", "bfloat16")
 EXPERT_EXCHANGES = ("auto", "padded", "ragged")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,10 @@ class TrainConfig:
     seed: int = 0
     compute_dtype: str = "bfloat16"  # parameters are always stored in float32
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
+    # A step whose loss or gradients hold NaN or Inf is not applied (the state stays as it
+    # was); then `stop` ends the run naming the step and the first bad gradient, `skip`
+    # goes on with the next batch.
+    on_nonfinite: str = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +204,8 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
     for field in ("steps", "global_batch", "seq_len", "microbatches"):
         if getattr(train, field) < 1:
             raise ConfigError(f"train.{field}={getattr(train, field)} must be a positive integer")
+    if train.on_nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.on_nonfinite={train.on_nonfinite!r}; use one of {', '.join(NONFINITE_POLICIES)}")
     if train.compute_dtype not in DTYPES:
         raise ConfigError(f"train.compute_dtype={train.compute_dtype!r}; use one of {', '.join(DTYPES)}")
     batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]

@@ -73,3 +73,48 @@ def test_no_full_vocabulary_array_on_a_device(tiny_llama, overrides):
     shapes = {tuple(int(d) for d in s.split(",")) for s in re.findall(r"[a-z]+\d*\[([\d,]+)\]", hlo)}
     assert not [s for s in shapes if 128 in s], sorted(s for s in shapes if 128 in s)
     assert [s for s in shapes if 32 in s and len(s) == 3], "expected vocab-sharded logits [b, s, 32]"
+
+
+# ------------------------------------------------------------------ non-finite steps
+
+
+def _poisoned(trainer, bad_step):
+    """The trainer's batches, with NaN token weights at `bad_step`."""
+    import jax.numpy as jnp
+
+    from jaxpar.data.sources import make_source
+
+    source = make_source(trainer)
+
+    def get(step):
+        batch = source(step)
+        if step == bad_step:
+            batch = {**batch, "weights": batch["weights"] * jnp.nan}
+        return batch
+
+    return get
+
+
+def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, monkeypatch):
+    import jaxpar.train.loop as loop
+    from jaxpar.errors import TrainingStopped
+
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4"]))
+    state = trainer.init()
+    before = jax.device_get(state.params)
+    after, metrics = trainer.step(state, _poisoned(trainer, 0)(0))
+    assert float(metrics["nonfinite"]) == 1.0 and int(metrics["first_nonfinite_grad"]) == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before)  # not applied
+    monkeypatch.setattr(loop, "make_source", lambda t: _poisoned(t, 2))
+    with pytest.raises(TrainingStopped, match=r"step 2: the loss is nan and the first non-finite gradient is \['embedding'\]"):
+        loop.run(trainer, progress=False)
+
+
+def test_skip_policy_goes_on_past_a_nonfinite_step(tiny_llama, monkeypatch):
+    import jaxpar.train.loop as loop
+
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4", "train.on_nonfinite=skip"])
+    monkeypatch.setattr(loop, "make_source", lambda t: _poisoned(t, 1))
+    history = loop.run(build(config), progress=False)
+    assert [r["nonfinite"] for r in history] == [0.0, 1.0, 0.0, 0.0]
+    assert all(np.isfinite(r["loss"]) for i, r in enumerate(history) if i != 1)

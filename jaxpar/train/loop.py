@@ -13,6 +13,7 @@ import jax
 from tqdm import tqdm
 
 from jaxpar.data.sources import make_source
+from jaxpar.errors import TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.trainer import Trainer
@@ -52,6 +53,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     out: IO | None = open(metrics_file, "a" if start else "w") if metrics_file else None  # a resumed run appends
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     pending = None
+    skipped = 0  # steps not applied for a non-finite loss or gradient
     last = time.perf_counter()
     try:
         for step in range(start, steps + 1):
@@ -62,6 +64,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                     checkpoints.save(trainer, state, done)
             if pending is not None:  # read step-1 while `step` runs
                 values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
+                if values["nonfinite"]:
+                    skipped += 1
+                    if cfg.train.on_nonfinite == "stop":
+                        raise TrainingStopped(_nonfinite_message(trainer, pending[0], values))
                 now = time.perf_counter()
                 seconds, last = now - last, now
                 record = {"step": pending[0], **values, "tokens_per_s": tokens / seconds, "step_time_s": seconds}
@@ -73,7 +79,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                     out.write(json.dumps(record) + "\n")
                     out.flush()
                 bar.set_postfix_str(
-                    f"loss={values['loss']:.4f} tok/s={record['tokens_per_s']:,.0f} "
+                    (f"skipped={skipped} " if skipped else "") + f"loss={values['loss']:.4f} tok/s={record['tokens_per_s']:,.0f} "
                     f"mfu={'n/a' if util is None else f'{util:.1%}'}" + _expert_postfix(values),
                     refresh=False,
                 )
@@ -86,6 +92,16 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         if checkpoints is not None:
             checkpoints.close()  # waits for saves in flight
     return history
+
+
+def _nonfinite_message(trainer: Trainer, step: int, values: dict) -> str:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(trainer.abstract_state().params)[0]]
+    index, count = int(values["first_nonfinite_grad"]), int(values["nonfinite_grads"])
+    grads = f"the first non-finite gradient is {paths[index]} ({count} of {len(paths)} are)" if index >= 0 else "the gradients are finite"
+    return (
+        f"step {step}: the loss is {values['loss']} and {grads}; the step was not applied. Lower optim.lr, check the "
+        "data, or set train.on_nonfinite=skip to go on without such steps"
+    )
 
 
 def _expert_postfix(values: dict) -> str:

@@ -313,13 +313,27 @@ def build(
         counts = sums.get("counts", {})
         if counts and hasattr(config.model, "update"):  # e.g. MoE bias balancing, from the step's loads
             master = config.model.update(master, counts)
+        # A non-finite loss or gradient leaves the state as it was; the loop then stops or
+        # skips (train.on_nonfinite), naming the first bad gradient.
+        finite_grads = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+        finite = jnp.isfinite(loss) & jnp.all(finite_grads)
+        guard = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        opt_state = guard(opt_state, state.opt_state)
+        if mixed:
+            master = guard(master, state.master)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(_cast_floats(master, compute_dtype), shardings.params)
+        if not mixed:  # the old weights are at hand in the parameter sharding: no gather for the guard
+            params = guard(params, state.params)
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(lr_schedule(state.step), jnp.float32),
+            "nonfinite": (~finite).astype(jnp.float32),
+            # which gradient leaf (in tree order) is the first non-finite one, -1 if none
+            "first_nonfinite_grad": jnp.where(jnp.all(finite_grads), -1, jnp.argmin(finite_grads)).astype(jnp.float32),
+            "nonfinite_grads": jnp.sum(~finite_grads).astype(jnp.float32),
             **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
             **(config.model.summarise(counts) if counts and hasattr(config.model, "summarise") else {}),
         }
