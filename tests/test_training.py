@@ -102,9 +102,12 @@ def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, m
     trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4"]))
     state = trainer.init()
     before = jax.device_get(state.params)
+    before_opt = jax.device_get(state.opt_state)
     after, metrics = trainer.step(state, _poisoned(trainer, 0)(0))
     assert float(metrics["nonfinite"]) == 1.0 and int(metrics["first_nonfinite_grad"]) == 0
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before)  # not applied
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state), before_opt)
+    assert int(after.step) == 0  # nor counted
     monkeypatch.setattr(loop, "make_source", lambda t: _poisoned(t, 2))
     with pytest.raises(TrainingStopped, match=r"step 2: the loss is nan and the first non-finite gradient is \['embedding'\]"):
         loop.run(trainer, progress=False)

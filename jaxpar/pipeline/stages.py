@@ -34,17 +34,21 @@ def join_layers(layers: Any, other: dict) -> dict:
 def in_pipeline_order(tree: Any, p: int, v: int) -> Any:
     """Every array under a "layers" key of `tree` (parameters, gradients, optimizer state,
     a whole TrainState) put in pipeline order (`to_pipeline_order`)."""
-    return _under_layers(tree, lambda a: to_pipeline_order(a, p, v))
+    return _under_layers(tree, lambda a: to_pipeline_order(a, p, v), p, v)
 
 
 def in_model_order(tree: Any, p: int, v: int) -> Any:
     """The inverse of `in_pipeline_order`."""
-    return _under_layers(tree, lambda a: to_model_order(a, p, v))
+    return _under_layers(tree, lambda a: to_model_order(a, p, v), p, v)
 
 
-def _under_layers(tree: Any, fn) -> Any:
+def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
+    """`fn` on the arrays under a "layers" key that are stacked over the layers (an
+    optimizer's placeholders or per-layer scalars of other shapes are left alone)."""
+
     def one(path, x):
-        return fn(x) if any(getattr(k, "key", None) == LAYERS for k in path) else x
+        stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] % (p * v) == 0 and x.shape[0] >= p * v
+        return fn(x) if stacked and any(getattr(k, "key", None) == LAYERS for k in path) else x
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 from typing import Any
 
 import jax
@@ -38,8 +39,11 @@ class Checkpoints:
     @staticmethod
     def open(directory: str | pathlib.Path, keep: int = 3, async_save: bool = True) -> "Checkpoints":
         directory = pathlib.Path(directory).absolute()
+        if jax.process_index() == 0 and directory.exists():  # saves cut short: never checkpoints, removed now
+            for leftover in directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
         return Checkpoints(ocp.CheckpointManager(directory, options=options), directory)
 
@@ -58,7 +62,9 @@ class Checkpoints:
             "compute_dtype": trainer.config.train.compute_dtype,
             "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
         }
-        args = ocp.args.Composite(state=ocp.args.StandardSave(trainer.model_order(state)), meta=ocp.args.JsonSave(meta))
+        if trainer.pipeline is not None:  # on the devices, in the state's own shardings
+            state = jax.jit(trainer.model_order, out_shardings=trainer.state_shardings)(state)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True)
 
     def restore(self, trainer, step: int | None = None) -> tuple[Any, int]:
@@ -66,15 +72,23 @@ class Checkpoints:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             raise ConfigError(
-                f"checkpoint.dir={str(self.directory)!r} has no checkpoint {'' if step is None else step}; "
+                f"checkpoint.dir={str(self.directory)!r} has no checkpoint{'' if step is None else f' for step {step}'}; "
                 f"it holds steps {self.all_steps() or 'none'}"
             )
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved = meta["config"]
+        for key, value in flatten(trainer.config).items():  # the model must be the one saved
+            if key.startswith("model.") and key != "model.remat" and saved.get(key) != _jsonable(value):
+                raise ConfigError(
+                    f"checkpoint step {step} in {str(self.directory)!r} was written with {key}={saved.get(key)!r}, but "
+                    f"this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another checkpoint.dir"
+                )
         ours = trainer.config.train.compute_dtype
         if meta["compute_dtype"] != ours and "float32" in (meta["compute_dtype"], ours):
             raise ConfigError(
                 f"checkpoint step {step} was written with train.compute_dtype={meta['compute_dtype']} (float32 keeps no "
-                f"separate master weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}"
+                f"separate master weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}, or use "
+                "another checkpoint.dir"
             )
         target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]

@@ -46,28 +46,33 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     else:
         state = trainer.init()
     if progress:
-        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s"
-                   + (f"; resumed from step {start} ({ckpt.dir})" if start else ""))
+        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
+    if start:
+        print(f"resumed from step {start} ({ckpt.dir})", flush=True)
 
     history: list[dict] = []
-    out: IO | None = open(metrics_file, "a" if start else "w") if metrics_file else None  # a resumed run appends
+    if metrics_file and start:  # a resumed run replaces what the lost one logged past the checkpoint
+        _truncate_metrics(metrics_file, start)
+    out: IO | None = open(metrics_file, "a" if start else "w") if metrics_file else None
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     pending = None
     skipped = 0  # steps not applied for a non-finite loss or gradient
     last = time.perf_counter()
+
+    def check(step: int, values: dict) -> None:
+        nonlocal skipped
+        if values["nonfinite"]:
+            skipped += 1
+            if cfg.train.on_nonfinite == "stop":
+                raise TrainingStopped(_nonfinite_message(trainer, step, values))
+
     try:
         for step in range(start, steps + 1):
             if step < steps:
                 state, metrics = step_fn(state, source(step))
-                done = step + 1
-                if checkpoints is not None and (done == steps or (ckpt.every and done % ckpt.every == 0)):
-                    checkpoints.save(trainer, state, done)
             if pending is not None:  # read step-1 while `step` runs
                 values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
-                if values["nonfinite"]:
-                    skipped += 1
-                    if cfg.train.on_nonfinite == "stop":
-                        raise TrainingStopped(_nonfinite_message(trainer, pending[0], values))
+                check(pending[0], values)
                 now = time.perf_counter()
                 seconds, last = now - last, now
                 record = {"step": pending[0], **values, "tokens_per_s": tokens / seconds, "step_time_s": seconds}
@@ -84,7 +89,17 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                     refresh=False,
                 )
                 bar.update(1)
-            pending = (step, metrics) if step < steps else None
+            pending = None
+            if step < steps:
+                done = step + 1
+                if checkpoints is not None and (done == steps or (ckpt.every and done % ckpt.every == 0)):
+                    # Every earlier step has been checked; check this one before saving it
+                    # (the save waits for the step anyway), so no checkpoint holds a step
+                    # past one that stopped the run.
+                    if cfg.train.on_nonfinite == "stop" and float(metrics["nonfinite"]):
+                        check(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
+                    checkpoints.save(trainer, state, done)
+                pending = (step, metrics)
     finally:
         bar.close()
         if out:
@@ -92,6 +107,15 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         if checkpoints is not None:
             checkpoints.close()  # waits for saves in flight
     return history
+
+
+def _truncate_metrics(path: str, start: int) -> None:
+    import pathlib
+
+    file = pathlib.Path(path)
+    if file.exists():
+        rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
+        file.write_text("".join(row + "\n" for row in rows))
 
 
 def _nonfinite_message(trainer: Trainer, step: int, values: dict) -> str:

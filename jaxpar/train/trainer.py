@@ -337,7 +337,10 @@ def build(
             **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
             **(config.model.summarise(counts) if counts and hasattr(config.model, "summarise") else {}),
         }
-        new = TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state)
+        # A step not applied does not count: the schedule (state.step, and the optimizer's own
+        # count) stays where the weights are.
+        new = TrainState(step=jnp.where(finite, state.step + 1, state.step), params=params,
+                         master=master if mixed else None, opt_state=opt_state)
         return new, metrics, grads
 
     return Trainer(
