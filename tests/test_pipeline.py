@@ -184,7 +184,7 @@ def test_llama_pp_recipe_trains_in_bfloat16_like_the_unpipelined_step():
 
     config = apply_overrides(load("llama_pp"), ["model.num_layers=2", "train.seq_len=32", "train.steps=3"])
     piped = run_layout(config).losses
-    flat = run_layout(apply_overrides(config, ["mesh.data=4", "mesh.tensor=2", SP, "parallel.zero_stage=1"])).losses
+    flat = run_layout(apply_overrides(config, ["mesh.stage=1", "mesh.data=4", "mesh.tensor=2", SP, "parallel.zero_stage=1"])).losses
     np.testing.assert_allclose(piped, flat, rtol=2e-2)
     assert piped[-1] < piped[0]
 
