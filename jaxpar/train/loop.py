@@ -6,6 +6,7 @@ Metrics of step i are read back while step i+1 runs, so the host never stalls th
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 from typing import IO
 
@@ -110,8 +111,6 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
 
 
 def _truncate_metrics(path: str, start: int) -> None:
-    import pathlib
-
     file = pathlib.Path(path)
     if file.exists():
         rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
