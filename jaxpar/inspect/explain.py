@@ -59,8 +59,9 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
 
     tokens = config.train.global_batch * config.train.seq_len
     flops_per_token = config.model.flops_per_token(config.train.seq_len)
-    if trainer.pipeline is not None:  # recomputed forwards: the layers' and the head's differ
-        layers_factor, head_factor = pipeline_recompute(trainer.pipeline)
+    recompute = pipeline_recompute(trainer.pipeline) if trainer.pipeline is not None else None
+    if recompute:  # recomputed forwards: the layers' and the head's differ
+        layers_factor, head_factor = recompute
         head = 6 * config.model.vocab_size * config.model.embed
         flops_per_token = (flops_per_token - head) * layers_factor + head * head_factor
     flops_formula = flops_per_token * tokens / report.num_devices
@@ -100,8 +101,8 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else ""),
         "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
-        + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(
-            *pipeline_recompute(trainer.pipeline)) if trainer.pipeline is not None else ""),
+        + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(*recompute)
+           if recompute else ""),
         "gradient_traffic": _row("elements over data, fsdp" + (", expert" if expert > 1 else ""), grad_measured, grad_formula),
         "gradient_traffic_formula": grad_formula_text
         + ("; expert weights Ψ'/e, others with d x e (expert as a data axis)" if expert > 1 else ""),

@@ -205,14 +205,18 @@ def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tu
     """FLOPs of every dot in the program, 2 x result elements x contracted size, times how
     often its computation runs per step (XLA's cost analysis counts a loop body once).
     Returns (flops, all trip counts known). `branch_shares`: see `_executions`."""
+    return matmul_flops_each(hlo_text, [branch_shares])[0]
+
+
+def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None]) -> list[tuple[float, bool]]:
+    """`matmul_flops` under each of several branch shares (a pipeline's average device and
+    each stage's), the program parsed once."""
     comps = _parse(hlo_text)
-    execs = _executions(comps, branch_shares)
     shapes = {ins.name: ins.shape for ins in _all(comps)}
-    total, known = 0.0, True
+    dots = []  # (computation, FLOPs per run)
     for comp, instrs in comps.items():
-        runs, comp_known = execs.get(comp, (0, True))
         for ins in instrs:
-            if ins.opcode != "dot" or not runs:
+            if ins.opcode != "dot":
                 continue
             dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
             lhs = _ARRAY.search(shapes.get(ins.operands[0], ""))
@@ -220,9 +224,18 @@ def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tu
                 continue
             lhs_dims = [int(d.lstrip("<=")) for d in lhs.group(2).split(",") if d]
             contracted = math.prod(lhs_dims[int(k)] for k in dims.group(1).split(",") if k)
-            total += 2.0 * _elements(ins.shape) * contracted * runs
-            known = known and comp_known
-    return total, known
+            dots.append((comp, 2.0 * _elements(ins.shape) * contracted))
+    out = []
+    for shares in shares_each:
+        execs = _executions(comps, shares)
+        total, known = 0.0, True
+        for comp, flops in dots:
+            runs, comp_known = execs.get(comp, (0, True))
+            if runs:
+                total += flops * runs
+                known = known and comp_known
+        out.append((total, known))
+    return out
 
 
 def summarize(colls: Iterable[Collective]) -> list[dict]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.inspect.findings import Finding, captured_stderr, parse_findings
-from jaxpar.inspect.hlo import Collective, collectives, matmul_flops, summarize
+from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
 
 
@@ -131,20 +131,23 @@ def inspect_step(trainer) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
-    shares = trainer.pipeline.branch_shares() if trainer.pipeline is not None else None
+    # Under a pipeline the executor's switch branches are weighted by how often the average
+    # device (and each stage) runs them.
+    program = trainer.pipeline
+    each = [None] if program is None else [program.branch_shares()] + [program.branch_shares(s) for s in range(program.timeline.p)]
+    shares = each[0]
+    (flops, _), *stage_flops = matmul_flops_each(text, each)
     return StepReport(
         mesh=dict(mesh.shape),
         num_hosts=num_hosts,
         memory=memory,
-        flops=matmul_flops(text, shares)[0],
+        flops=flops,
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts), shares),
         findings=parse_findings(log),
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
-        stage_flops=tuple(matmul_flops(text, trainer.pipeline.branch_shares(s))[0] for s in range(trainer.pipeline.timeline.p))
-        if trainer.pipeline is not None
-        else (),
+        stage_flops=tuple(f for f, _ in stage_flops),
     )
 
 

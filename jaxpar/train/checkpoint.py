@@ -92,8 +92,9 @@ class Checkpoints:
             )
         target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-        state = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
-        return state, int(meta["step"])
+        if trainer.pipeline is not None:  # back to the stages' order (a copy only where there is one)
+            restored = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
+        return restored, int(meta["step"])
 
     def wait(self) -> None:
         """Block until every save in flight is on disk."""
