@@ -110,6 +110,15 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    # With several processes (jaxpar launch, SLURM, or JAXPAR_* variables; jaxpar.distributed):
+    # a process silent this long is lost, and the others exit naming it.
+    heartbeat_timeout_s: int = 60
+    # How long the processes wait for each other to join at start-up.
+    join_timeout_s: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -118,6 +127,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 # ---------------------------------------------------------------- overrides
@@ -230,6 +240,9 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}; use a number of steps, or 0 to save only at the end")
     if config.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; keep at least 1 checkpoint, e.g. checkpoint.keep=3")
+    for field in ("heartbeat_timeout_s", "join_timeout_s"):
+        if getattr(config.distributed, field) < 1:
+            raise ConfigError(f"distributed.{field}={getattr(config.distributed, field)} must be a positive number of seconds; e.g. 60")
     if config.data.source not in ("synthetic", "tokens"):
         raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
     if config.data.source == "tokens" and not config.data.path:

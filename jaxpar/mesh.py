@@ -127,15 +127,16 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
 
 def _host_groups(devices: list[jax.Device], num_hosts: int) -> list[list[jax.Device]]:
     processes = sorted({d.process_index for d in devices})
-    if len(processes) == num_hosts:
-        return [[d for d in devices if d.process_index == p] for p in processes]
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if len(processes) % num_hosts == 0:  # a host is one or more whole processes
+        per = len(processes) // num_hosts
+        return [[d for d in ordered if d.process_index in processes[i * per : (i + 1) * per]] for i in range(num_hosts)]
     if len(processes) == 1 and len(devices) % num_hosts == 0:
         per = len(devices) // num_hosts
-        ordered = sorted(devices, key=lambda d: d.id)
         return [ordered[i * per : (i + 1) * per] for i in range(num_hosts)]
     raise ConfigError(
         f"mesh.hosts asks for {num_hosts} hosts, but the devices come from {len(processes)} processes; "
-        f"make the product of mesh.hosts.* equal the number of processes ({len(processes)})"
+        f"make the product of mesh.hosts.* divide the number of processes ({len(processes)})"
     )
 
 
@@ -144,7 +145,7 @@ def _arrange_within_host(devices: list[jax.Device], shape: list[int]) -> np.ndar
         from jax.experimental import mesh_utils
 
         return mesh_utils.create_device_mesh(shape, devices=devices)
-    return np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(shape)
+    return np.array(sorted(devices, key=lambda d: (d.process_index, d.id)), dtype=object).reshape(shape)
 
 
 def describe(mesh: Mesh) -> str:
