@@ -1,5 +1,5 @@
-"""`jaxpar train RECIPE [--set key=value ...]`, `jaxpar explain RECIPE`, `jaxpar schedule NAME`
-and `jaxpar recipes`.
+"""`jaxpar train RECIPE [--set key=value ...]`, `jaxpar launch --nproc N -- train RECIPE ...`,
+`jaxpar explain RECIPE`, `jaxpar schedule NAME` and `jaxpar recipes`.
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
 """
@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import sys
 
-from jaxpar.errors import ConfigError, TrainingStopped
+from jaxpar.errors import ConfigError, Preempted, TrainingStopped
+
+PREEMPTED_EXIT = 143  # as if SIGTERM had ended the process: schedulers requeue on it
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +42,15 @@ def parser() -> argparse.ArgumentParser:
     schedule.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches (default 8)")
     schedule.add_argument("--chunks", type=int, default=1, metavar="V", help="virtual stages per device (interleaved)")
     schedule.add_argument("--png", metavar="PATH", help="also write the picture as a PNG")
+    launch = sub.add_parser("launch", help="run `train` in several local processes joined by jax.distributed")
+    launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
+    launch.add_argument("--cpu-devices-per-proc", type=int, metavar="K",
+                        help="virtual CPU devices per process when no accelerator is present (default 8 // N, at least 1)")
+    launch.add_argument("--bind", default="127.0.0.1", metavar="ADDR",
+                        help="address the coordinator listens on (default 127.0.0.1: this machine only)")
+    launch.add_argument("--grace", type=float, default=180.0, metavar="S",
+                        help="seconds the other processes get to stop on their own after one fails (default 180)")
+    launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train RECIPE [train options]")
     sub.add_parser("recipes", help="list recipes")
     return p
 
@@ -69,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "schedule":
         return schedule(args)
     try:
+        if args.command == "launch":
+            from jaxpar.launch import launch
+
+            command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+            per_proc = max(1, 8 // max(1, args.nproc)) if args.cpu_devices_per_proc is None else args.cpu_devices_per_proc
+            return launch(args.nproc, command, per_proc, args.bind, args.grace)
         return explain(args) if args.command == "explain" else train(args)
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
@@ -79,12 +96,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args) -> int:
+    """Alone, or one of several processes when the environment names a cluster
+    (jaxpar.distributed): then every process runs this same function, and process 0 alone
+    prints, shows progress and writes the metrics file."""
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+    from jaxpar import distributed
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+    cluster = distributed.from_environment()
+    if cluster is None:
+        return _train(args)
+    settings = resolve_config(args.recipe, [o for o in args.overrides if o.startswith("distributed.")], 2).distributed
+    distributed.join(cluster, settings.heartbeat_timeout_s, settings.join_timeout_s)
+    watchdog = distributed.Watchdog(settings.heartbeat_timeout_s).start()
+    error = None
+    try:
+        return _train(args)
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        watchdog.stop(error)
 
+
+def _train(args) -> int:
     import jax
 
     from jaxpar.config import flatten
@@ -94,21 +131,30 @@ def train(args) -> int:
 
     devices = jax.devices()
     config = resolve_config(args.recipe, args.overrides, len(devices))
+    main = jax.process_index() == 0
     if args.print_config:
-        for key, value in flatten(config).items():
-            print(f"{key}={value}")
+        if main:
+            print("\n".join(f"{key}={value}" for key, value in flatten(config).items()))
         return 0
     trainer = build(config, devices)  # validates before anything compiles
     model = config.model
-    print(
-        f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
-        f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices | "
-        f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
-        f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
-        f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches"
-    )
-    history = run(trainer, metrics_file=args.metrics_file, progress=not args.no_progress)
-    if history:
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    if main:
+        print(
+            f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
+            f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
+            f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+            f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
+            f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches",
+            flush=True,
+        )
+    try:
+        history = run(trainer, metrics_file=args.metrics_file if main else None, progress=main and not args.no_progress)
+    except Preempted as e:  # every process stops at the same step: not a failure of one
+        if main:
+            print(f"jaxpar: {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    if history and main:
         first, last = history[0], history[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
     return 0

@@ -5,7 +5,20 @@ that cannot go on."""
 class ConfigError(ValueError):
     """A configuration value that cannot work: the message names the field, the value and what would."""
 
+    rule: str | None = None  # the id of the jaxpar.checks rule that raised it, if one did
+
 
 class TrainingStopped(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient under train.on_nonfinite=stop):
     the message names the step and what went wrong."""
+
+
+class Preempted(RuntimeError):
+    """The run was told to stop (SIGTERM to a run of several processes) and stopped after
+    `step`, saved to `directory` when checkpoints are on."""
+
+    def __init__(self, step: int, directory: str | None):
+        self.step, self.directory = step, directory
+        saved = f"saved step {step} to {directory}; run the same command to resume" if directory else (
+            "nothing saved (no checkpoint.dir)")
+        super().__init__(f"preempted after step {step}: {saved}")

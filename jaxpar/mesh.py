@@ -75,9 +75,9 @@ class MeshConfig:
                 )
             sizes[fill[0]] = num_devices // fixed
         elif fixed != num_devices:
-            shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
+            shown = " x ".join(f"mesh.{a}={s}" for a, s in sizes.items() if s != 1) or "mesh: all axes 1"
             raise ConfigError(
-                f"mesh: {shown} multiplies to {fixed}, but there are {num_devices} devices; "
+                f"{shown} multiplies to {fixed}, but there are {num_devices} devices; "
                 f"make the axis sizes multiply to {num_devices}, or set one axis to -1 to fill"
             )
         for axis, across in self.hosts.sizes().items():

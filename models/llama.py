@@ -20,7 +20,7 @@ from flax import nnx
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
+from jaxpar.nn import scan_layers, stack_layers
 from jaxpar.sharding import attend, compute_value, constrain
 
 RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
@@ -62,23 +62,6 @@ class LlamaConfig:
         matmul_params = self.param_count(include_embedding=False) + self.vocab_size * self.embed
         attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6 * matmul_params + attention
-
-    def validate(self) -> None:
-        from jaxpar.errors import ConfigError
-        from jaxpar.mesh import divisors
-
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
-                f"use one of {divisors(self.num_heads)}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {', '.join(REMAT_POLICIES)}")
-        for field in ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp"):
-            if getattr(self, field) < 1:
-                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int) -> nnx.Param:

@@ -34,13 +34,6 @@ class MLPConfig:
         """Training FLOPs per example (6 per multiply-accumulate weight)."""
         return 6 * (self.in_features * self.hidden + self.hidden * self.hidden + self.hidden * self.num_classes)
 
-    def validate(self) -> None:
-        from jaxpar.errors import ConfigError
-
-        for field in ("in_features", "hidden", "num_classes"):
-            if getattr(self, field) < 1:
-                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
-
 
 def _dense(rngs: nnx.Rngs, fan_in: int, fan_out: int, names: tuple[str, str]) -> tuple[nnx.Param, nnx.Param]:
     init = nnx.with_partitioning(nnx.initializers.he_normal(), names)

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
-from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
+from jaxpar.kernels.experts import grouped_matmul
 from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
@@ -66,28 +66,6 @@ class MoEConfig(LlamaConfig):
         """6 x the parameters one token uses (k experts) plus attention, as for Llama."""
         matmul_params = self.param_count(include_embedding=False, active=True) + self.vocab_size * self.embed
         return 6 * matmul_params + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-
-    def validate(self) -> None:
-        from jaxpar.errors import ConfigError
-
-        super().validate()
-        if self.num_experts < 1:
-            raise ConfigError(f"model.num_experts={self.num_experts} must be a positive integer; e.g. model.num_experts=8")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(
-                f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
-                f"e.g. model.top_k={min(2, self.num_experts)}"
-            )
-        if self.routing not in ROUTINGS:
-            raise ConfigError(f"model.routing={self.routing!r} is not a router option; use one of {', '.join(ROUTINGS)}")
-        if not self.capacity_factor > 0:
-            raise ConfigError(
-                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 is each expert's balanced share); "
-                "e.g. 1.25, or model.routing=dropless to drop nothing"
-            )
-        for field in ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate"):
-            if getattr(self, field) < 0:
-                raise ConfigError(f"model.{field}={getattr(self, field)} must be >= 0; use 0 to turn it off")
 
     def summarise(self, counts: dict) -> dict:
         """Per-step metrics from the step's summed counts: the share of (token, choice)

@@ -45,7 +45,7 @@ def llama(**model):
 @pytest.mark.parametrize(
     "config, overrides, message",
     [
-        (llama(), ["mesh.data=4"], r"mesh: data=4 multiplies to 4, but there are 8 devices"),
+        (llama(), ["mesh.data=4"], r"mesh.data=4 multiplies to 4, but there are 8 devices"),
         (llama(), ["mesh.tensor=8"], r"mesh.tensor=8 does not divide model.num_heads=4; use mesh.tensor in \[1, 2, 4\]"),
         (llama(num_heads=8), ["mesh.tensor=4"], r"mesh.tensor=4 does not divide model.num_kv_heads=2"),
         (llama(num_heads=8, num_kv_heads=8, vocab_size=100), ["mesh.tensor=8"], r"does not divide model.vocab_size=100"),

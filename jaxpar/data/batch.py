@@ -40,11 +40,15 @@ def batch_shapes(task: str, global_batch: int, seq_len: int, in_features: int = 
 
 
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-    """The contiguous range of global rows this process's devices hold."""
+    """The contiguous range of global rows this process's devices hold: with several
+    processes, each reads and builds only these rows."""
     index_map = sharding.addressable_devices_indices_map(global_shape)
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
-    return slice(min(starts), max(stops))
+    bounds = {(idx[0].start or 0, global_shape[0] if idx[0].stop is None else idx[0].stop) for idx in index_map.values()}
+    lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
+    covered = set().union(*(range(*b) for b in bounds))
+    if len(covered) != hi - lo:  # make_mesh puts each process's devices together; another mesh might not
+        raise ValueError(f"this process's devices hold rows {sorted(bounds)} of the batch, not one contiguous range")
+    return slice(lo, hi)
 
 
 def to_global(local: dict[str, np.ndarray], shardings: dict[str, NamedSharding], shapes: dict) -> dict[str, jax.Array]:

@@ -11,10 +11,11 @@ import time
 from typing import IO
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.data.sources import make_source
-from jaxpar.errors import TrainingStopped
+from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.trainer import Trainer
@@ -48,7 +49,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         state = trainer.init()
     if progress:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
-    if start:
+    if start and jax.process_index() == 0:
         print(f"resumed from step {start} ({ckpt.dir})", flush=True)
 
     history: list[dict] = []
@@ -67,9 +68,16 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
             if cfg.train.on_nonfinite == "stop":
                 raise TrainingStopped(_nonfinite_message(trainer, step, values))
 
+    # With several processes JAX's preemption service takes SIGTERM: every process learns of
+    # it, and all agree on the step after which to save and stop.
+    preemptible = jax.process_count() > 1
+    preempted_at = None
+    end = steps
     try:
-        for step in range(start, steps + 1):
-            if step < steps:
+        step = start - 1
+        while step < end:
+            step += 1
+            if step < end:
                 state, metrics = step_fn(state, source(step))
             if pending is not None:  # read step-1 while `step` runs
                 values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
@@ -91,9 +99,11 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                 )
                 bar.update(1)
             pending = None
-            if step < steps:
+            if step < end:
                 done = step + 1
-                if checkpoints is not None and (done == steps or (ckpt.every and done % ckpt.every == 0)):
+                if preemptible and multihost_utils.reached_preemption_sync_point(done):
+                    preempted_at = end = done  # read this step's metrics, save, and stop
+                if checkpoints is not None and (done == end or (ckpt.every and done % ckpt.every == 0)):
                     # Every earlier step has been checked; check this one before saving it
                     # (the save waits for the step anyway), so no checkpoint holds a step
                     # past one that stopped the run.
@@ -107,6 +117,8 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
             out.close()
         if checkpoints is not None:
             checkpoints.close()  # waits for saves in flight
+    if preempted_at is not None:
+        raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None)
     return history
 
 

@@ -104,18 +104,8 @@ def build(
 ) -> Trainer:
     """Everything checked and every sharding derived before the first compile."""
     devices = list(jax.devices() if devices is None else devices)
-    validate(config, len(devices))
-    if config.parallel.attention_kernel == "pallas" and devices[0].platform != "gpu":
-        raise ConfigError(
-            f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {devices[0].platform}; "
-            "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
-        )
+    validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
     exchange = config.parallel.expert_exchange
-    if exchange == "ragged" and devices[0].platform != "gpu":
-        raise ConfigError(
-            f"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the {devices[0].platform} backend "
-            "lacks; use padded (or auto, which picks ragged on GPUs)"
-        )
     if exchange == "auto":
         exchange = "ragged" if devices[0].platform == "gpu" else "padded"
     warn_if_offload_is_a_no_op(config, devices)

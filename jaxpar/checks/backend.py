@@ -1,0 +1,55 @@
+"""What `build` checked itself before the catalogue: the devices' backend (run only when
+validate is told the platform), then the rule-table overrides."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+from jaxpar.sharding.rules import parse_table
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+
+@rule(
+    "pallas-needs-gpu",
+    fields=["parallel.attention_kernel"],
+    summary="attention_kernel=pallas lowers through Triton, so it needs GPUs (pallas_interpret runs anywhere).",
+    example=["mesh.context=2", "parallel.attention_kernel=pallas", "model.head_dim=16", "train.seq_len=128"],
+    needs="platform",
+)
+def pallas_needs_gpu(config, platform: str) -> None:
+    if config.parallel.attention_kernel == "pallas" and platform != "gpu":
+        raise ConfigError(
+            f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {platform}; "
+            "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
+        )
+
+
+@rule(
+    "ragged-exchange-needs-gpu",
+    fields=["parallel.expert_exchange"],
+    summary="expert_exchange=ragged needs jax.lax.ragged_all_to_all, which only GPUs have.",
+    example=["parallel.expert_exchange=ragged"],
+    needs="platform",
+)
+def ragged_exchange_needs_gpu(config, platform: str) -> None:
+    if config.parallel.expert_exchange == "ragged" and platform != "gpu":
+        raise ConfigError(
+            f"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the {platform} backend "
+            "lacks; use padded (or auto, which picks ragged on GPUs)"
+        )
+
+
+# parse_table also reads the tables for build, so its two messages stay there and this
+# rule wraps them; `also` breaks the other one.
+@rule(
+    "rule-overrides-parse",
+    fields=["parallel.storage_rules", "parallel.compute_rules"],
+    summary="Rule overrides read 'logical=axis+axis,...' and name only mesh axes.",
+    example=["parallel.storage_rules=embed=gpu"],
+    also=[["parallel.compute_rules=embed"]],
+)
+def rule_overrides_parse(config, sizes) -> None:
+    for field in ("storage_rules", "compute_rules"):
+        parse_table(getattr(config.parallel, field), f"parallel.{field}")

@@ -1,0 +1,224 @@
+"""The model against the mesh: tensor, fsdp and sequence divisibility, then context-parallel
+attention (which divides heads by the tensor degree, so it runs after)."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+from jaxpar.kernels.attention import ATTENTION_KERNELS, CONTEXT_IMPLS, SEQUENCE_LAYOUTS
+from jaxpar.kernels.attention.blocks import tile
+from jaxpar.kernels.attention.order import chunk_length
+from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
+from jaxpar.mesh import divisors
+from models.llama import LlamaConfig
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+TENSOR_SHARDED = ("num_heads", "num_kv_heads", "vocab_size", "mlp")
+
+
+@rule(
+    "tensor-divides-model",
+    fields=["mesh.tensor"] + [f"model.{f}" for f in TENSOR_SHARDED],
+    summary="Tensor parallelism splits the heads, kv heads, vocabulary and MLP width evenly.",
+    example=["mesh.tensor=8"],
+)
+def tensor_divides_model(config, sizes) -> None:
+    model, t = config.model, sizes["tensor"]
+    for field in TENSOR_SHARDED if isinstance(model, LlamaConfig) else ():
+        value = getattr(model, field)
+        if value % t:
+            raise ConfigError(f"mesh.tensor={t} does not divide model.{field}={value}; use mesh.tensor in {divisors(value)}")
+
+
+@rule(
+    "fsdp-divides-embed",
+    fields=["mesh.fsdp", "model.embed"],
+    summary="FSDP shards parameters along the embedding, which mesh.fsdp divides.",
+    example=["model.embed=36", "mesh.fsdp=8"],
+)
+def fsdp_divides_embed(config, sizes) -> None:
+    model = config.model
+    if isinstance(model, LlamaConfig) and model.embed % sizes["fsdp"]:
+        raise ConfigError(
+            f"mesh.fsdp={sizes['fsdp']} does not divide model.embed={model.embed}; "
+            f"use mesh.fsdp in {divisors(model.embed)}"
+        )
+
+
+@rule(
+    "seq-divides-context-tensor",
+    fields=["train.seq_len", "mesh.context", "mesh.tensor", "parallel.sequence_parallel"],
+    summary="The sequence splits evenly over mesh.context, times mesh.tensor under sequence parallelism.",
+    example=["mesh.tensor=4", "parallel.sequence_parallel=true", "train.seq_len=18"],
+)
+def seq_divides_context_tensor(config, sizes) -> None:
+    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
+    if isinstance(config.model, LlamaConfig) and config.train.seq_len % seq_ways:
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} is not divisible by context x tensor = {seq_ways} "
+            f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
+        )
+
+
+@rule(
+    "context-impl",
+    fields=["parallel.context_impl"],
+    summary="Context-parallel attention is ring, ulysses or allgather.",
+    example=["parallel.context_impl=flash"],
+)
+def context_impl(config, sizes) -> None:
+    impl = config.parallel.context_impl
+    if impl not in CONTEXT_IMPLS:
+        raise ConfigError(f"parallel.context_impl={impl!r}; use one of {', '.join(CONTEXT_IMPLS)}")
+
+
+@rule(
+    "context-layout",
+    fields=["parallel.context_layout"],
+    summary="The sequence is laid out over mesh.context zigzag or contiguous.",
+    example=["parallel.context_layout=striped"],
+)
+def context_layout(config, sizes) -> None:
+    layout = config.parallel.context_layout
+    if layout not in SEQUENCE_LAYOUTS:
+        raise ConfigError(f"parallel.context_layout={layout!r}; use one of {', '.join(SEQUENCE_LAYOUTS)}")
+
+
+@rule(
+    "attention-block-positive",
+    fields=["parallel.attention_block"],
+    summary="The longest attention tile is a positive number of tokens.",
+    example=["parallel.attention_block=0"],
+)
+def attention_block_positive(config, sizes) -> None:
+    block = config.parallel.attention_block
+    if block < 1:
+        raise ConfigError(f"parallel.attention_block={block} must be a positive tile length; e.g. 512")
+
+
+@rule(
+    "attention-kernel",
+    fields=["parallel.attention_kernel"],
+    summary="The block kernel is jax, pallas or pallas_interpret.",
+    example=["parallel.attention_kernel=cuda"],
+)
+def attention_kernel(config, sizes) -> None:
+    kernel = config.parallel.attention_kernel
+    if kernel not in ATTENTION_KERNELS:
+        raise ConfigError(f"parallel.attention_kernel={kernel!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+
+
+@rule(
+    "attention-kernel-needs-context",
+    fields=["parallel.attention_kernel", "mesh.context"],
+    summary="A Pallas block kernel only runs in context-parallel attention, mesh.context > 1.",
+    example=["parallel.attention_kernel=pallas_interpret"],
+)
+def attention_kernel_needs_context(config, sizes) -> None:
+    kernel = config.parallel.attention_kernel
+    if kernel != "jax" and sizes["context"] == 1:
+        raise ConfigError(
+            f"parallel.attention_kernel={kernel} is the block kernel of context-parallel attention, "
+            "but mesh.context=1 runs plain attention; set mesh.context>1 or parallel.attention_kernel=jax"
+        )
+
+
+@rule(
+    "context-needs-sequence-model",
+    fields=["mesh.context", "model"],
+    summary="Only a model with a sequence (Llama, MoE) shards it over mesh.context.",
+    example=["mesh.context=2"],
+    base="mlp",
+)
+def context_needs_sequence_model(config, sizes) -> None:
+    c = sizes["context"]
+    if c > 1 and not isinstance(config.model, LlamaConfig):
+        raise ConfigError(
+            f"mesh.context={c} shards the sequence, but model {type(config.model).__name__} has none; use mesh.context=1"
+        )
+
+
+@rule(
+    "zigzag-seq-divides",
+    fields=["train.seq_len", "mesh.context", "parallel.context_layout"],
+    summary="The zigzag layout gives each context device two chunks, so 2 x mesh.context divides the sequence.",
+    example=["mesh.context=4", "train.seq_len=20"],
+)
+def zigzag_seq_divides(config, sizes) -> None:
+    c, s = sizes["context"], config.train.seq_len
+    if c > 1 and config.parallel.context_layout == "zigzag" and s % (2 * c):
+        raise ConfigError(
+            f"train.seq_len={s} is not divisible by 2 x mesh.context = {2 * c} (the zigzag layout "
+            f"gives each device two chunks); use a multiple of {2 * c} or parallel.context_layout=contiguous"
+        )
+
+
+def _tiles(config, c: int) -> tuple[int, int]:
+    """(the chunk length the layout deals out, the attention tile that divides it)."""
+    chunk = chunk_length(config.parallel.context_layout, c, config.train.seq_len)
+    return chunk, tile(chunk, config.parallel.attention_block)
+
+
+# The tiles must divide the layout's chunks, so a chunk whose length has no divisor near
+# attention_block would silently run tiny tiles.
+@rule(
+    "attention-tiles-not-tiny",
+    fields=["parallel.attention_block", "train.seq_len", "mesh.context"],
+    summary="The sequence's chunks split into attention tiles of at least a quarter of attention_block (or of "
+    "the chunk).",
+    example=["mesh.context=2", "train.seq_len=68", "parallel.attention_block=16"],
+)
+def attention_tiles_not_tiny(config, sizes) -> None:
+    c, s, block = sizes["context"], config.train.seq_len, config.parallel.attention_block
+    if c == 1:
+        return
+    chunk, used = _tiles(config, c)
+    if used < min(block, chunk) // 4:
+        per = s // chunk
+        unit = per * (1 << (block.bit_length() - 1))  # chunks a multiple of a power of two <= block
+        raise ConfigError(
+            f"parallel.attention_block={block}: the {chunk}-token chunks of train.seq_len={s} over {per} "
+            f"({config.parallel.context_layout} over mesh.context={c}) split only into tiles of {used}; use a train.seq_len "
+            f"that is a multiple of {unit}, e.g. {max(unit, s // unit * unit)}"
+        )
+
+
+@rule(
+    "pallas-shapes",
+    fields=["parallel.attention_kernel", "model.head_dim", "parallel.attention_block"],
+    summary="The Triton kernel needs a power-of-two head dimension and tiles of at least 16.",
+    example=["mesh.context=2", "parallel.attention_kernel=pallas"],
+)
+def pallas_shapes(config, sizes) -> None:
+    c = sizes["context"]
+    if c == 1 or config.parallel.attention_kernel != "pallas":
+        return
+    chunk, used = _tiles(config, c)
+    problem = shape_problem(config.model.head_dim, triton_tile(used), triton_tile(used))
+    if problem:
+        raise ConfigError(
+            f"parallel.attention_kernel=pallas (Triton) needs {problem} (model.head_dim={config.model.head_dim}, "
+            f"tiles from parallel.attention_block={config.parallel.attention_block} and {chunk}-token chunks); "
+            "use attention_kernel=jax"
+        )
+
+
+@rule(
+    "ulysses-divides-kv-heads",
+    fields=["parallel.context_impl", "mesh.context", "model.num_kv_heads", "mesh.tensor"],
+    summary="Ulysses trades the sequence for kv heads, so mesh.context divides the kv heads per tensor shard.",
+    example=["mesh.tensor=2", "mesh.context=4", "parallel.context_impl=ulysses"],
+)
+def ulysses_divides_kv_heads(config, sizes) -> None:
+    c = sizes["context"]
+    if c == 1 or config.parallel.context_impl != "ulysses":
+        return
+    kv_local = config.model.num_kv_heads // sizes["tensor"]
+    if kv_local % c:
+        raise ConfigError(
+            f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {kv_local} kv heads per tensor "
+            f"shard (model.num_kv_heads={config.model.num_kv_heads} / mesh.tensor={sizes['tensor']}); use "
+            f"mesh.context in {divisors(kv_local)}, or context_impl=ring or allgather"
+        )

@@ -1,0 +1,236 @@
+"""Expert parallelism, then pipeline parallelism over mesh.stage."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import divisors
+from jaxpar.pipeline.schedule import SCHEDULES
+from models.llama import LlamaConfig
+from models.moe import MoEConfig
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+EXPERT_EXCHANGES = ("auto", "padded", "ragged")
+PIPELINE_OPTIONS = ("pipeline_schedule", "pipeline_chunks")
+
+
+@rule(
+    "expert-exchange",
+    fields=["parallel.expert_exchange"],
+    summary="Dropless routing exchanges rows ragged, padded, or auto (ragged on GPUs).",
+    example=["parallel.expert_exchange=nccl"],
+)
+def expert_exchange(config, sizes) -> None:
+    exchange = config.parallel.expert_exchange
+    if exchange not in EXPERT_EXCHANGES:
+        raise ConfigError(f"parallel.expert_exchange={exchange!r}; use one of {', '.join(EXPERT_EXCHANGES)}")
+
+
+# Without experts, mesh.expert is one more batch axis: the two rules below are MoE only.
+@rule(
+    "expert-divides-experts",
+    fields=["mesh.expert", "model.num_experts"],
+    summary="Expert parallelism gives every device of mesh.expert the same number of experts.",
+    example=["mesh.expert=8"],
+    base="moe",
+)
+def expert_divides_experts(config, sizes) -> None:
+    model, e = config.model, sizes["expert"]
+    if isinstance(model, MoEConfig) and model.num_experts % e:
+        raise ConfigError(
+            f"mesh.expert={e} does not divide model.num_experts={model.num_experts}; use mesh.expert in "
+            f"{divisors(model.num_experts)}"
+        )
+
+
+@rule(
+    "capacity-routing-needs-whole-sequences",
+    fields=["model.routing", "mesh.context"],
+    summary="Capacity routing counts each sequence's capacity, so the sequence stays whole (mesh.context=1).",
+    example=["mesh.context=2"],
+    base="moe",
+)
+def capacity_routing_needs_whole_sequences(config, sizes) -> None:
+    model = config.model
+    if isinstance(model, MoEConfig) and model.routing == "capacity" and sizes["context"] > 1:
+        raise ConfigError(
+            f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} splits "
+            "sequences across devices; use model.routing=dropless, or mesh.context=1"
+        )
+
+
+@rule(
+    "pipeline-schedule",
+    fields=["parallel.pipeline_schedule"],
+    summary="The pipeline schedule is gpipe, 1f1b, interleaved or zb-h1.",
+    example=["parallel.pipeline_schedule=zigzag"],
+)
+def pipeline_schedule(config, sizes) -> None:
+    name = config.parallel.pipeline_schedule
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.pipeline_schedule={name!r}; use one of {', '.join(SCHEDULES)}")
+
+
+@rule(
+    "pipeline-chunks-positive",
+    fields=["parallel.pipeline_chunks"],
+    summary="Each device holds a positive number of model chunks.",
+    example=["parallel.pipeline_chunks=0"],
+)
+def pipeline_chunks_positive(config, sizes) -> None:
+    v = config.parallel.pipeline_chunks
+    if v < 1:
+        raise ConfigError(f"parallel.pipeline_chunks={v} must be a positive number of chunks per device; e.g. 2")
+
+
+@rule(
+    "pipeline-chunks-need-interleaved",
+    fields=["parallel.pipeline_chunks", "parallel.pipeline_schedule"],
+    summary="Only the interleaved schedule runs several model chunks per device.",
+    example=["parallel.pipeline_chunks=2"],
+)
+def pipeline_chunks_need_interleaved(config, sizes) -> None:
+    name, v = config.parallel.pipeline_schedule, config.parallel.pipeline_chunks
+    if v > 1 and name != "interleaved":
+        raise ConfigError(
+            f"parallel.pipeline_chunks={v} gives each device several model chunks, which only the interleaved "
+            f"schedule runs, but parallel.pipeline_schedule={name}; use pipeline_schedule=interleaved or pipeline_chunks=1"
+        )
+
+
+# The pipeline_chunks arm cannot fire: chunks > 1 needs interleaved (the rule above), and a
+# non-default schedule fails here first. It stays so the rule reads as what it means.
+@rule(
+    "pipeline-options-need-stages",
+    fields=["parallel.pipeline_schedule", "parallel.pipeline_chunks", "mesh.stage"],
+    summary="Pipeline options left off their defaults need a pipeline, mesh.stage > 1.",
+    example=["parallel.pipeline_schedule=gpipe"],
+)
+def pipeline_options_need_stages(config, sizes) -> None:
+    if sizes["stage"] > 1:
+        return
+    from jaxpar.config import ParallelConfig  # lazily: jaxpar.config calls into this package
+
+    parallel, default = config.parallel, ParallelConfig()
+    for field in PIPELINE_OPTIONS:
+        if getattr(parallel, field) != getattr(default, field):
+            raise ConfigError(
+                f"parallel.{field}={getattr(parallel, field)!r} shapes a pipeline, but mesh.stage=1 runs none; "
+                f"set mesh.stage>1, or leave {field} at {getattr(default, field)!r}"
+            )
+
+
+@rule(
+    "pipeline-needs-llama",
+    fields=["mesh.stage", "model"],
+    summary="Only a Llama model's layer stack is cut into pipeline stages (not MoE or MLP yet).",
+    example=["mesh.stage=2"],
+    base="mlp",
+)
+def pipeline_needs_llama(config, sizes) -> None:
+    p = sizes["stage"]
+    if p > 1 and type(config.model) is not LlamaConfig:
+        raise ConfigError(
+            f"mesh.stage={p} pipelines the layer stack of a Llama model, but model is {type(config.model).__name__} "
+            "(MoE and MLP models are not cut into stages yet); use mesh.stage=1"
+        )
+
+
+@rule(
+    "pipeline-layers-split",
+    fields=["model.num_layers", "mesh.stage", "parallel.pipeline_chunks"],
+    summary="The layers split evenly into mesh.stage x pipeline_chunks chunks.",
+    example=["mesh.stage=4"],
+)
+def pipeline_layers_split(config, sizes) -> None:
+    p, v = sizes["stage"], config.parallel.pipeline_chunks
+    layers = config.model.num_layers if p > 1 else 0  # a Llama here: pipeline-needs-llama passed
+    if layers % (p * v):
+        stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
+        raise ConfigError(
+            f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline_chunks = "
+            f"{p} x {v} = {p * v} chunks; use model.num_layers a multiple of {p * v}"
+            + (f", or mesh.stage in {stages}" if stages else "")
+        )
+
+
+@rule(
+    "pipeline-microbatches-per-stage",
+    fields=["train.microbatches", "mesh.stage", "parallel.pipeline_schedule"],
+    summary="1f1b and zb-h1 need at least one microbatch per stage.",
+    example=["mesh.stage=2"],
+)
+def pipeline_microbatches_per_stage(config, sizes) -> None:
+    p, name, m = sizes["stage"], config.parallel.pipeline_schedule, config.train.microbatches
+    if p > 1 and name in ("1f1b", "zb-h1") and m < p:
+        raise ConfigError(
+            f"parallel.pipeline_schedule={name} needs at least one microbatch per stage: train.microbatches={m} < "
+            f"mesh.stage={p}; use train.microbatches>={p} (more shrinks the bubble, "
+            f"{'(p-1)/(3m+p-1)' if name == 'zb-h1' else '(p-1)/(m+p-1)'})"
+        )
+
+
+@rule(
+    "interleaved-microbatch-groups",
+    fields=["train.microbatches", "mesh.stage", "parallel.pipeline_schedule"],
+    summary="The interleaved schedule sends microbatches in groups of mesh.stage.",
+    example=["mesh.stage=2", "parallel.pipeline_schedule=interleaved", "train.microbatches=3", "train.global_batch=24"],
+)
+def interleaved_microbatch_groups(config, sizes) -> None:
+    p, m = sizes["stage"], config.train.microbatches
+    if p > 1 and config.parallel.pipeline_schedule == "interleaved" and m % p:
+        raise ConfigError(
+            f"parallel.pipeline_schedule=interleaved sends microbatches in groups of mesh.stage={p}, but "
+            f"train.microbatches={m}; use a multiple of {p}, e.g. {p * max(1, round(m / p))}"
+        )
+
+
+@rule(
+    "pipeline-without-context-or-experts",
+    fields=["mesh.stage", "mesh.context", "mesh.expert"],
+    summary="Pipeline stages do not run the context- or expert-parallel kernels yet.",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.context=2"],
+)
+def pipeline_without_context_or_experts(config, sizes) -> None:
+    p = sizes["stage"]
+    for axis in ("context", "expert") if p > 1 else ():
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"mesh.stage={p} with mesh.{axis}={sizes[axis]}: pipeline stages do not yet run the {axis}-parallel "
+                f"kernels; use mesh.{axis}=1 (data, fsdp and tensor compose with stages)"
+            )
+
+
+@rule(
+    "pipeline-zero-stage",
+    fields=["parallel.zero_stage", "mesh.stage"],
+    summary="A pipeline reduces its gradients once per step, so ZeRO-2/3 would only add traffic: zero_stage <= 1.",
+    example=["mesh.stage=2", "train.microbatches=2", "parallel.zero_stage=2"],
+)
+def pipeline_zero_stage(config, sizes) -> None:
+    p, stage = sizes["stage"], config.parallel.zero_stage
+    if p > 1 and stage >= 2:
+        raise ConfigError(
+            f"parallel.zero_stage={stage} with mesh.stage={p}: a pipeline stage accumulates its "
+            "microbatches' gradients unreduced and reduces them over data once per step, so ZeRO-2/3 would only "
+            "add traffic (DeepSpeed refuses the pair too); use zero_stage 0 or 1, and mesh.fsdp to shard "
+            "parameters and gradients inside each stage"
+        )
+
+
+@rule(
+    "pipeline-without-zero-plus-plus",
+    fields=["parallel.quantized_weights", "parallel.quantized_gradients", "mesh.stage"],
+    summary="ZeRO++ quantized collectives are not wired into pipeline stages yet.",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.fsdp=2", "parallel.quantized_weights=true"],
+)
+def pipeline_without_zero_plus_plus(config, sizes) -> None:
+    p = sizes["stage"]
+    for flag in ("quantized_weights", "quantized_gradients") if p > 1 else ():
+        if getattr(config.parallel, flag):
+            raise ConfigError(
+                f"parallel.{flag}=true with mesh.stage={p}: ZeRO++ collectives are not wired into pipeline stages "
+                f"yet; set parallel.{flag}=false or mesh.stage=1"
+            )

@@ -1,0 +1,272 @@
+"""The run itself: train, ZeRO and ZeRO++, optim, checkpoint, distributed and data."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+DTYPES = ("float32", "bfloat16")
+NONFINITE_POLICIES = ("stop", "skip")
+TRAIN_COUNTS = ("steps", "global_batch", "seq_len", "microbatches")
+TIMEOUTS = ("heartbeat_timeout_s", "join_timeout_s")
+
+
+@rule(
+    "train-counts-positive",
+    fields=[f"train.{f}" for f in TRAIN_COUNTS],
+    summary="Steps, global batch, sequence length and microbatches are positive integers.",
+    example=["train.steps=0"],
+)
+def train_counts_positive(config, sizes) -> None:
+    for field in TRAIN_COUNTS:
+        if getattr(config.train, field) < 1:
+            raise ConfigError(f"train.{field}={getattr(config.train, field)} must be a positive integer")
+
+
+@rule(
+    "on-nonfinite-policy",
+    fields=["train.on_nonfinite"],
+    summary="A step with NaN or Inf either stops the run or is skipped.",
+    example=["train.on_nonfinite=ignore"],
+)
+def on_nonfinite_policy(config, sizes) -> None:
+    value = config.train.on_nonfinite
+    if value not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.on_nonfinite={value!r}; use one of {', '.join(NONFINITE_POLICIES)}")
+
+
+@rule(
+    "compute-dtype",
+    fields=["train.compute_dtype"],
+    summary="Compute runs in float32 or bfloat16 (parameters are always stored in float32).",
+    example=["train.compute_dtype=float16"],
+)
+def compute_dtype(config, sizes) -> None:
+    if config.train.compute_dtype not in DTYPES:
+        raise ConfigError(f"train.compute_dtype={config.train.compute_dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+@rule(
+    "batch-divides-data-ways",
+    fields=["train.global_batch", "train.microbatches", "mesh.data", "mesh.fsdp", "mesh.expert"],
+    summary="Every microbatch splits evenly over the batch axes: data x fsdp x expert x microbatches divides "
+    "the global batch.",
+    example=["train.global_batch=12"],
+)
+def batch_divides_data_ways(config, sizes) -> None:
+    train = config.train
+    need = sizes["data"] * sizes["fsdp"] * sizes["expert"] * train.microbatches
+    if train.global_batch % need:
+        raise ConfigError(
+            f"train.global_batch={train.global_batch} is not divisible by data x fsdp x expert x microbatches "
+            f"= {sizes['data']} x {sizes['fsdp']} x {sizes['expert']} x {train.microbatches} = {need}; "
+            f"use a multiple of {need}, e.g. {need * max(1, round(train.global_batch / need))}"
+        )
+
+
+@rule(
+    "zero-stage",
+    fields=["parallel.zero_stage"],
+    summary="The ZeRO stage is 0, 1, 2 or 3.",
+    example=["parallel.zero_stage=4"],
+)
+def zero_stage(config, sizes) -> None:
+    if config.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"parallel.zero_stage={config.parallel.zero_stage}; use 0 (replicate), 1 (shard optimizer state), "
+            "2 (+ gradients) or 3 (+ parameters)"
+        )
+
+
+@rule(
+    "hpz-needs-data-axis",
+    fields=["parallel.hpz", "mesh.data"],
+    summary="Hierarchical ZeRO (hpZ) needs an across-host degree, mesh.data > 1.",
+    example=["parallel.hpz=true", "mesh.data=1", "mesh.fsdp=8"],
+)
+def hpz_needs_data_axis(config, sizes) -> None:
+    if config.parallel.hpz and sizes["data"] == 1:
+        raise ConfigError(
+            "parallel.hpz=true is hierarchical ZeRO but mesh.data=1 leaves no across-host degree; "
+            "set mesh.data to the number of hosts (e.g. mesh.data=2) and mesh.fsdp to the devices per host"
+        )
+
+
+@rule(
+    "hpz-needs-fsdp-axis",
+    fields=["parallel.hpz", "mesh.fsdp"],
+    summary="hpZ keeps its secondary parameter copy sharded inside the host, on mesh.fsdp > 1.",
+    example=["parallel.hpz=true"],
+)
+def hpz_needs_fsdp_axis(config, sizes) -> None:
+    if config.parallel.hpz and sizes["fsdp"] == 1:
+        raise ConfigError(
+            "parallel.hpz=true needs an in-host shard for the secondary copy but mesh.fsdp=1; "
+            "set mesh.fsdp to the devices per host (e.g. mesh.fsdp=4)"
+        )
+
+
+@rule(
+    "hpz-needs-zero-3",
+    fields=["parallel.hpz", "parallel.zero_stage"],
+    summary="hpZ only changes ZeRO-3, where parameters are sharded across hosts.",
+    example=["parallel.hpz=true", "mesh.data=2", "mesh.fsdp=4"],
+)
+def hpz_needs_zero_3(config, sizes) -> None:
+    stage = config.parallel.zero_stage
+    if config.parallel.hpz and stage != 3:
+        raise ConfigError(
+            f"parallel.hpz=true needs parallel.zero_stage=3 (parameters sharded across hosts), got {stage}; "
+            "below stage 3 parameters already rest inside the host (hybrid sharding)"
+        )
+
+
+@rule(
+    "quantized-weights-need-sharded-params",
+    fields=["parallel.quantized_weights", "mesh.fsdp", "parallel.zero_stage", "mesh.data"],
+    summary="qwZ quantizes parameter all-gathers, so parameters must be sharded: mesh.fsdp > 1, or ZeRO-3 over "
+    "mesh.data > 1.",
+    example=["parallel.quantized_weights=true"],
+)
+def quantized_weights_need_sharded_params(config, sizes) -> None:
+    parallel, stage = config.parallel, config.parallel.zero_stage
+    if parallel.quantized_weights and sizes["fsdp"] == 1 and not (stage == 3 and sizes["data"] > 1):
+        raise ConfigError(
+            "parallel.quantized_weights=true quantizes parameter all-gathers, but with mesh.fsdp=1 and "
+            f"zero_stage={stage} parameters are not sharded; set mesh.fsdp>1 or parallel.zero_stage=3 with mesh.data>1"
+        )
+
+
+@rule(
+    "quantized-gradients-need-data-sharding",
+    fields=["parallel.quantized_gradients", "mesh.data", "parallel.zero_stage"],
+    summary="qgZ quantizes the gradient reduce-scatter over mesh.data, so it needs mesh.data > 1 and ZeRO >= 1.",
+    example=["parallel.quantized_gradients=true"],
+)
+def quantized_gradients_need_data_sharding(config, sizes) -> None:
+    stage = config.parallel.zero_stage
+    if config.parallel.quantized_gradients and (sizes["data"] == 1 or stage == 0):
+        raise ConfigError(
+            f"parallel.quantized_gradients=true quantizes the gradient reduce-scatter over mesh.data, but "
+            f"mesh.data={sizes['data']} and zero_stage={stage}; use mesh.data>1 and parallel.zero_stage>=1 "
+            "(so the data axis shards the reduced gradient)"
+        )
+
+
+@rule(
+    "quantization-block-positive",
+    fields=["parallel.quantization_block"],
+    summary="Each int8 scale covers a positive number of elements.",
+    example=["parallel.quantization_block=0"],
+)
+def quantization_block_positive(config, sizes) -> None:
+    block = config.parallel.quantization_block
+    if block < 1:
+        raise ConfigError(
+            f"parallel.quantization_block={block} must be a positive number of elements per scale; e.g. 256"
+        )
+
+
+@rule(
+    "optimizer-name",
+    fields=["optim.name"],
+    summary="optim.name names one of the optimizers of jaxpar.train.optim.",
+    example=["optim.name=adagrad"],
+)
+def optimizer_name(config, sizes) -> None:
+    from jaxpar.train.optim import OPTIMIZERS  # lazily: it imports optax
+
+    if config.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={config.optim.name!r}; use one of {', '.join(sorted(OPTIMIZERS))}")
+
+
+@rule(
+    "checkpoint-every",
+    fields=["checkpoint.every"],
+    summary="Checkpoints are saved every so many steps, or (0) only at the end.",
+    example=["checkpoint.every=-1"],
+)
+def checkpoint_every(config, sizes) -> None:
+    if config.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={config.checkpoint.every}; use a number of steps, or 0 to save only at the end")
+
+
+@rule(
+    "checkpoint-keep",
+    fields=["checkpoint.keep"],
+    summary="At least the newest checkpoint is kept.",
+    example=["checkpoint.keep=0"],
+)
+def checkpoint_keep(config, sizes) -> None:
+    if config.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={config.checkpoint.keep}; keep at least 1 checkpoint, e.g. checkpoint.keep=3")
+
+
+@rule(
+    "distributed-timeouts-positive",
+    fields=[f"distributed.{f}" for f in TIMEOUTS],
+    summary="The heartbeat and join timeouts of a multi-process run are positive numbers of seconds.",
+    example=["distributed.heartbeat_timeout_s=0"],
+    also=[["distributed.join_timeout_s=0"]],
+)
+def distributed_timeouts_positive(config, sizes) -> None:
+    for field in TIMEOUTS:
+        if getattr(config.distributed, field) < 1:
+            raise ConfigError(
+                f"distributed.{field}={getattr(config.distributed, field)} must be a positive number of seconds; e.g. 60"
+            )
+
+
+@rule(
+    "data-source",
+    fields=["data.source"],
+    summary="Batches come from the synthetic source or from a file of tokens.",
+    example=["data.source=web"],
+)
+def data_source(config, sizes) -> None:
+    if config.data.source not in ("synthetic", "tokens"):
+        raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
+
+
+@rule(
+    "tokens-need-path",
+    fields=["data.source", "data.path"],
+    summary="data.source=tokens reads the file data.path names.",
+    example=["data.source=tokens"],
+)
+def tokens_need_path(config, sizes) -> None:
+    if config.data.source == "tokens" and not config.data.path:
+        raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
+
+
+@rule(
+    "eos-needs-language-model",
+    fields=["data.eos_id", "model"],
+    summary="Packed documents (data.eos_id) are for language models only.",
+    example=["data.eos_id=0"],
+    base="mlp",
+)
+def eos_needs_language_model(config, sizes) -> None:
+    eos = config.data.eos_id
+    if eos != -1 and config.model.task != "lm":
+        raise ConfigError(
+            f"data.eos_id={eos} packs documents of a language model, but model.task={config.model.task!r}; use -1"
+        )
+
+
+@rule(
+    "eos-in-vocabulary",
+    fields=["data.eos_id", "model.vocab_size"],
+    summary="data.eos_id is a token id of the model's vocabulary, or -1 for unpacked rows.",
+    example=["data.eos_id=128"],
+)
+def eos_in_vocabulary(config, sizes) -> None:
+    eos = config.data.eos_id
+    if eos != -1 and not 0 <= eos < config.model.vocab_size:
+        raise ConfigError(
+            f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
+            "or -1 for unpacked rows"
+        )

@@ -1,0 +1,222 @@
+"""Several processes, one mesh: where the cluster is (read from the environment), joining
+it through `jax.distributed`, and a watchdog that turns a lost process into a prompt exit
+that names it.
+
+The environment says where the processes are, so the same `jaxpar train` runs alone, under
+`jaxpar launch`, or under SLURM:
+
+- `JAXPAR_COORDINATOR` (host:port of process 0), `JAXPAR_NUM_PROCESSES`, `JAXPAR_PROCESS_ID`,
+  and optionally `JAXPAR_COORDINATOR_BIND` (where process 0 listens; default all
+  interfaces, as JAX does) and `JAXPAR_LOCAL_DEVICE_IDS` (e.g. "0,1"): set by `jaxpar launch`,
+  or by hand on any cluster;
+- otherwise SLURM (`srun`): process count and index from SLURM_NTASKS and SLURM_PROCID, the
+  coordinator on the step's first node, at `JAXPAR_COORDINATOR_PORT` or a port derived from
+  the job id. Each process drives the devices it sees, so bind GPUs with SLURM
+  (`--ntasks-per-node=1`, or `--gpus-per-task=1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from jaxpar.errors import ConfigError
+
+EXPLICIT = ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID")
+SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
+LOST_PEER_EXIT = 3  # the exit status of a process that stops because another was lost
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    coordinator: str  # host:port of process 0's coordination service
+    num_processes: int
+    process_id: int
+    bind: str | None = None  # where process 0 listens; None: all interfaces on the port
+    local_device_ids: tuple[int, ...] | None = None  # None: every device this process sees
+    source: str = "JAXPAR_*"
+
+
+def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
+    """The cluster this process belongs to, or None when it runs alone."""
+    given = [k for k in EXPLICIT if env.get(k)]
+    if given:
+        missing = [k for k in EXPLICIT if k not in given]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(given)} set but {', '.join(missing)} not; set all of {', '.join(EXPLICIT)} "
+                "(or none, to run alone)"
+            )
+        return _checked(
+            Cluster(
+                coordinator=_address(env["JAXPAR_COORDINATOR"], "JAXPAR_COORDINATOR"),
+                num_processes=_int(env, "JAXPAR_NUM_PROCESSES"),
+                process_id=_int(env, "JAXPAR_PROCESS_ID"),
+                bind=_address(env["JAXPAR_COORDINATOR_BIND"], "JAXPAR_COORDINATOR_BIND")
+                if env.get("JAXPAR_COORDINATOR_BIND") else None,
+                local_device_ids=_device_ids(env.get("JAXPAR_LOCAL_DEVICE_IDS", "")),
+            )
+        )
+    if all(env.get(k) for k in SLURM) and _int(env, "SLURM_NTASKS") > 1:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ConfigError("SLURM_NTASKS > 1 but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; run under srun")
+        port = _int(env, "JAXPAR_COORDINATOR_PORT") if env.get("JAXPAR_COORDINATOR_PORT") else slurm_port(env["SLURM_JOB_ID"])
+        return _checked(
+            Cluster(
+                coordinator=f"{expand_hostlist(nodes)[0]}:{port}",
+                num_processes=_int(env, "SLURM_NTASKS"),
+                process_id=_int(env, "SLURM_PROCID"),
+                bind=_address(env["JAXPAR_COORDINATOR_BIND"], "JAXPAR_COORDINATOR_BIND")
+                if env.get("JAXPAR_COORDINATOR_BIND") else None,
+                source="SLURM",
+            )
+        )
+    return None
+
+
+def slurm_port(job_id: str) -> int:
+    """A port every task of the job derives alike, in 20000-29999 (below the usual
+    ephemeral range, so a client socket rarely holds it)."""
+    digits = re.sub(r"\D", "", job_id)
+    return 20000 + int(digits or 0) % 10000
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
+    hosts: list[str] = []
+    for prefix, ranges, rest in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", text):
+        if not ranges:
+            hosts.append(prefix + rest)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}{rest}")
+    if not hosts:
+        raise ConfigError(f"SLURM host list {text!r} names no host")
+    return hosts
+
+
+def _checked(cluster: Cluster) -> Cluster:
+    if cluster.num_processes < 1 or not 0 <= cluster.process_id < cluster.num_processes:
+        raise ConfigError(
+            f"process id {cluster.process_id} of {cluster.num_processes} processes ({cluster.source}); "
+            "the id must be in 0 .. count - 1"
+        )
+    return cluster
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ConfigError(f"{key}={env[key]!r} is not an integer") from None
+
+
+def _address(text: str, key: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{key}={text!r} is not host:port; e.g. {key}=10.0.0.1:12345")
+    return text
+
+
+def _device_ids(text: str) -> tuple[int, ...] | None:
+    if not text.strip():
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"JAXPAR_LOCAL_DEVICE_IDS={text!r} is not a comma-separated list of device ids; e.g. 0,1") from None
+
+
+def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> None:
+    """Connect this process to the others (before JAX starts its backends). Collectives
+    across processes run over NCCL on GPUs and gloo on CPUs. JAX's own heartbeat is the
+    backstop, at twice the watchdog's timeout, for a process too stuck to run its watchdog."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=cluster.coordinator,
+        num_processes=cluster.num_processes,
+        process_id=cluster.process_id,
+        local_device_ids=list(cluster.local_device_ids) if cluster.local_device_ids else None,
+        coordinator_bind_address=cluster.bind,
+        initialization_timeout=join_timeout_s,
+        heartbeat_timeout_seconds=2 * heartbeat_timeout_s,
+    )
+
+
+class Watchdog:
+    """Each process posts a heartbeat to the coordinator's key-value store every second and
+    reads the others'. A process whose beat has not changed for `timeout_s` is lost (killed,
+    or hung: a process stuck in a collective still beats, its watchdog is a thread); one that
+    posts `failed` stopped on an error. Either way this process prints a message naming it
+    and exits with LOST_PEER_EXIT, rather than wait in a collective that will never finish.
+    If process 0 dies, the coordinator goes with it and JAX ends the others at once."""
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0, client=None, process_id: int = 0, num_processes: int = 1):
+        if client is None:  # this process's link to the coordinator's key-value store
+            from jax._src.distributed import global_state  # JAX keeps it there; there is no public handle
+
+            client, process_id, num_processes = global_state.client, global_state.process_id, global_state.num_processes
+        self.client, self.me, self.count = client, process_id, num_processes
+        self.timeout_s, self.interval_s = timeout_s, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self, error: str | None = None) -> None:
+        """Stop watching and tell the others this process ended: cleanly, or on `error`."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._post("failed: " + error if error else "done")
+        except Exception:  # the coordinator may be gone already; nothing is left to tell
+            pass
+
+    def _post(self, value: str) -> None:
+        self.client.key_value_set(f"jaxpar/heartbeat/{self.me}", value, allow_overwrite=True)
+
+    def _watch(self) -> None:
+        changed: dict[int, tuple[str, float]] = {}  # process -> (last beat, when it changed)
+        beat = 0
+        while not self._stop.wait(0 if beat == 0 else self.interval_s):
+            beat += 1
+            try:
+                self._post(f"beat {beat}")
+                posted = dict(self.client.key_value_dir_get("jaxpar/heartbeat/"))
+            except Exception as e:
+                return self._exit(f"lost the coordinator (process 0): {str(e).splitlines()[0]}")
+            now = time.monotonic()
+            for p in range(self.count):
+                value = posted.get(f"jaxpar/heartbeat/{p}", "")
+                if p == self.me or value == "done":
+                    continue
+                if value.startswith("failed: "):
+                    time.sleep(min(5.0, self.timeout_s))  # let this process end on its own error first
+                    return self._exit(f"process {p} of {self.count} stopped on an error: {value[8:]}")
+                if p not in changed or changed[p][0] != value:
+                    changed[p] = (value, now)
+                elif now - changed[p][1] > self.timeout_s:
+                    return self._exit(
+                        f"process {p} of {self.count} sent no heartbeat for {self.timeout_s:g} s "
+                        "(distributed.heartbeat_timeout_s): it died or hangs"
+                    )
+
+    def _exit(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        print(f"jaxpar: process {self.me}: {why}; stopping this process too", file=sys.stderr, flush=True)
+        self.exit(LOST_PEER_EXIT)
+
+    exit = staticmethod(os._exit)  # the main thread may be blocked in a collective that never ends

@@ -1,0 +1,129 @@
+"""`jaxpar launch --nproc N [--cpu-devices-per-proc K] -- train RECIPE ...`: N local processes
+joined through jax.distributed, for tests and single-node runs.
+
+Each child is `python -m jaxpar.cli train ...` with the JAXPAR_* variables that
+jaxpar.distributed reads; the coordinator listens on loopback unless `--bind` says
+otherwise. Process 0 writes to this terminal as it would alone; the others' lines are
+prefixed with their index. When a process fails, the others stop on their own (their
+watchdogs name it). SIGTERM or SIGINT to the launcher goes to every process: a run with
+several processes takes it as preemption, saves a checkpoint and stops. Processes still
+running `--grace` seconds after either are killed. The exit status is the first failure's
+(128 + signal for a killed process), or 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxpar.errors import ConfigError
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_commands(nproc: int, command: list[str], cpu_devices_per_proc: int) -> list[list[str]]:
+    """The command line of every process: `jaxpar train ...` with its CPU device count."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc={nproc} must be at least 1")
+    if cpu_devices_per_proc < 1:
+        raise ConfigError(f"--cpu-devices-per-proc={cpu_devices_per_proc} must be at least 1")
+    if not command or command[0] != "train":
+        raise ConfigError(f"jaxpar launch runs `train`, got {' '.join(command) or 'nothing'}; e.g. jaxpar launch --nproc 2 -- train llama")
+    if any(arg == "--cpu-devices" or arg.startswith("--cpu-devices=") for arg in command):
+        raise ConfigError("--cpu-devices inside a launched command; give --cpu-devices-per-proc to jaxpar launch instead")
+    return [[sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(cpu_devices_per_proc)]] * nproc
+
+
+def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0) -> int:
+    commands = child_commands(nproc, command, cpu_devices_per_proc)
+    host = "127.0.0.1" if bind in ("0.0.0.0", "[::]") else bind  # where the children reach process 0
+    port = free_port(host)
+    address = f"{host}:{port}"
+    procs = []
+    for i, cmd in enumerate(commands):
+        env = {
+            **os.environ,
+            "JAXPAR_COORDINATOR": address,
+            "JAXPAR_COORDINATOR_BIND": f"{bind}:{port}",
+            "JAXPAR_NUM_PROCESSES": str(nproc),
+            "JAXPAR_PROCESS_ID": str(i),
+            "PYTHONUNBUFFERED": "1",
+        }
+        piped = subprocess.PIPE if i else None  # process 0 owns the terminal (progress bar)
+        proc = subprocess.Popen(cmd, env=env, stdout=piped, stderr=subprocess.STDOUT if i else None, text=True)
+        if i:
+            threading.Thread(target=_relay, args=(proc.stdout, f"[process {i}] "), daemon=True).start()
+        procs.append(proc)
+        print(f"jaxpar launch: process {i} of {nproc} is pid {proc.pid} (coordinator {address})", file=sys.stderr, flush=True)
+
+    asked = []  # when this launcher was told to stop (SIGTERM, SIGINT)
+
+    def forward(signum, frame):
+        asked.append(time.monotonic())
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _supervise(procs, grace_s, asked)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float]) -> int:
+    """Wait for every process. After one fails, or after the launcher is told to stop, the
+    rest get `grace_s` to end on their own (a preempted run saves a checkpoint first)."""
+    status, failed_at = 0, None
+    reported: set[int] = set()
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code is None or i in reported:
+                continue
+            reported.add(i)
+            if code != 0:
+                print(f"jaxpar launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
+                if failed_at is None:
+                    status, failed_at = _status(code), time.monotonic()
+        since = min([t for t in (failed_at, *asked) if t is not None], default=None)
+        if since is not None and time.monotonic() - since > grace_s:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    print(f"jaxpar launch: process {i} still runs {grace_s:g} s on; killing it", file=sys.stderr, flush=True)
+                    p.kill()  # JAX's preemption service holds SIGTERM: only SIGKILL is sure
+            for p in procs:
+                p.wait()
+        time.sleep(0.1)
+    for i, p in enumerate(procs):
+        if i not in reported and p.returncode != 0:
+            print(f"jaxpar launch: process {i} {_describe(p.returncode)}", file=sys.stderr, flush=True)
+            if not status:
+                status = _status(p.returncode)
+    return status
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _relay(stream, prefix: str) -> None:
+    for line in stream:
+        sys.stderr.write(prefix + line)
+        sys.stderr.flush()
