@@ -117,6 +117,15 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompilerConfig:
+    # XLA options for the train step (jaxpar.xla_options): auto (overlap on GPUs, none
+    # elsewhere) | overlap | none, then `options` on top, 'name=value,...' (e.g.
+    # 'xla_gpu_enable_latency_hiding_scheduler=false'); each is checked against the jaxlib.
+    preset: str = "auto"
+    options: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -126,6 +135,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    compiler: CompilerConfig = dataclasses.field(default_factory=CompilerConfig)
 
 
 # ---------------------------------------------------------------- overrides

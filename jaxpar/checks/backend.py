@@ -41,6 +41,46 @@ def ragged_exchange_needs_gpu(config, platform: str) -> None:
         )
 
 
+@rule(
+    "compiler-preset",
+    fields=["compiler.preset"],
+    summary="The XLA option preset is auto (overlap on GPUs), overlap or none.",
+    example=["compiler.preset=fast"],
+)
+def compiler_preset(config, sizes) -> None:
+    from jaxpar.xla_options import PRESETS
+
+    if config.compiler.preset not in PRESETS:
+        raise ConfigError(f"compiler.preset={config.compiler.preset!r}; use one of {', '.join(PRESETS)}")
+
+
+@rule(
+    "compiler-options-parse",
+    fields=["compiler.options"],
+    summary="Compiler options read 'name=value,...'.",
+    example=["compiler.options=xla_gpu_enable_latency_hiding_scheduler"],
+)
+def compiler_options_parse(config, sizes) -> None:
+    from jaxpar.xla_options import parse_options
+
+    parse_options(config.compiler.options)
+
+
+@rule(
+    "compiler-options-known",
+    fields=["compiler.options"],
+    summary="Every compiler option is one the installed jaxlib accepts, with a valid value (an unknown one "
+    "would fail the compile; the preset's own options are checked too and left out when unknown).",
+    example=["compiler.options=xla_gpu_no_such_option=true"],
+    also=[["compiler.options=xla_gpu_pipeline_all_gather=on"]],
+    needs="platform",
+)
+def compiler_options_known(config, platform: str) -> None:
+    from jaxpar.xla_options import step_options
+
+    step_options(config, platform)
+
+
 # parse_table also reads the tables for build, so its two messages stay there and this
 # rule wraps them; `also` breaks the other one.
 @rule(

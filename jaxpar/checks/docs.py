@@ -32,6 +32,12 @@ LATER = (
         "compute_dtype swap",
     ),
     (
+        "joining other processes (`jaxpar.distributed.from_environment`, `jaxpar launch`)",
+        "JAXPAR_* variables set in part or malformed (not host:port, not integers, an index outside the count), "
+        "a SLURM job without a node list; --nproc or --cpu-devices-per-proc below 1, a launched command other "
+        "than train",
+    ),
+    (
         "the command line (`jaxpar.cli`, `recipes`, `jaxpar.config.apply_overrides`)",
         "unknown recipes and keys, unparsable values, bad flags",
     ),

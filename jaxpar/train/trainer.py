@@ -37,6 +37,7 @@ from jaxpar.train.pipelined import pipelined_grads as pipelined_grads_fn
 from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
 from jaxpar.train.zero import StateShardings, state_shardings
+from jaxpar.xla_options import step_options
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +76,7 @@ class Trainer:
     model_order: Any = lambda tree: tree
     pipeline_order: Any = lambda tree: tree
     pipeline: Any = None  # the pipeline's jaxpar.pipeline.program.Program, when mesh.stage > 1
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
 
     @property
     def mesh(self):
@@ -105,6 +107,7 @@ def build(
     """Everything checked and every sharding derived before the first compile."""
     devices = list(jax.devices() if devices is None else devices)
     validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
+    options = step_options(config, devices[0].platform)
     exchange = config.parallel.expert_exchange
     if exchange == "auto":
         exchange = "ragged" if devices[0].platform == "gpu" else "padded"
@@ -350,21 +353,25 @@ def build(
             in_shardings=(state_sharding, batch_shardings),
             out_shardings=(state_sharding, replicated),
             donate_argnums=0,
+            compiler_options=options or None,
         ),
         step_and_grads=jax.jit(
             step,
             in_shardings=(state_sharding, batch_shardings),
             out_shardings=(state_sharding, replicated, shardings.optimizer),
             donate_argnums=0,
+            compiler_options=options or None,
         ),
         grads=jax.jit(
             lambda params, batch: _without_sums(batch_grads(params, batch)),
             in_shardings=(shardings.params, batch_shardings),
             out_shardings=(replicated, shardings.optimizer),
+            compiler_options=options or None,
         ),
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline=program,
+        compiler_options=options,
     )
 
 
