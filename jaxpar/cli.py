@@ -1,5 +1,6 @@
 """`jaxpar train RECIPE [--set key=value ...]`, `jaxpar launch --nproc N -- train RECIPE ...`,
-`jaxpar explain RECIPE`, `jaxpar schedule NAME` and `jaxpar recipes`.
+`jaxpar explain RECIPE`, `jaxpar plan --model NAME --devices N --hbm-gb G`, `jaxpar schedule NAME`
+and `jaxpar recipes`.
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
 """
@@ -42,6 +43,16 @@ def parser() -> argparse.ArgumentParser:
     schedule.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches (default 8)")
     schedule.add_argument("--chunks", type=int, default=1, metavar="V", help="virtual stages per device (interleaved)")
     schedule.add_argument("--png", metavar="PATH", help="also write the picture as a PNG")
+    plan = sub.add_parser("plan", help="rank layouts for a cluster by compiled memory and a roofline step time")
+    plan.add_argument("--model", required=True, metavar="NAME",
+                      help="llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, or a recipe name")
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="GPUs in the cluster (compiled for as CPU devices)")
+    plan.add_argument("--hbm-gb", type=float, required=True, metavar="G", help="memory per GPU in GiB, e.g. 80")
+    plan.add_argument("--hosts", type=int, metavar="H", help="hosts (default: N / 8, 8 GPUs per host)")
+    plan.add_argument("--seq-len", type=int, metavar="S", help="tokens per sequence (default: the recipe's, else 4096)")
+    plan.add_argument("--global-batch", type=int, metavar="B", help="sequences per step (default: N)")
+    plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile the K fastest estimates (default 4)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     launch = sub.add_parser("launch", help="run `train` in several local processes joined by jax.distributed")
     launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
     launch.add_argument("--cpu-devices-per-proc", type=int, metavar="K",
@@ -86,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
             per_proc = max(1, 8 // max(1, args.nproc)) if args.cpu_devices_per_proc is None else args.cpu_devices_per_proc
             return launch(args.nproc, command, per_proc, args.bind, args.grace)
+        if args.command == "plan":
+            return plan(args)
         return explain(args) if args.command == "explain" else train(args)
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
@@ -195,6 +208,44 @@ def explain(args) -> int:
         timeline = build_schedule(parallel.pipeline_schedule, t.p, t.m, t.v)
         title = f"{args.recipe}: {parallel.pipeline_schedule}, p={t.p}, m={t.m}, v={t.v}"
         print(f"wrote {save_png(timeline, args.png, title)}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def plan(args) -> int:
+    """Compiles on `--devices` virtual CPU devices: nothing runs, nothing is allocated."""
+    import os
+
+    from jaxpar.mesh import force_cpu_devices
+
+    for flag, value in (("--devices", args.devices), ("--hbm-gb", args.hbm_gb), ("--compile-top", args.compile_top),
+                        ("--hosts", args.hosts), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}={value} must be positive")
+    if args.devices > 4096:
+        raise ConfigError(f"--devices={args.devices}; plan for at most 4096 devices")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts its backends
+    force_cpu_devices(args.devices)
+    import dataclasses
+    import json
+
+    import jax
+
+    from jaxpar.plan import plan as make_plan
+    from jaxpar.plan import render, resolve_model
+
+    model, recipe = resolve_model(args.model)
+    seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
+    hosts = args.hosts or max(1, args.devices // 8)
+    planned, facts = make_plan(model, jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
+                               args.compile_top, progress=not args.json)
+    if args.json:
+        rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
+                 "prediction": p.prediction, "refused": p.refused} for p in planned]
+        print(json.dumps({**facts, "hardware": dataclasses.asdict(facts["hardware"]), "ranked": rows}, indent=1))
+    else:
+        print(f"{args.model}: {type(model).__name__} {model.param_count() / 1e9:.1f}B params | {args.devices} devices "
+              f"on {hosts} hosts | batch {args.global_batch or args.devices} x seq {seq_len} | bf16")
+        print(render(planned, facts, args.hbm_gb))
     return 0
 
 

@@ -1,0 +1,171 @@
+"""`jaxpar plan`: pick a layout for a cluster we do not have.
+
+Every layout the framework can run is enumerated (jaxpar.plan.layouts), estimated from
+formulas, and the fastest of those that look as if they fit are compiled for the real
+device count on virtual CPU devices. Each compiled step gives its own per-device memory,
+FLOPs and collectives (jaxpar.inspect), from which a roofline predicts the step time on the
+target hardware (jaxpar.plan.presets.Hardware); the ranking is of compiled, fitting layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxpar.errors import ConfigError
+from jaxpar.plan.layouts import Layout, candidates, estimate
+from jaxpar.plan.presets import MODELS, Hardware
+
+MODEL_AXES = {"tensor", "context", "expert"}
+RUNTIME_SHARE = 0.9  # of HBM, for the step: the rest for the runtime, NCCL buffers and fragmentation
+
+
+@dataclasses.dataclass
+class Planned:
+    layout: Layout
+    estimate: dict[str, float]
+    overrides: list[str]
+    memory: float = 0.0  # compiled bytes per device: arguments + outputs + temporaries - donated
+    prediction: dict[str, float] = dataclasses.field(default_factory=dict)
+    refused: str = ""  # why the framework refused or failed to compile it
+
+    @property
+    def compiled(self) -> bool:
+        return not self.refused and self.memory > 0
+
+
+def resolve_model(name: str):
+    """A preset name (MODELS) or a recipe's model and sequence length."""
+    if name in MODELS:
+        return MODELS[name], None
+    import recipes
+
+    if name in recipes.names():
+        config = recipes.load(name)
+        return config.model, config
+    raise ConfigError(f"--model={name!r}; use one of {', '.join(MODELS)} or a recipe ({', '.join(recipes.names())})")
+
+
+def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_batch: int, compile_top: int = 4,
+         hw: Hardware = Hardware(), progress: bool = True) -> tuple[list[Planned], dict[str, Any]]:
+    """(the compiled candidates, best first; facts about the search)."""
+    from tqdm import tqdm
+
+    n = len(devices)
+    if n % hosts:
+        raise ConfigError(f"--hosts={hosts} does not divide --devices={n}; use a divisor of {n}")
+    hw = dataclasses.replace(hw, devices_per_host=n // hosts)
+    budget = hbm_gb * 2**30 * RUNTIME_SHARE
+    everything = candidates(model, n, hw.devices_per_host, global_batch, seq_len)
+    if not everything:
+        raise ConfigError(
+            f"no layout of {type(model).__name__} runs {global_batch} sequences on {n} devices; use a global batch "
+            f"that is a multiple of the device count, e.g. --global-batch {n}"
+        )
+    scored = [Planned(lay, estimate(lay, model, global_batch, seq_len, hw), lay.overrides(hw.devices_per_host, hosts))
+              for lay in everything]
+    hopeful = sorted((p for p in scored if p.estimate["memory"] <= budget), key=lambda p: p.estimate["step_s"])
+    fallback = not hopeful
+    if fallback:  # nothing seems to fit: compile the smallest, to say by how much
+        hopeful = sorted(scored, key=lambda p: p.estimate["memory"])
+    # The formulas miss what the compiler adds (workspace, copies, widened buffers): after
+    # each compile, scale the estimates by the largest compiled / estimated ratio seen so
+    # far and skip the layouts that would then not fit.
+    chosen: list[Planned] = []
+    scale = 1.0
+    bar = tqdm(total=compile_top, desc="compiling", unit="layout", disable=not progress)
+    for planned in hopeful:
+        if len(chosen) == compile_top:
+            break
+        if not fallback and planned.estimate["memory"] * scale > budget:
+            continue
+        _compile(planned, model, devices, seq_len, global_batch, hw)
+        chosen.append(planned)
+        bar.update(1)
+        if planned.compiled:
+            scale = max(scale, planned.memory / planned.estimate["memory"])
+    bar.close()
+    chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf)))
+    facts = {"candidates": len(everything), "estimated_to_fit": sum(p.estimate["memory"] <= budget for p in scored),
+             "compiled": len(chosen), "budget_bytes": budget, "hardware": hw}
+    return chosen, facts
+
+
+def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, hw: Hardware) -> None:
+    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.inspect import inspect_step
+    from jaxpar.train import build
+
+    base = Config(model=model, train=TrainConfig(global_batch=global_batch, seq_len=seq_len, compute_dtype="bfloat16"))
+    try:
+        trainer = build(apply_overrides(base, planned.overrides + ["compiler.preset=none"]), devices)
+        report = inspect_step(trainer)
+    except (ConfigError, ValueError) as e:
+        planned.refused = str(e).split("\n")[0]
+        return
+    m = report.memory
+    planned.memory = m.arguments + m.outputs + m.temporaries - m.aliased
+    planned.prediction = roofline(report, trainer.config, hw, planned.estimate["hbm_bytes"])
+
+
+def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
+    """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
+    `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline bubble), plus
+    the collective time the overlap does not hide. Collectives across hosts run at the
+    per-device network speed, the rest at NVLink's. The CPU backend widens bf16 collectives
+    of activations to f32; on GPUs they stay bf16, so such bytes count half. (HBM traffic
+    comes from formulas: the CPU compiler's own count reflects its weaker fusion.)"""
+    peak = hw.peak_tflops * 1e12
+    compute = report.flops / (peak * hw.matmul_efficiency)
+    memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
+    widened = config.train.compute_dtype == "bfloat16"
+    data_s = model_s = 0.0
+    for c in report.collectives:
+        size = c.bytes_per_step * (0.5 if widened and c.dtype == "f32" and MODEL_AXES & set(c.axes) else 1.0)
+        seconds = size / ((hw.inter_host_gb_per_s if c.crosses_hosts else hw.intra_host_gb_per_s) * 1e9)
+        if MODEL_AXES & set(c.axes) or "stage" in c.axes:
+            model_s += seconds
+        else:
+            data_s += seconds
+    p, m = report.mesh.get("stage", 1), config.train.microbatches
+    bubble = (p - 1) / (m + p - 1)
+    step = max(compute, memory) / (1 - bubble) + (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
+    tokens = config.train.global_batch * config.train.seq_len
+    model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
+    return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
+            "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
+            "mfu": model_flops / (peak * step)}
+
+
+def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
+    """The ranking table, the best layout's overrides and the assumptions."""
+    lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
+             f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled:", "",
+             f"{'#':>2s}  {'layout':58s} {'memory':>9s} {'fits':>4s} {'compute':>8s} {'comm*':>7s} {'bubble':>6s} "
+             f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
+    budget = facts["budget_bytes"]
+    for i, p in enumerate(planned, 1):
+        if p.refused:
+            lines.append(f"{i:2d}  {p.layout.describe():58s} refused: {p.refused}")
+            continue
+        r = p.prediction
+        exposed = r["step_s"] - max(r["compute_s"], r["memory_s"]) / (1 - r["bubble"])
+        lines.append(
+            f"{i:2d}  {p.layout.describe():58s} {p.memory / 2**30:7.1f}Gi {'yes' if p.memory <= budget else 'no':>4s} "
+            f"{r['compute_s']:7.2f}s {exposed:6.2f}s {r['bubble']:6.1%} {r['step_s']:7.2f}s "
+            f"{r['tokens_per_s_per_device']:9,.0f} {r['mfu']:6.1%}"
+        )
+    lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "
+              "comm*: collective time not hidden by overlap; step: max(compute, HBM) / (1 - bubble) + comm*"]
+    best = next((p for p in planned if p.compiled and p.memory <= budget), None)
+    if best is None:
+        lines.append("no compiled layout fits: add devices, shorten the sequence, or shrink the batch")
+    else:
+        lines += ["", f"best: predicted {best.prediction['mfu']:.1%} MFU, {best.prediction['step_s']:.2f} s/step",
+                  "  --set " + " --set ".join(best.overrides)]
+    lines += ["", "assumptions: " + facts["hardware"].describe()]
+    return "\n".join(lines)
+
+
+__all__ = ["MODELS", "Hardware", "Layout", "Planned", "plan", "render", "resolve_model", "roofline"]

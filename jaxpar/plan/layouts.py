@@ -1,0 +1,140 @@
+"""The layouts the planner considers, and a quick estimate of each from formulas alone
+(memory per device, step time), so that only the promising ones are compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.inspect import formulas
+from jaxpar.plan.presets import Hardware
+
+REMATS = ("full", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    stage: int
+    data: int
+    fsdp: int
+    tensor: int
+    context: int
+    expert: int
+    zero_stage: int
+    remat: str
+    microbatches: int
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in ("stage", "data", "fsdp", "expert", "context", "tensor")}
+
+    def host_split(self, devices_per_host: int) -> dict[str, int]:
+        """How many hosts each axis spans: the model-parallel axes fill a host first, then
+        fsdp, data and stage, so the chattiest collectives stay on the fast links."""
+        room, across = devices_per_host, {}
+        for axis in ("tensor", "context", "expert", "fsdp", "data", "stage"):
+            inside = math.gcd(self.axes[axis], room)
+            room //= inside
+            across[axis] = self.axes[axis] // inside
+        return across
+
+    def overrides(self, devices_per_host: int, hosts: int) -> list[str]:
+        """The `--set` list that trains with this layout."""
+        sets = [f"mesh.{a}={n}" for a, n in self.axes.items()]
+        if hosts > 1:
+            sets += [f"mesh.hosts.{a}={n}" for a, n in self.host_split(devices_per_host).items() if n > 1]
+        sets += [f"parallel.zero_stage={self.zero_stage}", f"model.remat={self.remat}",
+                 f"train.microbatches={self.microbatches}"]
+        if self.tensor > 1:
+            sets.append("parallel.sequence_parallel=true")
+        if self.stage > 1:
+            sets.append("parallel.pipeline_schedule=1f1b")
+        return sets
+
+    def describe(self) -> str:
+        shown = " ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1) or "one device"
+        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}"
+
+
+def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
+    """Every layout the framework can run for `model` on `devices`: model-parallel axes
+    (tensor, context, expert) inside a host; stages dividing the layers (Llama only);
+    fsdp x data filling the rest; ZeRO over data when there is one; both remat extremes;
+    microbatches from 1 (p..4p under a pipeline)."""
+    heads, kv = model.num_heads, model.num_kv_heads
+    experts = getattr(model, "num_experts", 0)
+    out = []
+    for tensor in _divisors(devices_per_host):
+        if heads % tensor or kv % tensor or model.vocab_size % tensor or model.mlp % tensor:
+            continue
+        for context in ([1, 2, 4] if seq_len >= 16384 else [1]):
+            for expert in (_divisors(experts) if experts else [1]):
+                inner = tensor * context * expert
+                if inner > devices_per_host or devices % inner or seq_len % (context * tensor * 2):
+                    continue
+                stages = [1] if experts or context > 1 else [p for p in _divisors(devices // inner)
+                                                            if p <= 16 and model.num_layers % p == 0]
+                for stage in stages:
+                    rest = devices // (inner * stage)
+                    for fsdp in _divisors(rest):
+                        data = rest // fsdp
+                        if model.embed % fsdp:
+                            continue
+                        for zero in ([1] if data == 1 or stage > 1 else [1, 3]) if data > 1 else [0]:
+                            for remat in REMATS:
+                                for m in ([stage, 2 * stage, 4 * stage] if stage > 1 else [1, 2, 4]):
+                                    if global_batch % (data * fsdp * expert * m):
+                                        continue
+                                    out.append(Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m))
+    return out
+
+
+def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardware) -> dict[str, float]:
+    """Memory per device (bytes) and step time (s) from formulas: model state (ZeRO),
+    activations (Korthikanti et al.), logits; compute at the matmul efficiency, collective
+    bytes over their links, less what overlaps."""
+    L = layout
+    psi, psi_layers = model.param_count(), model.param_count(include_embedding=False)
+    experts = getattr(model, "num_experts", 0)
+    routed = 3 * model.embed * model.mlp * experts * model.num_layers / L.stage  # expert weights: also over expert
+    psi_local = (psi - psi_layers) + psi_layers / L.stage  # one stage's parameters
+    state = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2).total
+    state += formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2).total
+    b = global_batch // (L.data * L.fsdp * L.expert * L.microbatches)  # rows per device per microbatch
+    s, h, a = seq_len // L.context, model.embed, model.num_heads
+    layers = model.num_layers // L.stage
+    full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
+    kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
+    if L.stage > 1:  # stage-level recomputation: chunk inputs in flight, one chunk live
+        activations = L.stage * kept + layers * (full if L.remat == "none" else kept) + full
+    else:
+        activations = layers * (full if L.remat == "none" else kept) + (full if L.remat != "none" else 0)
+    logits = 3 * 4 * s * b * model.vocab_size / L.tensor  # fp32 logits, their softmax and gradient
+    memory = state + activations + logits
+    # HBM traffic: each layer's gathered weights read in the forward, the recomputed forward
+    # and both backward matmuls, per microbatch; the activations written once and read
+    # once; the optimizer reading and writing its state, master weights and gradients.
+    weights = 2 * psi_local / L.tensor / (L.expert if experts else 1)
+    passes = 4 if L.remat != "none" else 3
+    hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state
+
+    tokens = global_batch * seq_len
+    devices = math.prod(L.axes.values())
+    recompute = 4 / 3 if L.remat != "none" else 1.0
+    compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
+    bubble = (L.stage - 1) / (L.microbatches + L.stage - 1)
+    across = L.host_split(hw.devices_per_host)
+    bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731
+    shard = psi_local / L.tensor
+    fsdp_bytes = 3 * 2 * shard * (L.fsdp - 1) / L.fsdp * L.microbatches if L.fsdp > 1 else 0.0
+    data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
+    tensor_bytes = 8 * model.num_layers / L.stage * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
+    data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
+    model_time = tensor_bytes / bw("tensor") if L.tensor > 1 else 0.0
+    step = compute / (1 - bubble) + (1 - hw.overlap_data) * data_time + (1 - hw.overlap_model) * model_time
+    step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
+    return {"memory": memory, "hbm_bytes": hbm, "step_s": step, "compute_s": compute, "bubble": bubble}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

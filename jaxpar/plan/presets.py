@@ -1,0 +1,48 @@
+"""Model shapes the planner knows by name, and the hardware it predicts for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.llama import LlamaConfig
+from models.moe import MoEConfig
+
+MODELS = {
+    # Llama 3 (Grattafiori et al. 2024, table 3): 128K vocabulary, GQA with 8 KV heads.
+    "llama3-8b": LlamaConfig(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                             head_dim=128, mlp=14336),
+    "llama3-70b": LlamaConfig(vocab_size=128256, embed=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              head_dim=128, mlp=28672),
+    "llama3-405b": LlamaConfig(vocab_size=128256, embed=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                               head_dim=128, mlp=53248),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token.
+    "mixtral-8x7b": MoEConfig(vocab_size=32000, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              head_dim=128, mlp=14336, num_experts=8, top_k=2, routing="dropless"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the roofline assumes per device (defaults: H100 SXM, reference.md)."""
+
+    name: str = "H100 SXM"
+    peak_tflops: float = 989.0  # dense bf16
+    matmul_efficiency: float = 0.8  # a large bf16 matmul reaches about 790 TFLOP/s
+    hbm_gb_per_s: float = 3350.0
+    intra_host_gb_per_s: float = 450.0  # NVLink, per direction
+    inter_host_gb_per_s: float = 50.0  # one 400 Gb/s NIC per GPU
+    devices_per_host: int = 8
+    # Shares of collective time hidden behind compute: the data-parallel axes' gathers and
+    # reductions are scheduled behind other layers' matmuls (the overlap preset); the
+    # tensor, context and expert collectives sit on the critical path between matmuls.
+    overlap_data: float = 0.9
+    overlap_model: float = 0.0
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.peak_tflops:g} TFLOP/s bf16 peak, matmuls at {self.matmul_efficiency:.0%} of it, "
+            f"HBM {self.hbm_gb_per_s / 1000:g} TB/s, {self.intra_host_gb_per_s:g} GB/s inside a host of "
+            f"{self.devices_per_host}, {self.inter_host_gb_per_s:g} GB/s per device across hosts; "
+            f"{self.overlap_data:.0%} of data/fsdp collective time and {self.overlap_model:.0%} of "
+            "tensor/context/expert time hidden behind compute"
+        )
