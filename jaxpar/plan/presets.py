@@ -15,9 +15,11 @@ MODELS = {
                               head_dim=128, mlp=28672),
     "llama3-405b": LlamaConfig(vocab_size=128256, embed=16384, num_layers=126, num_heads=128, num_kv_heads=8,
                                head_dim=128, mlp=53248),
-    # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token.
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token. Capacity
+    # routing: its compiled FLOPs are those a GPU runs (the dropless grouped matmul compiles
+    # densely on CPU, every expert for every token).
     "mixtral-8x7b": MoEConfig(vocab_size=32000, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                              head_dim=128, mlp=14336, num_experts=8, top_k=2, routing="dropless"),
+                              head_dim=128, mlp=14336, num_experts=8, top_k=2, routing="capacity"),
 }
 
 
