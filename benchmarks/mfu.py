@@ -1,0 +1,145 @@
+"""Single-GPU speed against a peer: a ~1.1B Llama in bf16, tokens/s and MFU for jaxpar and,
+side by side in the same run, the same model shape in PyTorch (Hugging Face transformers'
+LlamaForCausalLM, SDPA attention, torch.compile, autocast bf16 with float32 weights and a
+fused AdamW: the usual mixed-precision recipe, as jaxpar's float32 master weights).
+
+  python benchmarks/mfu.py [--steps 20] [--warmup 5] [--out benchmarks/results/mfu.json]
+  python benchmarks/mfu.py --tiny     # a toy shape, to check the script on a CPU
+
+Both sides train on the same shapes (batch x seq tokens of random ids), their step times
+are the median of `--steps` timed steps after `--warmup`, and MFU is the model FLOPs
+(6 x matmul params + attention, PaLM appendix B, as jaxpar.flops counts them) over the
+device's bf16 peak. The sides alternate warm-up and timing in one process, so the machine's
+state is the same for both. Without PyTorch (or transformers) the peer column says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+
+SHAPE = dict(vocab_size=32000, embed=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, mlp=5632)
+TINY = dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp=128)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--remat", default="none", help="jaxpar model.remat (none | full | dots | ...)")
+    p.add_argument("--tiny", action="store_true", help="a toy shape and 2 x 64 tokens (CPU check)")
+    p.add_argument("--out", default="benchmarks/results/mfu.json")
+    return p.parse_args()
+
+
+def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int) -> dict:
+    import jax
+
+    from jaxpar.config import Config, TrainConfig
+    from jaxpar.data.sources import make_source
+    from jaxpar.train import build
+    from models.llama import LlamaConfig
+
+    config = Config(model=LlamaConfig(**shape, remat=remat),
+                    train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps + warmup))
+    trainer = build(config, jax.devices()[:1])
+    step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    state, source = trainer.init(), make_source(trainer)
+    batches = [source(i) for i in range(2)]
+    times, loss = [], None
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batches[i % 2])
+        loss = float(metrics["loss"])  # waits for the step
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "loss": loss, "params": config.model.param_count(),
+            "flops_per_step": config.model.flops_per_token(seq) * batch * seq, "device": jax.devices()[0].device_kind}
+
+
+def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    try:
+        import torch
+        from transformers import LlamaConfig as HFConfig
+        from transformers import LlamaForCausalLM
+    except ImportError as e:
+        return {"skipped": f"not installed: {e.name}"}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = HFConfig(vocab_size=shape["vocab_size"], hidden_size=shape["embed"], intermediate_size=shape["mlp"],
+                      num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+                      num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
+                      max_position_embeddings=seq, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
+    compiled = torch.compile(model)
+    ids = torch.randint(0, shape["vocab_size"], (2, batch, seq), device=device)
+
+    def step(tokens):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    times, loss = [], None
+    for i in range(warmup + steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = float(step(ids[i % 2]))  # .item() waits for the step
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "loss": loss, "params": sum(p.numel() for p in model.parameters()),
+            "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+
+def main() -> int:
+    args = parse_args()
+    import jax
+
+    from jaxpar.flops import peak_flops
+
+    shape = TINY if args.tiny else SHAPE
+    batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
+    tokens = batch * seq
+    ours = jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup)
+    peer = torch_steps(shape, batch, seq, args.steps, args.warmup)
+    peak = peak_flops(jax.devices()[0])
+    rows = {"jaxpar": ours, "pytorch": peer}
+    for name, row in rows.items():
+        if "step_s" in row:
+            row["tokens_per_s"] = tokens / row["step_s"]
+            row["mfu"] = ours["flops_per_step"] / row["step_s"] / peak if peak else None
+    print(f"Llama {ours['params'] / 1e9:.2f}B params, batch {batch} x seq {seq}, bf16, one {ours['device']} "
+          f"(peak {peak / 1e12:.0f} TFLOP/s)" if peak else f"Llama {ours['params'] / 1e6:.1f}M params on {ours['device']} (no known peak)")
+    print(f"{'':8s} {'step':>9s} {'tokens/s':>10s} {'MFU':>7s} {'loss':>8s}")
+    for name, row in rows.items():
+        if "skipped" in row:
+            print(f"{name:8s} skipped: {row['skipped']}")
+            continue
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        print(f"{name:8s} {row['step_s'] * 1e3:7.1f}ms {row['tokens_per_s']:10,.0f} {mfu:>7s} {row['loss']:8.4f}")
+    if "tokens_per_s" in peer:
+        print(f"jaxpar / pytorch tokens/s: {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat, "jax": jax.__version__,
+                               "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
