@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from jaxpar.errors import ConfigError, Preempted, TrainingStopped
@@ -100,12 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return plan(args)
         return explain(args) if args.command == "explain" else train(args)
-    except ConfigError as e:
+    except (ConfigError, TrainingStopped) as e:
+        return report_error(e)
+
+
+def report_error(e: Exception) -> int:
+    """Print the one-line message of an error jaxpar expects, and return the exit status."""
+    if isinstance(e, ConfigError):
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
-    except TrainingStopped as e:
+    if isinstance(e, TrainingStopped):
         print(f"jaxpar: training stopped: {e}", file=sys.stderr)
         return 1
+    import traceback
+
+    traceback.print_exception(e)
+    return 1
 
 
 def train(args) -> int:
@@ -121,17 +132,29 @@ def train(args) -> int:
     cluster = distributed.from_environment()
     if cluster is None:
         return _train(args)
-    settings = resolve_config(args.recipe, [o for o in args.overrides if o.startswith("distributed.")], 2).distributed
+    settings = _distributed_settings(args)  # checked before they are used to join
     distributed.join(cluster, settings.heartbeat_timeout_s, settings.join_timeout_s)
     watchdog = distributed.Watchdog(settings.heartbeat_timeout_s).start()
-    error = None
     try:
-        return _train(args)
+        code = _train(args)
     except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        watchdog.stop(error)
+        watchdog.stop(f"{type(e).__name__}: {e}")
+        code = report_error(e) if isinstance(e, Exception) else 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not through JAX's shutdown barrier: the other processes are not coming to it
+    watchdog.stop()
+    return code
+
+
+def _distributed_settings(args):
+    import recipes
+    from jaxpar.checks import by_id
+    from jaxpar.config import apply_overrides
+
+    config = apply_overrides(recipes.load(args.recipe), [o for o in args.overrides if o.startswith("distributed.")])
+    by_id("distributed-timeouts-positive").check(config, None)
+    return config.distributed
 
 
 def _train(args) -> int:
@@ -144,15 +167,15 @@ def _train(args) -> int:
 
     devices = jax.devices()
     config = resolve_config(args.recipe, args.overrides, len(devices))
-    main = jax.process_index() == 0
+    leader = jax.process_index() == 0
     if args.print_config:
-        if main:
+        if leader:
             print("\n".join(f"{key}={value}" for key, value in flatten(config).items()))
         return 0
     trainer = build(config, devices)  # validates before anything compiles
     model = config.model
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    if main:
+    if leader:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
             f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
@@ -162,12 +185,12 @@ def _train(args) -> int:
             flush=True,
         )
     try:
-        history = run(trainer, metrics_file=args.metrics_file if main else None, progress=main and not args.no_progress)
+        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=leader and not args.no_progress)
     except Preempted as e:  # every process stops at the same step: not a failure of one
-        if main:
+        if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT
-    if history and main:
+    if history and leader:
         first, last = history[0], history[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
     return 0
@@ -175,8 +198,6 @@ def _train(args) -> int:
 
 def explain(args) -> int:
     """Nothing runs and nothing is allocated: the step is lowered on abstract inputs."""
-    import os
-
     from jaxpar.mesh import force_cpu_devices
 
     if args.devices is not None:
@@ -213,8 +234,6 @@ def explain(args) -> int:
 
 def plan(args) -> int:
     """Compiles on `--devices` virtual CPU devices: nothing runs, nothing is allocated."""
-    import os
-
     from jaxpar.mesh import force_cpu_devices
 
     for flag, value in (("--devices", args.devices), ("--hbm-gb", args.hbm_gb), ("--compile-top", args.compile_top),

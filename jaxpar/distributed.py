@@ -11,7 +11,7 @@ The environment says where the processes are, so the same `jaxpar train` runs al
   or by hand on any cluster;
 - otherwise SLURM (`srun`): process count and index from SLURM_NTASKS and SLURM_PROCID, the
   coordinator on the step's first node, at `JAXPAR_COORDINATOR_PORT` or a port derived from
-  the job id. Each process drives the devices it sees, so bind GPUs with SLURM
+  the job and step ids. Each process drives the devices it sees, so bind GPUs with SLURM
   (`--ntasks-per-node=1`, or `--gpus-per-task=1`).
 """
 
@@ -52,7 +52,7 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 f"{', '.join(given)} set but {', '.join(missing)} not; set all of {', '.join(EXPLICIT)} "
                 "(or none, to run alone)"
             )
-        return _checked(
+        cluster = _checked(
             Cluster(
                 coordinator=_address(env["JAXPAR_COORDINATOR"], "JAXPAR_COORDINATOR"),
                 num_processes=_int(env, "JAXPAR_NUM_PROCESSES"),
@@ -62,14 +62,19 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 local_device_ids=_device_ids(env.get("JAXPAR_LOCAL_DEVICE_IDS", "")),
             )
         )
+        return cluster if cluster.num_processes > 1 else None  # one process: alone
     if all(env.get(k) for k in SLURM) and _int(env, "SLURM_NTASKS") > 1:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if not nodes:
-            raise ConfigError("SLURM_NTASKS > 1 but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set; run under srun")
-        port = _int(env, "JAXPAR_COORDINATOR_PORT") if env.get("JAXPAR_COORDINATOR_PORT") else slurm_port(env["SLURM_JOB_ID"])
+        nodes = env.get("SLURM_STEP_NODELIST")
+        if not nodes:  # a batch script or salloc shell: only srun starts the tasks that join
+            raise ConfigError(
+                f"SLURM_NTASKS={env['SLURM_NTASKS']} but this is not a task of an srun step (no SLURM_STEP_NODELIST); "
+                "start jaxpar train with srun, or unset SLURM_NTASKS to run alone"
+            )
+        port = (_int(env, "JAXPAR_COORDINATOR_PORT") if env.get("JAXPAR_COORDINATOR_PORT")
+                else slurm_port(env["SLURM_JOB_ID"], env.get("SLURM_STEP_ID", "0")))
         return _checked(
             Cluster(
-                coordinator=f"{expand_hostlist(nodes)[0]}:{port}",
+                coordinator=f"{first_host(nodes)}:{port}",
                 num_processes=_int(env, "SLURM_NTASKS"),
                 process_id=_int(env, "SLURM_PROCID"),
                 bind=_address(env["JAXPAR_COORDINATOR_BIND"], "JAXPAR_COORDINATOR_BIND")
@@ -80,27 +85,21 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
     return None
 
 
-def slurm_port(job_id: str) -> int:
-    """A port every task of the job derives alike, in 20000-29999 (below the usual
-    ephemeral range, so a client socket rarely holds it)."""
-    digits = re.sub(r"\D", "", job_id)
-    return 20000 + int(digits or 0) % 10000
+def slurm_port(job_id: str, step_id: str = "0") -> int:
+    """A port every task of the step derives alike, in 20000-29999 (below the usual
+    ephemeral range, so a client socket rarely holds it); steps running at once differ."""
+    number = lambda text: int(re.sub(r"\D", "", text) or 0)  # noqa: E731
+    return 20000 + (number(job_id) * 7 + number(step_id)) % 10000
 
 
-def expand_hostlist(text: str) -> list[str]:
-    """SLURM's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
-    hosts: list[str] = []
-    for prefix, ranges, rest in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", text):
-        if not ranges:
-            hosts.append(prefix + rest)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}{rest}")
-    if not hosts:
-        raise ConfigError(f"SLURM host list {text!r} names no host")
-    return hosts
+def first_host(nodelist: str) -> str:
+    """The first host of SLURM's compressed list: 'gpu[07-08,11],cpu1' -> gpu07;
+    'a[1-2]b[3-4]' -> a1b3."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # commas outside brackets separate hosts
+    host = re.sub(r"\[([^\]]+)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+    if not host:
+        raise ConfigError(f"SLURM_STEP_NODELIST={nodelist!r} names no host")
+    return host
 
 
 def _checked(cluster: Cluster) -> Cluster:
@@ -150,6 +149,8 @@ def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> Non
         coordinator_bind_address=cluster.bind,
         initialization_timeout=join_timeout_s,
         heartbeat_timeout_seconds=2 * heartbeat_timeout_s,
+        # JAX's own SLURM detection would give each process only device SLURM_LOCALID.
+        cluster_detection_method="deactivate",
     )
 
 
@@ -178,7 +179,7 @@ class Watchdog:
     def stop(self, error: str | None = None) -> None:
         """Stop watching and tell the others this process ended: cleanly, or on `error`."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=self.interval_s + 10)  # a key-value call stuck on a dead coordinator
         try:
             self._post("failed: " + error if error else "done")
         except Exception:  # the coordinator may be gone already; nothing is left to tell
@@ -210,7 +211,7 @@ class Watchdog:
                 elif now - changed[p][1] > self.timeout_s:
                     return self._exit(
                         f"process {p} of {self.count} sent no heartbeat for {self.timeout_s:g} s "
-                        "(distributed.heartbeat_timeout_s): it died or hangs"
+                        "(distributed.heartbeat_timeout_s): it died or stopped responding"
                     )
 
     def _exit(self, why: str) -> None:

@@ -5,10 +5,11 @@ Each child is `python -m jaxpar.cli train ...` with the JAXPAR_* variables that
 jaxpar.distributed reads; the coordinator listens on loopback unless `--bind` says
 otherwise. Process 0 writes to this terminal as it would alone; the others' lines are
 prefixed with their index. When a process fails, the others stop on their own (their
-watchdogs name it). SIGTERM or SIGINT to the launcher goes to every process: a run with
-several processes takes it as preemption, saves a checkpoint and stops. Processes still
-running `--grace` seconds after either are killed. The exit status is the first failure's
-(128 + signal for a killed process), or 0.
+watchdogs name it). SIGTERM or SIGINT to the launcher reaches every process as SIGTERM,
+which a run of several processes takes as preemption: it saves a checkpoint and stops.
+Processes still running `--grace` seconds after either are killed. The exit status is the
+first failure's (128 + signal for a killed process; a process that only stopped because
+another was lost does not count as the cause), or 0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 
+from jaxpar.distributed import LOST_PEER_EXIT
 from jaxpar.errors import ConfigError
 
 
@@ -30,8 +32,8 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def child_commands(nproc: int, command: list[str], cpu_devices_per_proc: int) -> list[list[str]]:
-    """The command line of every process: `jaxpar train ...` with its CPU device count."""
+def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> list[str]:
+    """The command line each process runs: `jaxpar train ...` with its CPU device count."""
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be at least 1")
     if cpu_devices_per_proc < 1:
@@ -40,16 +42,16 @@ def child_commands(nproc: int, command: list[str], cpu_devices_per_proc: int) ->
         raise ConfigError(f"jaxpar launch runs `train`, got {' '.join(command) or 'nothing'}; e.g. jaxpar launch --nproc 2 -- train llama")
     if any(arg == "--cpu-devices" or arg.startswith("--cpu-devices=") for arg in command):
         raise ConfigError("--cpu-devices inside a launched command; give --cpu-devices-per-proc to jaxpar launch instead")
-    return [[sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(cpu_devices_per_proc)]] * nproc
+    return [sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(cpu_devices_per_proc)]
 
 
 def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0) -> int:
-    commands = child_commands(nproc, command, cpu_devices_per_proc)
+    cmd = child_command(nproc, command, cpu_devices_per_proc)
     host = "127.0.0.1" if bind in ("0.0.0.0", "[::]") else bind  # where the children reach process 0
     port = free_port(host)
     address = f"{host}:{port}"
-    procs = []
-    for i, cmd in enumerate(commands):
+    procs, relays = [], []
+    for i in range(nproc):
         env = {
             **os.environ,
             "JAXPAR_COORDINATOR": address,
@@ -59,9 +61,12 @@ def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str 
             "PYTHONUNBUFFERED": "1",
         }
         piped = subprocess.PIPE if i else None  # process 0 owns the terminal (progress bar)
-        proc = subprocess.Popen(cmd, env=env, stdout=piped, stderr=subprocess.STDOUT if i else None, text=True)
+        # Own sessions: a Ctrl-C reaches the children once, from this launcher, as preemption.
+        proc = subprocess.Popen(cmd, env=env, stdout=piped, stderr=subprocess.STDOUT if i else None, text=True,
+                                start_new_session=True)
         if i:
-            threading.Thread(target=_relay, args=(proc.stdout, f"[process {i}] "), daemon=True).start()
+            relays.append(threading.Thread(target=_relay, args=(proc.stdout, f"[process {i}] "), daemon=True))
+            relays[-1].start()
         procs.append(proc)
         print(f"jaxpar launch: process {i} of {nproc} is pid {proc.pid} (coordinator {address})", file=sys.stderr, flush=True)
 
@@ -71,7 +76,7 @@ def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str 
         asked.append(time.monotonic())
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM)  # JAX's preemption service takes SIGTERM, not SIGINT
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -79,23 +84,29 @@ def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for relay in relays:  # the last lines of the other processes, their errors included
+            relay.join(timeout=5)
 
 
 def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float]) -> int:
     """Wait for every process. After one fails, or after the launcher is told to stop, the
     rest get `grace_s` to end on their own (a preempted run saves a checkpoint first)."""
-    status, failed_at = 0, None
+    failures: list[int] = []  # exit statuses, in the order the processes failed
+    failed_at = None
     reported: set[int] = set()
+
+    def note(i: int, code: int) -> None:
+        reported.add(i)
+        if code != 0:
+            print(f"jaxpar launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
+            failures.append(_status(code))
+
     while any(p.poll() is None for p in procs):
         for i, p in enumerate(procs):
-            code = p.poll()
-            if code is None or i in reported:
-                continue
-            reported.add(i)
-            if code != 0:
-                print(f"jaxpar launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
-                if failed_at is None:
-                    status, failed_at = _status(code), time.monotonic()
+            if p.poll() is not None and i not in reported:
+                note(i, p.returncode)
+                if failures and failed_at is None:
+                    failed_at = time.monotonic()
         since = min([t for t in (failed_at, *asked) if t is not None], default=None)
         if since is not None and time.monotonic() - since > grace_s:
             for i, p in enumerate(procs):
@@ -106,11 +117,11 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float]
                 p.wait()
         time.sleep(0.1)
     for i, p in enumerate(procs):
-        if i not in reported and p.returncode != 0:
-            print(f"jaxpar launch: process {i} {_describe(p.returncode)}", file=sys.stderr, flush=True)
-            if not status:
-                status = _status(p.returncode)
-    return status
+        if i not in reported:
+            note(i, p.returncode)
+    # The cause, not its echo: a process that stopped because another was lost says so.
+    causes = [code for code in failures if code != LOST_PEER_EXIT]
+    return (causes or failures or [0])[0]
 
 
 def _status(code: int) -> int:

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar.distributed import LOST_PEER_EXIT, Cluster, Watchdog, expand_hostlist, from_environment, slurm_port
+from jaxpar.distributed import LOST_PEER_EXIT, Cluster, Watchdog, first_host, from_environment, slurm_port
 from jaxpar.errors import ConfigError
-from jaxpar.launch import child_commands
+from jaxpar.launch import child_command
 
 # ------------------------------------------------------------------ the environment
 
@@ -24,6 +24,7 @@ def test_explicit_variables_name_the_cluster():
            "JAXPAR_LOCAL_DEVICE_IDS": "0,1"}
     assert from_environment(env) == Cluster("10.0.0.1:1234", 4, 2, None, (0, 1), "JAXPAR_*")
     assert from_environment({}) is None  # alone
+    assert from_environment({**env, "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}) is None  # one: alone
 
 
 @pytest.mark.parametrize("env, message", [
@@ -40,28 +41,34 @@ def test_bad_variables_are_refused_by_name(env, message):
 
 
 def test_slurm_tasks_find_the_first_node_and_a_shared_port():
-    env = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_STEP_NODELIST": "gpu[07-08],cpu1"}
+    env = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_STEP_ID": "0",
+           "SLURM_STEP_NODELIST": "gpu[07-08],cpu1", "SLURM_JOB_NODELIST": "gpu[07-08],cpu1"}
     cluster = from_environment(env)
-    assert cluster == Cluster(f"gpu07:{slurm_port('4711')}", 16, 9, None, None, "SLURM")
-    assert 20000 <= slurm_port("4711") < 30000
+    assert cluster == Cluster(f"gpu07:{slurm_port('4711', '0')}", 16, 9, None, None, "SLURM")
+    assert 20000 <= slurm_port("4711") < 30000 and slurm_port("4711", "1") != slurm_port("4711", "0")
     assert from_environment({**env, "JAXPAR_COORDINATOR_PORT": "5555"}).coordinator == "gpu07:5555"
     assert from_environment({**env, "SLURM_NTASKS": "1"}) is None  # one task: alone
+    batch_script = {k: v for k, v in env.items() if not k.startswith("SLURM_STEP")}
+    with pytest.raises(ConfigError, match="not a task of an srun step"):  # would wait for 15 others forever
+        from_environment(batch_script)
 
 
-def test_slurm_host_lists_expand():
-    assert expand_hostlist("node1") == ["node1"]
-    assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
-    assert expand_hostlist("a[9-10]-ib") == ["a9-ib", "a10-ib"]
+def test_slurm_host_lists_give_the_first_host():
+    assert first_host("node1") == "node1"
+    assert first_host("gpu[01-03,07],login1") == "gpu01"
+    assert first_host("a[9-10]-ib,b1") == "a9-ib"
+    assert first_host("a[1-2]b[3-4]") == "a1b3"
+    assert first_host("login1,gpu[01-02]") == "login1"
 
 
 def test_launch_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="runs `train`"):
-        child_commands(2, ["explain", "llama"], 4)
+        child_command(2, ["explain", "llama"], 4)
     with pytest.raises(ConfigError, match="--cpu-devices-per-proc"):
-        child_commands(2, ["train", "llama", "--cpu-devices", "4"], 4)
+        child_command(2, ["train", "llama", "--cpu-devices", "4"], 4)
     with pytest.raises(ConfigError, match="--nproc=0"):
-        child_commands(0, ["train", "llama"], 4)
-    assert child_commands(2, ["train", "llama"], 3)[1][-2:] == ["--cpu-devices", "3"]
+        child_command(0, ["train", "llama"], 4)
+    assert child_command(2, ["train", "llama"], 3)[-2:] == ["--cpu-devices", "3"]
 
 
 # ------------------------------------------------------------------ the watchdog
@@ -283,3 +290,11 @@ def test_sigterm_saves_at_an_agreed_step_and_the_resumed_run_repeats_the_losses(
     reference = _cli(*command[:9], "--metrics-file", str(alone), *_sets(TINY + ["train.steps=30", "mesh.data=4", "mesh.tensor=2"]))
     assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
     assert [(r["step"], r["loss"]) for r in _rows(metrics)] == [(r["step"], r["loss"]) for r in _rows(alone)]
+
+
+def test_bad_distributed_settings_are_refused_before_joining():
+    """No coordinator is listening: the run must be refused by the rule, not wait to join."""
+    env = {**os.environ, "JAXPAR_COORDINATOR": "127.0.0.1:9", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1"}
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "llama", "--set", "distributed.heartbeat_timeout_s=0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "distributed.heartbeat_timeout_s=0 must be a positive number" in proc.stderr

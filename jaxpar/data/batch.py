@@ -6,6 +6,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxpar.errors import ConfigError
+
 # field -> (logical names, dtype); the leading dimension is always the global batch.
 FIELDS = {
     "lm": {
@@ -43,11 +45,15 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
     """The contiguous range of global rows this process's devices hold: with several
     processes, each reads and builds only these rows."""
     index_map = sharding.addressable_devices_indices_map(global_shape)
-    bounds = {(idx[0].start or 0, global_shape[0] if idx[0].stop is None else idx[0].stop) for idx in index_map.values()}
-    lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
-    covered = set().union(*(range(*b) for b in bounds))
-    if len(covered) != hi - lo:  # make_mesh puts each process's devices together; another mesh might not
-        raise ValueError(f"this process's devices hold rows {sorted(bounds)} of the batch, not one contiguous range")
+    bounds = sorted({(idx[0].start or 0, global_shape[0] if idx[0].stop is None else idx[0].stop)
+                     for idx in index_map.values()})
+    if any(start > stop for (_, stop), (start, _) in zip(bounds, bounds[1:])):  # a gap between them
+        raise ConfigError(
+            f"this process's devices hold rows {bounds} of the batch, not one contiguous range; lay the mesh out so "
+            "each process's devices are together along the batch axes (mesh.data, mesh.fsdp), e.g. with "
+            "mesh.hosts.data or mesh.hosts.fsdp equal to the number of processes"
+        )
+    lo, hi = bounds[0][0], max(stop for _, stop in bounds)
     return slice(lo, hi)
 
 
