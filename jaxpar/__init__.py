@@ -1,25 +1,41 @@
 """jaxpar: every classic form of parallelism, composable on one named-axis mesh."""
 
-from jaxpar.config import Config, DataConfig, OptimConfig, ParallelConfig, TrainConfig, apply_overrides, validate
-from jaxpar.errors import ConfigError
+from jaxpar.config import (
+    CheckpointConfig,
+    CompilerConfig,
+    Config,
+    DataConfig,
+    DistributedConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    apply_overrides,
+    validate,
+)
+from jaxpar.errors import ConfigError, Preempted, TrainingStopped
 from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
 from jaxpar.sharding import Layout, Rules, compute_value, constrain, default_rules, use_layout
 from jaxpar.train import Trainer, TrainState, build
 
 __all__ = [
     "AXES",
+    "CheckpointConfig",
+    "CompilerConfig",
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "HostSplit",
     "Layout",
     "MeshConfig",
     "OptimConfig",
     "ParallelConfig",
+    "Preempted",
     "Rules",
     "TrainConfig",
     "TrainState",
     "Trainer",
+    "TrainingStopped",
     "apply_overrides",
     "build",
     "compute_value",
