@@ -69,22 +69,24 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
     fallback = not hopeful
     if fallback:  # nothing seems to fit: compile the smallest, to say by how much
         hopeful = sorted(scored, key=lambda p: p.estimate["memory"])
-    # The formulas miss what the compiler adds (workspace, copies, widened buffers): after
-    # each compile, scale the estimates by the largest compiled / estimated ratio seen so
-    # far and skip the layouts that would then not fit.
+    # The formulas miss what the compiler adds (workspace, copies, widened buffers). Once a
+    # compiled layout fits, the estimates are scaled by the largest compiled / estimated
+    # ratio among those that fit, and layouts that would then not fit are skipped. Until
+    # one fits, compiling goes on past compile_top, up to 3 x compile_top layouts.
     chosen: list[Planned] = []
-    scale = 1.0
+    scale, attempts = None, 0
     bar = tqdm(total=compile_top, desc="compiling", unit="layout", disable=not progress)
     for planned in hopeful:
-        if len(chosen) == compile_top:
+        if (len(chosen) >= compile_top and scale is not None) or attempts == 3 * compile_top:
             break
-        if not fallback and planned.estimate["memory"] * scale > budget:
+        if scale is not None and not fallback and planned.estimate["memory"] * scale > budget:
             continue
         _compile(planned, model, devices, seq_len, global_batch, hw)
+        attempts += 1
         chosen.append(planned)
         bar.update(1)
-        if planned.compiled:
-            scale = max(scale, planned.memory / planned.estimate["memory"])
+        if planned.compiled and planned.memory <= budget:
+            scale = max(scale or 0.0, planned.memory / planned.estimate["memory"])
     bar.close()
     chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf)))
     facts = {"candidates": len(everything), "estimated_to_fit": sum(p.estimate["memory"] <= budget for p in scored),
