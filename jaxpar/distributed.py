@@ -57,8 +57,7 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 coordinator=_address(env["JAXPAR_COORDINATOR"], "JAXPAR_COORDINATOR"),
                 num_processes=_int(env, "JAXPAR_NUM_PROCESSES"),
                 process_id=_int(env, "JAXPAR_PROCESS_ID"),
-                bind=_address(env["JAXPAR_COORDINATOR_BIND"], "JAXPAR_COORDINATOR_BIND")
-                if env.get("JAXPAR_COORDINATOR_BIND") else None,
+                bind=_bind(env),
                 local_device_ids=_device_ids(env.get("JAXPAR_LOCAL_DEVICE_IDS", "")),
             )
         )
@@ -77,8 +76,7 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 coordinator=f"{first_host(nodes)}:{port}",
                 num_processes=_int(env, "SLURM_NTASKS"),
                 process_id=_int(env, "SLURM_PROCID"),
-                bind=_address(env["JAXPAR_COORDINATOR_BIND"], "JAXPAR_COORDINATOR_BIND")
-                if env.get("JAXPAR_COORDINATOR_BIND") else None,
+                bind=_bind(env),
                 source="SLURM",
             )
         )
@@ -125,6 +123,11 @@ def _address(text: str, key: str) -> str:
     return text
 
 
+def _bind(env: Mapping[str, str]) -> str | None:
+    text = env.get("JAXPAR_COORDINATOR_BIND")
+    return _address(text, "JAXPAR_COORDINATOR_BIND") if text else None
+
+
 def _device_ids(text: str) -> tuple[int, ...] | None:
     if not text.strip():
         return None
@@ -157,8 +160,8 @@ def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> Non
 class Watchdog:
     """Each process posts a heartbeat to the coordinator's key-value store every second and
     reads the others'. A process whose beat has not changed for `timeout_s` is lost (killed,
-    or hung: a process stuck in a collective still beats, its watchdog is a thread); one that
-    posts `failed` stopped on an error. Either way this process prints a message naming it
+    or its Python stuck; one merely waiting in a collective still beats, as its watchdog is a
+    thread); one that posts `failed` stopped on an error. Either way this process prints a message naming it
     and exits with LOST_PEER_EXIT, rather than wait in a collective that will never finish.
     If process 0 dies, the coordinator goes with it and JAX ends the others at once."""
 

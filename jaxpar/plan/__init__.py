@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline.schedule import published_bubble
 from jaxpar.plan.layouts import Layout, candidates, estimate
 from jaxpar.plan.presets import MODELS, Hardware
 
@@ -130,13 +131,15 @@ def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]
             model_s += seconds
         else:
             data_s += seconds
-    p, m = report.mesh.get("stage", 1), config.train.microbatches
-    bubble = (p - 1) / (m + p - 1)
-    step = max(compute, memory) / (1 - bubble) + (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
+    parallel = config.parallel
+    bubble = published_bubble(parallel.pipeline_schedule, report.mesh.get("stage", 1), config.train.microbatches,
+                              parallel.pipeline_chunks)
+    exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
+    step = max(compute, memory) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
     return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
-            "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
+            "exposed_comm_s": exposed, "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
             "mfu": model_flops / (peak * step)}
 
 
@@ -152,10 +155,9 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
             lines.append(f"{i:2d}  {p.layout.describe():58s} refused: {p.refused}")
             continue
         r = p.prediction
-        exposed = r["step_s"] - max(r["compute_s"], r["memory_s"]) / (1 - r["bubble"])
         lines.append(
             f"{i:2d}  {p.layout.describe():58s} {p.memory / 2**30:7.1f}Gi {'yes' if p.memory <= budget else 'no':>4s} "
-            f"{r['compute_s']:7.2f}s {exposed:6.2f}s {r['bubble']:6.1%} {r['step_s']:7.2f}s "
+            f"{r['compute_s']:7.2f}s {r['exposed_comm_s']:6.2f}s {r['bubble']:6.1%} {r['step_s']:7.2f}s "
             f"{r['tokens_per_s_per_device']:9,.0f} {r['mfu']:6.1%}"
         )
     lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from jaxpar.inspect import formulas
+from jaxpar.pipeline.schedule import published_bubble
 from jaxpar.plan.presets import Hardware
 
 REMATS = ("full", "none")
@@ -122,7 +123,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     devices = math.prod(L.axes.values())
     recompute = 4 / 3 if L.remat != "none" else 1.0
     compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-    bubble = (L.stage - 1) / (L.microbatches + L.stage - 1)
+    bubble = published_bubble("1f1b", L.stage, L.microbatches)
     across = L.host_split(hw.devices_per_host)
     bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731
     shard = psi_local / L.tensor
