@@ -1,10 +1,13 @@
-"""Single-GPU speed against a peer: a ~1.1B Llama in bf16, tokens/s and MFU for jaxpar and,
-side by side in the same run, the same model shape in PyTorch (Hugging Face transformers'
-LlamaForCausalLM, SDPA attention, torch.compile, autocast bf16 with float32 weights and a
-fused AdamW: the usual mixed-precision recipe, as jaxpar's float32 master weights).
+"""Single-GPU speed against a peer: a 0.9B Llama (16 layers of d=2048, 32k vocabulary) in
+bf16, tokens/s and MFU for jaxpar and, side by side in the same run, the same model shape in
+PyTorch (Hugging Face transformers' LlamaForCausalLM, SDPA attention, torch.compile,
+autocast bf16 with float32 weights and a fused AdamW: the usual mixed-precision recipe, as
+jaxpar's float32 master weights). jaxpar's attention is parallel.attention=auto, which is
+cuDNN's fused flash attention on GPUs.
 
   python benchmarks/mfu.py [--steps 20] [--warmup 5] [--out benchmarks/results/mfu.json]
   python benchmarks/mfu.py --tiny     # a toy shape, to check the script on a CPU
+  python benchmarks/mfu.py --target benchmarks/targets/h100.pbtxt   # compile only, for an H100, without a GPU
 
 Both sides train on the same shapes (batch x seq tokens of random ids), their step times
 are the median of `--steps` timed steps after `--warmup`, and MFU is the model FLOPs
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -37,20 +41,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--remat", default="none", help="jaxpar model.remat (none | full | dots | ...)")
     p.add_argument("--tiny", action="store_true", help="a toy shape and 2 x 64 tokens (CPU check)")
-    p.add_argument("--out", default="benchmarks/results/mfu.json")
+    p.add_argument("--target", help="GpuTargetConfig file: only compile jaxpar's step for that GPU (deviceless; needs "
+                   "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
+    p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     return p.parse_args()
+
+
+def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int):
+    from jaxpar.config import Config, TrainConfig
+    from models.llama import LlamaConfig
+
+    return Config(model=LlamaConfig(**shape, remat=remat),
+                  train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps))
 
 
 def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int) -> dict:
     import jax
 
-    from jaxpar.config import Config, TrainConfig
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
-    from models.llama import LlamaConfig
 
-    config = Config(model=LlamaConfig(**shape, remat=remat),
-                    train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps + warmup))
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer)
@@ -105,8 +116,57 @@ def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> d
             "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
+def compile_only(args) -> int:
+    """jaxpar's step compiled by XLA's GPU compiler for the GPU a target config describes."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # register the CUDA plugin without starting it
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    import re
+
+    import jax
+    from jax.experimental import topologies
+
+    from jaxpar.flops import peak_flops
+    from jaxpar.train import build
+
+    text = pathlib.Path(args.target).read_text()
+    device = topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology="1x1x1").devices[0]
+    hbm = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    config = jaxpar_config(SHAPE, args.batch, args.seq_len, args.remat, 1)
+    trainer = build(config, [device])
+    compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    memory = compiled.memory_analysis()
+    used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+    kernels = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
+    flops = config.model.flops_per_token(args.seq_len) * args.batch * args.seq_len
+    peak = peak_flops(device)
+    row = {"device": device.device_kind, "attention": trainer.layout.attention, "argument_bytes": memory.argument_size_in_bytes,
+           "temp_bytes": memory.temp_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+           "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels,
+           "model_flops_per_step": flops, "step_s_at_50_percent_mfu": flops / (0.5 * peak) if peak else None}
+    print(f"jaxpar step, Llama {config.model.param_count() / 1e9:.2f}B, batch {args.batch} x seq {args.seq_len}, bf16, "
+          f"remat {args.remat}: compiled (deviceless) for one {device.device_kind}")
+    print(f"  memory   {used / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.1f}, "
+          f"temporaries {memory.temp_size_in_bytes / 2**30:.1f}, outputs {memory.output_size_in_bytes / 2**30:.1f}, "
+          f"aliased {memory.alias_size_in_bytes / 2**30:.1f})")
+    print(f"  attention {trainer.layout.attention}; library calls: {', '.join(kernels) or 'none'}")
+    if peak:
+        print(f"  {flops / 1e12:.1f} model TFLOP per step: 50% MFU is {flops / (0.5 * peak) * 1e3:.0f} ms a step "
+              f"({args.batch * args.seq_len / (flops / (0.5 * peak)):,.0f} tokens/s)")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"compile_only": row, "shape": SHAPE, "batch": args.batch, "seq_len": args.seq_len,
+                               "remat": args.remat, "jax": jax.__version__}, indent=1))
+    print(f"wrote {out}")
+    return 0 if used <= hbm else 1
+
+
 def main() -> int:
     args = parse_args()
+    if args.target and args.tiny:
+        raise SystemExit("--target compiles the 0.9B shape for a GPU; --tiny is for CPU runs, drop one")
+    args.out = args.out or f"benchmarks/results/{'mfu_compile' if args.target else 'mfu'}.json"
+    if args.target:
+        return compile_only(args)
     import jax
 
     from jaxpar.flops import peak_flops

@@ -1,29 +1,39 @@
-"""The overlap report: compile the FSDP x TP (+SP) Llama step for a mock 8-GPU topology and
-read, from the scheduled HLO, the share of collective bytes that run asynchronously with
-computation between their start and done; once with XLA's defaults (compiler.preset=none)
-and once with the overlap preset (jaxpar.xla_options).
+"""The overlap report: compile the FSDP x TP (+SP) Llama step for 8 GPUs and read, from the
+scheduled HLO, the share of collective bytes that run asynchronously with computation between
+their start and done. Variants: XLA's defaults (compiler.preset=none), the overlap preset
+(jaxpar.xla_options), and each with the sequence-parallel gathers and scatters as collective
+matmuls (parallel.collective_matmul=ring).
 
-  python benchmarks/overlap.py [--topology 1x1x8] [--out benchmarks/results/overlap.json]
+  python benchmarks/overlap.py [--target benchmarks/targets/h100.pbtxt] [--out ...]
 
-Nothing runs: the step is compiled for the mock topology (`jax_mock_gpu_topology`), which
-needs one real GPU. Without a GPU the same step is compiled for 8 CPU devices, whose
-collectives are synchronous: the code path is exercised, but the CPU share is 0 by
-construction and says nothing about GPUs.
+Nothing runs; the step is only compiled, by XLA's GPU compiler, in one of three ways:
+  --target FILE   deviceless, for 8 GPUs described by a GpuTargetConfig (an H100 SXM is in
+                  benchmarks/targets/): needs the CUDA plugin (pip install 'jax[cuda13]'),
+                  not a GPU; the latency-hiding scheduler uses its analytical cost model
+  on a GPU        for the mock topology --topology (jax_mock_gpu_topology), which needs one
+                  real GPU
+  otherwise       for 8 CPU devices, whose collectives are synchronous: the code path runs,
+                  but the CPU share is 0 by construction and says nothing about GPUs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--topology", default="1x1x8", help="mock GPU topology, slices x hosts x devices (default 1x1x8)")
+    p.add_argument("--topology", default="1x1x8", help="GPU topology, slices x hosts x devices (default 1x1x8)")
+    p.add_argument("--target", help="GpuTargetConfig text file: compile for GPUs without one (deviceless)")
+    p.add_argument("--collective-matmul", default="none,ring,bidirectional",
+                   help="values of parallel.collective_matmul to compare")
     p.add_argument("--fsdp", type=int, default=4)
     p.add_argument("--tensor", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/overlap.json")
@@ -31,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_config():
-    """A 1.1B Llama in bf16 (the shape benchmarks/mfu.py trains), batch 16 x 2048."""
+    """The 0.9B Llama of benchmarks/mfu.py in bf16, batch 16 x 2048."""
     from jaxpar.config import Config, TrainConfig
     from models.llama import LlamaConfig
 
@@ -56,37 +66,60 @@ def report(trainer) -> dict:
     return {"by_kind": by_kind, "bytes": total, "overlapped_share": overlapped / total if total else 0.0}
 
 
-def main() -> int:
-    args = parse_args()
+def devices_for(args):
+    """The devices to compile for, and how they were found."""
     import jax
 
+    if args.target:
+        from jax.experimental import topologies
+
+        text = pathlib.Path(args.target).read_text()
+        topology = topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology=args.topology)
+        return topology.devices, f"deviceless compile for {args.topology} x {topology.devices[0].device_kind}"
     # Both before the backends start: the mock topology shapes a GPU backend, the device
     # count a CPU one; whichever backend JAX picks reads its own.
     jax.config.update("jax_mock_gpu_topology", args.topology)
     jax.config.update("jax_num_cpu_devices", args.fsdp * args.tensor)
+    devices = jax.devices()
+    if devices[0].platform == "gpu":
+        return devices, f"mock topology {args.topology} on {devices[0].device_kind}"
+    return devices, "no GPU: CPU devices, synchronous collectives (0% by construction); see --target"
+
+
+def main() -> int:
+    args = parse_args()
+    if args.target:
+        # The CUDA plugin registers without a GPU only if it neither starts a CUDA backend
+        # nor checks the runtime libraries against a driver that is not there.
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     import dataclasses
+
+    import jax
 
     from jaxpar.config import apply_overrides
     from jaxpar.train import build
 
-    devices = jax.devices()
-    gpu = devices[0].platform == "gpu"
+    devices, how = devices_for(args)
     base = model_config()
     sets = ["mesh.data=1", f"mesh.fsdp={args.fsdp}", f"mesh.tensor={args.tensor}", "parallel.sequence_parallel=true"]
-    results = {"platform": devices[0].platform, "devices": len(devices), "device_kind": devices[0].device_kind,
-               "jax": jax.__version__, "layout": sets, "model": dataclasses.asdict(base.model), "presets": {}}
-    print(f"{len(devices)} {devices[0].platform} devices ({'mock topology ' + args.topology if gpu else 'no GPU: CPU'}); "
-          f"{' '.join(sets)}")
-    print(f"{'preset':8s} {'kind':20s} {'count':>5s} {'MiB/step':>10s} {'async':>7s} {'overlapped':>10s}")
-    for preset in ("none", "overlap"):
-        trainer = build(apply_overrides(base, sets + [f"compiler.preset={preset}"]), devices)
-        found = report(trainer)
-        results["presets"][preset] = {**found, "options": trainer.compiler_options}
-        for kind, row in sorted(found["by_kind"].items()):
-            b = row["bytes"] or 1
-            print(f"{preset:8s} {kind:20s} {row['count']:5d} {row['bytes'] / 2**20:10.1f} "
-                  f"{row['async_bytes'] / b:7.1%} {row['overlapped_bytes'] / b:10.1%}")
-        print(f"{preset:8s} {'all':20s} {'':5s} {found['bytes'] / 2**20:10.1f} {'':7s} {found['overlapped_share']:10.1%}")
+    results = {"how": how, "platform": devices[0].platform, "devices": len(devices), "device_kind": devices[0].device_kind,
+               "jax": jax.__version__, "layout": sets, "model": dataclasses.asdict(base.model), "variants": {}}
+    print(f"{len(devices)} devices: {how}; {' '.join(sets)}")
+    print(f"{'preset':8s} {'coll. matmul':12s} {'kind':20s} {'count':>5s} {'MiB/step':>10s} {'async':>7s} {'overlapped':>10s}")
+    for matmul in args.collective_matmul.split(","):
+        for preset in ("none", "overlap"):
+            start = time.perf_counter()
+            trainer = build(apply_overrides(base, sets + [f"compiler.preset={preset}", f"parallel.collective_matmul={matmul}"]), devices)
+            found = report(trainer)
+            found["compile_s"] = time.perf_counter() - start
+            results["variants"][f"preset={preset},collective_matmul={matmul}"] = {**found, "options": trainer.compiler_options}
+            for kind, row in sorted(found["by_kind"].items()):
+                b = row["bytes"] or 1
+                print(f"{preset:8s} {matmul:12s} {kind:20s} {row['count']:5d} {row['bytes'] / 2**20:10.1f} "
+                      f"{row['async_bytes'] / b:7.1%} {row['overlapped_bytes'] / b:10.1%}")
+            print(f"{preset:8s} {matmul:12s} {'all':20s} {'':5s} {found['bytes'] / 2**20:10.1f} {'':7s} "
+                  f"{found['overlapped_share']:10.1%}", flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))

@@ -20,6 +20,10 @@ ModelConfig = Union[LlamaConfig, MoEConfig, MLPConfig]
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     sequence_parallel: bool = False
+    # Under sequence parallelism, run each column projection's all-gather and each row
+    # projection's reduce-scatter as a collective matmul whose ppermute ring steps overlap
+    # partial matmuls (jaxpar.sharding.projections): none | ring | bidirectional.
+    collective_matmul: str = "none"
     # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
     # 2 + gradients, 3 + parameters (jaxpar.train.zero).
     zero_stage: int = 0
@@ -43,6 +47,12 @@ class ParallelConfig:
     context_layout: str = "zigzag"
     attention_block: int = 512
     attention_kernel: str = "jax"
+    # Attention over an unsharded sequence (mesh.context=1): reference (scores materialized,
+    # softmax in float32), flash (jaxpar's blockwise kernel, attention_block tiles, the jax
+    # block forward), cudnn (cuDNN's fused flash attention: CUDA GPUs of compute capability
+    # 8.0 or more, no packed documents, bf16/fp16), or auto (cudnn where it applies, else
+    # reference).
+    attention: str = "auto"
     # How dropless MoE routing sends each expert device its rows: ragged
     # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
     # or auto (ragged on GPUs, padded elsewhere).

@@ -21,10 +21,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import scan_layers, stack_layers
-from jaxpar.sharding import attend, compute_value, constrain
+from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
+from jaxpar.sharding.projections import GATHERED, SCATTERED
 
-RESIDUAL = ("batch", "norm_seq", "embed")  # norm/residual region: Megatron-SP shards the sequence
-HIDDEN = ("batch", "seq", "embed")  # inputs of column-parallel matmuls: full sequence
+RESIDUAL = SCATTERED  # ("batch", "norm_seq", "embed"): norm/residual region, Megatron-SP shards the sequence
+HIDDEN = GATHERED  # ("batch", "seq", "embed"): inputs of column-parallel matmuls, the full sequence
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
+MLP_NAMES = ("batch", "seq", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +108,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
-        x_BSD = constrain(x_BSD, HIDDEN)  # SP: all-gather the sequence here
-        q = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wq)), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wk)), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, compute_value(self.wv)), ("batch", "seq", "kv_heads", "head_dim"))
+        # Column-parallel (SP: the sequence is all-gathered on the way in, once for all three).
+        weights = [compute_value(self.wq), compute_value(self.wk), compute_value(self.wv)]
+        q, k, v = column_project(x_BSD, weights, [Q_NAMES, KV_NAMES, KV_NAMES])
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
         o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        out = jnp.einsum("bshk,hkd->bsd", o, compute_value(self.wo))
-        return constrain(out, RESIDUAL)  # SP: reduce-scatter; otherwise all-reduce
+        o = constrain(o, Q_NAMES)
+        return row_project(o, compute_value(self.wo), Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce
 
 
 class MLP(nnx.Module):
@@ -126,12 +128,10 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f)
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        x_BSD = constrain(x_BSD, HIDDEN)
-        gate = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_gate))
-        up = jnp.einsum("bsd,df->bsf", x_BSD, compute_value(self.w_up))
+        gate, up = column_project(x_BSD, [compute_value(self.w_gate), compute_value(self.w_up)], [MLP_NAMES] * 2)
         gate, up = checkpoint_name(gate, "mlp_hidden"), checkpoint_name(up, "mlp_hidden")
-        h_BSF = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return constrain(jnp.einsum("bsf,fd->bsd", h_BSF, compute_value(self.w_down)), RESIDUAL)
+        h_BSF = constrain(jax.nn.silu(gate) * up, MLP_NAMES)
+        return row_project(h_BSF, compute_value(self.w_down), MLP_NAMES)
 
 
 class Block(nnx.Module):
@@ -189,9 +189,7 @@ class Llama(nnx.Module):
         return out if isinstance(out, tuple) else (out, None)
 
     def logits(self, x: jax.Array, table: jax.Array) -> jax.Array:
-        x = constrain(self.final_norm(x), HIDDEN)
+        names = ("batch", "seq", "vocab")
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bsd,vd->bsv", x, table) * self.cfg.embed**-0.5
-        else:
-            logits = jnp.einsum("bsd,dv->bsv", x, compute_value(self.head))
-        return constrain(logits, ("batch", "seq", "vocab"))
+            return column_project(self.final_norm(x), [table.T], [names])[0] * self.cfg.embed**-0.5
+        return column_project(self.final_norm(x), [compute_value(self.head)], [names])[0]

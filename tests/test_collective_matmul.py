@@ -19,6 +19,7 @@ from jaxpar.kernels.collective_matmul import (
     OPS,
     allgather_matmul,
     allgather_matmul_reference,
+    allgather_matmuls,
     column_parallel,
     column_parallel_reference,
     matmul_reducescatter,
@@ -271,3 +272,78 @@ def test_kernel_checks_the_local_sequence():
     )
     with pytest.raises(ValueError, match=r"y.shape\[-2\]=6 \(the sequence\) is not divisible by the size 4"):
         body(jnp.zeros((6, 8)), jnp.zeros((8, 4)))
+
+
+# ---------------------------------------------------------------- several weights, and the model
+
+
+def test_one_ring_feeds_several_weights():
+    """allgather_matmuls: x travels the ring once (n-1 permutes, not n-1 per weight) and each
+    output equals all_gather(x) @ w, values and gradients."""
+    n, mesh = 4, tensor_mesh(4)
+    rng = np.random.default_rng(3)
+    x = normal(rng, (2, 16, 8))
+    ws = [normal(rng, (8, f), scale=8**-0.5) for f in (8, 16, 4)]
+
+    def sharded(x, *ws):
+        body = jax.shard_map(
+            lambda x, *ws: tuple(allgather_matmuls(x, ws, "tensor")),
+            mesh=mesh,
+            in_specs=(P(None, "tensor"), *[P(None, "tensor")] * len(ws)),
+            out_specs=tuple(P(None, None, "tensor") for _ in ws),
+        )
+        return body(x, *ws)
+
+    loss = lambda f: lambda x, *ws: sum(jnp.sum(jnp.sin(o)) for o in f(x, *ws))
+    got = jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3))(x, *ws)
+    want = jax.value_and_grad(loss(lambda x, *ws: [x @ w for w in ws]), argnums=(0, 1, 2, 3))(x, *ws)
+    assert tree_error(got, want) < RTOL
+    text = jax.jit(sharded).lower(x, *ws).compile().as_text()
+    assert [c.kind for c in collectives(text, mesh)] == ["collective-permute"] * (n - 1)
+
+
+@pytest.mark.parametrize("impl", ["ring", "bidirectional"])
+def test_model_projections_become_rings(impl):
+    """parallel.collective_matmul: the Llama step's sequence-parallel gathers and scatters
+    over tensor become collective-permutes. What stays (under a fifth of the plain step's
+    gather and scatter bytes) is the embedding's: its lookup takes the whole sequence."""
+    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.train import build
+    from models.llama import LlamaConfig
+
+    config = Config(
+        model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),
+        train=TrainConfig(global_batch=16, seq_len=16, compute_dtype="float32"),
+    )
+    layout = ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true"]
+
+    def over_tensor(value: str) -> dict[str, int]:
+        trainer = build(apply_overrides(config, layout + [f"parallel.collective_matmul={value}"]))
+        text = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
+        out: dict[str, int] = {}
+        for c in collectives(text, trainer.mesh):
+            if c.axes == ("tensor",):
+                out[c.kind] = out.get(c.kind, 0) + c.bytes_per_step
+        return out
+
+    plain, rings = over_tensor("none"), over_tensor(impl)
+    moved = lambda found: found.get("all-gather", 0) + found.get("reduce-scatter", 0)
+    assert "collective-permute" not in plain and rings["collective-permute"] > 0
+    assert moved(rings) < 0.2 * moved(plain), (plain, rings)
+
+
+def test_rules_that_move_the_megatron_layout_are_refused():
+    """Custom compute rules that leave the MLP unsharded give the ring nothing to split."""
+    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.train import build
+    from models.llama import LlamaConfig
+
+    config = Config(
+        model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),
+        train=TrainConfig(global_batch=16, seq_len=16, compute_dtype="float32"),
+    )
+    sets = ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true", "parallel.collective_matmul=ring",
+            "parallel.compute_rules=mlp="]
+    trainer = build(apply_overrides(config, sets))
+    with pytest.raises(ValueError, match=r"parallel.collective_matmul: \('batch', 'seq', 'mlp'\) is laid out as"):
+        trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch())

@@ -1,4 +1,6 @@
-"""Every combination of DP, FSDP, TP and SP on 8 CPU devices equals the single-device run.
+"""Every combination of DP, FSDP, TP and SP on 8 CPU devices equals the single-device run,
+and so do three with collective matmul (ring and bidirectional, one beside context
+parallelism).
 
 Tolerance (fp32): losses and first-step gradients within 1e-5 relative (normwise per
 parameter), parameters after three AdamW steps within 1e-5. Measured errors are ~1e-6:
@@ -29,6 +31,12 @@ LAYOUTS = {
     "dp_fsdp_tp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "dp_fsdp_tp_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP],
     "dp_fsdp_tp_sp_two_hosts": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2"],
+    # Collective matmul (jaxpar.sharding.projections): the SP gathers and scatters as ppermute rings.
+    "tp_sp_collective_ring": ["mesh.data=1", "mesh.tensor=8", SP, "parallel.collective_matmul=ring"],
+    "dp_fsdp_tp_sp_collective_bidirectional": [
+        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.collective_matmul=bidirectional"],
+    "context_fsdp_tp_sp_collective_ring": [
+        "mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.collective_matmul=ring"],
 }
 
 @pytest.fixture
@@ -45,12 +53,15 @@ def test_layout_equals_single_device(mha, reference, name):
     check(compare(run, reference(mha)), RTOL, where=name)
 
 
-def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
-    """Grouped-query attention (4 heads, 2 KV heads), tied embeddings, full remat and
-    gradient accumulation over 2 microbatches, against one device taking the whole batch."""
+@pytest.mark.parametrize("collective_matmul", ["none", "ring"])
+def test_gqa_tied_remat_and_microbatches(tiny_llama, reference, collective_matmul):
+    """Grouped-query attention (4 heads, 2 KV heads), tied embeddings (the head is the
+    transposed table, a column projection too), full remat and gradient accumulation over 2
+    microbatches, against one device taking the whole batch."""
     config = dataclasses.replace(
         tiny_llama,
         model=dataclasses.replace(tiny_llama.model, num_kv_heads=2, tie_embeddings=True, remat="full"),
     )
-    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2"]))
-    check(compare(run, reference(config)), RTOL, where="gqa+tied+remat+microbatches")
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2"]
+    run = run_layout(apply_overrides(config, layout + [f"parallel.collective_matmul={collective_matmul}"]))
+    check(compare(run, reference(config)), RTOL, where=f"gqa+tied+remat+microbatches, collective_matmul={collective_matmul}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.sharding.rules import parse_table
+from models.llama import LlamaConfig
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -24,6 +25,42 @@ def pallas_needs_gpu(config, platform: str) -> None:
             f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {platform}; "
             "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
         )
+
+
+def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
+    """Why cuDNN's fused attention cannot run this config (on `device`, when given), or None
+    if it can (auto picks it then)."""
+    model, dtype = config.model, config.train.compute_dtype
+    if platform != "gpu":
+        return f"cuDNN attention runs on GPUs, but the devices are {platform}"
+    if device is not None:
+        capability = getattr(device, "compute_capability", None)
+        rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+        if rocm or capability is None or float(capability) < 8.0:
+            return f"cuDNN attention needs a CUDA GPU of compute capability 8.0 or more, not {device.device_kind}"
+    if not isinstance(model, LlamaConfig):
+        return f"{type(model).__name__} has no attention"
+    if config.data.eos_id >= 0:
+        return f"data.eos_id={config.data.eos_id} packs documents, whose segment ids cuDNN attention does not take"
+    if dtype not in ("bfloat16", "float16"):
+        return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
+    if model.head_dim % 8 or model.head_dim > 128:
+        return f"model.head_dim={model.head_dim}: cuDNN attention takes head dims that are multiples of 8 up to 128"
+    return None
+
+
+@rule(
+    "cudnn-attention-applies",
+    fields=["parallel.attention", "train.compute_dtype", "data.eos_id", "model.head_dim"],
+    summary="attention=cudnn needs GPUs, a Llama-family model, no packed documents, bf16/fp16 and head dims that "
+    "are multiples of 8 up to 128.",
+    example=["parallel.attention=cudnn"],
+    needs="platform",
+)
+def cudnn_attention_applies(config, platform: str) -> None:
+    problem = cudnn_attention_problem(config, platform) if config.parallel.attention == "cudnn" else None
+    if problem:
+        raise ConfigError(f"parallel.attention=cudnn: {problem}; use parallel.attention=flash or reference (or auto)")
 
 
 @rule(

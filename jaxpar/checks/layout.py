@@ -10,11 +10,13 @@ from jaxpar.kernels.attention.blocks import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
+from jaxpar.sharding.projections import COLLECTIVE_MATMULS
 from models.llama import LlamaConfig
 
 RULES: list[Rule] = []
 rule = collector(RULES)
 
+ATTENTIONS = ("auto", "reference", "flash", "cudnn")
 TENSOR_SHARDED = ("num_heads", "num_kv_heads", "vocab_size", "mlp")
 
 
@@ -59,6 +61,65 @@ def seq_divides_context_tensor(config, sizes) -> None:
         raise ConfigError(
             f"train.seq_len={config.train.seq_len} is not divisible by context x tensor = {seq_ways} "
             f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
+        )
+
+
+@rule(
+    "collective-matmul",
+    fields=["parallel.collective_matmul"],
+    summary="Collective matmul is none, ring or bidirectional.",
+    example=["parallel.collective_matmul=windowed"],
+)
+def collective_matmul(config, sizes) -> None:
+    value = config.parallel.collective_matmul
+    if value not in COLLECTIVE_MATMULS:
+        raise ConfigError(f"parallel.collective_matmul={value!r}; use one of {', '.join(COLLECTIVE_MATMULS)}")
+
+
+@rule(
+    "collective-matmul-needs-sequence-parallel",
+    fields=["parallel.collective_matmul", "parallel.sequence_parallel", "mesh.tensor", "model"],
+    summary="Collective matmul passes sequence chunks round mesh.tensor: a Llama-family model with "
+    "sequence_parallel=true and mesh.tensor > 1.",
+    example=["parallel.collective_matmul=ring"],
+    also=[["parallel.collective_matmul=ring", "parallel.sequence_parallel=true"]],
+)
+def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
+    value, t = config.parallel.collective_matmul, sizes["tensor"]
+    if value == "none":
+        return
+    where = f"parallel.collective_matmul={value}"
+    if not isinstance(config.model, LlamaConfig):
+        raise ConfigError(f"{where}: {type(config.model).__name__} has no sequence to pass round; use it with llama or "
+                          "moe models, or set parallel.collective_matmul=none")
+    if not config.parallel.sequence_parallel:
+        raise ConfigError(f"{where} overlaps the sequence-parallel all-gather and reduce-scatter, but "
+                          "parallel.sequence_parallel=false; set parallel.sequence_parallel=true, or "
+                          "parallel.collective_matmul=none")
+    if t == 1:
+        raise ConfigError(f"{where} needs a ring, but mesh.tensor=1; use mesh.tensor > 1, or "
+                          "parallel.collective_matmul=none")
+
+
+@rule(
+    "attention",
+    fields=["parallel.attention", "mesh.context"],
+    summary="Attention over an unsharded sequence is auto, reference, flash or cudnn; with mesh.context > 1 the "
+    "context-parallel kernels run instead, so it stays auto.",
+    example=["parallel.attention=sdpa"],
+    also=[["mesh.context=2", "parallel.attention=flash"]],
+)
+def attention(config, sizes) -> None:
+    value = config.parallel.attention
+    if value not in ATTENTIONS:
+        raise ConfigError(f"parallel.attention={value!r}; use one of {', '.join(ATTENTIONS)}")
+    if value != "auto" and not isinstance(config.model, LlamaConfig):
+        raise ConfigError(f"parallel.attention={value}: {type(config.model).__name__} has no attention; "
+                          "set parallel.attention=auto")
+    if value != "auto" and sizes["context"] > 1:
+        raise ConfigError(
+            f"parallel.attention={value} with mesh.context={sizes['context']}: a sharded sequence runs the "
+            "context-parallel kernels (parallel.context_impl, attention_kernel); set parallel.attention=auto"
         )
 
 
@@ -121,7 +182,8 @@ def attention_kernel_needs_context(config, sizes) -> None:
     if kernel != "jax" and sizes["context"] == 1:
         raise ConfigError(
             f"parallel.attention_kernel={kernel} is the block kernel of context-parallel attention, "
-            "but mesh.context=1 runs plain attention; set mesh.context>1 or parallel.attention_kernel=jax"
+            "but mesh.context=1 runs parallel.attention (whose flash kernel uses the jax block forward); set "
+            "mesh.context>1 or parallel.attention_kernel=jax"
         )
 
 
@@ -166,13 +228,21 @@ def _tiles(config, c: int) -> tuple[int, int]:
 @rule(
     "attention-tiles-not-tiny",
     fields=["parallel.attention_block", "train.seq_len", "mesh.context"],
-    summary="The sequence's chunks split into attention tiles of at least a quarter of attention_block (or of "
-    "the chunk).",
+    summary="The sequence's chunks (the whole sequence for attention=flash) split into attention tiles of at least "
+    "a quarter of attention_block (or of the chunk).",
     example=["mesh.context=2", "train.seq_len=68", "parallel.attention_block=16"],
+    also=[["parallel.attention=flash", "train.seq_len=67", "parallel.attention_block=16"]],
 )
 def attention_tiles_not_tiny(config, sizes) -> None:
     c, s, block = sizes["context"], config.train.seq_len, config.parallel.attention_block
     if c == 1:
+        used = tile(s, block)
+        if config.parallel.attention == "flash" and used < min(block, s) // 4:
+            unit = 1 << (block.bit_length() - 1)
+            raise ConfigError(
+                f"parallel.attention=flash with parallel.attention_block={block}: train.seq_len={s} splits only into "
+                f"tiles of {used}; use a train.seq_len that is a multiple of {unit}, e.g. {max(unit, s // unit * unit)}"
+            )
         return
     chunk, used = _tiles(config, c)
     if used < min(block, chunk) // 4:

@@ -204,6 +204,37 @@ def pipeline_without_context_or_experts(config, sizes) -> None:
 
 
 @rule(
+    "pipeline-without-collective-matmul",
+    fields=["mesh.stage", "parallel.collective_matmul"],
+    summary="Collective matmul is not run inside pipeline stages (XLA's partitioner aborts on it there).",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+             "parallel.collective_matmul=ring"],
+)
+def pipeline_without_collective_matmul(config, sizes) -> None:
+    p, value = sizes["stage"], config.parallel.collective_matmul
+    if p > 1 and value != "none":
+        raise ConfigError(
+            f"parallel.collective_matmul={value} with mesh.stage={p}: inside pipeline stages XLA's SPMD partitioner "
+            "aborts on the collective matmul's shard_map (jaxlib 0.12); set parallel.collective_matmul=none there"
+        )
+
+
+@rule(
+    "pipeline-without-cudnn-attention",
+    fields=["mesh.stage", "parallel.attention"],
+    summary="cuDNN attention does not compile inside pipeline stages (its custom partitioning fails there).",
+    example=["mesh.stage=2", "train.microbatches=2", "parallel.attention=cudnn"],
+)
+def pipeline_without_cudnn_attention(config, sizes) -> None:
+    p = sizes["stage"]
+    if p > 1 and config.parallel.attention == "cudnn":
+        raise ConfigError(
+            f"parallel.attention=cudnn with mesh.stage={p}: cuDNN attention's custom partitioning fails inside the "
+            "pipeline's shard_map (jaxlib 0.12); use parallel.attention=flash or auto (which picks reference there)"
+        )
+
+
+@rule(
     "pipeline-zero-stage",
     fields=["parallel.zero_stage", "mesh.stage"],
     summary="A pipeline reduces its gradients once per step, so ZeRO-2/3 would only add traffic: zero_stage <= 1.",

@@ -107,17 +107,24 @@ def allgather_matmul(x: jax.Array, w: jax.Array, axis: str, *, bidirectional: bo
     Inside a shard_map over `axis` (size n). Local x [..., S/n, D] (this device's sequence
     chunk), local w [D, F/n] -> local [..., S, F/n]: X[.., S@axis, D] @ W[D, F@axis].
     """
-    _check_local("allgather_matmul", x, w, "x")
+    return allgather_matmuls(x, [w], axis, bidirectional=bidirectional)[0]
+
+
+def allgather_matmuls(x: jax.Array, ws: Sequence[jax.Array], axis: str, *, bidirectional: bool = False) -> list[jax.Array]:
+    """[all_gather(x) @ w for w in ws] with one ring: each chunk of x travels once and meets
+    every w when it arrives (a fused QKV or gate/up projection gathers its input once)."""
+    for w in ws:
+        _check_local("allgather_matmul", x, w, "x")
     n = jax.lax.axis_size(axis)
     if n == 1:
-        return x @ w
+        return [x @ w for w in ws]
     rank = jax.lax.axis_index(axis)
     right, left = _hops(n, bidirectional)
     c, seq = x.shape[-2], x.ndim - 2
-    out = jnp.zeros((*x.shape[:-2], n * c, w.shape[1]), jnp.result_type(x, w))
+    outs = [jnp.zeros((*x.shape[:-2], n * c, w.shape[1]), jnp.result_type(x, w)) for w in ws]
 
-    def put(out, chunk, index):
-        return jax.lax.dynamic_update_slice_in_dim(out, chunk @ w, index * c, axis=seq)
+    def put(outs, chunk, index):
+        return [jax.lax.dynamic_update_slice_in_dim(out, chunk @ w, index * c, axis=seq) for out, w in zip(outs, ws)]
 
     rightward = leftward = x  # both start as this device's own chunk
     for i in range(right + 1):
@@ -125,11 +132,11 @@ def allgather_matmul(x: jax.Array, w: jax.Array, axis: str, *, bidirectional: bo
         # independent, so the transfer can run under this step's matmul.
         next_right = jax.lax.ppermute(rightward, axis, _to_right(n)) if i < right else None
         next_left = jax.lax.ppermute(leftward, axis, _to_left(n)) if i < left else None
-        out = put(out, rightward, (rank - i) % n)
+        outs = put(outs, rightward, (rank - i) % n)
         if 1 <= i <= left:
-            out = put(out, leftward, (rank + i) % n)
+            outs = put(outs, leftward, (rank + i) % n)
         rightward, leftward = next_right, next_left
-    return out
+    return outs
 
 
 def matmul_reducescatter(y: jax.Array, w: jax.Array, axis: str, *, bidirectional: bool = False) -> jax.Array:
@@ -156,18 +163,26 @@ def matmul_reducescatter(y: jax.Array, w: jax.Array, axis: str, *, bidirectional
     def part(index):
         return jax.lax.dynamic_slice_in_dim(y, index * c, c, axis=seq) @ w
 
+    def add(index, *arrived):
+        # The matmul does not wait for the arriving sums; only the addition does. The barrier
+        # keeps XLA from fusing the addition into the matmul as its epilogue, which would
+        # make the matmul wait for the transfer and serialize the two.
+        if not arrived:
+            return part(index)
+        mine, *arrived = jax.lax.optimization_barrier((part(index), *arrived))
+        return sum(arrived, mine)
+
     rightward = leftward = None  # the running sums this device last added to
     for i in range(right):
-        # The matmul does not wait for the arriving sum; only the addition does.
-        arrived = None if rightward is None else jax.lax.ppermute(rightward, axis, _to_right(n))
-        rightward = part((rank + right - i) % n) + (0 if arrived is None else arrived)
+        arrived = () if rightward is None else (jax.lax.ppermute(rightward, axis, _to_right(n)),)
+        rightward = add((rank + right - i) % n, *arrived)
         if i < left:
-            arrived = None if leftward is None else jax.lax.ppermute(leftward, axis, _to_left(n))
-            leftward = part((rank - left + i) % n) + (0 if arrived is None else arrived)
-    out = part(rank) + jax.lax.ppermute(rightward, axis, _to_right(n))
+            arrived = () if leftward is None else (jax.lax.ppermute(leftward, axis, _to_left(n)),)
+            leftward = add((rank - left + i) % n, *arrived)
+    arrived = [jax.lax.ppermute(rightward, axis, _to_right(n))]
     if left:
-        out = out + jax.lax.ppermute(leftward, axis, _to_left(n))
-    return out
+        arrived.append(jax.lax.ppermute(leftward, axis, _to_left(n)))
+    return add(rank, *arrived)
 
 
 def allgather_matmul_reference(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:

@@ -101,8 +101,11 @@ def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, 
     from jaxpar.train import build
 
     base = Config(model=model, train=TrainConfig(global_batch=global_batch, seq_len=seq_len, compute_dtype="bfloat16"))
+    # GPUs run cuDNN's fused attention (parallel.attention=auto), which the CPU compiler lacks;
+    # jaxpar's blockwise kernel stands in, with memory of the same order (no S x S scores).
+    stand_in = ["parallel.attention=flash"] if planned.layout.context == 1 else []
     try:
-        trainer = build(apply_overrides(base, planned.overrides + ["compiler.preset=none"]), devices)
+        trainer = build(apply_overrides(base, planned.overrides + stand_in + ["compiler.preset=none"]), devices)
         report = inspect_step(trainer)
     except (ConfigError, ValueError) as e:
         planned.refused = str(e).split("\n")[0]

@@ -77,6 +77,9 @@ class Layout:
     expert_exchange: how dropless MoE routing moves rows (jaxpar.kernels.experts.exchange).
     replica_axis: set inside the per-replica vmap (jaxpar.train.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
+    collective_matmul: none | ring | bidirectional; how the tensor-parallel projections run
+    their sequence all-gather and reduce-scatter (jaxpar.sharding.projections).
+    attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
     """
 
     mesh: Mesh
@@ -85,6 +88,8 @@ class Layout:
     context: ContextAttention = ContextAttention()
     expert_exchange: str = "padded"
     replica_axis: str | None = None
+    collective_matmul: str = "none"
+    attention: str = "reference"
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))

@@ -1,5 +1,7 @@
-"""The attention call models make: plain attention, or a context-parallel kernel when the
-active layout shards the sequence ("seq") over mesh axes.
+"""The attention call models make: a context-parallel kernel when the active layout shards
+the sequence ("seq") over mesh axes; otherwise the layout's `attention`: reference (scores
+materialized, softmax in float32), flash (jaxpar's blockwise kernel, O(S x block) memory) or
+cudnn (cuDNN's fused flash attention through jax.nn.dot_product_attention, GPUs).
 
 Like `constrain` and `compute_value`, `attend` reads the layout entered around tracing, so a
 model names no mesh and holds no collective. The sequence it sees is laid out as
@@ -12,8 +14,9 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
-from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, reference_attention
+from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, flash_attention, reference_attention
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout
 
@@ -46,6 +49,15 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
 def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True) -> jax.Array:
     """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart."""
     layout = active_layout()
-    if layout is None or sequence_degree(layout) == 1:
-        return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal)
-    return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal))
+    if layout is not None and sequence_degree(layout) > 1:
+        return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal))
+    impl = "reference" if layout is None else layout.attention
+    if impl == "cudnn":
+        if segment_ids is not None:  # refused before compile (jaxpar.checks); a caller's own call lands here
+            raise ValueError("attend: attention=cudnn does not take segment_ids (packed sequences); use flash")
+        return jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=causal, implementation="cudnn")
+    if impl == "flash":
+        index = jnp.arange(q_BSHK.shape[1])
+        masking = Masking(causal, layout.context.block, layout.context.block, layout.context.kernel)
+        return flash_attention(q_BSHK, k_BSGK, v_BSGK, index, index, segment_ids, segment_ids, masking)
+    return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal)

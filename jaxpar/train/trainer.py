@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.config import Config, validate
 from jaxpar.data.batch import FIELDS, batch_kind, batch_shapes
 from jaxpar.mesh import make_mesh
@@ -129,6 +130,8 @@ def build(
         ),
         ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
         expert_exchange=exchange,
+        collective_matmul=parallel.collective_matmul,
+        attention=_attention(config, devices[0], mesh.shape["context"], mesh.shape["stage"]),
     )
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
@@ -373,6 +376,18 @@ def build(
         pipeline=program,
         compiler_options=options,
     )
+
+
+def _attention(config: Config, device: jax.Device, context: int = 1, stage: int = 1) -> str:
+    """parallel.attention with auto resolved: cuDNN's fused attention where it applies (a
+    sharded sequence runs the context-parallel kernels instead, and needs no choice). Not
+    inside pipeline stages: cuDNN attention's custom partitioning fails in their shard_map
+    (jaxlib 0.12, compiled for H100s)."""
+    choice = config.parallel.attention
+    if choice != "auto" or context > 1:
+        return choice if context == 1 else "reference"
+    usable = stage == 1 and cudnn_attention_problem(config, device.platform, device) is None
+    return "cudnn" if usable else "reference"
 
 
 def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State) -> optax.GradientTransformation:

@@ -1,0 +1,129 @@
+"""The two projections of Megatron tensor parallelism, as models call them.
+
+  column   x [B, S, D] @ w [D, *F] -> [B, S, *F], the first feature dimension sharded over
+           `tensor` (QKV, gate/up, the vocabulary head)
+  row      y [B, S, *F] @ w [*F, D] -> [B, S, D], contracting the `tensor`-sharded features
+           (attention output, down projection)
+
+Under sequence parallelism the sequence is sharded over `tensor` outside these projections
+("norm_seq"), so the column projection's input is all-gathered first and the row projection's
+partial sums are reduce-scattered after. By default the partitioner places those collectives
+from the sharding constraints, and they run before and after the matmul. With
+`Layout.collective_matmul` set ("ring" or "bidirectional"), the pair runs instead as one
+shard_map collective matmul (jaxpar.kernels.collective_matmul), whose ring steps overlap the
+transfers with partial matmuls. A column projection with several weights (QKV, gate/up)
+gathers its input once.
+
+Like `constrain`, these read the layout entered around tracing: a model names no mesh and
+holds no collective. Without a layout they are plain tensordots.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
+from jaxpar.kernels.quantized import entries
+from jaxpar.sharding.annotate import Layout, active_layout, constrain, mesh_here
+
+COLLECTIVE_MATMULS = ("none", "ring", "bidirectional")
+AXIS = "tensor"
+GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
+SCATTERED = ("batch", "norm_seq", "embed")  # where sequence parallelism keeps it
+
+Names = Sequence[str | None]
+
+
+def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Sequence[Names]) -> list[jax.Array]:
+    """[x @ w laid out as names for w, names in zip(weights, out_names)]; x arrives in the
+    residual layout (SCATTERED) and each w as `compute_value` gives it."""
+    layout = active_layout()
+    if not _collective(layout):
+        # SP: the partitioner all-gathers the sequence here. Pinning the scattered layout
+        # first keeps the gather after the norm's cast to the compute dtype; otherwise it
+        # may gather the float32 norm output and cast after (twice the bytes).
+        x_BSD = constrain(constrain(x_BSD, SCATTERED), GATHERED)
+        return [constrain(jnp.tensordot(x_BSD, w, axes=1), names) for w, names in zip(weights, out_names)]
+    x_spec = _spec(layout, SCATTERED)
+    gathered = _spec(layout, GATHERED)
+    out_specs = [_spec(layout, names) for names in out_names]
+    for names, spec in zip(out_names, out_specs):
+        _expect(spec[:2] == gathered[:2] and spec[2] == AXIS and not any(spec[3:]), names, spec,
+                "batch and sequence as the gathered input, the first feature dimension over tensor, no other")
+    _expect(_without_tensor(x_spec[1]) == gathered[1] and entries(x_spec, 3)[1][-1:] == (AXIS,)
+            and x_spec[2] is None and x_spec[0] == gathered[0], SCATTERED, x_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
+    bidirectional = layout.collective_matmul == "bidirectional"
+
+    def body(x, *ws):
+        flat = [w.reshape(w.shape[0], -1) for w in ws]  # [D, F/n, ...] -> [D, F/n * ...]
+        outs = allgather_matmuls(x, flat, AXIS, bidirectional=bidirectional)
+        return tuple(out.reshape(*out.shape[:-1], *w.shape[1:]) for out, w in zip(outs, ws))
+
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh_here(layout.mesh),
+        in_specs=(x_spec, *(P(None, *spec[2:]) for spec in out_specs)),
+        out_specs=tuple(out_specs),
+    )
+    return list(sharded(constrain(x_BSD, SCATTERED), *weights))
+
+
+def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
+    """y [B, S, *F] laid out as `in_names` @ w [*F, D] -> [B, S, D] in the residual layout
+    (SCATTERED): summed over `tensor`, and with sequence parallelism scattered over it."""
+    layout = active_layout()
+    features = y.ndim - 2
+    if not _collective(layout):
+        return constrain(jnp.tensordot(y, w, axes=features), SCATTERED)  # SP: reduce-scatter, else all-reduce
+    y_spec = _spec(layout, in_names)
+    out_spec = _spec(layout, SCATTERED)
+    gathered = _spec(layout, GATHERED)
+    _expect(y_spec[:2] == gathered[:2] and y_spec[2] == AXIS and not any(y_spec[3:]), in_names, y_spec,
+            "batch and sequence as the gathered layout, the first feature dimension over tensor, no other")
+    _expect(_without_tensor(out_spec[1]) == gathered[1] and entries(out_spec, 3)[1][-1:] == (AXIS,)
+            and out_spec[2] is None and out_spec[0] == gathered[0],
+            SCATTERED, out_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
+    bidirectional = layout.collective_matmul == "bidirectional"
+
+    def body(y, w):
+        flat_y = y.reshape(*y.shape[:2], -1)
+        flat_w = w.reshape(math.prod(w.shape[:features]), -1)
+        return matmul_reducescatter(flat_y, flat_w, AXIS, bidirectional=bidirectional)
+
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh_here(layout.mesh),
+        in_specs=(y_spec, P(*y_spec[2:], None)),
+        out_specs=out_spec,
+    )
+    return sharded(y, w)
+
+
+def _collective(layout: Layout | None) -> bool:
+    """Collective matmul is on and has a ring to run (tensor > 1; the config checks refuse
+    tensor = 1, but a pipeline stage's inner layout may have none)."""
+    return layout is not None and layout.collective_matmul != "none" and layout.mesh.shape[AXIS] > 1
+
+
+def _spec(layout: Layout, names: Names) -> P:
+    spec = layout.rules.spec(names, "compute")
+    return P(*spec, *([None] * (len(names) - len(spec))))
+
+
+def _without_tensor(entry) -> str | tuple[str, ...] | None:
+    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != AXIS)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _expect(ok: bool, names: Names, spec: P, what: str) -> None:
+    """Collective matmul needs the Megatron layout; custom compute rules may move it."""
+    if not ok:
+        raise ValueError(
+            f"parallel.collective_matmul: {tuple(names)} is laid out as {spec} by the compute rules; the collective "
+            f"matmul needs {what}. Drop the parallel.compute_rules that move it, or set parallel.collective_matmul=none"
+        )
