@@ -56,7 +56,8 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
         _expect(spec[:2] == gathered[:2] and spec[2] == AXIS and not any(spec[3:]), names, spec,
                 "batch and sequence as the gathered input, the first feature dimension over tensor, no other")
     _expect(_without_tensor(x_spec[1]) == gathered[1] and entries(x_spec, 3)[1][-1:] == (AXIS,)
-            and x_spec[2] is None and x_spec[0] == gathered[0], SCATTERED, x_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
+            and x_spec[2] is None and x_spec[0] == gathered[0],
+            SCATTERED, x_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
     bidirectional = layout.collective_matmul == "bidirectional"
 
     def body(x, *ws):
@@ -105,8 +106,8 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
 
 
 def _collective(layout: Layout | None) -> bool:
-    """Collective matmul is on and has a ring to run (tensor > 1; the config checks refuse
-    tensor = 1, but a pipeline stage's inner layout may have none)."""
+    """Collective matmul is on and there is a ring to run it on (the config checks refuse
+    mesh.tensor=1 with it; a caller's own Layout may still have it)."""
     return layout is not None and layout.collective_matmul != "none" and layout.mesh.shape[AXIS] > 1
 
 

@@ -384,8 +384,10 @@ def _attention(config: Config, device: jax.Device, context: int = 1, stage: int 
     inside pipeline stages: cuDNN attention's custom partitioning fails in their shard_map
     (jaxlib 0.12, compiled for H100s)."""
     choice = config.parallel.attention
-    if choice != "auto" or context > 1:
-        return choice if context == 1 else "reference"
+    if context > 1:
+        return "reference"  # unused: the context kernels run (the checks refuse other choices there)
+    if choice != "auto":
+        return choice
     usable = stage == 1 and cudnn_attention_problem(config, device.platform, device) is None
     return "cudnn" if usable else "reference"
 
