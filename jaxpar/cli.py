@@ -175,12 +175,17 @@ def _train(args) -> int:
     trainer = build(config, devices)  # validates before anything compiles
     model = config.model
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    matmul = trainer.layout.collective_matmul
+    # Which attention an unsharded sequence runs (a sharded one runs parallel.context_impl).
+    has_attention = hasattr(model, "head_dim") and trainer.mesh.shape["context"] == 1
     if leader:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
             f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
             f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+            f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
+            f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
             f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches",
             flush=True,
         )

@@ -306,7 +306,8 @@ def test_one_ring_feeds_several_weights():
 def test_model_projections_become_rings(impl):
     """parallel.collective_matmul: the Llama step's sequence-parallel gathers and scatters
     over tensor become collective-permutes. What stays (under a fifth of the plain step's
-    gather and scatter bytes) is the embedding's: its lookup takes the whole sequence."""
+    gather and scatter bytes) is two activation-sized all-gathers of the backward pass,
+    outside the projections."""
     from jaxpar.config import Config, TrainConfig, apply_overrides
     from jaxpar.train import build
     from models.llama import LlamaConfig
