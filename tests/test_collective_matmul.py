@@ -295,7 +295,7 @@ def test_one_ring_feeds_several_weights():
         return body(x, *ws)
 
     loss = lambda f: lambda x, *ws: sum(jnp.sum(jnp.sin(o)) for o in f(x, *ws))
-    got = jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3))(x, *ws)
+    got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3)))(x, *ws)
     want = jax.value_and_grad(loss(lambda x, *ws: [x @ w for w in ws]), argnums=(0, 1, 2, 3))(x, *ws)
     assert tree_error(got, want) < RTOL
     text = jax.jit(sharded).lower(x, *ws).compile().as_text()
