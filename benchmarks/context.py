@@ -205,7 +205,7 @@ def long_row(s: int) -> dict:
     config = apply_overrides(load("llama_long"), [f"train.seq_len={s}"])
     report = inspect_step(build(config))
     m = report.memory
-    total = m.arguments + m.outputs + m.temporaries - m.aliased
+    total = m.total
     return {"seq": s, "mesh": {k: v for k, v in report.mesh.items() if v > 1}, "bytes_per_device": total,
             "temporaries": m.temporaries, "model_state": m.model_state, "bytes_x_8_over_s": total * 8 / s,
             "compile_seconds": report.compile_seconds}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -67,15 +66,14 @@ def report(trainer) -> dict:
 
 
 def devices_for(args):
-    """The devices to compile for, and how they were found."""
+    """The devices to compile for, and how they were found (before anything imports jax)."""
+    if args.target:
+        from benchmarks.targets.deviceless import gpu_devices
+
+        devices = gpu_devices(args.target, args.topology)
+        return devices, f"deviceless compile for {args.topology} x {devices[0].device_kind}"
     import jax
 
-    if args.target:
-        from jax.experimental import topologies
-
-        text = pathlib.Path(args.target).read_text()
-        topology = topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology=args.topology)
-        return topology.devices, f"deviceless compile for {args.topology} x {topology.devices[0].device_kind}"
     # Both before the backends start: the mock topology shapes a GPU backend, the device
     # count a CPU one; whichever backend JAX picks reads its own.
     jax.config.update("jax_mock_gpu_topology", args.topology)
@@ -88,11 +86,7 @@ def devices_for(args):
 
 def main() -> int:
     args = parse_args()
-    if args.target:
-        # The CUDA plugin registers without a GPU only if it neither starts a CUDA backend
-        # nor checks the runtime libraries against a driver that is not there.
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    devices, how = devices_for(args)
     import dataclasses
 
     import jax
@@ -100,7 +94,6 @@ def main() -> int:
     from jaxpar.config import apply_overrides
     from jaxpar.train import build
 
-    devices, how = devices_for(args)
     base = model_config()
     sets = ["mesh.data=1", f"mesh.fsdp={args.fsdp}", f"mesh.tensor={args.tensor}", "parallel.sequence_parallel=true"]
     results = {"how": how, "platform": devices[0].platform, "devices": len(devices), "device_kind": devices[0].device_kind,

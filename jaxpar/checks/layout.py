@@ -10,13 +10,13 @@ from jaxpar.kernels.attention.blocks import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
+from jaxpar.sharding.attend import ATTENTIONS
 from jaxpar.sharding.projections import COLLECTIVE_MATMULS
 from models.llama import LlamaConfig
 
 RULES: list[Rule] = []
 rule = collector(RULES)
 
-ATTENTIONS = ("auto", "reference", "flash", "cudnn")
 TENSOR_SHARDED = ("num_heads", "num_kv_heads", "vocab_size", "mlp")
 
 

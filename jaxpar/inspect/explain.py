@@ -52,7 +52,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         *([("  of which in pinned host memory between steps", m.host_state, None)] if m.host_state else []),
         ("arguments (compiler)", m.arguments, None),
         ("temporaries (compiler)", m.temporaries, None),
-        ("total: arguments + outputs + temporaries - donated", m.arguments + m.outputs + m.temporaries - m.aliased, None),
+        ("total: arguments + outputs + temporaries - donated", m.total, None),
     ]
     if m.host_temporaries:
         memory_rows.append(("pinned host temporaries", m.host_temporaries, None))

@@ -46,6 +46,12 @@ class Memory:
     def model_state(self) -> int:
         return self.params + self.master + self.optimizer + self.gradients
 
+    @property
+    def total(self) -> int:
+        """What the step holds on the device at once, by the compiler's count: arguments +
+        outputs + temporaries - donated."""
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:

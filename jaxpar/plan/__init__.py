@@ -110,8 +110,7 @@ def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, 
     except (ConfigError, ValueError) as e:
         planned.refused = str(e).split("\n")[0]
         return
-    m = report.memory
-    planned.memory = m.arguments + m.outputs + m.temporaries - m.aliased
+    planned.memory = report.memory.total
     planned.prediction = roofline(report, trainer.config, hw, planned.estimate["hbm_bytes"])
 
 

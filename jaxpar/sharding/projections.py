@@ -55,9 +55,7 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
     for names, spec in zip(out_names, out_specs):
         _expect(spec[:2] == gathered[:2] and spec[2] == AXIS and not any(spec[3:]), names, spec,
                 "batch and sequence as the gathered input, the first feature dimension over tensor, no other")
-    _expect(_without_tensor(x_spec[1]) == gathered[1] and entries(x_spec, 3)[1][-1:] == (AXIS,)
-            and x_spec[2] is None and x_spec[0] == gathered[0],
-            SCATTERED, x_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
+    _expect_scattered(x_spec, gathered)
     bidirectional = layout.collective_matmul == "bidirectional"
 
     def body(x, *ws):
@@ -86,9 +84,7 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
     gathered = _spec(layout, GATHERED)
     _expect(y_spec[:2] == gathered[:2] and y_spec[2] == AXIS and not any(y_spec[3:]), in_names, y_spec,
             "batch and sequence as the gathered layout, the first feature dimension over tensor, no other")
-    _expect(_without_tensor(out_spec[1]) == gathered[1] and entries(out_spec, 3)[1][-1:] == (AXIS,)
-            and out_spec[2] is None and out_spec[0] == gathered[0],
-            SCATTERED, out_spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
+    _expect_scattered(out_spec, gathered)
     bidirectional = layout.collective_matmul == "bidirectional"
 
     def body(y, w):
@@ -119,6 +115,14 @@ def _spec(layout: Layout, names: Names) -> P:
 def _without_tensor(entry) -> str | tuple[str, ...] | None:
     axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != AXIS)
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _expect_scattered(spec: P, gathered: P) -> None:
+    """The residual layout is the gathered one with tensor added minor-most on the sequence:
+    the ring's chunk order (context-major, tensor-minor) is then the sequence's."""
+    ok = (spec[0] == gathered[0] and _without_tensor(spec[1]) == gathered[1]
+          and entries(spec, 3)[1][-1:] == (AXIS,) and spec[2] is None)
+    _expect(ok, SCATTERED, spec, "the sequence over the gathered sequence's axes, then tensor; embed unsharded")
 
 
 def _expect(ok: bool, names: Names, spec: P, what: str) -> None:
