@@ -132,6 +132,9 @@ def train(args) -> int:
     cluster = distributed.from_environment()
     if cluster is None:
         return _train(args)
+    from jaxpar.launch import follow_launcher
+
+    follow_launcher()  # started by `jaxpar launch`: stop when it dies
     settings = _distributed_settings(args)  # checked before they are used to join
     distributed.join(cluster, settings.heartbeat_timeout_s, settings.join_timeout_s)
     watchdog = distributed.Watchdog(settings.heartbeat_timeout_s).start()

@@ -172,6 +172,7 @@ class Watchdog:
             client, process_id, num_processes = global_state.client, global_state.process_id, global_state.num_processes
         self.client, self.me, self.count = client, process_id, num_processes
         self.timeout_s, self.interval_s = timeout_s, interval_s
+        self._changed: dict[int, tuple[str, float]] = {}  # process -> (last beat, when it changed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True)
 
@@ -192,7 +193,6 @@ class Watchdog:
         self.client.key_value_set(f"jaxpar/heartbeat/{self.me}", value, allow_overwrite=True)
 
     def _watch(self) -> None:
-        changed: dict[int, tuple[str, float]] = {}  # process -> (last beat, when it changed)
         beat = 0
         while not self._stop.wait(0 if beat == 0 else self.interval_s):
             beat += 1
@@ -201,21 +201,28 @@ class Watchdog:
                 posted = dict(self.client.key_value_dir_get("jaxpar/heartbeat/"))
             except Exception as e:
                 return self._exit(f"lost the coordinator (process 0): {str(e).splitlines()[0]}")
-            now = time.monotonic()
-            for p in range(self.count):
-                value = posted.get(f"jaxpar/heartbeat/{p}", "")
-                if p == self.me or value == "done":
-                    continue
-                if value.startswith("failed: "):
+            why = self.verdict(posted, time.monotonic())
+            if why is not None:
+                if "stopped on an error" in why:
                     time.sleep(min(5.0, self.timeout_s))  # let this process end on its own error first
-                    return self._exit(f"process {p} of {self.count} stopped on an error: {value[8:]}")
-                if p not in changed or changed[p][0] != value:
-                    changed[p] = (value, now)
-                elif now - changed[p][1] > self.timeout_s:
-                    return self._exit(
-                        f"process {p} of {self.count} sent no heartbeat for {self.timeout_s:g} s "
-                        "(distributed.heartbeat_timeout_s): it died or stopped responding"
-                    )
+                return self._exit(why)
+
+    def verdict(self, posted: Mapping[str, str], now: float) -> str | None:
+        """Why this process must stop, given the heartbeats `posted` at time `now` (seconds,
+        any clock), or None while every other process is beating, done, or not yet seen
+        long enough. Remembers when each process's beat last changed."""
+        for p in range(self.count):
+            value = posted.get(f"jaxpar/heartbeat/{p}", "")
+            if p == self.me or value == "done":
+                continue
+            if value.startswith("failed: "):
+                return f"process {p} of {self.count} stopped on an error: {value[8:]}"
+            if p not in self._changed or self._changed[p][0] != value:
+                self._changed[p] = (value, now)
+            elif now - self._changed[p][1] > self.timeout_s:
+                return (f"process {p} of {self.count} sent no heartbeat for {self.timeout_s:g} s "
+                        "(distributed.heartbeat_timeout_s): it died or stopped responding")
+        return None
 
     def _exit(self, why: str) -> None:
         if self._stop.is_set():

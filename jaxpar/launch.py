@@ -14,6 +14,7 @@ another was lost does not count as the cause), or 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,15 +22,43 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from jaxpar.distributed import LOST_PEER_EXIT
 from jaxpar.errors import ConfigError
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
+LAUNCHER_PID = "JAXPAR_LAUNCHER_PID"  # set in each child: the process it lives and dies with
+
+
+@contextlib.contextmanager
+def reserved_port(host: str) -> Iterator[int]:
+    """A free port on `host`, held bound (not listening) until the block ends. A port merely
+    found free can be taken by anyone before process 0's coordinator binds it; held with
+    SO_REUSEPORT, only another SO_REUSEPORT socket of this user can bind it too, and the
+    coordinator's gRPC server is one. Connections reach only listening sockets, so holding
+    it takes none of the coordinator's."""
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind((host, 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+def follow_launcher(env=os.environ) -> None:
+    """In a process that `jaxpar launch` started: have the kernel send it SIGTERM when the
+    launcher dies (Linux), so a launcher killed outright leaves nothing training. SIGTERM is
+    preemption to a run of several processes: each saves and stops."""
+    launcher = env.get(LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> list[str]:
@@ -48,16 +77,20 @@ def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> 
 def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0) -> int:
     cmd = child_command(nproc, command, cpu_devices_per_proc)
     host = "127.0.0.1" if bind in ("0.0.0.0", "[::]") else bind  # where the children reach process 0
-    port = free_port(host)
-    address = f"{host}:{port}"
+    with reserved_port(host) as port:
+        return _run(nproc, cmd, f"{host}:{port}", f"{bind}:{port}", grace_s)
+
+
+def _run(nproc: int, cmd: list[str], address: str, bind: str, grace_s: float) -> int:
     procs, relays = [], []
     for i in range(nproc):
         env = {
             **os.environ,
             "JAXPAR_COORDINATOR": address,
-            "JAXPAR_COORDINATOR_BIND": f"{bind}:{port}",
+            "JAXPAR_COORDINATOR_BIND": bind,
             "JAXPAR_NUM_PROCESSES": str(nproc),
             "JAXPAR_PROCESS_ID": str(i),
+            LAUNCHER_PID: str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
         }
         piped = subprocess.PIPE if i else None  # process 0 owns the terminal (progress bar)

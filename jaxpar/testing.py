@@ -2,7 +2,8 @@
 
   * pytest plugin (`-p jaxpar.testing`, or `pytest_plugins = ["jaxpar.testing"]` in a
     conftest): forces N CPU devices before JAX starts (ini option `jaxpar_cpu_devices`,
-    default 8), so layouts for a GPU host run on a laptop.
+    default 8), so layouts for a GPU host run on a laptop, and compiles fast
+    (`fast_compiles`; ini option `jaxpar_fast_compiles`, default true).
   * `compare_layouts` / `assert_equivalent`: train one config under two layouts from the
     same initial parameters and data and compare losses, first-step gradients and
     parameters after N steps.
@@ -10,7 +11,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
+import shutil
+import tempfile
 from typing import Sequence
 
 import jax
@@ -20,14 +25,47 @@ from jaxpar.config import Config, ParallelConfig, apply_overrides
 from jaxpar.data.sources import make_source
 from jaxpar.mesh import MeshConfig, force_cpu_devices
 
-__all__ = ["assert_equivalent", "check", "compare", "compare_layouts", "force_cpu_devices", "reference_run", "run_layout", "single_device", "tree_error"]
+__all__ = ["assert_equivalent", "check", "compare", "compare_layouts", "fast_compiles", "force_cpu_devices", "reference_run",
+           "run_layout", "single_device", "tree_error"]
+
+CACHE_DIR = "JAXPAR_TEST_XLA_CACHE"  # set it to keep compiled programs from one test run to the next
+
+
+def fast_compiles() -> str:
+    """For a test run, before JAX compiles anything; the processes a test starts inherit it:
+
+      * one persistent compilation cache for the run (JAX's, in a temporary directory that
+        pytest-xdist workers and subprocesses share, removed at exit): a program compiled
+        alike by two tests, or by every process of a subprocess scenario, compiles once.
+      * XLA's backend at optimisation level 0: LLVM stops optimising the CPU code it emits,
+        about half of a tiny model's compile time. The HLO passes (SPMD partitioning,
+        collectives, scheduling) are unchanged, and so are the values: LLVM does not
+        reorder floating-point arithmetic unasked. Skipped if XLA_FLAGS sets the level.
+
+    Returns the cache directory. Note that a program loaded from the cache prints none of
+    the compiler's warnings (jaxpar.inspect findings): only its first compile does."""
+    if CACHE_DIR not in os.environ:  # the run's first process
+        os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+        atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)
+    settings = {"jax_compilation_cache_dir": os.environ[CACHE_DIR],
+                "jax_persistent_cache_min_compile_time_secs": 0,  # tiny programs are worth caching too
+                "jax_persistent_cache_min_entry_size_bytes": -1}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    return os.environ[CACHE_DIR]
 
 
 def pytest_addoption(parser) -> None:
     parser.addini("jaxpar_cpu_devices", "CPU devices jaxpar.testing forces before JAX starts", default="8")
+    parser.addini("jaxpar_fast_compiles", "jaxpar.testing.fast_compiles() before JAX starts", type="bool", default=True)
 
 
 def pytest_configure(config) -> None:
+    if config.getini("jaxpar_fast_compiles"):
+        fast_compiles()
     force_cpu_devices(int(config.getini("jaxpar_cpu_devices")))
 
 

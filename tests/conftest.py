@@ -1,11 +1,17 @@
-"""8 CPU devices for every test, forced before JAX starts; tiny models only."""
+"""8 CPU devices for every test and fast compiles (jaxpar.testing.fast_compiles: one
+compilation cache for the run, XLA's CPU backend unoptimised), set before JAX starts, for
+the processes tests start too; tiny models only. After every test: no process it started is
+still running."""
 
 import os
+import signal
+import uuid
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar.mesh import force_cpu_devices  # noqa: E402
+from jaxpar.testing import fast_compiles, force_cpu_devices  # noqa: E402
 
+fast_compiles()
 force_cpu_devices(8)
 
 import pytest  # noqa: E402
@@ -36,3 +42,82 @@ def reference():
         return runs[key]
 
     return get
+
+
+# ------------------------------------------------------------------ the smoke subset
+
+SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whole suite is the net
+    "test_llama_equivalence.py::test_layout_equals_single_device[dp_fsdp_tp_sp]": "data, FSDP, tensor, sequence",
+    "test_zero.py::test_zero_stage_equals_single_device[zero3_dp4_tp2_sp]": "ZeRO-3",
+    "test_zeropp.py::test_hpz_equals_single_device": "ZeRO++ hpZ",
+    "test_zeropp.py::test_quantized_all_gather_equals_reference[source0-target0]": "int8 collectives",
+    "test_zeropp.py::test_optimizer_offload_equals_single_device_and_rests_on_host": "host offload",
+    "test_context_training.py::test_context_parallel_training_equals_single_device[ring]": "context: ring",
+    "test_context_training.py::test_context_parallel_training_equals_single_device[ulysses]": "context: Ulysses",
+    "test_moe_training.py::test_dropless_routing_equals_single_device[expert4_tensor2]": "expert parallel",
+    "test_pipeline.py::test_pipelined_training_equals_single_device[1f1b_four_stages_dp_zero1]": "pipeline, 1F1B",
+    "test_pipeline.py::test_executor_equals_reference[interleaved-2-4-2]": "pipeline, interleaved",
+    "test_pipeline.py::test_executor_equals_reference[zb-h1-4-5-1]": "pipeline, zero bubble",
+    "test_collective_matmul.py::test_equals_whole_array_matmul[bidirectional-row-4]": "collective matmul",
+    "test_training.py::test_loss_is_normalised_by_tokens_not_microbatches": "gradient accumulation",
+    "test_training.py::test_bf16_compute_stays_close_to_fp32": "mixed precision",
+    "test_zero.py::test_remat_policy_equals_single_device[selective]": "remat",
+    "test_xla_options.py::test_step_with_the_overlap_preset_equals_the_single_device_run": "XLA overlap preset",
+    "test_inspect.py::test_zero_memory_and_traffic_match_the_paper[3]": "explain",
+    "test_checkpoint.py::test_resumed_run_repeats_the_uninterrupted_one_bitwise[float32]": "checkpoints",
+    "test_distributed.py::test_each_process_reads_only_its_rows": "several processes",
+    "test_checks.py::test_base_configs_pass_every_rule[llama]": "config checks",
+    "test_cli.py::test_train_writes_metrics": "jaxpar train",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the SMOKE tests; a listed test missing from a file that was collected (renamed,
+    removed) is an error, so the subset cannot shrink unseen."""
+    collected = {item.nodeid.removeprefix("tests/"): item for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    missing = [nodeid for nodeid in SMOKE if nodeid.split("::")[0] in files and nodeid not in collected]
+    if missing and not config.option.keyword:  # -k selects within files
+        raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {missing}")
+    for nodeid in SMOKE.keys() & collected.keys():
+        collected[nodeid].add_marker(pytest.mark.smoke)
+
+
+# ------------------------------------------------------------------ no process left behind
+
+TAG = "JAXPAR_TEST_TAG"
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """pid -> command line of every other process whose environment carries TAG=tag (Linux)."""
+    needle, found = f"{TAG}={tag}".encode() + b"\0", {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read():
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        found[int(pid)] = c.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    found.pop(os.getpid(), None)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Every process a test starts inherits a tag unique to the test; one still running when
+    the test ends (a launcher whose check failed, a child in its own session) is killed and
+    the test errors, naming it: the next tests, and whatever runs after the suite, must not
+    share the cores with it."""
+    if not os.path.exists("/proc/self/environ"):
+        yield
+        return
+    tag = os.environ[TAG] = uuid.uuid4().hex
+    yield
+    left = _tagged(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes still running after the test (killed now): {left}"

@@ -1,9 +1,11 @@
-"""Run by tests/test_distributed.py as one of two processes (JAXPAR_* variables set): join,
-build a trainer on data=4 x tensor=2 over both processes' devices, and print as JSON the
-batch rows this process reads from the token file, its local rows, and the whole global
-batch gathered back (to compare with a single process reading every row)."""
+"""Run by tests/test_distributed.py as one of two processes (JAXPAR_* variables set):
+`multiprocess_rows.py TOKENS REPORT`. Join, build a trainer on data=4 x tensor=2 over both
+processes' devices, and write to REPORT as JSON the batch rows this process reads from the
+token file and the whole global batch gathered back (to compare with a single process
+reading every row). A file, not stdout: native libraries (gloo) print there too."""
 
 import json
+import pathlib
 import sys
 
 from jaxpar import distributed
@@ -34,8 +36,8 @@ local = source.local
 source.local = lambda step, rows: read.append([rows.start, rows.stop]) or local(step, rows)
 batch = source(3)
 whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
-print(json.dumps({
+pathlib.Path(sys.argv[2]).write_text(json.dumps({
     "process": jax.process_index(),
     "read_rows": read,
     "inputs": np.asarray(whole).tolist(),
-}), flush=True)
+}))

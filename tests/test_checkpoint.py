@@ -116,14 +116,19 @@ TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "trai
         "train.steps=8", "mesh.data=4", "mesh.tensor=2"]
 
 
-def _train_process(metrics, ckpt=None):
+def _train_process(metrics, ckpt=None, kill_at_save=None):
+    """`jaxpar train` in a child process; with `kill_at_save`, one that SIGKILLs itself inside
+    that step's save (tests/kill_during_save.py)."""
+    import os
     import subprocess
     import sys
 
     sets = TINY + ([f"checkpoint.dir={ckpt}", "checkpoint.every=1"] if ckpt else [])
-    cmd = [sys.executable, "-m", "jaxpar.cli", "train", "llama", "--no-progress", "--metrics-file", str(metrics)]
+    entry = ["-m", "jaxpar.cli"] if kill_at_save is None else [os.path.join(os.path.dirname(__file__), "kill_during_save.py")]
+    env = {**os.environ, "JAXPAR_TEST_KILL_AT_SAVE": str(kill_at_save)}
+    cmd = [sys.executable, *entry, "train", "llama", "--no-progress", "--metrics-file", str(metrics)]
     return subprocess.Popen(cmd + [x for s in sets for x in ("--set", s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _rows(path):
@@ -132,25 +137,31 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_for(predicate, proc, what, timeout=240.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def _saving(ckpt):
     return ckpt.exists() and any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
 
 
-def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
-    """SIGKILL after two steps drawn at random (seeded), and during a save (orbax's temporary
-    directory still there after the kill); the resumed run really resumes (it says from
-    which step) and its losses equal the uninterrupted run's at every step."""
+def _killed_at_step(kill_point, metrics, ckpt):
+    """SIGKILL from outside once `kill_point` steps are logged: wherever the run then is."""
     import os
+    import signal
+    import time
+
+    proc = _train_process(metrics, ckpt)
+    deadline = time.monotonic() + 600
+    while len(_rows(metrics)) < kill_point:
+        assert proc.poll() is None, f"the run ended before step {kill_point}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"no step {kill_point} in 600 s"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
+    """SIGKILL after two steps drawn at random (seeded), and inside a save (the process kills
+    itself between orbax writing the arrays and the rename that commits them); the resumed
+    run really resumes (it says from which step) and its losses equal the uninterrupted
+    run's at every step."""
     import random
     import re
     import signal
@@ -161,20 +172,15 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
     want = {r["step"]: r["loss"] for r in _rows(reference)}
     assert sorted(want) == list(range(8))
 
-    for kill_point in (*random.Random(0).sample(range(1, 7), 2), "during a save"):
-        for attempt in range(3):  # a save can complete between seeing it and the kill landing
-            ckpt, metrics = tmp_path / f"ckpt-{kill_point}-{attempt}", tmp_path / f"run-{kill_point}-{attempt}.jsonl"
-            proc = _train_process(metrics, ckpt)
-            if kill_point == "during a save":
-                _wait_for(lambda: len(_rows(metrics)) >= 2 and _saving(ckpt), proc, "a save in flight")
-            else:
-                _wait_for(lambda: len(_rows(metrics)) >= kill_point, proc, f"step {kill_point}")
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if kill_point != "during a save" or _saving(ckpt):
-                break
+    for kill_point in (*random.Random(0).sample(range(1, 7), 2), "inside the save of step 3"):
+        ckpt, metrics = tmp_path / f"ckpt-{kill_point}", tmp_path / f"run-{kill_point}.jsonl"
+        if isinstance(kill_point, int):
+            _killed_at_step(kill_point, metrics, ckpt)
         else:
-            pytest.fail("no kill landed during a save in 3 attempts")
+            proc = _train_process(metrics, ckpt, kill_at_save=3)
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == -signal.SIGKILL, err[-2000:]
+            assert _saving(ckpt) and not (ckpt / "3").exists(), sorted(p.name for p in ckpt.iterdir())
         resumed = _train_process(metrics, ckpt)
         out, err = resumed.communicate(timeout=600)
         assert resumed.returncode == 0, err[-2000:]
