@@ -6,7 +6,8 @@ jaxpar.distributed reads; the coordinator listens on loopback unless `--bind` sa
 otherwise. Process 0 writes to this terminal as it would alone; the others' lines are
 prefixed with their index. When a process fails, the others stop on their own (their
 watchdogs name it). SIGTERM or SIGINT to the launcher reaches every process as SIGTERM,
-which a run of several processes takes as preemption: it saves a checkpoint and stops.
+which a run of several processes takes as preemption: it saves a checkpoint and stops. The
+children of a launcher killed outright get SIGTERM from the kernel instead (Linux).
 Processes still running `--grace` seconds after either are killed. The exit status is the
 first failure's (128 + signal for a killed process; a process that only stopped because
 another was lost does not count as the cause), or 0.
