@@ -72,12 +72,13 @@ SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whol
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the SMOKE tests; a listed test missing from a file that was collected (renamed,
-    removed) is an error, so the subset cannot shrink unseen."""
+    """Mark the SMOKE tests. Collecting the whole suite, a listed test that does not exist
+    (renamed, removed) is an error, so the subset cannot shrink unseen."""
     collected = {item.nodeid.removeprefix("tests/"): item for item in items}
-    files = {nodeid.split("::")[0] for nodeid in collected}
-    missing = [nodeid for nodeid in SMOKE if nodeid.split("::")[0] in files and nodeid not in collected]
-    if missing and not config.option.keyword:  # -k selects within files
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not (
+        config.option.keyword or config.getoption("lf", False))
+    missing = sorted(SMOKE.keys() - collected.keys())
+    if whole_suite and missing:
         raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {missing}")
     for nodeid in SMOKE.keys() & collected.keys():
         collected[nodeid].add_marker(pytest.mark.smoke)
