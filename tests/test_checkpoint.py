@@ -124,8 +124,9 @@ def _train_process(metrics, ckpt=None, kill_at_save=None):
     import sys
 
     sets = TINY + ([f"checkpoint.dir={ckpt}", "checkpoint.every=1"] if ckpt else [])
-    entry = ["-m", "jaxpar.cli"] if kill_at_save is None else [os.path.join(os.path.dirname(__file__), "kill_during_save.py")]
-    env = {**os.environ, **({"JAXPAR_TEST_KILL_AT_SAVE": str(kill_at_save)} if kill_at_save is not None else {})}
+    entry, env = ["-m", "jaxpar.cli"], dict(os.environ)
+    if kill_at_save is not None:
+        entry, env["JAXPAR_TEST_KILL_AT_SAVE"] = [os.path.join(os.path.dirname(__file__), "kill_during_save.py")], str(kill_at_save)
     cmd = [sys.executable, *entry, "train", "llama", "--no-progress", "--metrics-file", str(metrics)]
     return subprocess.Popen(cmd + [x for s in sets for x in ("--set", s)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
