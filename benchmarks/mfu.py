@@ -12,8 +12,10 @@ cuDNN's fused flash attention on GPUs.
 Both sides train on the same shapes (batch x seq tokens of random ids), their step times
 are the median of `--steps` timed steps after `--warmup`, and MFU is the model FLOPs
 (6 x matmul params + attention, PaLM appendix B, as jaxpar.flops counts them) over the
-device's bf16 peak. The sides alternate warm-up and timing in one process, so the machine's
-state is the same for both. Without PyTorch (or transformers) the peer column says so.
+device's bf16 peak. Each side runs in its own child process, one after the other in the same
+call: two frameworks in one process fight over the GPU's memory (JAX's allocator keeps what it
+took, and the 0.9B step needs most of an H100). Without PyTorch (or transformers) the peer
+column says so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
 
@@ -43,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", help="GpuTargetConfig file: only compile jaxpar's step for that GPU (deviceless; needs "
                    "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
+    p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process
     return p.parse_args()
 
 
@@ -157,6 +161,18 @@ def compile_only(args) -> int:
     return 0 if used <= hbm else 1
 
 
+def run_side(side: str) -> dict:
+    """One side's row, measured in a child process of its own (it alone holds the GPU)."""
+    import subprocess
+
+    child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", side], capture_output=True, text=True)
+    rows = [line[5:] for line in child.stdout.splitlines() if line.startswith("SIDE ")]
+    if child.returncode or not rows:
+        tail = (child.stderr or child.stdout).strip().splitlines()[-3:]
+        return {"skipped": f"{side} exited {child.returncode}: " + " | ".join(tail)}
+    return json.loads(rows[-1])
+
+
 def main() -> int:
     args = parse_args()
     if args.target and args.tiny:
@@ -170,10 +186,16 @@ def main() -> int:
 
     shape = TINY if args.tiny else SHAPE
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
+    if args.side:
+        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup) if args.side == "jaxpar"
+               else torch_steps(shape, batch, seq, args.steps, args.warmup))
+        print("SIDE " + json.dumps(row))
+        return 0
     tokens = batch * seq
-    ours = jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup)
-    peer = torch_steps(shape, batch, seq, args.steps, args.warmup)
-    peak = peak_flops(jax.devices()[0])
+    ours, peer = run_side("jaxpar"), run_side("pytorch")
+    if "step_s" not in ours:
+        raise SystemExit(f"jaxpar's side failed: {ours['skipped']}")
+    peak = peak_flops(SimpleNamespace(device_kind=ours["device"]))  # the parent never touches the GPU
     rows = {"jaxpar": ours, "pytorch": peer}
     for name, row in rows.items():
         if "step_s" in row:
