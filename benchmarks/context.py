@@ -28,7 +28,7 @@ import re
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
@@ -200,7 +200,7 @@ def long_row(s: int) -> dict:
     from jaxpar.config import apply_overrides
     from jaxpar.inspect import inspect_step
     from jaxpar.train import build
-    from recipes import load
+    from jaxpar.recipes import load
 
     config = apply_overrides(load("llama_long"), [f"train.seq_len={s}"])
     report = inspect_step(build(config))

@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
@@ -51,7 +51,7 @@ def main() -> None:
     from jaxpar.inspect.explain import explain
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     devices = jax.devices()
 

@@ -29,7 +29,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 SHAPE = dict(vocab_size=32000, embed=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, mlp=5632)
 TINY = dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp=128)
@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
 
 def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int):
     from jaxpar.config import Config, TrainConfig
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     return Config(model=LlamaConfig(**shape, remat=remat),
                   train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps))

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
 
 def recipe(overrides: list[str]):
     from jaxpar.config import apply_overrides
-    from recipes import load
+    from jaxpar.recipes import load
 
     return apply_overrides(load("moe"), overrides)
 

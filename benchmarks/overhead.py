@@ -1,7 +1,7 @@
 """jaxpar's train step vs a hand-written `jax.jit` step: same model, layout, optimizer, data.
 
 A: `trainer.step(state, batch)` from `jaxpar.train.build(recipes.load("llama") + layout)`.
-B: what a user writes without the trainer: the same `models.llama.Llama` (activation
+B: what a user writes without the trainer: the same `jaxpar.models.llama.Llama` (activation
    annotations active via `use_layout` while tracing), the same optax optimizer, the same
    parameter/optimizer-state shardings, mixed-precision cast, mean token cross-entropy,
    `jax.value_and_grad`, `tx.update`, `optax.apply_updates`, one donated `jax.jit`.
@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402  (imports jax but starts no backend)
 
@@ -110,7 +110,7 @@ def main() -> None:
     import jax
 
     import jaxpar.train
-    import recipes
+    from jaxpar import recipes
     from jaxpar.config import apply_overrides, flatten
     from jaxpar.data.sources import make_source
 

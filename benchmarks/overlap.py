@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
 def model_config():
     """The 0.9B Llama of benchmarks/mfu.py in bf16, batch 16 x 2048."""
     from jaxpar.config import Config, TrainConfig
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     model = LlamaConfig(vocab_size=32000, embed=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, mlp=5632)
     return Config(model=model, train=TrainConfig(global_batch=16, seq_len=2048, compute_dtype="bfloat16"))

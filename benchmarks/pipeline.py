@@ -26,7 +26,7 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
@@ -82,7 +82,7 @@ def memory_row(name: str, v: int, m: int) -> dict:
     from jaxpar.config import Config, ParallelConfig, TrainConfig
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     data = 2
     config = Config(

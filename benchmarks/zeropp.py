@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # recipes/, models/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
@@ -59,9 +59,9 @@ def main() -> None:
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
     from jaxpar.train.loop import run
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
-    import recipes
+    from jaxpar import recipes
 
     hosts = args.devices // HOST_SIZE
     base = Config(

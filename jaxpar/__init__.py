@@ -14,6 +14,7 @@ from jaxpar.config import (
 )
 from jaxpar.errors import ConfigError, Preempted, TrainingStopped
 from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
+from jaxpar.model import ModelConfig, PipelineStages
 from jaxpar.sharding import Layout, Rules, compute_value, constrain, default_rules, use_layout
 from jaxpar.train import Trainer, TrainState, build
 
@@ -28,8 +29,10 @@ __all__ = [
     "HostSplit",
     "Layout",
     "MeshConfig",
+    "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PipelineStages",
     "Preempted",
     "Rules",
     "TrainConfig",

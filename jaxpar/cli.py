@@ -1,6 +1,7 @@
 """`jaxpar train RECIPE [--set key=value ...]`, `jaxpar launch --nproc N -- train RECIPE ...`,
 `jaxpar explain RECIPE`, `jaxpar plan --model NAME --devices N --hbm-gb G`, `jaxpar schedule NAME`
-and `jaxpar recipes`.
+and `jaxpar recipes`. RECIPE is a shipped name, a path to a .py file defining `recipe() -> Config`, or
+`package.module[:function]` (jaxpar.recipes.load).
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
 """
@@ -15,13 +16,15 @@ import sys
 from jaxpar.errors import ConfigError, Preempted, TrainingStopped
 
 PREEMPTED_EXIT = 143  # as if SIGTERM had ended the process: schedulers requeue on it
+RECIPE_HELP = ("a shipped recipe (see `jaxpar recipes`), a path to a .py file defining recipe() -> Config "
+               "(path.py:function names another), or package.module[:function] importable from here")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description="JAX SPMD training on a named mesh.")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a recipe")
-    train.add_argument("recipe", help="recipe name (see `jaxpar recipes`)")
+    train.add_argument("recipe", help=RECIPE_HELP)
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set mesh.fsdp=2 (repeatable)")
     train.add_argument("--cpu-devices", type=int, default=8, metavar="N",
@@ -30,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--print-config", action="store_true", help="print every config key and exit")
     explain = sub.add_parser("explain", help="compile a recipe's step and account for its memory and traffic")
-    explain.add_argument("recipe", help="recipe name (see `jaxpar recipes`)")
+    explain.add_argument("recipe", help=RECIPE_HELP)
     explain.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config field, e.g. --set parallel.zero_stage=3 (repeatable)")
     explain.add_argument("--devices", type=int, metavar="N",
@@ -46,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     schedule.add_argument("--png", metavar="PATH", help="also write the picture as a PNG")
     plan = sub.add_parser("plan", help="rank layouts for a cluster by compiled memory and a roofline step time")
     plan.add_argument("--model", required=True, metavar="NAME",
-                      help="llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, or a recipe name")
+                      help="llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, or a recipe as `train` takes it: "
+                      "a shipped name, a path to a .py file, or package.module[:function]")
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="GPUs in the cluster (compiled for as CPU devices)")
     plan.add_argument("--hbm-gb", type=float, required=True, metavar="G", help="memory per GPU in GiB, e.g. 80")
     plan.add_argument("--hosts", type=int, metavar="H", help="hosts (default: N / 8, 8 GPUs per host)")
@@ -63,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--grace", type=float, default=180.0, metavar="S",
                         help="seconds the other processes get to stop on their own after one fails (default 180)")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train RECIPE [train options]")
-    sub.add_parser("recipes", help="list recipes")
+    sub.add_parser("recipes", help="list the shipped recipes")
     return p
 
 
@@ -71,7 +75,7 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
     """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
     naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
     single device every layout collapses to the single-device run."""
-    import recipes
+    from jaxpar import recipes
     from jaxpar.config import apply_overrides
     from jaxpar.mesh import MeshConfig
 
@@ -85,9 +89,10 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "recipes":
-        import recipes
+        from jaxpar import recipes
 
         print("\n".join(recipes.names()))
+        print(f"(or {recipes.FORMS}, e.g. jaxpar train ./my_recipe.py or jaxpar train my_recipes.small:recipe)")
         return 0
     if args.command == "schedule":
         return schedule(args)
@@ -151,7 +156,7 @@ def train(args) -> int:
 
 
 def _distributed_settings(args):
-    import recipes
+    from jaxpar import recipes
     from jaxpar.checks import by_id
     from jaxpar.config import apply_overrides
 

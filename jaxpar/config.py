@@ -10,11 +10,14 @@ from typing import Any, Union
 
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
-from models.llama import LlamaConfig
-from models.mlp import MLPConfig
-from models.moe import MoEConfig
+from jaxpar.model import ModelConfig
 
-ModelConfig = Union[LlamaConfig, MoEConfig, MLPConfig]
+
+def default_model() -> ModelConfig:
+    """A tiny Llama, the shipped example (imported here, lazily: the models import jaxpar)."""
+    from jaxpar.models.llama import LlamaConfig
+
+    return LlamaConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,10 @@ class ParallelConfig:
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
     compute_rules: str = ""
+    # A parameter whose logical names match no rule while a mesh axis that shards
+    # parameters is > 1 rests whole on every device: warn (name it and the rule that would
+    # shard it), error (refuse the layout), or allow (say nothing).
+    on_replicated: str = "warn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +144,7 @@ class CompilerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    model: ModelConfig = dataclasses.field(default_factory=LlamaConfig)
+    model: ModelConfig = dataclasses.field(default_factory=default_model)  # any jaxpar.model.ModelConfig
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -72,9 +72,12 @@ def _value(text: str) -> Any:
 
 
 def layer_params(model) -> int:
-    """Parameters of one layer of the stack (the whole model when it has no stack)."""
+    """Parameters of one layer of the stack: the model's `layer_param_count()` if it says,
+    else an even share of all (the whole model when it has no stack)."""
+    if hasattr(model, "layer_param_count"):
+        return model.layer_param_count()
     layers = getattr(model, "num_layers", 0)
-    return model.param_count(include_embedding=False) // layers if layers else model.param_count()
+    return model.param_count() // layers if layers else model.param_count()
 
 
 def step_options(config, platform: str) -> dict[str, Any]:

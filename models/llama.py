@@ -20,7 +20,10 @@ from flax import nnx
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.nn import scan_layers, stack_layers
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import divisors
+from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
+from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
 from jaxpar.sharding.projections import GATHERED, SCATTERED
 
@@ -45,7 +48,26 @@ class LlamaConfig:
     tie_embeddings: bool = False
     remat: str = "none"  # none | full | selective | offload | dots | dots_no_batch (jaxpar.nn)
 
+    # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
+    # and the fields each mesh axis splits.
     task = "lm"
+    capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
+    mesh_divides = {"tensor": ("num_heads", "num_kv_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}
+    SIZES = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp")
+
+    def check(self, sizes: dict[str, int]) -> None:
+        """The fields' own constraints (kv heads and head_dim first: a kv head count of 0 or a
+        head_dim below 1 is then told to be positive)."""
+        if self.num_kv_heads != 0 and self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
+                              f"use one of {divisors(self.num_heads)}")
+        if self.head_dim >= 1 and self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {', '.join(REMAT_POLICIES)}")
+        for field in self.SIZES:
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
 
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)
@@ -59,6 +81,10 @@ class LlamaConfig:
         per_layer = d * k * (2 * h + 2 * kv) + 3 * d * f + 2 * d
         embedding = v * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
+
+    def layer_param_count(self) -> int:
+        """One decoder layer's parameters (jaxpar.xla_options sizes its combine thresholds by it)."""
+        return self.param_count(include_embedding=False) // self.num_layers
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x (non-embedding params + head) plus attention
@@ -166,20 +192,30 @@ class Llama(nnx.Module):
         only inside their segment) come with the tokens when the sequence is reordered for
         context parallelism or packed.
         """
-        table = compute_value(self.embedding)  # vocab-parallel: each tensor shard looks up its rows
+        table = compute_value(self.embedding)  # once: a tied head reuses the gathered table
         x, _ = self.trunk(table, tokens_BS, positions, segment_ids)
         return self.logits(x, table)
 
     def trunk(self, table: jax.Array, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(hidden states after the last layer, what each layer reported or None)."""
-        return self.run_layers(self.embed(table, tokens_BS), positions, segment_ids)
+        return self.run_layers(self.lookup(table, tokens_BS), positions, segment_ids)
 
-    # The pieces a pipeline places on its stages (jaxpar.pipeline.stages): the embedding on
-    # the first, the layer stack split across all, the head on the last.
+    # The pipeline's pieces (jaxpar.model.PipelineStages): the embedding on the first stage,
+    # the layer stack split across all, the final norm and head on the last.
 
-    def embed(self, table: jax.Array, tokens_BS: jax.Array) -> jax.Array:
-        # Look up with the full sequence first: a vocab-sharded table and a tensor-sharded
-        # sequence on one gather makes the partitioner replicate the table's gradient.
+    def embed(self, batch: dict) -> jax.Array:
+        return self.lookup(compute_value(self.embedding), batch["inputs"])
+
+    def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:
+        return self.run_layers(x, batch.get("positions"), batch.get("segment_ids"))[0]
+
+    def output(self, x: jax.Array) -> jax.Array:
+        return self.logits(x, compute_value(self.embedding) if self.cfg.tie_embeddings else None)
+
+    def lookup(self, table: jax.Array, tokens_BS: jax.Array) -> jax.Array:
+        # Vocab-parallel: each tensor shard looks up its rows. Look up with the full sequence
+        # first: a vocab-sharded table and a tensor-sharded sequence on one gather makes the
+        # partitioner replicate the table's gradient.
         return constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
@@ -188,7 +224,7 @@ class Llama(nnx.Module):
         out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
         return out if isinstance(out, tuple) else (out, None)
 
-    def logits(self, x: jax.Array, table: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:
         names = ("batch", "seq", "vocab")
         if self.cfg.tie_embeddings:
             return column_project(self.final_norm(x), [table.T], [names])[0] * self.cfg.embed**-0.5

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.sharding import compute_value, constrain
 
 
@@ -21,7 +22,13 @@ class MLPConfig:
     hidden: int = 512
     num_classes: int = 10
 
-    task = "classify"
+    task = "classify"  # no sequence and no attention: data, fsdp and tensor layouts only
+    axis_names = {"embed2": "embed"}  # the second hidden layer's width shards like the first's
+
+    def check(self, sizes: dict[str, int]) -> None:
+        for field in ("in_features", "hidden", "num_classes"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
 
     def build(self, rngs: nnx.Rngs) -> "MLP":
         return MLP(self, rngs=rngs)

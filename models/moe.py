@@ -29,8 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
-from jaxpar.kernels.experts import grouped_matmul
+from jaxpar.models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
+from jaxpar.errors import ConfigError
+from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
+from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE
 from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
@@ -47,6 +49,31 @@ class MoEConfig(LlamaConfig):
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     bias_update_rate: float = 0.0
+
+    # Not STAGES: pipeline stages do not run the expert kernels yet.
+    capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, REMAT})
+    mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
+    WEIGHTS = ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
+
+    def check(self, sizes: dict[str, int]) -> None:
+        super().check(sizes)
+        if self.num_experts < 1:
+            raise ConfigError(f"model.num_experts={self.num_experts} must be a positive integer; e.g. model.num_experts=8")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
+                              f"e.g. model.top_k={min(2, self.num_experts)}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"model.routing={self.routing!r} is not a router option; use one of {', '.join(ROUTINGS)}")
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 is each expert's balanced "
+                              "share); e.g. 1.25, or model.routing=dropless to drop nothing")
+        for field in self.WEIGHTS:
+            if getattr(self, field) < 0:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be >= 0; use 0 to turn it off")
+        if self.routing == "capacity" and sizes.get("context", 1) > 1:
+            raise ConfigError(
+                f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} "
+                "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
 
     def build(self, rngs: nnx.Rngs) -> "MoETransformer":
         return MoETransformer(self, rngs=rngs)

@@ -5,7 +5,7 @@
 
 from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
-from models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig
 
 
 def recipe() -> Config:

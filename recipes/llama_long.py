@@ -8,7 +8,7 @@ over mesh.context with ring attention (zigzag layout, so causal work is even).
 
 from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
-from models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig
 
 
 def recipe() -> Config:

@@ -8,7 +8,7 @@ with ZeRO-1 (8 devices), trained with the 1F1B schedule over 8 microbatches.
 
 from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
-from models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig
 
 
 def recipe() -> Config:

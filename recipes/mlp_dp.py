@@ -6,7 +6,7 @@ accumulation over 4 microbatches inside the step.
 
 from jaxpar.config import Config, OptimConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
-from models.mlp import MLPConfig
+from jaxpar.models.mlp import MLPConfig
 
 
 def recipe() -> Config:

@@ -10,7 +10,7 @@ routing, experts spread over mesh.expert=4 (all-to-all dispatch) x mesh.data=2.
 
 from jaxpar.config import Config, OptimConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
-from models.moe import MoEConfig
+from jaxpar.models.moe import MoEConfig
 
 
 def recipe() -> Config:

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from jaxpar.config import Config, TrainConfig  # noqa: E402
 from jaxpar.testing import reference_run  # noqa: E402
-from models.llama import LlamaConfig  # noqa: E402
+from jaxpar.models.llama import LlamaConfig  # noqa: E402
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from jaxpar.config import Config, DataConfig, TrainConfig  # noqa: E402
 from jaxpar.data.sources import make_source  # noqa: E402
 from jaxpar.mesh import MeshConfig  # noqa: E402
 from jaxpar.train import build  # noqa: E402
-from models.llama import LlamaConfig  # noqa: E402
+from jaxpar.models.llama import LlamaConfig  # noqa: E402
 
 config = Config(
     model=LlamaConfig(vocab_size=128, embed=32, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64),

@@ -57,3 +57,54 @@ def test_validate_keeps_its_signature_and_skips_platform_rules_without_one():
 def test_docs_page_is_current():
     assert COMMAND in DOCS.read_text().splitlines()[2]
     assert DOCS.read_text() == markdown(), f"docs/config_checks.md is stale; regenerate it: {COMMAND}"
+
+
+# The model's own checks (jaxpar.model: its config's `check` and `mesh_divides`) on the MoE
+# and MLP bases, which the catalogue's examples (on the llama base) do not reach.
+MODEL_EXAMPLES = [
+    ("moe", ["model.num_experts=0"], "model-contract", "model.num_experts=0"),
+    ("moe", ["model.top_k=5"], "model-contract", "model.top_k=5"),
+    ("moe", ["model.routing=random"], "model-contract", "model.routing='random'"),
+    ("moe", ["model.capacity_factor=0"], "model-contract", "model.capacity_factor=0"),
+    ("moe", ["model.aux_loss_weight=-1"], "model-contract", "model.aux_loss_weight=-1"),
+    ("moe", ["mesh.context=2"], "model-contract", "model.routing=capacity"),
+    ("moe", ["mesh.expert=8"], "mesh-divides-model", "mesh.expert=8 does not divide model.num_experts=4"),
+    ("mlp", ["model.hidden=0"], "model-contract", "model.hidden=0"),
+    ("mlp", ["mesh.context=2"], "context-needs-attention-helper", "'attention' capability"),
+    ("mlp", ["mesh.stage=2"], "pipeline-needs-stages", "'stages' capability"),
+    ("moe", ["mesh.stage=2", "train.microbatches=2"], "pipeline-needs-stages", "MoEConfig"),
+]
+
+
+@pytest.mark.parametrize("base, overrides, rule_id, text", MODEL_EXAMPLES, ids=[" ".join(e[1]) + f"@{e[0]}" for e in MODEL_EXAMPLES])
+def test_model_checks_are_asked_of_the_model(base, overrides, rule_id, text):
+    from jaxpar.config import apply_overrides
+
+    with pytest.raises(ConfigError) as info:
+        validate(apply_overrides(base_config(base), overrides), 8, "cpu")
+    assert info.value.rule == rule_id and text in str(info.value), (info.value.rule, str(info.value))
+
+
+def test_a_model_without_the_contract_is_refused_by_name():
+    @dataclasses.dataclass(frozen=True)
+    class Half:
+        task = "lm"
+
+        def build(self, rngs):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match="model Half lacks param_count, flops_per_token") as info:
+        validate(Config(model=Half()), 8, "cpu")
+    assert info.value.rule == "model-contract"
+
+
+def test_no_check_tests_a_model_class():
+    """Checks ask the model (jaxpar.model), never test which class it is."""
+    import re
+
+    for path in (pathlib.Path(__file__).resolve().parent.parent / "jaxpar").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"isinstance\([^)]*(LlamaConfig|MoEConfig|MLPConfig)", text), path
+        imports_models = re.search(r"^\s*(from jaxpar\.models|import jaxpar\.models)", text, re.M)
+        # the base configs of the catalogue's examples, the default config, the planner's presets
+        assert not imports_models or path.name in ("config.py", "presets.py", "__init__.py"), path

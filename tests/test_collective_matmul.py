@@ -310,7 +310,7 @@ def test_model_projections_become_rings(impl):
     outside the projections."""
     from jaxpar.config import Config, TrainConfig, apply_overrides
     from jaxpar.train import build
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     config = Config(
         model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),
@@ -337,7 +337,7 @@ def test_rules_that_move_the_megatron_layout_are_refused():
     """Custom compute rules that leave the MLP unsharded give the ring nothing to split."""
     from jaxpar.config import Config, TrainConfig, apply_overrides
     from jaxpar.train import build
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     config = Config(
         model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),

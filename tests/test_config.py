@@ -36,7 +36,7 @@ def test_bad_override(override, message):
 
 
 def llama(**model):
-    from models.llama import LlamaConfig
+    from jaxpar.models.llama import LlamaConfig
 
     base = LlamaConfig(vocab_size=128, embed=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp=64)
     return Config(model=dataclasses.replace(base, **model))

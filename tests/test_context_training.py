@@ -120,9 +120,9 @@ def test_bad_context_config(long_llama, overrides, message):
 
 def test_context_axis_on_a_model_without_a_sequence():
     from jaxpar.config import Config
-    from models.mlp import MLPConfig
+    from jaxpar.models.mlp import MLPConfig
 
-    with pytest.raises(ConfigError, match=r"mesh.context=2 shards the sequence, but model MLPConfig has none"):
+    with pytest.raises(ConfigError, match=r"mesh.context=2: model MLPConfig does not declare the .attention. capability"):
         build(apply_overrides(Config(model=MLPConfig()), ["mesh.context=2"]))
 
 

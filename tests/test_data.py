@@ -70,7 +70,7 @@ def test_packed_documents_get_segments_positions_and_no_cross_document_target(tm
     with pytest.raises(ConfigError, match=r"data.eos_id=128 must be a token id \(0 to model.vocab_size - 1 = 127\)"):
         build(apply_overrides(tiny_llama, ["data.eos_id=128"]))
     from jaxpar.config import Config
-    from models.mlp import MLPConfig
+    from jaxpar.models.mlp import MLPConfig
 
     with pytest.raises(ConfigError, match="data.eos_id=0 packs documents of a language model, but model.task='classify'"):
         build(apply_overrides(Config(model=MLPConfig()), ["data.eos_id=0"]))

@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.testing import check, compare, run_layout
-from models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig
 
 RTOL = 1e-5
 SP = "parallel.sequence_parallel=true"

@@ -2,7 +2,7 @@
 data-parallel run equals one device (fp32, 1e-5 relative)."""
 
 
-import recipes
+from jaxpar import recipes
 from jaxpar.config import apply_overrides
 from jaxpar.testing import check, compare, reference_run, run_layout
 

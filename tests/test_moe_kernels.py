@@ -25,7 +25,7 @@ from jaxpar.kernels.experts import (
 )
 from jaxpar.mesh import MeshConfig, make_mesh
 from jaxpar.testing import tree_error
-from models.moe import expert_ffn
+from jaxpar.models.moe import expert_ffn
 
 RTOL = 1e-5
 

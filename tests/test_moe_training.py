@@ -16,7 +16,7 @@ from jaxpar.inspect import formulas
 from jaxpar.inspect.hlo import collectives
 from jaxpar.testing import check, compare, run_layout
 from jaxpar.train import build
-from models.moe import MoEConfig
+from jaxpar.models.moe import MoEConfig
 
 RTOL = 1e-5
 

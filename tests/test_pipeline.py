@@ -20,8 +20,8 @@ from jaxpar.pipeline.executor import Stages, pipeline_grads, reference_grads, to
 from jaxpar.pipeline.program import BRANCHES, compile_schedule
 from jaxpar.testing import check, compare, run_layout
 from jaxpar.train import build
-from models.llama import LlamaConfig
-from models.moe import MoEConfig
+from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.moe import MoEConfig
 
 RTOL = 1e-5
 
@@ -180,7 +180,7 @@ def test_tied_embeddings_sum_over_first_and_last_stage(deep_llama, reference):
 def test_llama_pp_recipe_trains_in_bfloat16_like_the_unpipelined_step():
     """The recipe as shipped (bf16, 1F1B, stage 2 x data 2 x tensor 2 + SP, ZeRO-1), cut to
     2 layers: its losses track the same config without stages to bf16 precision."""
-    from recipes import load
+    from jaxpar.recipes import load
 
     config = apply_overrides(load("llama_pp"), ["model.num_layers=2", "train.seq_len=32", "train.steps=3"])
     piped = run_layout(config).losses

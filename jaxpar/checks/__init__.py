@@ -52,9 +52,9 @@ def base_config(name: str) -> Any:
     """The small configs the rules' examples break: a tiny Llama (as tests/conftest.py's
     tiny_llama), the same as a 4-expert MoE, or a small MLP classifier; 8 devices."""
     from jaxpar.config import Config, TrainConfig
-    from models.llama import LlamaConfig
-    from models.mlp import MLPConfig
-    from models.moe import MoEConfig
+    from jaxpar.models.llama import LlamaConfig
+    from jaxpar.models.mlp import MLPConfig
+    from jaxpar.models.moe import MoEConfig
 
     dims = dict(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64)
     models = {

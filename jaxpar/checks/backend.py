@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.sharding.rules import parse_table
-from models.llama import LlamaConfig
+from jaxpar.model import ATTENTION, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -38,8 +38,8 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
         rocm = "rocm" in str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
         if rocm or capability is None or float(capability) < 8.0:
             return f"cuDNN attention needs a CUDA GPU of compute capability 8.0 or more, not {device.device_kind}"
-    if not isinstance(model, LlamaConfig):
-        return f"{type(model).__name__} has no attention"
+    if not supports(model, ATTENTION):
+        return f"model {type(model).__name__} does not route attention through jaxpar's helper (capability 'attention')"
     if config.data.eos_id >= 0:
         return f"data.eos_id={config.data.eos_id} packs documents, whose segment ids cuDNN attention does not take"
     if dtype not in ("bfloat16", "float16"):

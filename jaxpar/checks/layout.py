@@ -12,41 +12,29 @@ from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
 from jaxpar.sharding.attend import ATTENTIONS
 from jaxpar.sharding.projections import COLLECTIVE_MATMULS
-from models.llama import LlamaConfig
+from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
 
-TENSOR_SHARDED = ("num_heads", "num_kv_heads", "vocab_size", "mlp")
-
-
 @rule(
-    "tensor-divides-model",
-    fields=["mesh.tensor"] + [f"model.{f}" for f in TENSOR_SHARDED],
-    summary="Tensor parallelism splits the heads, kv heads, vocabulary and MLP width evenly.",
+    "mesh-divides-model",
+    fields=["mesh.tensor", "mesh.fsdp", "mesh.expert", "model.num_heads", "model.num_kv_heads", "model.vocab_size",
+            "model.mlp", "model.embed", "model.num_experts"],
+    summary="Each mesh axis splits evenly the model fields its config lists in `mesh_divides` (Llama: tensor the "
+    "heads, kv heads, vocabulary and MLP width, fsdp the embedding; MoE: expert the experts).",
     example=["mesh.tensor=8"],
+    also=[["model.embed=36", "mesh.fsdp=8"]],
 )
-def tensor_divides_model(config, sizes) -> None:
-    model, t = config.model, sizes["tensor"]
-    for field in TENSOR_SHARDED if isinstance(model, LlamaConfig) else ():
-        value = getattr(model, field)
-        if value % t:
-            raise ConfigError(f"mesh.tensor={t} does not divide model.{field}={value}; use mesh.tensor in {divisors(value)}")
-
-
-@rule(
-    "fsdp-divides-embed",
-    fields=["mesh.fsdp", "model.embed"],
-    summary="FSDP shards parameters along the embedding, which mesh.fsdp divides.",
-    example=["model.embed=36", "mesh.fsdp=8"],
-)
-def fsdp_divides_embed(config, sizes) -> None:
+def mesh_divides_model(config, sizes) -> None:
     model = config.model
-    if isinstance(model, LlamaConfig) and model.embed % sizes["fsdp"]:
-        raise ConfigError(
-            f"mesh.fsdp={sizes['fsdp']} does not divide model.embed={model.embed}; "
-            f"use mesh.fsdp in {divisors(model.embed)}"
-        )
+    for axis, fields in mesh_divides(model).items():
+        n = sizes.get(axis, 1)
+        for field in fields:
+            value = getattr(model, field)
+            if value % n:
+                raise ConfigError(f"mesh.{axis}={n} does not divide model.{field}={value}; "
+                                  f"use mesh.{axis} in {divisors(value)}")
 
 
 @rule(
@@ -57,7 +45,7 @@ def fsdp_divides_embed(config, sizes) -> None:
 )
 def seq_divides_context_tensor(config, sizes) -> None:
     seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
-    if isinstance(config.model, LlamaConfig) and config.train.seq_len % seq_ways:
+    if supports(config.model, SEQUENCE) and config.train.seq_len % seq_ways:
         raise ConfigError(
             f"train.seq_len={config.train.seq_len} is not divisible by context x tensor = {seq_ways} "
             f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
@@ -79,8 +67,8 @@ def collective_matmul(config, sizes) -> None:
 @rule(
     "collective-matmul-needs-sequence-parallel",
     fields=["parallel.collective_matmul", "parallel.sequence_parallel", "mesh.tensor", "model"],
-    summary="Collective matmul passes sequence chunks round mesh.tensor: a Llama-family model with "
-    "sequence_parallel=true and mesh.tensor > 1.",
+    summary="Collective matmul passes sequence chunks round mesh.tensor: a model whose projections go through "
+    "jaxpar's helpers (capability 'projections'), sequence_parallel=true and mesh.tensor > 1.",
     example=["parallel.collective_matmul=ring"],
     also=[["parallel.collective_matmul=ring", "parallel.sequence_parallel=true"]],
 )
@@ -89,9 +77,8 @@ def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
     if value == "none":
         return
     where = f"parallel.collective_matmul={value}"
-    if not isinstance(config.model, LlamaConfig):
-        raise ConfigError(f"{where}: {type(config.model).__name__} has no sequence to pass round; use it with llama or "
-                          "moe models, or set parallel.collective_matmul=none")
+    if not supports(config.model, PROJECTIONS):
+        raise lacks(config.model, PROJECTIONS, where, "set parallel.collective_matmul=none")
     if not config.parallel.sequence_parallel:
         raise ConfigError(f"{where} overlaps the sequence-parallel all-gather and reduce-scatter, but "
                           "parallel.sequence_parallel=false; set parallel.sequence_parallel=true, or "
@@ -113,9 +100,8 @@ def attention(config, sizes) -> None:
     value = config.parallel.attention
     if value not in ATTENTIONS:
         raise ConfigError(f"parallel.attention={value!r}; use one of {', '.join(ATTENTIONS)}")
-    if value != "auto" and not isinstance(config.model, LlamaConfig):
-        raise ConfigError(f"parallel.attention={value}: {type(config.model).__name__} has no attention; "
-                          "set parallel.attention=auto")
+    if value != "auto" and not supports(config.model, ATTENTION):
+        raise lacks(config.model, ATTENTION, f"parallel.attention={value}", "set parallel.attention=auto")
     if value != "auto" and sizes["context"] > 1:
         raise ConfigError(
             f"parallel.attention={value} with mesh.context={sizes['context']}: a sharded sequence runs the "
@@ -188,18 +174,17 @@ def attention_kernel_needs_context(config, sizes) -> None:
 
 
 @rule(
-    "context-needs-sequence-model",
+    "context-needs-attention-helper",
     fields=["mesh.context", "model"],
-    summary="Only a model with a sequence (Llama, MoE) shards it over mesh.context.",
+    summary="Only a model that routes attention through jaxpar's helper (capability 'attention') shards its "
+    "sequence over mesh.context.",
     example=["mesh.context=2"],
     base="mlp",
 )
 def context_needs_sequence_model(config, sizes) -> None:
     c = sizes["context"]
-    if c > 1 and not isinstance(config.model, LlamaConfig):
-        raise ConfigError(
-            f"mesh.context={c} shards the sequence, but model {type(config.model).__name__} has none; use mesh.context=1"
-        )
+    if c > 1 and not supports(config.model, ATTENTION):
+        raise lacks(config.model, ATTENTION, f"mesh.context={c}", "use mesh.context=1")
 
 
 @rule(

@@ -6,8 +6,7 @@ from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
 from jaxpar.pipeline.schedule import SCHEDULES
-from models.llama import LlamaConfig
-from models.moe import MoEConfig
+from jaxpar.model import STAGES, lacks, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -26,39 +25,6 @@ def expert_exchange(config, sizes) -> None:
     exchange = config.parallel.expert_exchange
     if exchange not in EXPERT_EXCHANGES:
         raise ConfigError(f"parallel.expert_exchange={exchange!r}; use one of {', '.join(EXPERT_EXCHANGES)}")
-
-
-# Without experts, mesh.expert is one more batch axis: the two rules below are MoE only.
-@rule(
-    "expert-divides-experts",
-    fields=["mesh.expert", "model.num_experts"],
-    summary="Expert parallelism gives every device of mesh.expert the same number of experts.",
-    example=["mesh.expert=8"],
-    base="moe",
-)
-def expert_divides_experts(config, sizes) -> None:
-    model, e = config.model, sizes["expert"]
-    if isinstance(model, MoEConfig) and model.num_experts % e:
-        raise ConfigError(
-            f"mesh.expert={e} does not divide model.num_experts={model.num_experts}; use mesh.expert in "
-            f"{divisors(model.num_experts)}"
-        )
-
-
-@rule(
-    "capacity-routing-needs-whole-sequences",
-    fields=["model.routing", "mesh.context"],
-    summary="Capacity routing counts each sequence's capacity, so the sequence stays whole (mesh.context=1).",
-    example=["mesh.context=2"],
-    base="moe",
-)
-def capacity_routing_needs_whole_sequences(config, sizes) -> None:
-    model = config.model
-    if isinstance(model, MoEConfig) and model.routing == "capacity" and sizes["context"] > 1:
-        raise ConfigError(
-            f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} splits "
-            "sequences across devices; use model.routing=dropless, or mesh.context=1"
-        )
 
 
 @rule(
@@ -123,19 +89,17 @@ def pipeline_options_need_stages(config, sizes) -> None:
 
 
 @rule(
-    "pipeline-needs-llama",
+    "pipeline-needs-stages",
     fields=["mesh.stage", "model"],
-    summary="Only a Llama model's layer stack is cut into pipeline stages (not MoE or MLP yet).",
+    summary="Only a model that declares the 'stages' capability (jaxpar.model.PipelineStages: embed, layer stack, "
+    "output) is cut into pipeline stages; its config has num_layers.",
     example=["mesh.stage=2"],
     base="mlp",
 )
-def pipeline_needs_llama(config, sizes) -> None:
+def pipeline_needs_stages(config, sizes) -> None:
     p = sizes["stage"]
-    if p > 1 and type(config.model) is not LlamaConfig:
-        raise ConfigError(
-            f"mesh.stage={p} pipelines the layer stack of a Llama model, but model is {type(config.model).__name__} "
-            "(MoE and MLP models are not cut into stages yet); use mesh.stage=1"
-        )
+    if p > 1 and not supports(config.model, STAGES):
+        raise lacks(config.model, STAGES, f"mesh.stage={p}", "use mesh.stage=1")
 
 
 @rule(
@@ -146,7 +110,7 @@ def pipeline_needs_llama(config, sizes) -> None:
 )
 def pipeline_layers_split(config, sizes) -> None:
     p, v = sizes["stage"], config.parallel.pipeline_chunks
-    layers = config.model.num_layers if p > 1 else 0  # a Llama here: pipeline-needs-llama passed
+    layers = config.model.num_layers if p > 1 else 0  # a model with stages here: pipeline-needs-stages passed
     if layers % (p * v):
         stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
         raise ConfigError(

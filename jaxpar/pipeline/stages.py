@@ -1,11 +1,11 @@
 """A model cut into pipeline stages: which piece runs where, as the executor's three
 functions (jaxpar.pipeline.executor.Stages).
 
-The model provides the pieces (models.llama.Llama: `embed`, `run_layers` over whatever
-layers its `layers` holds, `logits`); a stage rebuilds the model from the weights it
-holds, with only its chunk of the layer stack, so one model definition serves every
-stage. The embedding runs on the first virtual stage, the final norm, head and loss on
-the last (their cost lands on those two stages: `jaxpar explain` shows the split).
+The model provides the pieces (jaxpar.model.PipelineStages: `embed`, `apply_layers` over
+whatever layers its `layers` holds, `output`); a stage rebuilds the model from the weights
+it holds, with only its chunk of the layer stack, so one model definition serves every
+stage. The embedding runs on the first virtual stage, the output and the loss on the last
+(their cost lands on those two stages: `jaxpar explain` shows the split).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import jax
 from flax import nnx
 
 from jaxpar.pipeline.executor import Stages, to_model_order, to_pipeline_order
-from jaxpar.sharding import compute_value
-from jaxpar.train.loss import cross_entropy_sum
+from jaxpar.train.loss import LossFn
 
 LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
 
@@ -53,26 +52,22 @@ def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def language_model_stages(graphdef: nnx.GraphDef, tie_embeddings: bool) -> Stages:
-    """Stages of a decoder language model scored by next-token cross-entropy; a
-    microbatch holds inputs, targets, weights and optionally positions and segment_ids."""
+def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:
+    """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
+    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`."""
 
     def model(chunk: Any, other: dict):
         return nnx.merge(graphdef, join_layers(chunk, other))
 
-    def layers(net, x, mb):
-        return net.run_layers(x, mb.get("positions"), mb.get("segment_ids"))[0]
-
     def first(chunk, other, mb):
         net = model(chunk, other)
-        return layers(net, net.embed(compute_value(net.embedding), mb["inputs"]), mb)
+        return net.apply_layers(net.embed(mb), mb)
 
     def mid(chunk, other, x, mb):
-        return layers(model(chunk, other), x, mb)
+        return model(chunk, other).apply_layers(x, mb)
 
     def last(chunk, other, x, mb):
         net = model(chunk, other)
-        table = compute_value(net.embedding) if tie_embeddings else None
-        return cross_entropy_sum(net.logits(layers(net, x, mb), table), mb["targets"], mb["weights"])
+        return loss_fn(net.output(net.apply_layers(x, mb)), mb)
 
     return Stages(first, mid, last)

@@ -37,15 +37,26 @@ class Planned:
 
 
 def resolve_model(name: str):
-    """A preset name (MODELS) or a recipe's model and sequence length."""
+    """(model, its recipe's Config or None): a preset name (MODELS) first, else a recipe
+    as `jaxpar train` takes it (a shipped name, a .py path, or package.module[:function])."""
     if name in MODELS:
         return MODELS[name], None
-    import recipes
+    from jaxpar import recipes
 
-    if name in recipes.names():
+    try:
         config = recipes.load(name)
-        return config.model, config
-    raise ConfigError(f"--model={name!r}; use one of {', '.join(MODELS)} or a recipe ({', '.join(recipes.names())})")
+    except recipes.UnknownRecipe:
+        raise ConfigError(f"--model={name!r}; use one of {', '.join(MODELS)}, a recipe ({', '.join(recipes.names())}), "
+                          f"or {recipes.FORMS}") from None
+    missing = [f for f in PLANNED_FIELDS if not hasattr(config.model, f)]
+    if missing:
+        raise ConfigError(f"--model={name!r}: the planner's cost model is a decoder's (it reads model "
+                          f"{', '.join(PLANNED_FIELDS)}), and {type(config.model).__name__} has no {', '.join(missing)}; "
+                          "compile and account for one layout with `jaxpar explain` instead")
+    return config.model, config
+
+
+PLANNED_FIELDS = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp")
 
 
 def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_batch: int, compile_top: int = 4,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.llama import LlamaConfig
-from models.moe import MoEConfig
+from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.moe import MoEConfig
 
 MODELS = {
     # Llama 3 (Grattafiori et al. 2024, table 3): 128K vocabulary, GQA with 8 KV heads.

@@ -55,6 +55,14 @@ class Rules:
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*out)
 
+    def with_aliases(self, aliases: Mapping[str, str]) -> "Rules":
+        """A model's own logical names shard like the jaxpar names they stand for
+        ({'dm': 'embed', 'ff': 'mlp'}: jaxpar.model's `axis_names`)."""
+        s, c = self.table("storage"), self.table("compute")
+        for own, canonical in aliases.items():
+            s[own], c[own] = s.get(canonical, ()), c.get(canonical, ())
+        return Rules.of(s, c)
+
     def with_overrides(self, storage: Table | None = None, compute: Table | None = None) -> "Rules":
         s, c = self.table("storage"), self.table("compute")
         s.update(storage or {})

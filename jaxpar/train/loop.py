@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.data.sources import make_source
+from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.train.checkpoint import Checkpoints
@@ -26,15 +27,19 @@ def tokens_per_step(trainer: Trainer) -> int:
     return train.global_batch * (train.seq_len if trainer.config.model.task == "lm" else 1)
 
 
-def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True) -> list[dict]:
+def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True,
+        data: UserData | None = None) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
-    `checkpoint.every` steps and at the end."""
+    `checkpoint.every` steps and at the end. `data`: the user's own host-local batches, a
+    function step -> batch or an iterable (jaxpar.data.user); default the config's source."""
     cfg = trainer.config
     steps = cfg.train.steps if steps is None else steps
     ckpt = cfg.checkpoint
     checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save) if ckpt.dir else None
-    source = make_source(trainer)
+    source = make_source(trainer) if data is None else UserBatches(trainer, data)
+    if data is not None:  # the first batch is checked before the compile
+        source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
     devices = trainer.mesh.devices.flatten()
     tokens = tokens_per_step(trainer)
     flops = cfg.model.flops_per_token(cfg.train.seq_len) * tokens

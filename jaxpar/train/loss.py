@@ -3,7 +3,7 @@ whole global batch, so microbatching never changes the normalisation."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +23,37 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
     return jnp.sum((lse - target_logit) * weights), jnp.sum(weights)
 
 
-def model_loss(model, batch: dict) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-    """(objective sum, (weight, sums)): next-token (lm) or class (classify) loss, a model
-    applied to `inputs` scored against `targets`, weighted by `weights`. Optional per-token
-    `positions` and `segment_ids` (reordered or packed sequences) are passed to the model.
+def task_loss(outputs: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """The built-in loss of both tasks: cross-entropy of the outputs (logits over the
+    vocabulary for lm, over the classes for classify) against `targets`, under `weights`."""
+    return cross_entropy_sum(outputs, batch["targets"], batch["weights"])
 
-    A model may return (logits, aux) (models.moe): aux["penalty"] [B, S] is added to each
-    token's loss under the same weights, and `sums` carries, summed over the batch, the
-    weighted aux["token_metrics"] and the raw aux["counts"]. Sums add up across
+
+LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array]]
+"""(model outputs, batch) -> (sum of the per-example losses, their total weight). The step
+divides the one by the other over the whole global batch, so microbatches and replicas add
+up exactly. `task_loss` is the default; `jaxpar.train.build(config, loss_fn=...)` takes
+another."""
+
+
+def apply_model(model: Any, batch: dict) -> Any:
+    """The model on a batch's `inputs`, with the optional per-token `positions` and
+    `segment_ids` (reordered or packed sequences)."""
+    extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
+    return model(batch["inputs"], **extra)
+
+
+def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """(objective sum, (weight, sums)): `loss_fn` of the model applied to the batch.
+
+    A model may return (outputs, aux) (jaxpar.models.moe): aux["penalty"] [B, S] is added to
+    each token's loss under the batch's weights, and `sums` carries, summed over the batch,
+    the weighted aux["token_metrics"] and the raw aux["counts"]. Sums add up across
     microbatches and replicas, so the step reports them for the whole batch.
     """
-    extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
-    out = model(batch["inputs"], **extra)
-    logits, aux = out if isinstance(out, tuple) else (out, None)
-    total, weight = cross_entropy_sum(logits, batch["targets"], batch["weights"])
+    out = apply_model(model, batch)
+    outputs, aux = out if isinstance(out, tuple) else (out, None)
+    total, weight = loss_fn(outputs, batch)
     if aux is None:
         return total, (weight, {})
     weights = batch["weights"].astype(jnp.float32)
@@ -46,6 +63,3 @@ def model_loss(model, batch: dict) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         "counts": aux["counts"],
     }
     return total, (weight, jax.lax.stop_gradient(sums))
-
-
-LossFn = Callable[[object, dict], tuple[jax.Array, tuple[jax.Array, dict]]]

@@ -18,8 +18,9 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
-from jaxpar.pipeline.stages import join_layers, language_model_stages, split_layers
+from jaxpar.pipeline.stages import join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
+from jaxpar.train.loss import LossFn
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import inner_layout
 
@@ -27,14 +28,15 @@ GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
 
 
 def pipelined_grads(
-    config: Config, layout: Layout, graphdef: nnx.GraphDef, kind: str, reduce_over_data: Callable[[Any], Any]
+    config: Config, layout: Layout, graphdef: nnx.GraphDef, kind: str, reduce_over_data: Callable[[Any], Any],
+    loss_fn: LossFn,
 ) -> tuple[GradFn, Program]:
     """(params, batch) -> (loss, sums, gradients) like the trainer's unpipelined path, and
     the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
-    the optimizer's sharding."""
+    the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
     p, m, v = layout.mesh.shape["stage"], config.train.microbatches, config.parallel.pipeline_chunks
     program = compile_schedule(config.parallel.pipeline_schedule, p, m, v)
-    stages = language_model_stages(graphdef, config.model.tie_embeddings)
+    stages = model_stages(graphdef, loss_fn)
     # The executor is manual over stage and data: its rules leave data out, and no kernel
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)

@@ -26,12 +26,14 @@ from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.config import Config, validate
 from jaxpar.data.batch import FIELDS, batch_kind, batch_shapes
 from jaxpar.mesh import make_mesh
+from jaxpar.model import axis_names
 from jaxpar.nn import layer_policy
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes, quantized_reduce_scatter
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
+from jaxpar.sharding.replicated import replicated_params, report_replicated
 from jaxpar.sharding import ContextAttention, Layout, ParamGather, default_rules, param_names, parse_table, use_layout
-from jaxpar.train.loss import model_loss
+from jaxpar.train.loss import LossFn, model_loss, task_loss
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.pipelined import pipelined_grads as pipelined_grads_fn
@@ -104,8 +106,13 @@ def build(
     devices: Sequence[jax.Device] | None = None,
     tx: optax.GradientTransformation | None = None,
     lr_schedule: optax.Schedule | None = None,
+    loss_fn: LossFn = task_loss,
 ) -> Trainer:
-    """Everything checked and every sharding derived before the first compile."""
+    """Everything checked and every sharding derived before the first compile.
+
+    `tx` replaces the optimizer the config describes (give `lr_schedule` too, or the
+    learning_rate metric reads 0); `loss_fn(outputs, batch) -> (loss sum, weight)` replaces
+    the task's cross-entropy (jaxpar.train.loss)."""
     devices = list(jax.devices() if devices is None else devices)
     validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
     options = step_options(config, devices[0].platform)
@@ -114,7 +121,8 @@ def build(
         exchange = "ragged" if devices[0].platform == "gpu" else "padded"
     warn_if_offload_is_a_no_op(config, devices)
     mesh = make_mesh(config.mesh, devices)
-    rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_overrides(
+    rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_aliases(axis_names(config.model))
+    rules = rules.with_overrides(
         storage=parse_table(config.parallel.storage_rules, "parallel.storage_rules"),
         compute=parse_table(config.parallel.compute_rules, "parallel.compute_rules"),
     )
@@ -144,6 +152,8 @@ def build(
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names = param_names(abstract)
     abstract_params = nnx.to_pure_dict(abstract)
+    # Own logical names that no rule knows would rest whole on every device: say so first.
+    report_replicated(replicated_params(names, abstract_params, layout), config.parallel.on_replicated)
     tx = _train_params_only(tx, abstract)
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
     if parallel.quantized_weights:
@@ -200,7 +210,7 @@ def build(
     def loss_sum(params, batch) -> tuple[jax.Array, tuple[jax.Array, dict]]:
         if task == "lm":
             batch = lay_out_sequences(batch, layout)
-        return model_loss(nnx.merge(graphdef, params), batch)
+        return model_loss(nnx.merge(graphdef, params), batch, loss_fn)
 
     if getattr(config.model, "remat", "none") == "none":
         # Outside the layer scan too, a gathered parameter (embedding, head) is gathered
@@ -287,7 +297,7 @@ def build(
     program = None
     if pipelined:
         pipelined_grads, program = pipelined_grads_fn(
-            config, layout, graphdef, kind, lambda grads: reduce_replicas(grads, shardings.optimizer)
+            config, layout, graphdef, kind, lambda grads: reduce_replicas(grads, shardings.optimizer), loss_fn
         )
 
     batch_grads = pipelined_grads if pipelined else normalised_grads
