@@ -54,7 +54,7 @@ class GPT2Config:
 
     task = "lm"
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
-    axis_names = {"tok": "vocab", "dm": "embed", "ff": "mlp", "nh": "heads", "hd": "head_dim"}
+    axis_names = {"tok": "vocab", "dm": "embed", "ff": "mlp", "nh": "heads", "hd": "head_dim", "pos": None}
     mesh_divides = {"tensor": ("n_head", "n_inner", "vocab_size"), "fsdp": ("n_embd",)}
 
     # What the attention and pipeline capabilities read, in jaxpar's words.

@@ -10,8 +10,8 @@ from jaxpar.config import (
     ParallelConfig,
     TrainConfig,
     apply_overrides,
-    validate,
 )
+from jaxpar.checks import validate
 from jaxpar.errors import ConfigError, Preempted, TrainingStopped
 from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
 from jaxpar.model import ModelConfig, PipelineStages

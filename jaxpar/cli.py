@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--cpu-devices", type=int, default=8, metavar="N",
                        help="virtual CPU devices when no accelerator is present (default 8)")
     train.add_argument("--metrics-file", metavar="PATH", help="write one JSON object per step")
+    train.add_argument("--tensorboard", metavar="DIR",
+                       help="also write each step's metrics as TensorBoard scalars into DIR "
+                       "(pip install 'jaxpar[tensorboard]')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--print-config", action="store_true", help="print every config key and exit")
     explain = sub.add_parser("explain", help="compile a recipe's step and account for its memory and traffic")
@@ -181,11 +184,13 @@ def _train(args) -> int:
             print("\n".join(f"{key}={value}" for key, value in flatten(config).items()))
         return 0
     trainer = build(config, devices)  # validates before anything compiles
+    from jaxpar.model import ATTENTION, supports
+
     model = config.model
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     matmul = trainer.layout.collective_matmul
     # Which attention an unsharded sequence runs (a sharded one runs parallel.context_impl).
-    has_attention = hasattr(model, "head_dim") and trainer.mesh.shape["context"] == 1
+    has_attention = supports(model, ATTENTION) and trainer.mesh.shape["context"] == 1
     if leader:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
@@ -198,14 +203,16 @@ def _train(args) -> int:
             flush=True,
         )
     try:
-        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=leader and not args.no_progress)
+        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=leader and not args.no_progress,
+                      tensorboard_dir=args.tensorboard if leader else None)
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT
     if history and leader:
         first, last = history[0], history[-1]
-        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
+        held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps{held_out}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Typed run configuration and dotted overrides; the checks that run before compile are the
-catalogue in jaxpar.checks, which `validate` runs."""
+"""Typed run configuration and dotted overrides. The checks that run before compile are the
+catalogue in jaxpar.checks (`jaxpar.checks.validate`), which reads these classes; this module
+imports nothing of it."""
 
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ class TrainConfig:
     # was); then `stop` ends the run naming the step and the first bad gradient, `skip`
     # goes on with the next batch.
     on_nonfinite: str = "stop"
+    # Every eval_every steps (0: never) and after the last one, the loss on eval_batches
+    # held-out global batches, never trained on (jaxpar.data.heldout): `eval_loss` in the
+    # progress bar and the metrics.
+    eval_every: int = 0
+    eval_batches: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +118,10 @@ class DataConfig:
     # Tokens then attend only inside their document, RoPE positions restart at each one,
     # and no token is trained to predict the next document's first token.
     eos_id: int = -1
+    # tokens: the last eval_fraction of the file is held out (0 < f < 1): training windows
+    # are drawn only from the rest, held-out batches only from it (jaxpar.data.heldout).
+    # 0: the whole file trains. Synthetic sources hold out a random stream of their own.
+    eval_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,14 +236,3 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + f.name] = value
     return out
-
-
-# ---------------------------------------------------------------- validation
-
-
-def validate(config: Config, num_devices: int, platform: str | None = None) -> dict[str, int]:
-    """Every check that needs no compile (the jaxpar.checks catalogue, in order); returns the
-    resolved mesh axis sizes. Given the devices' `platform`, the backend's checks run too."""
-    from jaxpar.checks import validate as run_catalogue  # lazily: the catalogue imports this module
-
-    return run_catalogue(config, num_devices, platform)

@@ -104,15 +104,17 @@ def force_cpu_devices(n: int) -> None:
             raise RuntimeError(f"force_cpu_devices({n}) came after JAX started with {have} CPU devices") from e
 
 
-def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis.
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None,
+              sizes: dict[str, int] | None = None) -> Mesh:
+    """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis;
+    `sizes`: the axis sizes already resolved for these devices (jaxpar.checks.validate).
 
     Devices are grouped into hosts by process when the number of processes equals the
     number of hosts the config asks for; in a single process (CPU tests, one GPU box) hosts
     are simulated by contiguous blocks of devices, so the layout is the one a cluster gets.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = config.resolve(len(devices))
+    sizes = config.resolve(len(devices)) if sizes is None else dict(sizes)
     across = config.hosts.sizes()
     within = {a: sizes[a] // across[a] for a in AXES}
     hosts = _host_groups(devices, config.hosts.num_hosts)

@@ -18,11 +18,18 @@ never by testing the class:
                  helpers, and so which strategies apply to it. A layout that needs a
                  capability the model lacks is refused before compile.
   axis_names     {own logical name: jaxpar's name}, for a model written with its own names
-                 ("dm" -> "embed", "ff" -> "mlp"): the default rules then shard them.
+                 ("dm" -> "embed", "ff" -> "mlp"): the default rules then shard them; None
+                 for a name never sharded on purpose (a position table's rows).
   mesh_divides   {mesh axis: (config fields it must divide, ...)}: checked before compile
                  with one line naming the field and the sizes that work.
   check(sizes)   the model's own field checks, given the resolved mesh axis sizes; raises
                  jaxpar.errors.ConfigError naming `model.<field>`.
+  sequence_length  models with the 'sequence' capability whose activations' sequence is not
+                 train.seq_len (a ViT's patch count): what sequence parallelism divides.
+  input_shape    classify models: each example's `inputs` shape (default (in_features,)),
+                 e.g. (H, W, C) for images.
+  batch_fields(seq_len)  {name: jaxpar.data.batch.Field}: batches of other fields than the
+                 task's (then the data comes from jaxpar.train.run(data=...)).
   layer_param_count()  one repeated layer's parameters (the XLA overlap preset's combine
                  thresholds; default param_count() / num_layers).
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).

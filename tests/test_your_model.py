@@ -1,6 +1,8 @@
-"""A model a user writes (examples/gpt2.py: own logical names, learned positions, LayerNorm,
-GELU, tied head) gets jaxpar's strategies through the model contract, each equal to one
-device: FSDP x TP + SP, a pipeline over fsdp x tensor, and ring context parallelism.
+"""Models a user writes get jaxpar's strategies through the model contract, each equal to
+one device: examples/gpt2.py (own logical names, learned positions, LayerNorm, GELU, tied
+head) on FSDP x TP + SP, a pipeline over fsdp x tensor and ring context parallelism;
+examples/vit.py (images [B, H, W, C], patches as its sequence) on FSDP x TP + SP and a
+pipeline. Own losses and own data keep the loop.
 
 Tolerance (fp32): losses and first-step gradients within 1e-5 relative (normwise per
 parameter), parameters after three AdamW steps within 1e-5; measured ~1e-6.
@@ -38,6 +40,35 @@ def test_gpt2_layout_equals_single_device(gpt2, reference, name):
         warnings.simplefilter("error")  # its axis_names shard every matrix: nothing is replicated
         run = run_layout(apply_overrides(gpt2, LAYOUTS[name]))
     check(compare(run, reference(gpt2)), 1e-5, where=name)
+
+
+VIT_LAYOUTS = {
+    "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
+    "pipeline_fsdp_tp_sp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                            "train.microbatches=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def vit():
+    config = recipes.load(str(EXAMPLES / "vit.py"))
+    return dataclasses.replace(config, train=TrainConfig(steps=3, global_batch=16, compute_dtype="float32"))
+
+
+@pytest.mark.parametrize("name", list(VIT_LAYOUTS))
+def test_vit_layout_equals_single_device(vit, reference, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = run_layout(apply_overrides(vit, VIT_LAYOUTS[name]))
+    check(compare(run, reference(vit)), 1e-5, where=name)
+
+
+def test_vit_sequence_is_its_patches(vit):
+    """Sequence parallelism divides the patch count (16 here), not train.seq_len."""
+    from jaxpar.checks import validate
+
+    with pytest.raises(ConfigError, match=r"model.sequence_length=9 is not divisible by context x tensor = 2"):
+        validate(apply_overrides(vit, ["model.image_size=12", "mesh.tensor=2", "parallel.sequence_parallel=true"]), 8)
 
 
 def test_own_names_without_axis_names_are_refused_under_strict(gpt2):

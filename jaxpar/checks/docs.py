@@ -51,7 +51,7 @@ def markdown() -> str:
         f"Written from the catalogue in `jaxpar/checks/` by `{COMMAND}`;",
         "`tests/test_checks.py` fails when this page and the catalogue disagree, so change the rules, not the page.",
         "",
-        "`jaxpar.config.validate(config, num_devices, platform=None)`, which `build` calls before anything is",
+        "`jaxpar.checks.validate(config, num_devices, platform=None)`, which `build` calls before anything is",
         "compiled, runs these rules in this order; the first that fails raises a `ConfigError` naming the field, the",
         "value and what would work, with `.rule` set to the rule's id. The order matters where a rule relies on an",
         "earlier one (the context rules divide heads by the tensor degree the layout rules checked). The first rule",

@@ -45,11 +45,32 @@ def mesh_divides_model(config, sizes) -> None:
 )
 def seq_divides_context_tensor(config, sizes) -> None:
     seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
-    if supports(config.model, SEQUENCE) and config.train.seq_len % seq_ways:
+    field, length = sequence_length(config)
+    if supports(config.model, SEQUENCE) and length % seq_ways:
         raise ConfigError(
-            f"train.seq_len={config.train.seq_len} is not divisible by context x tensor = {seq_ways} "
+            f"{field}={length} is not divisible by context x tensor = {seq_ways} "
             f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
         )
+
+
+def sequence_length(config) -> tuple[str, int]:
+    """(where it comes from, the length of the model's activations' sequence): the model's
+    own `sequence_length` (a ViT's patches) or train.seq_len."""
+    own = getattr(config.model, "sequence_length", None)
+    return ("model.sequence_length", own) if own is not None else ("train.seq_len", config.train.seq_len)
+
+
+@rule(
+    "sequence-parallel-needs-sequence",
+    fields=["parallel.sequence_parallel", "model"],
+    summary="Sequence parallelism shards the sequence of a model that declares the 'sequence' capability (its "
+    "activations carry seq / norm_seq); on any other it would do nothing.",
+    example=["parallel.sequence_parallel=true"],
+    base="mlp",
+)
+def sequence_parallel_needs_sequence(config, sizes) -> None:
+    if config.parallel.sequence_parallel and not supports(config.model, SEQUENCE):
+        raise lacks(config.model, SEQUENCE, "parallel.sequence_parallel=true", "set parallel.sequence_parallel=false")
 
 
 @rule(

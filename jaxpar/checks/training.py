@@ -270,3 +270,78 @@ def eos_in_vocabulary(config, sizes) -> None:
             f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
             "or -1 for unpacked rows"
         )
+
+
+@rule(
+    "eval-every",
+    fields=["train.eval_every"],
+    summary="Held-out evaluation runs every so many steps, or (0) never.",
+    example=["train.eval_every=-1"],
+)
+def eval_every(config, sizes) -> None:
+    if config.train.eval_every < 0:
+        raise ConfigError(
+            f"train.eval_every={config.train.eval_every}; use a number of steps between evaluations "
+            "(e.g. train.eval_every=100), or 0 for none"
+        )
+
+
+@rule(
+    "eval-batches-positive",
+    fields=["train.eval_batches"],
+    summary="An evaluation averages the loss over at least one held-out global batch.",
+    example=["train.eval_batches=0"],
+)
+def eval_batches_positive(config, sizes) -> None:
+    if config.train.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_batches={config.train.eval_batches} must be a positive number of held-out global batches; "
+            "e.g. train.eval_batches=4"
+        )
+
+
+@rule(
+    "eval-fraction-range",
+    fields=["data.eval_fraction"],
+    summary="The held-out share of a token file is a fraction below 1, or 0 for none.",
+    example=["data.eval_fraction=1.5"],
+    also=[["data.eval_fraction=-0.1"]],
+)
+def eval_fraction_range(config, sizes) -> None:
+    fraction = config.data.eval_fraction
+    if not 0 <= fraction < 1:
+        raise ConfigError(
+            f"data.eval_fraction={fraction} must be in (0, 1), the share of the token file held out "
+            "(e.g. 0.01: its last 1%), or 0 to train on all of it"
+        )
+
+
+@rule(
+    "eval-fraction-needs-token-file",
+    fields=["data.eval_fraction", "data.source"],
+    summary="data.eval_fraction splits a token file; synthetic sources hold out a random stream of their own.",
+    example=["data.eval_fraction=0.1"],
+)
+def eval_fraction_needs_token_file(config, sizes) -> None:
+    fraction = config.data.eval_fraction
+    if fraction and (config.data.source != "tokens" or config.model.task != "lm"):
+        raise ConfigError(
+            f"data.eval_fraction={fraction} holds out the end of a token file, but data.source="
+            f"{config.data.source} (model.task={config.model.task!r}) draws held-out batches from a random stream "
+            "of its own; leave data.eval_fraction=0, or set data.source=tokens"
+        )
+
+
+@rule(
+    "token-eval-needs-held-out-part",
+    fields=["train.eval_every", "data.eval_fraction"],
+    summary="Evaluating a model trained on a token file needs a held-out part of it, data.eval_fraction > 0.",
+    example=["train.eval_every=10", "data.source=tokens", "data.path=tokens.npy"],
+)
+def token_eval_needs_held_out_part(config, sizes) -> None:
+    every = config.train.eval_every
+    if every and config.data.source == "tokens" and config.model.task == "lm" and not config.data.eval_fraction:
+        raise ConfigError(
+            f"train.eval_every={every} evaluates on held-out batches, but data.eval_fraction=0 holds none of "
+            f"data.path={config.data.path!r} out of training; set data.eval_fraction=0.01 (its last 1%)"
+        )

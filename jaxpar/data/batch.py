@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -36,9 +39,38 @@ def batch_kind(task: str, eos_id: int) -> str:
     return "lm_packed" if task == "lm" and eos_id >= 0 else task
 
 
-def batch_shapes(task: str, global_batch: int, seq_len: int, in_features: int = 0) -> dict[str, tuple[int, ...]]:
-    second = in_features if task == "classify" else seq_len
-    return {name: (global_batch, second)[: len(names)] for name, (names, _) in FIELDS[task].items()}
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field of a batch: its shape per example (after the global batch dimension), its
+    dtype, and the logical names of all its dimensions (the first is "batch")."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    names: tuple[str | None, ...]
+
+
+def batch_fields(model: Any, seq_len: int, eos_id: int) -> dict[str, Field]:
+    """What a batch holds for `model`: its own `batch_fields(seq_len)` if it declares them
+    (jaxpar.model), else its task's: lm token rows of seq_len (with packed documents'
+    positions and segment ids when `eos_id` >= 0), or classify inputs of the model's
+    `input_shape` (default (in_features,)) with one target per example."""
+    if hasattr(model, "batch_fields"):
+        return dict(model.batch_fields(seq_len))
+    kind = batch_kind(model.task, eos_id)
+    if kind not in FIELDS:
+        raise ConfigError(f"model.task={model.task!r}: jaxpar knows the batches of 'lm' and 'classify'; "
+                          "give the model config batch_fields(seq_len) for others (jaxpar.model)")
+    example = {"lm": (seq_len,), "lm_packed": (seq_len,)}.get(kind) or tuple(
+        getattr(model, "input_shape", None) or (model.in_features,))
+    fields = {}
+    for name, (names, dtype) in FIELDS[kind].items():
+        shape = example if name == "inputs" or kind != "classify" else ()
+        fields[name] = Field(shape, dtype, ("batch", *([None] * len(shape))))
+    return fields
+
+
+def batch_shapes(fields: dict[str, Field], global_batch: int) -> dict[str, tuple[int, ...]]:
+    return {name: (global_batch, *f.shape) for name, f in fields.items()}
 
 
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:

@@ -72,6 +72,10 @@ class TokenFile(Source):
                 f"data.path={cfg.path!r} holds token id {int(sample.max())} but model.vocab_size={vocab}; "
                 f"set model.vocab_size above the largest id"
             )
+        from jaxpar.data.heldout import split_tokens  # lazily: heldout builds on this module
+
+        # Windows are drawn from the training part only; the held-out tail is jaxpar.data.heldout's.
+        self.tokens, self.held_out = split_tokens(self.tokens, cfg.eval_fraction, seq, cfg.path)
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         batch, seq = self.shapes["inputs"]
@@ -81,19 +85,21 @@ class TokenFile(Source):
 
 
 class SyntheticClasses(Source):
-    """Gaussian inputs labelled by a fixed random linear teacher: learnable to ~100%."""
+    """Gaussian inputs (of any shape per example: features, images) labelled by a fixed
+    random linear teacher of the flattened input: learnable to ~100%."""
 
     def __init__(self, trainer):
         super().__init__(trainer)
-        model = trainer.config.model
-        self.teacher = np.random.default_rng([self.seed, 11]).normal(size=(model.in_features, model.num_classes))
+        features = int(np.prod(self.shapes["inputs"][1:]))
+        classes = trainer.config.model.num_classes
+        self.teacher = np.random.default_rng([self.seed, 11]).normal(size=(features, classes))
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        batch, features = self.shapes["inputs"]
-        x = np.random.default_rng([self.seed, step]).normal(size=(batch, features)).astype(np.float32)[rows]
+        shape = self.shapes["inputs"]
+        x = np.random.default_rng([self.seed, step]).normal(size=shape).astype(np.float32)[rows]
         return {
             "inputs": x,
-            "targets": np.argmax(x @ self.teacher, axis=-1).astype(np.int32),
+            "targets": np.argmax(x.reshape(len(x), -1) @ self.teacher, axis=-1).astype(np.int32),
             "weights": np.ones(len(x), np.float32),
         }
 
@@ -132,7 +138,12 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
 
 
 def make_source(trainer) -> Source:
-    task, source = trainer.config.model.task, trainer.config.data.source
+    model = trainer.config.model
+    if hasattr(model, "batch_fields"):
+        raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
+                          f"({', '.join(trainer.batch_fields)}), which jaxpar's data sources do not make; "
+                          "give your batches to jaxpar.train.run(trainer, data=...) (docs/your_model.md)")
+    task, source = model.task, trainer.config.data.source
     if task == "classify":
         return SyntheticClasses(trainer)
     return TokenFile(trainer) if source == "tokens" else SyntheticTokens(trainer)

@@ -55,12 +55,13 @@ class Rules:
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*out)
 
-    def with_aliases(self, aliases: Mapping[str, str]) -> "Rules":
+    def with_aliases(self, aliases: Mapping[str, str | None]) -> "Rules":
         """A model's own logical names shard like the jaxpar names they stand for
-        ({'dm': 'embed', 'ff': 'mlp'}: jaxpar.model's `axis_names`)."""
+        ({'dm': 'embed', 'ff': 'mlp'}: jaxpar.model's `axis_names`); None: never sharded,
+        on purpose (a position table's rows)."""
         s, c = self.table("storage"), self.table("compute")
         for own, canonical in aliases.items():
-            s[own], c[own] = s.get(canonical, ()), c.get(canonical, ())
+            s[own], c[own] = (s.get(canonical, ()), c.get(canonical, ())) if canonical else ((), ())
         return Rules.of(s, c)
 
     def with_overrides(self, storage: Table | None = None, compute: Table | None = None) -> "Rules":

@@ -1,14 +1,13 @@
-"""The training loop: compile once, run steps, show progress, write per-step metrics.
+"""The training loop: compile once, run steps, evaluate on held-out batches, show progress,
+write per-step metrics (jaxpar.train.metrics).
 
-Metrics of step i are read back while step i+1 runs, so the host never stalls the devices.
+Metrics of step i are read back while step i+1 runs, so the host never stalls the devices;
+a held-out evaluation after step i is queued before step i+1 and read with step i's row.
 """
 
 from __future__ import annotations
 
-import json
-import pathlib
 import time
-from typing import IO
 
 import jax
 from jax.experimental import multihost_utils
@@ -19,6 +18,8 @@ from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.evaluation import Sums, collect, open_evaluation
+from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
 from jaxpar.train.trainer import Trainer
 
 
@@ -28,11 +29,16 @@ def tokens_per_step(trainer: Trainer) -> int:
 
 
 def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True,
-        data: UserData | None = None) -> list[dict]:
+        data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
     `checkpoint.every` steps and at the end. `data`: the user's own host-local batches, a
-    function step -> batch or an iterable (jaxpar.data.user); default the config's source."""
+    function step -> batch or an iterable (jaxpar.data.user); default the config's source.
+    With train.eval_every > 0, the held-out loss (jaxpar.train.evaluation) joins the rows of
+    every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
+    batches in the format of `data` (needed with `data`; default the config's held-out part,
+    jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
+    to `tensorboard_dir` (jaxpar.train.metrics)."""
     cfg = trainer.config
     steps = cfg.train.steps if steps is None else steps
     ckpt = cfg.checkpoint
@@ -40,13 +46,12 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     source = make_source(trainer) if data is None else UserBatches(trainer, data)
     if data is not None:  # the first batch is checked before the compile
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
-    devices = trainer.mesh.devices.flatten()
-    tokens = tokens_per_step(trainer)
-    flops = cfg.model.flops_per_token(cfg.train.seq_len) * tokens
-    peak = peak_flops(devices[0], cfg.train.peak_tflops)
+    evaluation = open_evaluation(trainer, data, eval_data)
+    prepare_outputs(metrics_file, tensorboard_dir)
 
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    evaluation = evaluation.compile(trainer) if evaluation is not None else None
     start = 0
     if checkpoints is not None and checkpoints.latest_step() is not None:
         state, start = checkpoints.restore(trainer)
@@ -58,20 +63,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         print(f"resumed from step {start} ({ckpt.dir})", flush=True)
 
     history: list[dict] = []
-    if metrics_file and start:  # a resumed run replaces what the lost one logged past the checkpoint
-        _truncate_metrics(metrics_file, start)
-    out: IO | None = open(metrics_file, "a" if start else "w") if metrics_file else None
+    writers = open_writers(metrics_file, tensorboard_dir, start)
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-    pending = None
-    skipped = 0  # steps not applied for a non-finite loss or gradient
-    last = time.perf_counter()
-
-    def check(step: int, values: dict) -> None:
-        nonlocal skipped
-        if values["nonfinite"]:
-            skipped += 1
-            if cfg.train.on_nonfinite == "stop":
-                raise TrainingStopped(_nonfinite_message(trainer, step, values))
+    rows = _Rows(trainer, writers, bar)
+    pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs
 
     # With several processes JAX's preemption service takes SIGTERM: every process learns of
     # it, and all agree on the step after which to save and stop.
@@ -85,24 +80,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
             if step < end:
                 state, metrics = step_fn(state, source(step))
             if pending is not None:  # read step-1 while `step` runs
-                values = {k: float(v) for k, v in jax.device_get(pending[1]).items()}
-                check(pending[0], values)
-                now = time.perf_counter()
-                seconds, last = now - last, now
-                record = {"step": pending[0], **values, "tokens_per_s": tokens / seconds, "step_time_s": seconds}
-                util = mfu(flops, seconds, len(devices), peak)
-                if util is not None:
-                    record["mfu"] = util
-                history.append(record)
-                if out:
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
-                bar.set_postfix_str(
-                    (f"skipped={skipped} " if skipped else "") + f"loss={values['loss']:.4f} tok/s={record['tokens_per_s']:,.0f} "
-                    f"mfu={'n/a' if util is None else f'{util:.1%}'}" + _expert_postfix(values),
-                    refresh=False,
-                )
-                bar.update(1)
+                history.append(rows.row(*pending))
             pending = None
             if step < end:
                 done = step + 1
@@ -113,13 +91,14 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                     # (the save waits for the step anyway), so no checkpoint holds a step
                     # past one that stopped the run.
                     if cfg.train.on_nonfinite == "stop" and float(metrics["nonfinite"]):
-                        check(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
+                        rows.check(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
                     checkpoints.save(trainer, state, done)
-                pending = (step, metrics)
+                # Queued before the next step, which then waits for it: it reads this step's weights.
+                held_out = evaluation.start(state.params) if evaluation is not None and evaluation.due(done, steps) else None
+                pending = (step, metrics, held_out)
     finally:
         bar.close()
-        if out:
-            out.close()
+        writers.close()
         if checkpoints is not None:
             checkpoints.close()  # waits for saves in flight
     if preempted_at is not None:
@@ -127,11 +106,51 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     return history
 
 
-def _truncate_metrics(path: str, start: int) -> None:
-    file = pathlib.Path(path)
-    if file.exists():
-        rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
-        file.write_text("".join(row + "\n" for row in rows))
+class _Rows:
+    """Each step's row, made while the next step runs: its metrics read back, its time,
+    tokens/s and MFU, its held-out loss; then written and shown in the progress bar. A
+    non-finite step stops the run here or is counted (train.on_nonfinite)."""
+
+    def __init__(self, trainer: Trainer, writers: Writers, bar: tqdm):
+        cfg = trainer.config
+        self.trainer, self.writers, self.bar = trainer, writers, bar
+        self.devices = len(trainer.mesh.devices.flatten())
+        self.tokens = tokens_per_step(trainer)
+        self.flops = cfg.model.flops_per_token(cfg.train.seq_len) * self.tokens
+        self.peak = peak_flops(trainer.mesh.devices.flatten()[0], cfg.train.peak_tflops)
+        self.skipped = 0  # steps not applied for a non-finite loss or gradient
+        self.eval_loss: float | None = None  # the latest, shown until the next
+        self.last = time.perf_counter()
+
+    def check(self, step: int, values: dict) -> None:
+        if values["nonfinite"]:
+            self.skipped += 1
+            if self.trainer.config.train.on_nonfinite == "stop":
+                raise TrainingStopped(_nonfinite_message(self.trainer, step, values))
+
+    def row(self, step: int, metrics: dict, held_out: Sums | None) -> dict:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.check(step, values)
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        record = {"step": step, "time": time.time(), **values, "tokens_per_s": self.tokens / seconds,
+                  "step_time_s": seconds}
+        util = mfu(self.flops, seconds, self.devices, self.peak)
+        if util is not None:
+            record["mfu"] = util
+        if held_out is not None:
+            record["eval_loss"] = self.eval_loss = collect(held_out)
+            self.last = time.perf_counter()  # the next step waited for the evaluation: not its time
+        self.writers.write(record)
+        self.bar.set_postfix_str(
+            (f"skipped={self.skipped} " if self.skipped else "") + f"loss={values['loss']:.4f} "
+            + (f"eval_loss={self.eval_loss:.4f} " if self.eval_loss is not None else "")
+            + f"tok/s={record['tokens_per_s']:,.0f} mfu={'n/a' if util is None else f'{util:.1%}'}"
+            + _expert_postfix(values),
+            refresh=False,
+        )
+        self.bar.update(1)
+        return record
 
 
 def _nonfinite_message(trainer: Trainer, step: int, values: dict) -> str:

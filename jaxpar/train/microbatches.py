@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 
-from jaxpar.data.batch import FIELDS
 from jaxpar.sharding import Layout
 
 
@@ -16,6 +15,6 @@ def split_microbatches(x: jax.Array, m: int, names: tuple, layout: Layout) -> ja
     return jax.lax.with_sharding_constraint(x, layout.sharding((None, *names), "compute"))
 
 
-def split_batch(batch: dict, m: int, kind: str, layout: Layout) -> dict:
-    """Every field of a batch of kind `kind` (jaxpar.data.batch.FIELDS), split into m."""
-    return {k: split_microbatches(v, m, FIELDS[kind][k][0], layout) for k, v in batch.items()}
+def split_batch(batch: dict, m: int, names: dict[str, tuple], layout: Layout) -> dict:
+    """Every field of a batch, whose dimensions carry `names[field]`, split into m."""
+    return {k: split_microbatches(v, m, names[k], layout) for k, v in batch.items()}

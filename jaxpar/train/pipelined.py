@@ -18,17 +18,17 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
-from jaxpar.pipeline.stages import join_layers, model_stages, split_layers
+from jaxpar.pipeline.stages import in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.train.loss import LossFn
 from jaxpar.train.microbatches import split_batch
-from jaxpar.train.replicas import inner_layout
+from jaxpar.train.replicas import inner_layout, without_axis
 
 GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
 
 
 def pipelined_grads(
-    config: Config, layout: Layout, graphdef: nnx.GraphDef, kind: str, reduce_over_data: Callable[[Any], Any],
+    config: Config, layout: Layout, graphdef: nnx.GraphDef, names: dict[str, tuple], reduce_over_data: Callable[[Any], Any],
     loss_fn: LossFn,
 ) -> tuple[GradFn, Program]:
     """(params, batch) -> (loss, sums, gradients) like the trainer's unpipelined path, and
@@ -43,7 +43,7 @@ def pipelined_grads(
 
     def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Any]:
         layers, other = split_layers(params)
-        micro = split_batch(batch, m, kind, layout)
+        micro = split_batch(batch, m, names, layout)
         with use_layout(inside):
             total, weight, d_layers, d_other = pipeline_grads(program, stages, layout.mesh, layers, other, micro)
         summed = reduce_over_data(join_layers(d_layers, d_other))
@@ -51,3 +51,15 @@ def pipelined_grads(
         return total / weight, {"weight": weight}, jax.tree.map(lambda g: g / weight, summed)
 
     return grads, program
+
+
+def unpipelined(params: Any, layout: Layout, param_shardings: Any, chunks: int) -> tuple[Any, Layout]:
+    """(params, layout) for running the whole model in one program (evaluation, inference):
+    the layers in model order, gathered from their stages, and a layout whose rules shard no
+    "layers" axis (a scan over a stage-sharded stack aborts XLA's partitioner)."""
+    stages = layout.mesh.shape["stage"]
+    if stages == 1:
+        return params, layout
+    whole = jax.tree.map(lambda s: without_axis(s, "stage"), param_shardings)
+    params = jax.lax.with_sharding_constraint(in_model_order(params, stages, chunks), whole)
+    return params, dataclasses.replace(layout, rules=layout.rules.with_overrides({"layers": ()}, {"layers": ()}))

@@ -32,10 +32,16 @@ def inner_layout(layout: Layout) -> Layout:
 
 
 def without_data(sharding: NamedSharding) -> NamedSharding:
+    return without_axis(sharding, AXIS)
+
+
+def without_axis(sharding: NamedSharding, axis: str) -> NamedSharding:
+    """`sharding` with mesh axis `axis` taken out of its spec (replicated over it)."""
+
     def drop(entry):
         if entry is None:
             return None
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != AXIS)
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != axis)
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     return NamedSharding(sharding.mesh, P(*(drop(e) for e in sharding.spec)))

@@ -1,0 +1,98 @@
+"""Held-out batches: what the loss is evaluated on (train.eval_every), never trained on.
+
+Every evaluation reads the same train.eval_batches global batches, numbered 0, 1, ..., so
+the held-out losses of a run compare with each other. Where they come from:
+
+  - a synthetic source: held-out batch i is the source's batch at step HELD_OUT_STEP + i.
+    Its random stream is seeded with the words (train.seed, i, 2**30), a training step's
+    with (train.seed, step): the streams differ in their third word, so a held-out batch is
+    drawn apart from every training batch (the same language or teacher, other samples).
+  - a token file (data.source=tokens): its last data.eval_fraction share is held out.
+    Training windows are drawn only from the part before it (`split_tokens`, applied by
+    jaxpar.data.sources.TokenFile), held-out windows only from the part after: no token of
+    the held-out part is ever trained on. With data.eval_fraction=0 the whole file trains,
+    as before there was evaluation.
+  - the user's own batches (jaxpar.train.run(data=...)): run(eval_data=...), in the format
+    of `data` (jaxpar.data.user): a function i -> host-local batch, or an iterable whose
+    first train.eval_batches batches are kept and read at every evaluation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxpar.data.sources import TokenFile, make_source
+from jaxpar.data.user import UserBatches, UserData, check_batch
+from jaxpar.errors import ConfigError
+
+HELD_OUT_STEP = 1 << 62  # held-out batch i is a synthetic source's batch at this step + i
+HeldOut = Callable[[int], dict[str, jax.Array]]  # i -> held-out global batch i
+
+
+def split_tokens(tokens: np.ndarray, fraction: float, seq_len: int, path: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(training part, held-out part) of a file's tokens: the last `fraction` of them,
+    rounded down, held out; fraction 0 holds nothing out. Each part that is used holds a
+    window of seq_len + 1 tokens and one start position more (seq_len + 2 tokens)."""
+    n = len(tokens)
+    if not fraction:
+        return tokens, tokens[n:]
+    held = int(n * fraction)
+    need = seq_len + 2
+    if held < need or n - held < need:
+        low, high = need / n, 1 - need / n
+        works = (f"use {low:.3g} to {high:.3g}" if low <= high
+                 else f"the file is too short to split; give more than {2 * need} tokens")
+        raise ConfigError(
+            f"data.eval_fraction={fraction} splits data.path={path!r}, {n} tokens, into {n - held} to train on and "
+            f"{held} held out; each part needs train.seq_len + 2 = {need}: {works}"
+        )
+    return tokens[: n - held], tokens[n - held :]
+
+
+class HeldOutTokens(TokenFile):
+    """The token file's held-out part, its windows drawn as TokenFile draws them."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        if not len(self.held_out):
+            cfg = trainer.config.data
+            raise ConfigError(
+                f"data.eval_fraction={cfg.eval_fraction:g} holds none of data.path={cfg.path!r} out of training; "
+                "set data.eval_fraction=0.01 (its last 1%)"
+            )
+        self.tokens = self.held_out
+
+
+def held_out_batches(trainer, eval_data: UserData | None = None) -> HeldOut:
+    """i -> held-out global batch i, for 0 <= i < train.eval_batches: from `eval_data` when
+    given (checked now), else from the config's source (see the module docstring)."""
+    if eval_data is not None:
+        return user_held_out(trainer, eval_data, trainer.config.train.eval_batches)
+    source = make_source(trainer)
+    if isinstance(source, TokenFile):
+        source = HeldOutTokens(trainer)
+    return lambda i: source(HELD_OUT_STEP + i)
+
+
+def user_held_out(trainer, eval_data: UserData, count: int) -> HeldOut:
+    """The user's held-out batches; an iterable's first `count` are kept, and each checked,
+    a function's first batch is checked; both before anything compiles."""
+    kept = None
+    if not callable(eval_data):
+        kept = list(itertools.islice(eval_data, count))
+        if len(kept) < count:
+            raise ConfigError(f"eval_data: the iterable holds {len(kept)} batches but train.eval_batches={count}; "
+                              f"give at least {count}, or lower train.eval_batches")
+        eval_data = kept.__getitem__
+    source = UserBatches(trainer, eval_data)
+    try:
+        source.peek(0)
+        for batch in kept or ():
+            check_batch(batch, source.expected, source.rows)
+    except ConfigError as e:  # its messages begin "data: "
+        raise ConfigError(f"eval_{e}") from None
+    return source

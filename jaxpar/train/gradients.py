@@ -1,0 +1,129 @@
+"""The step's gradient: the loss of a batch, accumulated over microbatches, reduced over the
+replicas, returned in the optimizer's sharding and normalised by the batch's total weight."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.kernels.quantized import quantized_reduce_scatter
+from jaxpar.nn import layer_policy
+from jaxpar.sharding import Layout, use_layout
+from jaxpar.train.loss import LossFn, model_loss
+from jaxpar.train.microbatches import split_batch
+from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
+from jaxpar.train.sequence import lay_out_sequences
+from jaxpar.train.state import cast_floats
+from jaxpar.train.zero import StateShardings
+
+LossSum = Callable[[Any, dict], tuple[jax.Array, tuple[jax.Array, dict]]]
+GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]  # (params, batch) -> (loss, sums, grads)
+
+
+def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str) -> LossSum:
+    """(params, batch) -> (loss sum, (weight, sums)) of the model under `loss_fn`."""
+
+    def loss_sum(params, batch):
+        if task == "lm":  # sequences laid out as the context-parallel kernels expect
+            batch = lay_out_sequences(batch, layout)
+        return model_loss(nnx.merge(graphdef, params), batch, loss_fn)
+
+    if remat == "none":
+        # Outside the layer scan too, a gathered parameter (embedding, head) is gathered
+        # again for the backward pass rather than kept whole (ZeRO-3: 3x traffic, 1/N
+        # memory). Only under "none": an outer checkpoint overrides the layers' own policy.
+        loss_sum = jax.checkpoint(loss_sum, policy=layer_policy("none"), prevent_cse=True)
+    return loss_sum
+
+
+def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, quantized_gradients: bool) -> bool:
+    """Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
+    (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and for
+    qgZ's int8 all-to-all, which replaces the reduction over data. Elsewhere each layer's
+    gradient is reduced inside the backward loop, where a GPU can overlap it with the
+    layers still to go."""
+    return mesh_shape["data"] > 1 and (
+        mesh_shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or quantized_gradients
+    )
+
+
+def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any], Any]:
+    """(per-replica gradients [data, ...], target shardings) -> their sum, sharded as the
+    target: an int8 all-to-all under qgZ (`quantized_block` > 0) where the target shards
+    over data, else the partitioner's reduction."""
+
+    def one(g, sharding):
+        source = without_data(sharding).spec
+        if quantized_block and source != sharding.spec:
+            return quantized_reduce_scatter(g, layout.mesh, "data", source, sharding.spec, quantized_block)
+        return jax.lax.with_sharding_constraint(g.sum(0), sharding)
+
+    return lambda grads, target: jax.tree.map(one, grads, target)
+
+
+def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
+                    microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any]) -> GradFn:
+    """Gradient of (sum of per-example losses over the global batch) / (its weight),
+    accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
+    the model's other sums over the batch (jaxpar.train.loss).
+
+    Per-replica gradients are reduced over fsdp inside the replica, then over data: once per
+    step at ZeRO 0-1 (microbatches accumulate unreduced), once per microbatch at ZeRO 2-3
+    (reduce-scatter into the sharded accumulator). Without accumulation there is no gradient
+    buffer to keep whole: ZeRO-1 reduce-scatters straight to the optimizer's shards, like ZeRO-2.
+    """
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+    reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
+    per_step = replicas and zero_stage < 2  # reduce over data once per step
+
+    def microbatch(params, mb):
+        """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is [data, ...]
+        per replica if reduced per step, else reduced to `reduce_to`."""
+        if not replicas:
+            with use_layout(layout):
+                (l, aux), g = grad_fn(params, mb)
+            return l, aux, cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
+        mb = {k: split_replicas(v, names[k], layout) for k, v in mb.items()}
+        l, aux, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
+        g = cast_floats(g, jnp.float32)
+        if not per_step:
+            g = reduce(g, reduce_to)
+        return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
+
+    def grads(params, batch) -> tuple[jax.Array, dict, Any]:
+        if microbatches == 1:
+            total, (weight, sums), g = microbatch(params, batch)
+        else:
+            total, (weight, sums), g = accumulate(microbatch, params, split_batch(batch, microbatches, names, layout),
+                                                  shardings.grads, per_step, layout.mesh.shape["data"])
+        if per_step:
+            g = reduce(g, shardings.optimizer)
+        g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
+        return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
+
+    return grads
+
+
+def accumulate(microbatch: Callable, params: Any, micro: dict, grad_shardings: Any, stacked: bool, data: int):
+    """Sum `microbatch`'s (loss, (weight, sums), gradient) over the leading axis of `micro`
+    in a scan, the gradient accumulator sharded as `grad_shardings` (stacked per replica
+    over data when `stacked`)."""
+    acc_shardings = jax.tree.map(stacked_over_data, grad_shardings) if stacked else grad_shardings
+
+    def step(carry, mb):
+        g_acc, l_acc, aux_acc = carry
+        l, aux, g = microbatch(params, mb)
+        g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), acc_shardings)
+        return (g_acc, l_acc + l, jax.tree.map(jnp.add, aux_acc, aux)), None
+
+    lead = (data,) if stacked else ()  # per-replica gradients are stacked
+    zeros = jax.tree.map(lambda p, s: jnp.zeros(lead + p.shape, jnp.float32, device=s), params, acc_shardings)
+    first = jax.tree.map(lambda x: x[0], micro)
+    aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(microbatch, params, first)[1])
+    (grads, total, aux), _ = jax.lax.scan(step, (zeros, jnp.zeros((), jnp.float32), aux_zeros), micro)
+    # Pin the loop's output too: otherwise the optimizer's sharding is propagated into the
+    # carry, which then gathers every microbatch.
+    return total, aux, jax.lax.with_sharding_constraint(grads, acc_shardings)

@@ -1,0 +1,126 @@
+"""Where each step's metrics row goes: a JSON Lines file, TensorBoard scalars, or both.
+
+A row is a dict: "step" (from 0), "time" (unix seconds), and numbers (loss, grad_norm,
+learning_rate, tokens_per_s, step_time_s, mfu, eval_loss, ...). Every writer has
+`write(row)` and `close()`; `open_writers` gives one that writes to all that were asked for.
+
+  JsonLines   one JSON object per row. A resumed run (from step `start`) first drops the rows
+              the lost run wrote from that step on, then appends.
+  TensorBoard every number of a row but "step" and "time" as a scalar of the same name at
+              global step row["step"], wall time row["time"], through tensorboardX (an
+              optional extra: pip install 'jaxpar[tensorboard]'). A resumed run asks
+              TensorBoard to discard the lost run's events from step `start` on (purge_step).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Protocol
+
+from jaxpar.errors import ConfigError
+
+INSTALL = "pip install 'jaxpar[tensorboard]'"
+
+
+class Writer(Protocol):
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None) -> None:
+    """Before anything compiles: refuse paths that cannot be written (one ConfigError line)
+    and a TensorBoard directory without tensorboardX; create missing parent folders."""
+    if metrics_file:
+        path = pathlib.Path(metrics_file)
+        if path.is_dir():
+            raise ConfigError(f"metrics_file={metrics_file!r} (--metrics-file) is a directory; give a file path, "
+                              f"e.g. {str(path / 'metrics.jsonl')!r}")
+        _make_folder(path.parent, f"metrics_file={metrics_file!r} (--metrics-file)")
+    if tensorboard_dir:
+        summary_writer(tensorboard_dir)
+        path = pathlib.Path(tensorboard_dir)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"tensorboard_dir={tensorboard_dir!r} (--tensorboard) is a file; give a directory "
+                              "for the event files, e.g. runs/tb")
+        _make_folder(path, f"tensorboard_dir={tensorboard_dir!r} (--tensorboard)")
+
+
+def _make_folder(path: pathlib.Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a folder should be, no permission
+        raise ConfigError(f"{what}: cannot create the folder {str(path)!r} ({e.strerror}); give a path under a "
+                          "writable folder") from None
+
+
+def summary_writer(tensorboard_dir: str) -> Any:
+    """tensorboardX's SummaryWriter class, imported only when asked for."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ConfigError(f"tensorboard_dir={tensorboard_dir!r} (--tensorboard) writes event files with tensorboardX, "
+                          f"which is not installed; {INSTALL}") from None
+    return SummaryWriter
+
+
+class JsonLines:
+    def __init__(self, path: str, start: int = 0):
+        if start:  # a resumed run replaces what the lost one logged past the checkpoint
+            truncate_rows(path, start)
+        self.file = open(path, "a" if start else "w")
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoard:
+    def __init__(self, logdir: str, start: int = 0):
+        # Named by the step it starts at too: event files are named by the second they open in.
+        self.writer = summary_writer(logdir)(logdir, purge_step=start or None, filename_suffix=f".step{start}")
+
+    def write(self, row: dict) -> None:
+        for name, value in row.items():
+            if name not in ("step", "time") and isinstance(value, (int, float)):
+                self.writer.add_scalar(name, value, global_step=row["step"], walltime=row["time"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Writers:
+    """Every writer asked for, as one."""
+
+    def __init__(self, writers: list[Writer]):
+        self.writers = writers
+
+    def write(self, row: dict) -> None:
+        for writer in self.writers:
+            writer.write(row)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0) -> Writers:
+    """The writers for a run that starts at step `start` (0, or the step it resumed from)."""
+    writers: list[Writer] = []
+    if metrics_file:
+        writers.append(JsonLines(metrics_file, start))
+    if tensorboard_dir:
+        writers.append(TensorBoard(tensorboard_dir, start))
+    return Writers(writers)
+
+
+def truncate_rows(path: str, start: int) -> None:
+    """Keep the rows of steps before `start`."""
+    file = pathlib.Path(path)
+    if file.exists():
+        rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
+        file.write_text("".join(row + "\n" for row in rows))

@@ -1,0 +1,83 @@
+"""What a step reads and writes, and where each part of it rests between steps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.train.zero import StateShardings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """What a step reads and writes. Under mixed precision `params` are the compute-dtype
+    weights the forward pass reads and `master` the float32 weights the optimizer updates
+    (the 2 + 4 bytes per parameter of the ZeRO paper); in float32 `master` is None and
+    `params` are the master weights."""
+
+    step: jax.Array
+    params: Any  # pure dict, compute dtype, parameter sharding
+    master: Any  # pure dict, float32, optimizer sharding; None when compute dtype is float32
+    opt_state: Any  # optimizer sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlacement:
+    """`resting`: the TrainState's shardings at the jit boundary (offloaded optimizer state in
+    pinned host memory); `working`: where the update needs it (all on the device)."""
+
+    resting: TrainState
+    working: TrainState
+
+
+def place_state(tx: optax.GradientTransformation, abstract_params: Any, shardings: StateShardings, mesh,
+                mixed: bool, offload: bool) -> StatePlacement:
+    """Shardings of every part of the state. Optimizer state that mirrors a parameter (Adam
+    moments) is sharded like it; anything else (counts, adafactor's factored rows and
+    columns) is replicated."""
+    replicated = NamedSharding(mesh, P())
+    opt = optax.tree_map_params(
+        tx,
+        lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
+        jax.eval_shape(tx.init, abstract_params),
+        shardings.optimizer,
+        abstract_params,
+        transform_non_params=lambda _: replicated,
+    )
+
+    def resting(tree: Any) -> Any:
+        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree) if offload else tree
+
+    master = shardings.optimizer if mixed else None
+    return StatePlacement(
+        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt)),
+        working=TrainState(replicated, shardings.params, master, opt),
+    )
+
+
+def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: Any) -> TrainState:
+    """Step 0 from the float32 weights."""
+    mixed = jnp.dtype(compute_dtype) != jnp.float32
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=cast_floats(master, compute_dtype),
+        master=master if mixed else None,
+        opt_state=tx.init(master),
+    )
+
+
+def to_device(tree: Any, shardings: Any) -> Any:
+    """Fetch offloaded state to device memory for the update."""
+    return None if tree is None else jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Cast float leaves for compute, on their shards (so FSDP gathers move `dtype` bytes)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

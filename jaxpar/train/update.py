@@ -1,0 +1,73 @@
+"""The optimizer's half of the step: gradients in, new state and the step's metrics out.
+A step whose loss or gradients hold NaN or Inf is not applied."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.train.state import StatePlacement, TrainState, cast_floats, to_device
+from jaxpar.train.zero import StateShardings
+
+UpdateFn = Callable[[TrainState, jax.Array, dict, Any], tuple[TrainState, dict]]
+
+
+def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, shardings: StateShardings,
+              placement: StatePlacement, compute_dtype: Any, offload: bool, model: Any) -> UpdateFn:
+    """(state, loss, sums, grads) -> (new state, metrics). The model may adjust its weights
+    after the optimizer (`update(master, counts)`, e.g. MoE bias balancing) and turn the
+    step's counts into metrics (`summarise(counts)`)."""
+    mixed = jnp.dtype(compute_dtype) != jnp.float32
+
+    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any) -> tuple[TrainState, dict]:
+        if offload:  # fetch from host memory for the update
+            state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
+                                        opt_state=to_device(state.opt_state, placement.working.opt_state))
+        # in float32 the parameters are the master weights
+        master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
+        updates, opt_state = tx.update(grads, state.opt_state, master)
+        master = optax.apply_updates(master, updates)
+        counts = sums.get("counts", {})
+        if counts and hasattr(model, "update"):
+            master = model.update(master, counts)
+        # A non-finite loss or gradient leaves the state as it was; the loop then stops or
+        # skips (train.on_nonfinite), naming the first bad gradient.
+        finite_grads = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+        finite = jnp.isfinite(loss) & jnp.all(finite_grads)
+        guard = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        opt_state = guard(opt_state, state.opt_state)
+        if mixed:
+            master = guard(master, state.master)
+        # ZeRO 1-2: each device updated its shard; gathering the new weights is the
+        # all-gather half of the step's 2x(N-1)/N traffic.
+        params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
+        if not mixed:  # the old weights are at hand in the parameter sharding: no gather for the guard
+            params = guard(params, state.params)
+        # A step not applied does not count: the schedule (state.step, and the optimizer's
+        # own count) stays where the weights are.
+        new = TrainState(step=jnp.where(finite, state.step + 1, state.step), params=params,
+                         master=master if mixed else None, opt_state=opt_state)
+        return new, step_metrics(loss, sums, grads, finite, finite_grads, lr_schedule, state.step, model)
+
+    return update
+
+
+def step_metrics(loss, sums: dict, grads: Any, finite, finite_grads, lr_schedule, step, model: Any) -> dict:
+    """What the loop shows and logs. The learning rate only where the schedule is known:
+    a custom optax `tx` passed to `build` without its `lr_schedule` reports none."""
+    counts = sums.get("counts", {})
+    return {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        **({"learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)} if lr_schedule is not None else {}),
+        "nonfinite": (~finite).astype(jnp.float32),
+        # which gradient leaf (in tree order) is the first non-finite one, -1 if none
+        "first_nonfinite_grad": jnp.where(jnp.all(finite_grads), -1, jnp.argmin(finite_grads)).astype(jnp.float32),
+        "nonfinite_grads": jnp.sum(~finite_grads).astype(jnp.float32),
+        **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
+        **(model.summarise(counts) if counts and hasattr(model, "summarise") else {}),
+    }

@@ -1,0 +1,244 @@
+"""Evaluation and metrics: the held-out loss every train.eval_every steps (jaxpar.train.evaluation)
+on batches never trained on (jaxpar.data.heldout), rows with a time to JSON Lines and
+TensorBoard (jaxpar.train.metrics), and the trained model applied (jaxpar.train.inference)."""
+
+import dataclasses
+import json
+import pathlib
+import struct
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import apply_overrides
+from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens, held_out_batches, split_tokens
+from jaxpar.data.sources import TokenFile, make_source
+from jaxpar.errors import ConfigError
+from jaxpar.train import build, run
+from jaxpar.train.evaluation import held_out_loss
+from jaxpar.train.inference import forward, unsharded_model
+
+
+def read_events(file) -> list:
+    """The Events of one event file: TFRecords (length, its CRC, an Event, its CRC) read with
+    tensorboardX's own Event message."""
+    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
+    data, i, events = pathlib.Path(file).read_bytes(), 0, []
+    while i < len(data):
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
+        i += 12 + n + 4
+    return events
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float, float]]]:
+    """tag -> [(step, value, wall time)] from the event files in `logdir`, file by file."""
+    scalars: dict = {}
+    for file in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
+        for event in read_events(file):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value, event.wall_time))
+    return scalars
+
+
+def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, tmp_path):
+    pytest.importorskip("tensorboardX")
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=5"])
+    off = run(build(config), progress=False)
+    evaluated = apply_overrides(config, ["train.eval_every=2", "train.eval_batches=2"])
+    trainer = build(evaluated)
+    tb, jsonl = tmp_path / "tb", tmp_path / "runs" / "m.jsonl"  # neither folder exists yet
+    on = run(trainer, progress=False, metrics_file=str(jsonl), tensorboard_dir=str(tb))
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]  # bitwise
+    assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
+    assert [r["step"] for r in on if "eval_loss" in r] == [1, 3, 4]  # after 2 and 4 steps, and the last
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["eval_loss"] for r in rows if "eval_loss" in r] == [r["eval_loss"] for r in on if "eval_loss" in r]
+    assert all(isinstance(r["time"], float) and abs(r["time"] - rows[0]["time"]) < 600 for r in rows)
+
+    # The same held-out loss by hand: two steps, then trainer.evaluate over the held-out batches.
+    state, source = trainer.init(), make_source(trainer)
+    for step in range(2):
+        state, _ = trainer.step(state, source(step))
+    assert held_out_loss(trainer, state.params) == on[1]["eval_loss"]
+    sums = [jax.device_get(trainer.evaluate(state.params, held_out_batches(trainer)(i))) for i in range(2)]
+    assert on[1]["eval_loss"] == pytest.approx(sum(s for s, _ in sums) / sum(w for _, w in sums), rel=1e-7)
+
+    scalars = read_scalars(tb)
+    assert [s for s, _, _ in scalars["loss"]] == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v, _ in scalars["loss"]], [r["loss"] for r in rows], rtol=1e-6)
+    np.testing.assert_allclose([v for _, v, _ in scalars["eval_loss"]], [r["eval_loss"] for r in rows if "eval_loss" in r],
+                               rtol=1e-6)
+    assert [t for _, _, t in scalars["loss"]] == pytest.approx([r["time"] for r in rows])
+    assert {"grad_norm", "learning_rate", "tokens_per_s", "step_time_s"} <= set(scalars)
+    assert "step" not in scalars and "time" not in scalars
+
+
+def test_held_out_synthetic_batches_are_their_own_stream(tiny_llama):
+    trainer = build(apply_overrides(tiny_llama, ["train.eval_every=1"]))
+    source, held_out = make_source(trainer), held_out_batches(trainer)
+    first = np.asarray(held_out(0)["inputs"])
+    np.testing.assert_array_equal(first, np.asarray(source(HELD_OUT_STEP)["inputs"]))  # the same language
+    assert not np.array_equal(first, np.asarray(held_out(1)["inputs"]))
+    assert not any(np.array_equal(first, np.asarray(source(step)["inputs"])) for step in range(4))
+    # Its seed words are (seed, i, 2**30), a training step's (seed, step) = (seed, step, 0).
+    words = lambda *entropy: list(np.random.SeedSequence(list(entropy)).generate_state(4))  # noqa: E731
+    assert words(0, HELD_OUT_STEP + 3) == words(0, 3, 2**30) != words(0, 3) == words(0, 3, 0)
+
+
+def test_token_file_holds_out_its_tail_and_trains_on_the_rest(tiny_llama, tmp_path):
+    n, fraction = 5000, 0.2
+    tokens = np.where(np.arange(n) < n - int(n * fraction), np.arange(n) % 64, 64 + np.arange(n) % 64).astype(np.uint16)
+    path = tmp_path / "tokens.npy"
+    np.save(path, tokens)
+    base = apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}"])
+    trainer = build(apply_overrides(base, [f"data.eval_fraction={fraction}", "train.eval_every=2"]))
+    training, held = make_source(trainer), HeldOutTokens(trainer)
+    assert isinstance(training, TokenFile) and len(training.tokens) == 4000 and len(held.tokens) == 1000
+    rows = slice(0, 16)
+    for step in range(64):  # every training window lies before the split, every held-out one after it
+        window = training.local(step, rows)
+        assert window["inputs"].max() < 64 and window["targets"].max() < 64
+    for i in range(16):
+        window = held.local(HELD_OUT_STEP + i, rows)
+        assert window["inputs"].min() >= 64 and window["targets"].min() >= 64
+    np.testing.assert_array_equal(np.asarray(held_out_batches(trainer)(3)["inputs"]),
+                                  held.local(HELD_OUT_STEP + 3, rows)["inputs"])
+
+    # Off, the whole file trains, drawn exactly as before the split existed.
+    whole = make_source(build(base))
+    assert len(whole.tokens) == n and len(whole.held_out) == 0
+    starts = np.random.default_rng([0, 5]).integers(0, n - 17, size=16)
+    np.testing.assert_array_equal(whole.local(5, rows)["inputs"], np.stack([tokens[s : s + 16] for s in starts]))
+
+    too_small = r"data.eval_fraction=0.001 .* 5 held out; each part needs train.seq_len \+ 2 = 18: use 0.0036 to 0.996"
+    with pytest.raises(ConfigError, match=too_small):
+        split_tokens(tokens, 0.001, 16, str(path))
+    with pytest.raises(ConfigError, match="data.eval_fraction=0 holds none"):
+        HeldOutTokens(build(base))
+
+
+def test_user_eval_data(tiny_llama):
+    trainer = build(apply_overrides(tiny_llama, ["train.eval_every=2", "train.eval_batches=2", "train.steps=2"]))
+    source = make_source(trainer)
+    local = lambda step: {k: np.asarray(v) for k, v in source(step).items()}  # noqa: E731
+    held = [local(100), local(101)]
+    history = run(trainer, progress=False, data=local, eval_data=iter(held + [None]))  # only the first two are read
+    state = trainer.init()
+    for step in range(2):
+        state, _ = trainer.step(state, source(step))
+    assert history[-1]["eval_loss"] == held_out_loss(trainer, state.params, lambda i: source(100 + i), 2)
+    by_function = run(trainer, progress=False, data=local, eval_data=lambda i: held[i])
+    assert by_function[-1]["eval_loss"] == history[-1]["eval_loss"]
+
+
+class _NoCompile:
+    """A step that fails the test if anything gets as far as compiling it."""
+
+    def lower(self, *args):
+        raise AssertionError("compiled before the bad input was refused")
+
+
+BAD_RUNS = {  # id: (overrides, run's arguments from (rows of a batch, tmp_path), message)
+    "eval_data-without-eval": ([], lambda rows, tmp: {"eval_data": [rows]},
+                               r"run\(eval_data=...\) is evaluated every train.eval_every steps, but train.eval_every=0"),
+    "data-without-eval_data": (["train.eval_every=2"], lambda rows, tmp: {"data": [rows]}, r"no eval_data was given"),
+    "short-eval_data": (["train.eval_every=2"], lambda rows, tmp: {"data": [rows], "eval_data": [rows]},
+                        r"eval_data: the iterable holds 1 batches but train.eval_batches=4"),
+    "bad-eval_data": (["train.eval_every=2", "train.eval_batches=2"],
+                      lambda rows, tmp: {"data": [rows], "eval_data": [rows, {"inputs": rows["inputs"]}]},
+                      r"^eval_data: the batch has no targets, weights"),
+    "metrics-file-a-folder": ([], lambda rows, tmp: {"metrics_file": str(tmp)},
+                              r"metrics_file='.*' \(--metrics-file\) is a directory"),
+    "tensorboard-a-file": ([], lambda rows, tmp: {"tensorboard_dir": str(tmp / "file")},
+                           r"tensorboard_dir='.*/file' \(--tensorboard\) is a file"),
+    "tensorboard-under-a-file": ([], lambda rows, tmp: {"tensorboard_dir": str(tmp / "file" / "tb")},
+                                 r"cannot create the folder"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_RUNS)
+def test_bad_run_inputs_are_refused_before_compile(tiny_llama, tmp_path, name):
+    overrides, arguments, message = BAD_RUNS[name]
+    if "tensorboard" in name:
+        pytest.importorskip("tensorboardX")
+    trainer = build(apply_overrides(tiny_llama, overrides))
+    (tmp_path / "file").write_text("not a folder")
+    rows = {k: np.asarray(v) for k, v in make_source(trainer)(0).items()}
+    with pytest.raises(ConfigError, match=message):
+        run(dataclasses.replace(trainer, step=_NoCompile()), progress=False, **arguments(rows, tmp_path))
+
+
+def test_tensorboard_without_its_package_names_the_extra(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX raises ImportError
+    trainer = dataclasses.replace(build(tiny_llama), step=_NoCompile())
+    with pytest.raises(ConfigError, match=r"tensorboardX, which is not installed; pip install 'jaxpar\[tensorboard\]'"):
+        run(trainer, progress=False, tensorboard_dir=str(tmp_path / "tb"))
+    assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, rule",
+    [
+        (["train.eval_every=-1"], "eval-every"),
+        (["train.eval_batches=0"], "eval-batches-positive"),
+        (["data.eval_fraction=1.0"], "eval-fraction-range"),
+        (["data.eval_fraction=-0.5"], "eval-fraction-range"),
+        (["data.eval_fraction=0.1"], "eval-fraction-needs-token-file"),
+        (["train.eval_every=5", "data.source=tokens", "data.path=t.npy"], "token-eval-needs-held-out-part"),
+    ],
+)
+def test_bad_eval_config_is_refused_before_build(tiny_llama, overrides, rule):
+    with pytest.raises(ConfigError) as info:
+        build(apply_overrides(tiny_llama, overrides))
+    assert info.value.rule == rule and overrides[0].split("=")[0] in str(info.value)
+
+
+def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
+    config = apply_overrides(tiny_llama, ["model.num_layers=4", "train.microbatches=4"])
+    flat = build(config, jax.devices()[:1])
+    inputs = np.asarray(make_source(flat)(0)["inputs"])
+    want = np.asarray(forward(flat)(flat.init().params, {"inputs": inputs}))
+    assert want.shape == (16, 16, 128)
+    layouts = {
+        "interleaved pipeline": ["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved",
+                                 "parallel.pipeline_chunks=2"],  # layers rest in pipeline order
+        "zigzag context": ["mesh.data=2", "mesh.context=4"],  # the sequence is permuted inside
+    }
+    trainers = {name: build(apply_overrides(config, layout)) for name, layout in layouts.items()}
+    states = {name: trainer.init() for name, trainer in trainers.items()}
+    for name, trainer in trainers.items():
+        got = forward(trainer)(states[name].params, {"inputs": inputs, "targets": inputs})  # other fields are ignored
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    piped, state = trainers["interleaved pipeline"], states["interleaved pipeline"]
+    np.testing.assert_allclose(np.asarray(unsharded_model(piped, state)(inputs)), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"forward: batch field 'inputs' of shape \(3, 16\) does not split"):
+        forward(piped)(state.params, {"inputs": inputs[:3]})
+
+
+def test_cli_tensorboard_path_is_checked_before_compile(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    pytest.importorskip("tensorboardX")
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["train", "llama", "--no-progress", "--tensorboard", str(tmp_path / "file")]) == 2
+    assert "(--tensorboard) is a file; give a directory" in capsys.readouterr().err
+
+
+def test_resumed_writers_replace_what_the_lost_run_wrote_past_the_checkpoint(tmp_path):
+    from jaxpar.train.metrics import open_writers
+
+    pytest.importorskip("tensorboardX")
+    jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    for start, stop, loss in ((0, 4, 1.0), (2, 4, 2.0)):  # the lost run got to step 3; the checkpoint is at 2
+        writers = open_writers(jsonl, tb, start)
+        for step in range(start, stop):
+            writers.write({"step": step, "time": 1000.0 + step, "loss": loss})
+        writers.close()
+    assert [(r["step"], r["loss"]) for r in map(json.loads, open(jsonl))] == [(0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)]
+    resumed = next(pathlib.Path(tb).glob("events.out.tfevents.*.step2"))
+    purge = [e.step for e in read_events(resumed) if e.file_version and e.step]
+    assert purge == [2]  # TensorBoard hides the lost run's events from step 2 on
+    assert [(s, v) for s, v, _ in read_scalars(tb)["loss"]] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (2, 2.0), (3, 2.0)]
