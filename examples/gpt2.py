@@ -13,7 +13,7 @@ It gets every strategy jaxpar's own Llama gets by keeping the model contract (ja
 No collective appears here. Train it:
 
   jaxpar train examples/gpt2.py --set mesh.fsdp=2 --set mesh.tensor=4
-  jaxpar train examples/gpt2.py --set mesh.stage=2 --set train.microbatches=4
+  jaxpar train examples/gpt2.py --set mesh.stage=2 --set mesh.data=2 --set mesh.tensor=2 --set train.microbatches=4
   jaxpar train examples/gpt2.py --set mesh.context=2 --set parallel.context_impl=ring
 
 or from Python: `jaxpar.train.run(jaxpar.train.build(recipe()))` (docs/your_model.md).
@@ -76,6 +76,10 @@ class GPT2Config:
         d, f, v, p = self.n_embd, self.n_inner, self.vocab_size, self.n_positions
         per_layer = 4 * d * d + 3 * d + 2 * d * f + f + d + 4 * d  # attention, MLP, two norms
         return v * d + p * d + self.n_layer * per_layer + 2 * d
+
+    def head_param_count(self) -> int:
+        """The tied head's weights (`jaxpar explain` splits a pipeline's recompute by them)."""
+        return self.vocab_size * self.n_embd
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (the layers' weights + the tied head) plus attention (PaLM appendix B)."""

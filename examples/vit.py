@@ -71,6 +71,9 @@ class ViTConfig:
         per_layer = 4 * d * d + 3 * d + 2 * d * f + f + d + 4 * d
         return p * d + d + self.sequence_length * d + self.num_layers * per_layer + 2 * d + d * self.num_classes + self.num_classes
 
+    def head_param_count(self) -> int:
+        return self.embed * self.num_classes
+
     def flops_per_token(self, seq_len: int = 0) -> float:
         """Training FLOPs per image: 6 x matmul weights x patches, plus attention."""
         d, f, n = self.embed, self.mlp, self.sequence_length

@@ -30,6 +30,8 @@ never by testing the class:
                  e.g. (H, W, C) for images.
   batch_fields(seq_len)  {name: jaxpar.data.batch.Field}: batches of other fields than the
                  task's (then the data comes from jaxpar.train.run(data=...)).
+  head_param_count()  the output matmul's weights (`jaxpar explain` splits a pipeline's
+                 recompute by them; default vocab_size x embed where the config has them).
   layer_param_count()  one repeated layer's parameters (the XLA overlap preset's combine
                  thresholds; default param_count() / num_layers).
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).

@@ -62,7 +62,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     recompute = pipeline_recompute(trainer.pipeline) if trainer.pipeline is not None else None
     if recompute:  # recomputed forwards: the layers' and the head's differ
         layers_factor, head_factor = recompute
-        head = 6 * config.model.vocab_size * config.model.embed
+        head = 6 * head_params(config.model)
         flops_per_token = (flops_per_token - head) * layers_factor + head * head_factor
     flops_formula = flops_per_token * tokens / report.num_devices
 
@@ -160,6 +160,8 @@ def _pipeline_gradient_traffic(trainer, state, mesh: dict[str, int], psi_layers:
     by the last (3, split 5), on 1 stage in p. Measured within 3% on CPU; the rest is
     gathers the compiler shares between a recompute and its backward."""
     program, config = trainer.pipeline, trainer.config
+    if not _decoder_fields(config.model):
+        return None, NO_FORMULA
     p, v, m = program.timeline.p, program.timeline.v, program.timeline.m
     n = p * v
     d, f, t = mesh["data"], mesh["fsdp"], mesh["tensor"]
@@ -193,7 +195,7 @@ def _pipeline(trainer, mesh: dict[str, int], report: StepReport, itemsize, psi_o
     model, train = config.model, config.train
     rows = train.global_batch // (mesh["data"] * mesh["fsdp"]) // train.microbatches
     seq = train.seq_len // (mesh["tensor"] if config.parallel.sequence_parallel else 1)
-    message = rows * seq * model.embed  # one microbatch's hidden states, one device's shard
+    message = rows * seq * model.embed if _decoder_fields(model) else None  # one microbatch's hidden states, one shard
     useful = 2 * t.m * (t.p * t.v - 1) / t.p  # messages that carry data, per device
     over_stage = [c for c in report.collectives if c.axes == ("stage",)]
     sent = sum(c.bytes_per_step / itemsize(c) for c in over_stage if c.kind == "collective-permute")
@@ -211,9 +213,11 @@ def _pipeline(trainer, mesh: dict[str, int], report: StepReport, itemsize, psi_o
             "gradient_slots": program.grad_slots,
             "stage_flops": list(report.stage_flops),
         },
-        "pipeline_traffic": _row("elements over stage (activations, gradients)", sent, 2 * program.ticks * message),
-        "pipeline_traffic_formula": f"2 per tick x {program.ticks} ticks x microbatch hidden states {rows} x {seq} x "
-        f"{model.embed}; {useful / (2 * program.ticks):.0%} of them carry data, the rest are idle ticks' zeros",
+        "pipeline_traffic": _row("elements over stage (activations, gradients)", sent,
+                                 2 * program.ticks * message if message else None),
+        "pipeline_traffic_formula": (f"2 per tick x {program.ticks} ticks x microbatch hidden states {rows} x {seq} x "
+                                     f"{model.embed}; {useful / (2 * program.ticks):.0%} of them carry data, the rest "
+                                     "are idle ticks' zeros") if message else NO_FORMULA,
         "pipeline_gradient_traffic": _row("gradient elements over stage (all-reduce)", reduced, 2 * other * (t.p - 1) / t.p),
     }
 
@@ -364,3 +368,21 @@ def _count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def head_params(model) -> int:
+    """The weights of the output matmul the last pipeline stage runs (a tied head: the
+    embedding table): the model's `head_param_count()` (jaxpar.model), else a decoder's
+    vocab_size x embed, else 0 (its recompute share then goes with the layers')."""
+    if hasattr(model, "head_param_count"):
+        return model.head_param_count()
+    return getattr(model, "vocab_size", 0) * getattr(model, "embed", 0)
+
+
+NO_FORMULA = ("no formula: it reads a decoder's embed, vocab_size and tie_embeddings, which the model config "
+              "does not have (measured only)")
+
+
+def _decoder_fields(model) -> bool:
+    """Whether the pipeline traffic formulas can read the model (our decoders' fields)."""
+    return all(hasattr(model, f) for f in ("embed", "vocab_size", "tie_embeddings"))
