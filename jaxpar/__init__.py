@@ -16,7 +16,7 @@ from jaxpar.errors import ConfigError, Preempted, TrainingStopped
 from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
 from jaxpar.model import ModelConfig, PipelineStages
 from jaxpar.sharding import Layout, Rules, compute_value, constrain, default_rules, use_layout
-from jaxpar.train import Trainer, TrainState, build
+from jaxpar.train import Trainer, TrainState, build, run
 
 __all__ = [
     "AXES",
@@ -41,6 +41,7 @@ __all__ = [
     "TrainingStopped",
     "apply_overrides",
     "build",
+    "run",
     "compute_value",
     "constrain",
     "default_rules",
