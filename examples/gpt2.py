@@ -31,7 +31,7 @@ from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import scan_layers, stack_layers
-from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
+from jaxpar.sharding import attend, column_project, compute_value, constrain, lookup, row_project
 
 # Activations: the batch and sequence axes are jaxpar's (`norm_seq` is the sequence where
 # Megatron sequence parallelism shards it: around the norms and residual adds).
@@ -170,7 +170,7 @@ class GPT2(nnx.Module):
         tokens = batch["inputs"]
         positions = batch.get("positions")
         positions = jnp.arange(tokens.shape[1]) if positions is None else positions
-        x = jnp.take(compute_value(self.wte), tokens, axis=0) + jnp.take(compute_value(self.wpe), positions, axis=0)
+        x = lookup(compute_value(self.wte), tokens, ("tok", "dm")) + jnp.take(compute_value(self.wpe), positions, axis=0)
         return constrain(constrain(x, HIDDEN), RESIDUAL)
 
     def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:

@@ -275,6 +275,8 @@ def plan(args) -> int:
     model, recipe = resolve_model(args.model)
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
     hosts = args.hosts or max(1, args.devices // 8)
+    from jaxpar.units import params
+
     planned, facts = make_plan(model, jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
                                args.compile_top, progress=not args.json)
     if args.json:
@@ -282,7 +284,7 @@ def plan(args) -> int:
                  "prediction": p.prediction, "refused": p.refused} for p in planned]
         print(json.dumps({**facts, "hardware": dataclasses.asdict(facts["hardware"]), "ranked": rows}, indent=1))
     else:
-        print(f"{args.model}: {type(model).__name__} {model.param_count() / 1e9:.1f}B params | {args.devices} devices "
+        print(f"{args.model}: {type(model).__name__} {params(model.param_count())} params | {args.devices} devices "
               f"on {hosts} hosts | batch {args.global_batch or args.devices} x seq {seq_len} | bf16")
         print(render(planned, facts, args.hbm_gb))
     return 0

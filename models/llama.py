@@ -24,7 +24,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
-from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
+from jaxpar.sharding import attend, column_project, compute_value, constrain, lookup, row_project
 from jaxpar.sharding.projections import GATHERED, SCATTERED
 
 RESIDUAL = SCATTERED  # ("batch", "norm_seq", "embed"): norm/residual region, Megatron-SP shards the sequence
@@ -216,7 +216,7 @@ class Llama(nnx.Module):
         # Vocab-parallel: each tensor shard looks up its rows. Look up with the full sequence
         # first: a vocab-sharded table and a tensor-sharded sequence on one gather makes the
         # partitioner replicate the table's gradient.
-        return constrain(constrain(jnp.take(table, tokens_BS, axis=0), HIDDEN), RESIDUAL)
+        return constrain(constrain(lookup(table, tokens_BS), HIDDEN), RESIDUAL)
 
     def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(x through every layer in `self.layers`, what each layer reported or None)."""

@@ -18,7 +18,8 @@ from jaxpar.config import Config, OptimConfig, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline.executor import Stages, pipeline_grads, reference_grads, to_model_order, to_pipeline_order
 from jaxpar.pipeline.program import BRANCHES, compile_schedule
-from jaxpar.testing import check, compare, run_layout
+from jaxpar.mesh import MeshConfig
+from jaxpar.testing import check, compare, reference_run, run_layout
 from jaxpar.train import build
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoEConfig
@@ -187,6 +188,21 @@ def test_llama_pp_recipe_trains_in_bfloat16_like_the_unpipelined_step():
     flat = run_layout(apply_overrides(config, ["mesh.stage=1", "mesh.data=4", "mesh.tensor=2", SP, "parallel.zero_stage=1"])).losses
     np.testing.assert_allclose(piped, flat, rtol=2e-2)
     assert piped[-1] < piped[0]
+
+
+def test_llama_recipe_shape_on_stage_fsdp_tensor_equals_single_device():
+    """The llama recipe's own shape (vocab 256, batch 32, seq 64) on stage 2 x fsdp 2 x
+    tensor 2 with 4 microbatches: once a microbatch held as many tokens as the vocabulary,
+    the vocab-parallel embedding gather aborted XLA's partitioner inside the stages
+    (SIGABRT, spmd_partitioner_util.cc:498); the lookup runs as a one-hot matmul there
+    (jaxpar.sharding.embedding). fp32, 1e-5."""
+    from jaxpar.recipes import load
+
+    config = apply_overrides(load("llama"), ["model.num_layers=2", "train.compute_dtype=float32", "train.steps=3",
+                                             "parallel.sequence_parallel=false"])
+    config = dataclasses.replace(config, mesh=MeshConfig())
+    run = run_layout(apply_overrides(config, ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"]))
+    check(compare(run, reference_run(config)), RTOL, where="llama recipe shape, stage x fsdp x tensor")
 
 
 def _norm(tree) -> float:

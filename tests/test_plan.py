@@ -67,3 +67,12 @@ def test_plan_compiles_the_best_layouts_and_its_overrides_train(tiny_llama):
     config = apply_overrides(tiny_llama, best.overrides + ["train.steps=1", "train.global_batch=16"])
     history = run(build(config), progress=False)
     assert len(history) == 1 and math.isfinite(history[0]["loss"])
+
+
+def test_small_models_print_in_their_own_units():
+    """A 0.85M-parameter plan reads 853.12K params, MiB and µs, not 0.0B, 0.0Gi and 0.00s."""
+    from jaxpar.units import byte_size, duration, params
+
+    assert params(853_120) == "853.12K" and params(8.03e9) == "8.03B" and params(12) == "12"
+    assert byte_size(4.26 * 2**20) == "4.26 MiB" and byte_size(512) == "512 B"
+    assert duration(7e-6) == "7 µs" and duration(0.0123) == "12.3 ms" and duration(2.5) == "2.50 s"

@@ -17,6 +17,7 @@ from jaxpar.inspect import formulas
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
+from jaxpar.units import byte_size, count
 
 DP_AXES = ("data", "fsdp")  # the axes parameters and gradients are reduced over
 GRAD_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -356,18 +357,7 @@ def _line(row: dict[str, Any], fmt) -> str:
     return f"  {row['name']:<50}{fmt(row['measured']):>12}{formula:>12}{ratio:>8}"
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
+_bytes, _count = byte_size, count  # jaxpar.units
 
 
 def head_params(model) -> int:

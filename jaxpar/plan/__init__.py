@@ -17,6 +17,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.pipeline.schedule import published_bubble
 from jaxpar.plan.layouts import Layout, candidates, estimate
 from jaxpar.plan.presets import MODELS, Hardware
+from jaxpar.units import byte_size, duration
 
 MODEL_AXES = {"tensor", "context", "expert"}
 RUNTIME_SHARE = 0.9  # of HBM, for the step: the rest for the runtime, NCCL buffers and fragmentation
@@ -160,7 +161,7 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
     """The ranking table, the best layout's overrides and the assumptions."""
     lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
              f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled:", "",
-             f"{'#':>2s}  {'layout':58s} {'memory':>9s} {'fits':>4s} {'compute':>8s} {'comm*':>7s} {'bubble':>6s} "
+             f"{'#':>2s}  {'layout':58s} {'memory':>10s} {'fits':>4s} {'compute':>8s} {'comm*':>8s} {'bubble':>6s} "
              f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
     budget = facts["budget_bytes"]
     for i, p in enumerate(planned, 1):
@@ -169,8 +170,8 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
             continue
         r = p.prediction
         lines.append(
-            f"{i:2d}  {p.layout.describe():58s} {p.memory / 2**30:7.1f}Gi {'yes' if p.memory <= budget else 'no':>4s} "
-            f"{r['compute_s']:7.2f}s {r['exposed_comm_s']:6.2f}s {r['bubble']:6.1%} {r['step_s']:7.2f}s "
+            f"{i:2d}  {p.layout.describe():58s} {byte_size(p.memory):>10s} {'yes' if p.memory <= budget else 'no':>4s} "
+            f"{duration(r['compute_s']):>8s} {duration(r['exposed_comm_s']):>8s} {r['bubble']:6.1%} {duration(r['step_s']):>8s} "
             f"{r['tokens_per_s_per_device']:9,.0f} {r['mfu']:6.1%}"
         )
     lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "
@@ -179,7 +180,7 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
     if best is None:
         lines.append("no compiled layout fits: add devices, shorten the sequence, or shrink the batch")
     else:
-        lines += ["", f"best: predicted {best.prediction['mfu']:.1%} MFU, {best.prediction['step_s']:.2f} s/step",
+        lines += ["", f"best: predicted {best.prediction['mfu']:.1%} MFU, {duration(best.prediction['step_s'])} a step",
                   "  --set " + " --set ".join(best.overrides)]
     lines += ["", "assumptions: " + facts["hardware"].describe()]
     return "\n".join(lines)
