@@ -13,7 +13,7 @@ It gets every strategy jaxpar's own Llama gets by keeping the model contract (ja
 No collective appears here. Train it:
 
   jaxpar train examples/gpt2.py --set mesh.fsdp=2 --set mesh.tensor=4
-  jaxpar train examples/gpt2.py --set mesh.stage=2 --set mesh.data=2 --set mesh.tensor=2 --set train.microbatches=4
+  jaxpar train examples/gpt2.py --set mesh.stage=2 --set mesh.fsdp=2 --set mesh.tensor=2 --set train.microbatches=4
   jaxpar train examples/gpt2.py --set mesh.context=2 --set parallel.context_impl=ring
 
 or from Python: `jaxpar.train.run(jaxpar.train.build(recipe()))` (docs/your_model.md).
