@@ -74,3 +74,27 @@ def test_packed_documents_get_segments_positions_and_no_cross_document_target(tm
 
     with pytest.raises(ConfigError, match="data.eos_id=0 packs documents of a language model, but model.task='classify'"):
         build(apply_overrides(Config(model=MLPConfig()), ["data.eos_id=0"]))
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.bin", b"", "is empty (0 bytes)"),
+    ("floats.npy", "float32", "holds float32 values, not token ids"),
+    ("none.npy", "empty", "holds no tokens"),
+    ("broken.npy", b"not a numpy file", "is not a readable .npy file"),
+])
+def test_token_files_that_hold_no_ids_are_refused(tmp_path, name, content, message):
+    """Each refused by the source, which `run` makes before the step compiles."""
+    import re
+
+    import numpy as np
+
+    from jaxpar.data.sources import open_tokens
+    from jaxpar.errors import ConfigError
+
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        np.save(path, np.zeros(0 if content == "empty" else 100, np.float32 if content == "float32" else np.uint16))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_tokens(str(path), "uint16")

@@ -124,17 +124,34 @@ def _lm_rows(tokens: np.ndarray, eos_id: int = -1) -> dict[str, np.ndarray]:
 
 
 def open_tokens(path: str, dtype: str) -> np.ndarray:
+    """The file's token ids, memory-mapped; a file that holds none, or no integers, is
+    refused naming what it holds."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"data.path={path!r} is not a file; give a .npy or .bin file of token ids")
     if p.suffix == ".npy":
-        return np.load(p, mmap_mode="r").reshape(-1)
-    if p.suffix == ".bin":
         try:
-            return np.memmap(p, dtype=np.dtype(dtype), mode="r")
+            tokens = np.load(p, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"data.path={path!r} is not a readable .npy file ({e}); save token ids with np.save") from None
+    elif p.suffix == ".bin":
+        try:
+            kind = np.dtype(dtype)
         except TypeError:
             raise ConfigError(f"data.dtype={dtype!r} is not a numpy dtype; use uint16 or uint32") from None
-    raise ConfigError(f"data.path={path!r}: unknown file type {p.suffix!r}; use .npy or .bin")
+        if kind.kind not in "iu":
+            raise ConfigError(f"data.dtype={dtype!r} is not an integer type; token ids are uint16 or uint32")
+        if p.stat().st_size < kind.itemsize:
+            raise ConfigError(f"data.path={path!r} is empty ({p.stat().st_size} bytes); give a file of token ids")
+        tokens = np.memmap(p, dtype=kind, mode="r")
+    else:
+        raise ConfigError(f"data.path={path!r}: unknown file type {p.suffix!r}; use .npy or .bin")
+    if tokens.dtype.kind not in "iu":
+        raise ConfigError(f"data.path={path!r} holds {tokens.dtype} values, not token ids; save integers "
+                          "(e.g. np.save(path, ids.astype(np.uint16)))")
+    if tokens.size == 0:
+        raise ConfigError(f"data.path={path!r} holds no tokens; give a file of token ids")
+    return tokens.reshape(-1)
 
 
 def make_source(trainer) -> Source:
