@@ -191,3 +191,14 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
         assert [r["step"] for r in rows] == list(range(8)), kill_point  # the lost run's extra rows replaced
         for r in rows:
             assert r["loss"] == want[r["step"]], (kill_point, r["step"])
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+    """Orbax retried and then hung on it; one line now, before anything compiles."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.train.checkpoint import Checkpoints
+
+    path = tmp_path / "not_a_folder"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.dir=.*is a file, not a folder"):
+        Checkpoints.open(path)

@@ -39,6 +39,9 @@ class Checkpoints:
     @staticmethod
     def open(directory: str | pathlib.Path, keep: int = 3, async_save: bool = True) -> "Checkpoints":
         directory = pathlib.Path(directory).absolute()
+        if directory.exists() and not directory.is_dir():  # orbax would retry, then hang
+            raise ConfigError(f"checkpoint.dir={str(directory)!r} is a file, not a folder; give a folder (it is created "
+                              "if missing), or checkpoint.dir='' for no checkpoints")
         if jax.process_index() == 0 and directory.exists():  # saves cut short: never checkpoints, removed now
             for leftover in directory.glob("*.orbax-checkpoint-tmp*"):
                 shutil.rmtree(leftover, ignore_errors=True)
