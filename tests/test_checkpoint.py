@@ -202,3 +202,23 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
     path.write_text("")
     with pytest.raises(ConfigError, match="checkpoint.dir=.*is a file, not a folder"):
         Checkpoints.open(path)
+
+
+def test_an_unreadable_latest_step_is_set_aside_for_the_newest_intact_one(tiny_llama, tmp_path):
+    """A truncated save (its array files cut short) is passed over with a warning naming it;
+    the run resumes exactly from the step before and saves the lost step again."""
+    import dataclasses
+
+    from jaxpar.config import CheckpointConfig
+    from jaxpar.train import build, run
+    from jaxpar.train.checkpoint import UnreadableCheckpoint
+
+    config = dataclasses.replace(tiny_llama, checkpoint=CheckpointConfig(dir=str(tmp_path), every=2, async_save=False))
+    whole = [r["loss"] for r in run(build(config), steps=4, progress=False)]  # saves steps 2 and 4
+    for f in (tmp_path / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:10])
+    with pytest.warns(UnreadableCheckpoint, match=r"step 4 \(.*\) cannot be read .*resuming from step 2"):
+        resumed = [r["loss"] for r in run(build(config), steps=4, progress=False)]
+    assert resumed == whole[2:], (resumed, whole)
+    assert (tmp_path / "4.unreadable").is_dir() and (tmp_path / "4").is_dir()

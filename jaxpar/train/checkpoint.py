@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
+import warnings
 from typing import Any
 
 import jax
@@ -71,7 +72,51 @@ class Checkpoints:
         self.manager.save(step, args=args, force=True)
 
     def restore(self, trainer, step: int | None = None) -> tuple[Any, int]:
-        """(state laid out for `trainer`, its step): the latest checkpoint unless `step`."""
+        """(state laid out for `trainer`, its step): the latest checkpoint unless `step`. A
+        latest step that cannot be read (a stray folder, a truncated save) is passed over,
+        with a warning naming it, for the newest earlier one that can; in several processes
+        it is refused instead (they must agree on the step)."""
+        if step is not None:
+            return self._restore(trainer, step)
+        steps = self.all_steps()
+        if not steps:
+            return self._restore(trainer, None)  # the message that there is none
+        broken = []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore(trainer, candidate)
+            except ConfigError:
+                raise  # a readable checkpoint of another model or precision
+            except Exception as e:  # orbax and tensorstore raise many kinds
+                broken.append(f"{candidate} ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+                if jax.process_count() > 1 or candidate == steps[0]:
+                    raise ConfigError(
+                        f"checkpoint.dir={str(self.directory)!r}: step {broken[0]} cannot be read"
+                        + (f"; nor can {', '.join(broken[1:])}" if len(broken) > 1 else "")
+                        + f"; intact steps: none of {steps} that were tried. Remove the broken step folders, or "
+                        "use another checkpoint.dir"
+                    ) from e
+                continue
+            if broken:
+                self._set_aside([int(b.split()[0]) for b in broken])
+                warnings.warn(f"checkpoint.dir={str(self.directory)!r}: step {', '.join(broken)} cannot be read "
+                              f"(kept as <step>.unreadable); resuming from step {candidate}, the newest intact one",
+                              UnreadableCheckpoint, stacklevel=2)
+            return restored
+        raise AssertionError("unreachable")
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable step folders out of the manager's sight (never deleted: they
+        are the user's), so the run can save those steps again."""
+        for step in steps:
+            source, target = self.directory / str(step), self.directory / f"{step}.unreadable"
+            n = 1
+            while target.exists():
+                n, target = n + 1, self.directory / f"{step}.unreadable{n}"
+            source.rename(target)
+        self.manager.reload()
+
+    def _restore(self, trainer, step: int | None) -> tuple[Any, int]:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             raise ConfigError(
@@ -110,3 +155,7 @@ class Checkpoints:
 
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+class UnreadableCheckpoint(UserWarning):
+    """The newest checkpoint step could not be read; an earlier one was used."""
