@@ -65,6 +65,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         layers_factor, head_factor = recompute
         head = 6 * head_params(config.model)
         flops_per_token = (flops_per_token - head) * layers_factor + head * head_factor
+        flops_per_token += one_hot_lookup_flops(config.model, trainer.layout)
     flops_formula = flops_per_token * tokens / report.num_devices
 
     # Traffic over the data-parallel axes: ZeRO-3 over fsdp (and over data at stage 3),
@@ -376,3 +377,14 @@ NO_FORMULA = ("no formula: it reads a decoder's embed, vocab_size and tie_embedd
 def _decoder_fields(model) -> bool:
     """Whether the pipeline traffic formulas can read the model (our decoders' fields)."""
     return all(hasattr(model, f) for f in ("embed", "vocab_size", "tie_embeddings"))
+
+
+def one_hot_lookup_flops(model, layout) -> float:
+    """Per token: inside pipeline stages a vocab-sharded embedding lookup is a one-hot matmul
+    (jaxpar.sharding.embedding), 2 x vocab x embed flops for its forward, again for the
+    first stage's recomputed forward, and again for the table's gradient. Read from a
+    decoder's vocab_size and embed (0 for other models)."""
+    spec = layout.rules.spec(("vocab", "embed"), "compute")
+    if not (len(spec) and spec[0] is not None):
+        return 0.0
+    return 3 * 2 * getattr(model, "vocab_size", 0) * getattr(model, "embed", 0)
