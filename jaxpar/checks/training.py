@@ -39,6 +39,18 @@ def on_nonfinite_policy(config, sizes) -> None:
 
 
 @rule(
+    "on-replicated-policy",
+    fields=["parallel.on_replicated"],
+    summary="A parameter the rules leave whole on every device is warned about, refused, or allowed.",
+    example=["parallel.on_replicated=loud"],
+)
+def on_replicated_policy(config, sizes) -> None:
+    from jaxpar.sharding.replicated import check_policy
+
+    check_policy(config.parallel.on_replicated)
+
+
+@rule(
     "compute-dtype",
     fields=["train.compute_dtype"],
     summary="Compute runs in float32 or bfloat16 (parameters are always stored in float32).",

@@ -11,27 +11,16 @@ from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
 
-# field -> (logical names, dtype); the leading dimension is always the global batch.
+# field -> (its shape per example, dtype): "seq" is (train.seq_len,), "input" the model's
+# input shape, () one value per example. The leading dimension is always the global batch.
 FIELDS = {
-    "lm": {
-        "inputs": (("batch", None), np.int32),
-        "targets": (("batch", None), np.int32),
-        "weights": (("batch", None), np.float32),
-    },
-    "classify": {
-        "inputs": (("batch", None), np.float32),
-        "targets": (("batch",), np.int32),
-        "weights": (("batch",), np.float32),
-    },
+    "lm": {"inputs": ("seq", np.int32), "targets": ("seq", np.int32), "weights": ("seq", np.float32)},
+    "classify": {"inputs": ("input", np.float32), "targets": ((), np.int32), "weights": ((), np.float32)},
 }
 
 
 # Packed documents add, per token, its document within the row and its place in it.
-FIELDS["lm_packed"] = {
-    **FIELDS["lm"],
-    "segment_ids": (("batch", None), np.int32),
-    "positions": (("batch", None), np.int32),
-}
+FIELDS["lm_packed"] = {**FIELDS["lm"], "segment_ids": ("seq", np.int32), "positions": ("seq", np.int32)}
 
 
 def batch_kind(task: str, eos_id: int) -> str:
@@ -60,11 +49,16 @@ def batch_fields(model: Any, seq_len: int, eos_id: int) -> dict[str, Field]:
     if kind not in FIELDS:
         raise ConfigError(f"model.task={model.task!r}: jaxpar knows the batches of 'lm' and 'classify'; "
                           "give the model config batch_fields(seq_len) for others (jaxpar.model)")
-    example = {"lm": (seq_len,), "lm_packed": (seq_len,)}.get(kind) or tuple(
-        getattr(model, "input_shape", None) or (model.in_features,))
+    def per_example(shape) -> tuple[int, ...]:
+        if shape == "seq":
+            return (seq_len,)
+        if shape == "input":
+            return tuple(getattr(model, "input_shape", None) or (model.in_features,))
+        return shape
+
     fields = {}
-    for name, (names, dtype) in FIELDS[kind].items():
-        shape = example if name == "inputs" or kind != "classify" else ()
+    for name, (shape, dtype) in FIELDS[kind].items():
+        shape = per_example(shape)
         fields[name] = Field(shape, dtype, ("batch", *([None] * len(shape))))
     return fields
 

@@ -17,6 +17,7 @@ from jaxpar.inspect import formulas
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
+from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.units import byte_size, count
 
 DP_AXES = ("data", "fsdp")  # the axes parameters and gradients are reduced over
@@ -384,7 +385,6 @@ def one_hot_lookup_flops(model, layout) -> float:
     (jaxpar.sharding.embedding), 2 x vocab x embed flops for its forward, again for the
     first stage's recomputed forward, and again for the table's gradient. Read from a
     decoder's vocab_size and embed (0 for other models)."""
-    spec = layout.rules.spec(("vocab", "embed"), "compute")
-    if not (len(spec) and spec[0] is not None):
+    if not rows_sharded(layout):
         return 0.0
     return 3 * 2 * getattr(model, "vocab_size", 0) * getattr(model, "embed", 0)

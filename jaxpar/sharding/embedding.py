@@ -20,7 +20,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.sharding.annotate import active_layout
+from jaxpar.sharding.annotate import Layout, active_layout
 
 
 def lookup(table: jax.Array, ids: jax.Array, table_names: Sequence[str | None] = ("vocab", "embed")) -> jax.Array:
@@ -35,12 +35,10 @@ def lookup(table: jax.Array, ids: jax.Array, table_names: Sequence[str | None] =
 def one_hot_needed(table_names: Sequence[str | None]) -> bool:
     """Inside a partly manual shard_map, with the table's rows sharded by the compute rules."""
     layout = active_layout()
-    if layout is None or not jax.sharding.get_abstract_mesh().manual_axes:
-        return False
+    return layout is not None and bool(jax.sharding.get_abstract_mesh().manual_axes) and rows_sharded(layout, table_names)
+
+
+def rows_sharded(layout: Layout, table_names: Sequence[str | None] = ("vocab", "embed")) -> bool:
+    """Whether the compute rules shard a table's rows (vocab-parallel)."""
     spec = layout.rules.spec(table_names, "compute")
     return len(spec) > 0 and spec[0] is not None
-
-
-def lookup_reference(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """The plain reference: a gather."""
-    return jnp.take(table, ids, axis=0)

@@ -122,7 +122,7 @@ def suggestion_text(rule: str, own: str | None) -> str:
 
 def path_text(path: Sequence[Any]) -> str:
     """('layers', 'attn', 'wq') key path -> 'layers.attn.wq'."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
 
 
 def replication_message(entries: Sequence[Replicated], limit: int = 5) -> str:
@@ -156,8 +156,7 @@ def _combined_rules(entries: Sequence[Replicated]) -> str:
 def report_replicated(entries: Sequence[Replicated], policy: str) -> None:
     """Act on `entries` as `parallel.on_replicated` says: warn (ReplicatedParams), error
     (ConfigError), allow (nothing). An unknown policy is refused even with no entries."""
-    if policy not in POLICIES:
-        raise ConfigError(f"parallel.on_replicated={policy!r} is not a policy; use {', '.join(POLICIES)}")
+    check_policy(policy)
     if not entries or policy == "allow":
         return
     message = replication_message(entries)
@@ -165,3 +164,9 @@ def report_replicated(entries: Sequence[Replicated], policy: str) -> None:
         raise ConfigError(f"parallel.on_replicated=error: {message}\n(=warn or =allow lets the layout through)")
     warnings.warn(f"{message}\n(parallel.on_replicated=allow silences this, =error refuses it)", ReplicatedParams,
                   stacklevel=3)
+
+
+def check_policy(policy: str) -> None:
+    """parallel.on_replicated names one of POLICIES (the catalogue's rule, and the function above)."""
+    if policy not in POLICIES:
+        raise ConfigError(f"parallel.on_replicated={policy!r} is not a policy; use {', '.join(POLICIES)}")
