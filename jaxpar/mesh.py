@@ -162,3 +162,11 @@ def host_of_positions(mesh: Mesh, num_hosts: int) -> list[int]:
     groups = _host_groups(list(mesh.devices.flat), num_hosts)
     host = {d.id: i for i, group in enumerate(groups) for d in group}
     return [host[d.id] for d in mesh.devices.flat]
+
+
+def mesh_here(mesh: Mesh):
+    """`mesh`, or inside a `shard_map` that is manual over some of its axes (the pipeline
+    executor), the context's abstract mesh: a sharding constraint or a nested shard_map
+    there may name only the axes left to the partitioner, and must say which are manual."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if context.manual_axes else mesh

@@ -158,6 +158,12 @@ LAYOUTS = {
     "zb_h1_dp_fsdp_zero1": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline_schedule=zb-h1",
                             "parallel.zero_stage=1"],
     "1f1b_four_stages_dp_zero1": ["mesh.stage=4", "mesh.data=2", "parallel.zero_stage=1"],
+    # context parallel inside the stages (PP x CP x TP): the ring's hops are all-to-all swaps there
+    "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
+    "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context_impl=ulysses",
+                               "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"],
+    "zb_h1_allgather_fsdp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather",
+                             "parallel.pipeline_schedule=zb-h1"],
 }
 
 
@@ -237,7 +243,7 @@ def test_interleaved_stages_hold_their_own_chunks(deep_llama):
         (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=2"], "only the interleaved"),
         (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"], "mesh.stage=1"),
         (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=2"], "zero_stage=2"),
-        (["mesh.stage=2", "mesh.data=2", "mesh.context=2"], "mesh.context=2"),
+        (["mesh.stage=2", "mesh.context=4", "parallel.context_impl=ring"], "use mesh.context=2, or parallel.context_impl=ulysses"),
         (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=0"], "pipeline_chunks=0"),
         (["mesh.stage=2", "mesh.data=2", "mesh.expert=2"], "mesh.expert=2"),
         (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=1", "parallel.quantized_gradients=true"], "quantized_gradients"),

@@ -152,19 +152,35 @@ def interleaved_microbatch_groups(config, sizes) -> None:
 
 
 @rule(
-    "pipeline-without-context-or-experts",
-    fields=["mesh.stage", "mesh.context", "mesh.expert"],
-    summary="Pipeline stages do not run the context- or expert-parallel kernels yet.",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.context=2"],
+    "pipeline-without-experts",
+    fields=["mesh.stage", "mesh.expert"],
+    summary="Pipeline stages do not run the expert-parallel kernels yet.",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.expert=2"],
 )
-def pipeline_without_context_or_experts(config, sizes) -> None:
+def pipeline_without_experts(config, sizes) -> None:
     p = sizes["stage"]
-    for axis in ("context", "expert") if p > 1 else ():
-        if sizes[axis] > 1:
-            raise ConfigError(
-                f"mesh.stage={p} with mesh.{axis}={sizes[axis]}: pipeline stages do not yet run the {axis}-parallel "
-                f"kernels; use mesh.{axis}=1 (data, fsdp and tensor compose with stages)"
-            )
+    if p > 1 and sizes["expert"] > 1:
+        raise ConfigError(
+            f"mesh.stage={p} with mesh.expert={sizes['expert']}: pipeline stages do not yet run the expert-parallel "
+            "kernels; use mesh.expert=1 (data, fsdp, tensor and context compose with stages)"
+        )
+
+
+@rule(
+    "pipeline-ring-of-two",
+    fields=["mesh.stage", "mesh.context", "parallel.context_impl"],
+    summary="Inside pipeline stages ring attention runs on rings of two devices (mesh.context=2).",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.context=4", "parallel.context_impl=ring"],
+)
+def pipeline_ring_of_two(config, sizes) -> None:
+    p, n = sizes["stage"], sizes["context"]
+    if p > 1 and n > 2 and config.parallel.context_impl == "ring":
+        raise ConfigError(
+            f"parallel.context_impl=ring with mesh.stage={p} and mesh.context={n}: inside pipeline stages, where "
+            "devices of different stages run different branches of one switch, a ring step is an all-to-all "
+            "between two devices (a collective-permute would wait for every stage), so the ring holds two; "
+            "use mesh.context=2, or parallel.context_impl=ulysses or allgather"
+        )
 
 
 @rule(

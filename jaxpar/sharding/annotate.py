@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather
-from jaxpar.mesh import divisors
+from jaxpar.mesh import divisors, mesh_here  # noqa: F401  (mesh_here: used by the projections)
 from jaxpar.sharding.rules import Rules
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -99,14 +99,6 @@ class Layout:
         spec = self.rules.spec(names, "storage")
         return add_axes(spec, shape, names, self.mesh, self.params.zero_axes) if self.params.zero_axes else spec
 
-
-
-def mesh_here(mesh: Mesh) -> Any:
-    """`mesh`, or inside a `shard_map` that is manual over some of its axes (the pipeline
-    executor), the context's abstract mesh: a sharding constraint there may name only the
-    axes left to the partitioner, and must say which are manual."""
-    context = jax.sharding.get_abstract_mesh()
-    return context if context.manual_axes else mesh
 
 
 @contextlib.contextmanager

@@ -44,6 +44,9 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
         seq_layout=layout.context.seq_layout,
         masking=Masking(causal, block, block, layout.context.kernel),
         replica_axis=layout.replica_axis,
+        # Inside pipeline stages (a shard_map manual over stage and data) devices of
+        # different stages run different branches of one switch.
+        ring_hop="swap" if jax.sharding.get_abstract_mesh().manual_axes else "permute",
     )
 
 

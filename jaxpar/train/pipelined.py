@@ -23,6 +23,7 @@ from jaxpar.sharding import Layout, use_layout
 from jaxpar.train.loss import LossFn
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import inner_layout, without_axis
+from jaxpar.train.sequence import lay_out_sequences
 
 GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
 
@@ -43,7 +44,9 @@ def pipelined_grads(
 
     def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Any]:
         layers, other = split_layers(params)
-        micro = split_batch(batch, m, names, layout)
+        if config.model.task == "lm":  # sequences laid out as the context-parallel kernels expect
+            batch = lay_out_sequences(batch, layout)
+        micro = split_batch(batch, m, {"positions": names["inputs"], **names}, layout)
         with use_layout(inside):
             total, weight, d_layers, d_other = pipeline_grads(program, stages, layout.mesh, layers, other, micro)
         summed = reduce_over_data(join_layers(d_layers, d_other))

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.kernels.attention import allgather, ring, ulysses
 from jaxpar.kernels.attention.blocks import Masking, tile
 from jaxpar.kernels.attention.order import chunk_length
+from jaxpar.mesh import mesh_here
 
 KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}
 RESIDUALS_NAME = "context_attention"  # what the backward pass reads: q, k, v, segments, o, lse
@@ -43,6 +44,10 @@ class ContextSpec:
     q_spec / kv_spec shard the sequence (dimension 1) over `axis`; batch and heads may be
     sharded over any other mesh axes, which the kernel treats as independent work.
     replica_axis: the mesh axis of an enclosing `vmap(spmd_axis_name=...)`, if any.
+    ring_hop: how a ring step reaches the next device: "permute" (a collective-permute), or
+    "swap" (an all-to-all between the two devices of a ring of two) inside the branches of a
+    switch that devices run differently (pipeline stages), where one collective-permute
+    spans every device of the mesh and waits for devices that never reach it.
     """
 
     impl: str
@@ -53,6 +58,7 @@ class ContextSpec:
     seq_layout: str = "zigzag"
     masking: Masking = Masking()
     replica_axis: str | None = None
+    ring_hop: str = "permute"
 
     def __post_init__(self):
         for name in ("q_spec", "kv_spec"):  # four entries, so kernels may index any dimension
@@ -131,7 +137,8 @@ def _per_device_tiles(tiles):
 def _forward(spec: ContextSpec):
     """(q, k, v, seg) -> (o, residuals, tiles per device [n_devices])."""
     kernel = KERNELS[spec.impl]
-    devices = P(tuple(spec.mesh.axis_names))
+    mesh = mesh_here(spec.mesh)
+    devices = P(tuple(a for a in mesh.axis_names if a not in getattr(mesh, "manual_axes", ())))
 
     def sharded(q, k, v, seg):
         has_seg = seg is not None
@@ -140,7 +147,7 @@ def _forward(spec: ContextSpec):
 
         @partial(
             jax.shard_map,
-            mesh=spec.mesh,
+            mesh=mesh,
             in_specs=(spec.q_spec, spec.kv_spec, spec.kv_spec, seg_spec),
             out_specs=(spec.q_spec, res_specs, devices),
             check_vma=False,
@@ -181,7 +188,7 @@ def _backward(spec: ContextSpec):
 
         @partial(
             jax.shard_map,
-            mesh=spec.mesh,
+            mesh=mesh_here(spec.mesh),
             in_specs=(res_specs, spec.q_spec),
             out_specs=(spec.q_spec, spec.kv_spec, spec.kv_spec),
             check_vma=False,

@@ -23,12 +23,24 @@ from jaxpar.kernels.attention.flash import grouped
 from jaxpar.kernels.attention.order import local_index
 
 
-def _pass_on(tree, axis, n):
-    """Every device sends `tree` to the next device on the ring."""
-    return jax.lax.ppermute(tree, axis, perm=[(i, (i + 1) % n) for i in range(n)])
+def _pass_on(tree, ctx):
+    """Every device sends `tree` to the next device on the ring (`ctx.ring_hop`)."""
+    n = ctx.degree
+    if ctx.ring_hop == "permute":
+        return jax.lax.ppermute(tree, ctx.axis, perm=[(i, (i + 1) % n) for i in range(n)])
+    if n != 2:  # refused before compile (jaxpar.checks); a caller's own spec lands here
+        raise ValueError(f"ring_hop=swap pairs the two devices of a ring of two, not {n}")
+    return jax.tree.map(lambda x: _swap(x, ctx.axis), tree)
 
 
-def _ring(n, step, carry, held, axis):
+def _swap(x, axis):
+    """The other device's x, in a ring of two, by an all-to-all: its replica groups hold
+    the two devices alone, and each sends the other one copy of x, as a permute would."""
+    both = jax.lax.all_to_all(jnp.stack([x, x]), axis, 0, 0, tiled=True)  # [x of device 0, x of device 1]
+    return both[1 - jax.lax.axis_index(axis)]
+
+
+def _ring(n, step, carry, held, ctx):
     """Run `step(i, carry, held) -> carry` for i = 0..n-1 while the key/value block `held`
     travels the ring: n-1 hops, each sent at the start of a step so the transfer overlaps
     that step's block. A loop, not n unrolled copies: one set of buffers whatever n is, and
@@ -37,7 +49,7 @@ def _ring(n, step, carry, held, axis):
 
     def hop(i, state):
         carry, held = state
-        incoming = _pass_on(held, axis, n)
+        incoming = _pass_on(held, ctx)
         return jax.lax.optimization_barrier((step(i, carry, held), incoming))
 
     carry, held = jax.lax.fori_loop(0, n - 1, hop, (carry, held))
@@ -64,7 +76,7 @@ def forward(q, k, v, segment, ctx):
         jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), blocks.NEG_INF, jnp.float32),
         jnp.int32(0),
     )
-    o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx.axis)
+    o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx)
     o = o.reshape(q.shape).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
@@ -91,7 +103,7 @@ def backward(residuals, do, ctx):
 
     def hop(i, state):
         dq, held, sums = state  # sums: for the block held in the step before
-        incoming, arrived = _pass_on(held, ctx.axis, n), _pass_on(sums, ctx.axis, n)
+        incoming, arrived = _pass_on(held, ctx), _pass_on(sums, ctx)
         dq, sums = step(i, dq, held, arrived)
         return jax.lax.optimization_barrier((dq, incoming, sums))
 
@@ -100,11 +112,11 @@ def backward(residuals, do, ctx):
     if n == 1:
         dq, sums = step(0, dq, held, (zeros, zeros))
     else:
-        incoming = _pass_on(held, ctx.axis, n)  # step 0: no sums have arrived yet
+        incoming = _pass_on(held, ctx)  # step 0: no sums have arrived yet
         dq, sums = step(0, dq, held, (zeros, zeros))
         dq, held, sums = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
-        dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx.axis, n))  # the last step: no block to fetch
-        sums = _pass_on(sums, ctx.axis, n)  # home
+        dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx))  # the last step: no block to fetch
+        sums = _pass_on(sums, ctx)  # home
     return dq.reshape(q.shape).astype(q.dtype), sums[0].astype(k.dtype), sums[1].astype(v.dtype)
 
 
