@@ -162,6 +162,9 @@ LAYOUTS = {
     "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
     "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context_impl=ulysses",
                                "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"],
+    # collective matmul inside the stages: its hops are all-to-all swaps there too
+    "1f1b_dp_tp_sp_collective_matmul": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP,
+                                        "parallel.collective_matmul=bidirectional"],
     "zb_h1_allgather_fsdp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather",
                              "parallel.pipeline_schedule=zb-h1"],
 }
@@ -245,6 +248,7 @@ def test_interleaved_stages_hold_their_own_chunks(deep_llama):
         (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=2"], "zero_stage=2"),
         (["mesh.stage=2", "mesh.context=4", "parallel.context_impl=ring"], "use mesh.context=2, or parallel.context_impl=ulysses"),
         (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=0"], "pipeline_chunks=0"),
+        (["mesh.stage=2", "mesh.tensor=4", SP, "parallel.collective_matmul=ring"], "use mesh.tensor=2 there"),
         (["mesh.stage=2", "mesh.data=2", "mesh.expert=2"], "mesh.expert=2"),
         (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=1", "parallel.quantized_gradients=true"], "quantized_gradients"),
         (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline_schedule=gpipe"], "parallel.pipeline_schedule='gpipe' shapes a pipeline"),

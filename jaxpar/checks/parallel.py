@@ -184,18 +184,20 @@ def pipeline_ring_of_two(config, sizes) -> None:
 
 
 @rule(
-    "pipeline-without-collective-matmul",
-    fields=["mesh.stage", "parallel.collective_matmul"],
-    summary="Collective matmul is not run inside pipeline stages (XLA's partitioner aborts on it there).",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+    "pipeline-collective-matmul-pairs",
+    fields=["mesh.stage", "mesh.tensor", "parallel.collective_matmul"],
+    summary="Inside pipeline stages collective matmul runs on tensor rings of two devices (mesh.tensor=2).",
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.tensor=4", "parallel.sequence_parallel=true",
              "parallel.collective_matmul=ring"],
 )
-def pipeline_without_collective_matmul(config, sizes) -> None:
-    p, value = sizes["stage"], config.parallel.collective_matmul
-    if p > 1 and value != "none":
+def pipeline_collective_matmul_pairs(config, sizes) -> None:
+    p, n, value = sizes["stage"], sizes["tensor"], config.parallel.collective_matmul
+    if p > 1 and n > 2 and value != "none":
         raise ConfigError(
-            f"parallel.collective_matmul={value} with mesh.stage={p}: inside pipeline stages XLA's SPMD partitioner "
-            "aborts on the collective matmul's shard_map (jaxlib 0.12); set parallel.collective_matmul=none there"
+            f"parallel.collective_matmul={value} with mesh.stage={p} and mesh.tensor={n}: inside pipeline stages, "
+            "where devices of different stages run different branches of one switch, a ring step is an all-to-all "
+            "between two devices (a collective-permute would wait for every stage), so the ring holds two; use "
+            "mesh.tensor=2 there, or parallel.collective_matmul=none"
         )
 
 

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.kernels.hops import send
+
 IMPLS = ("collective", "bidirectional", "plain")
 OPS = ("allgather_matmul", "matmul_reducescatter")
 
@@ -101,18 +103,20 @@ def _check_local(name: str, a: jax.Array, b: jax.Array, rank_a: str) -> None:
         )
 
 
-def allgather_matmul(x: jax.Array, w: jax.Array, axis: str, *, bidirectional: bool = False) -> jax.Array:
+def allgather_matmul(x: jax.Array, w: jax.Array, axis: str, *, bidirectional: bool = False, hop: str = "permute") -> jax.Array:
     """all_gather(x, axis, along the sequence, tiled) @ w, as n partial matmuls and n-1 hops.
 
     Inside a shard_map over `axis` (size n). Local x [..., S/n, D] (this device's sequence
     chunk), local w [D, F/n] -> local [..., S, F/n]: X[.., S@axis, D] @ W[D, F@axis].
     """
-    return allgather_matmuls(x, [w], axis, bidirectional=bidirectional)[0]
+    return allgather_matmuls(x, [w], axis, bidirectional=bidirectional, hop=hop)[0]
 
 
-def allgather_matmuls(x: jax.Array, ws: Sequence[jax.Array], axis: str, *, bidirectional: bool = False) -> list[jax.Array]:
+def allgather_matmuls(x: jax.Array, ws: Sequence[jax.Array], axis: str, *, bidirectional: bool = False,
+                      hop: str = "permute") -> list[jax.Array]:
     """[all_gather(x) @ w for w in ws] with one ring: each chunk of x travels once and meets
-    every w when it arrives (a fused QKV or gate/up projection gathers its input once)."""
+    every w when it arrives (a fused QKV or gate/up projection gathers its input once).
+    hop: how a chunk reaches a neighbour (jaxpar.kernels.hops; "swap" in pipeline stages)."""
     for w in ws:
         _check_local("allgather_matmul", x, w, "x")
     n = jax.lax.axis_size(axis)
@@ -130,8 +134,8 @@ def allgather_matmuls(x: jax.Array, ws: Sequence[jax.Array], axis: str, *, bidir
     for i in range(right + 1):
         # Send what is held now (for step i+1) before multiplying it: the two are
         # independent, so the transfer can run under this step's matmul.
-        next_right = jax.lax.ppermute(rightward, axis, _to_right(n)) if i < right else None
-        next_left = jax.lax.ppermute(leftward, axis, _to_left(n)) if i < left else None
+        next_right = send(rightward, axis, _to_right(n), hop) if i < right else None
+        next_left = send(leftward, axis, _to_left(n), hop) if i < left else None
         outs = put(outs, rightward, (rank - i) % n)
         if 1 <= i <= left:
             outs = put(outs, leftward, (rank + i) % n)
@@ -139,13 +143,15 @@ def allgather_matmuls(x: jax.Array, ws: Sequence[jax.Array], axis: str, *, bidir
     return outs
 
 
-def matmul_reducescatter(y: jax.Array, w: jax.Array, axis: str, *, bidirectional: bool = False) -> jax.Array:
+def matmul_reducescatter(y: jax.Array, w: jax.Array, axis: str, *, bidirectional: bool = False,
+                         hop: str = "permute") -> jax.Array:
     """psum_scatter(y @ w, axis, over the sequence, tiled), as n partial matmuls whose running
     sums take n-1 hops.
 
     Inside a shard_map over `axis` (size n). Local y [..., S, F/n], local w [F/n, D] -> local
     [..., S/n, D]: (Y[.., S, F@axis] @ W[F@axis, D]) summed over `axis`, scattered as S@axis.
-    The running sums travel in the result dtype, as a reduce-scatter's would.
+    The running sums travel in the result dtype, as a reduce-scatter's would. hop: as in
+    `allgather_matmuls`.
     """
     _check_local("matmul_reducescatter", y, w, "y")
     n = jax.lax.axis_size(axis)
@@ -174,14 +180,14 @@ def matmul_reducescatter(y: jax.Array, w: jax.Array, axis: str, *, bidirectional
 
     rightward = leftward = None  # the running sums this device last added to
     for i in range(right):
-        arrived = () if rightward is None else (jax.lax.ppermute(rightward, axis, _to_right(n)),)
+        arrived = () if rightward is None else (send(rightward, axis, _to_right(n), hop),)
         rightward = add((rank + right - i) % n, *arrived)
         if i < left:
-            arrived = () if leftward is None else (jax.lax.ppermute(leftward, axis, _to_left(n)),)
+            arrived = () if leftward is None else (send(leftward, axis, _to_left(n), hop),)
             leftward = add((rank - left + i) % n, *arrived)
-    arrived = [jax.lax.ppermute(rightward, axis, _to_right(n))]
+    arrived = [send(rightward, axis, _to_right(n), hop)]
     if left:
-        arrived.append(jax.lax.ppermute(leftward, axis, _to_left(n)))
+        arrived.append(send(leftward, axis, _to_left(n), hop))
     return add(rank, *arrived)
 
 

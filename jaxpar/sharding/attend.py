@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, flash_attention, reference_attention
+from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout
 
@@ -44,9 +45,7 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
         seq_layout=layout.context.seq_layout,
         masking=Masking(causal, block, block, layout.context.kernel),
         replica_axis=layout.replica_axis,
-        # Inside pipeline stages (a shard_map manual over stage and data) devices of
-        # different stages run different branches of one switch.
-        ring_hop="swap" if jax.sharding.get_abstract_mesh().manual_axes else "permute",
+        ring_hop=hop_here(),
     )
 
 

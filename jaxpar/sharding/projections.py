@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
+from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout, constrain, mesh_here
 
@@ -56,11 +57,11 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
         _expect(spec[:2] == gathered[:2] and spec[2] == AXIS and not any(spec[3:]), names, spec,
                 "batch and sequence as the gathered input, the first feature dimension over tensor, no other")
     _expect_scattered(x_spec, gathered)
-    bidirectional = layout.collective_matmul == "bidirectional"
+    bidirectional, hop = layout.collective_matmul == "bidirectional", hop_here()
 
     def body(x, *ws):
         flat = [w.reshape(w.shape[0], -1) for w in ws]  # [D, F/n, ...] -> [D, F/n * ...]
-        outs = allgather_matmuls(x, flat, AXIS, bidirectional=bidirectional)
+        outs = allgather_matmuls(x, flat, AXIS, bidirectional=bidirectional, hop=hop)
         return tuple(out.reshape(*out.shape[:-1], *w.shape[1:]) for out, w in zip(outs, ws))
 
     sharded = jax.shard_map(
@@ -85,12 +86,12 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
     _expect(y_spec[:2] == gathered[:2] and y_spec[2] == AXIS and not any(y_spec[3:]), in_names, y_spec,
             "batch and sequence as the gathered layout, the first feature dimension over tensor, no other")
     _expect_scattered(out_spec, gathered)
-    bidirectional = layout.collective_matmul == "bidirectional"
+    bidirectional, hop = layout.collective_matmul == "bidirectional", hop_here()
 
     def body(y, w):
         flat_y = y.reshape(*y.shape[:2], -1)
         flat_w = w.reshape(math.prod(w.shape[:features]), -1)
-        return matmul_reducescatter(flat_y, flat_w, AXIS, bidirectional=bidirectional)
+        return matmul_reducescatter(flat_y, flat_w, AXIS, bidirectional=bidirectional, hop=hop)
 
     sharded = jax.shard_map(
         body,

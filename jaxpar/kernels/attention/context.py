@@ -44,10 +44,8 @@ class ContextSpec:
     q_spec / kv_spec shard the sequence (dimension 1) over `axis`; batch and heads may be
     sharded over any other mesh axes, which the kernel treats as independent work.
     replica_axis: the mesh axis of an enclosing `vmap(spmd_axis_name=...)`, if any.
-    ring_hop: how a ring step reaches the next device: "permute" (a collective-permute), or
-    "swap" (an all-to-all between the two devices of a ring of two) inside the branches of a
-    switch that devices run differently (pipeline stages), where one collective-permute
-    spans every device of the mesh and waits for devices that never reach it.
+    ring_hop: how a ring step reaches the next device (jaxpar.kernels.hops): "permute", or
+    "swap" inside pipeline stages, for a ring of two.
     """
 
     impl: str

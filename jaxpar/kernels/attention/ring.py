@@ -21,23 +21,13 @@ import jax.numpy as jnp
 from jaxpar.kernels.attention import blocks
 from jaxpar.kernels.attention.flash import grouped
 from jaxpar.kernels.attention.order import local_index
+from jaxpar.kernels.hops import send
 
 
 def _pass_on(tree, ctx):
     """Every device sends `tree` to the next device on the ring (`ctx.ring_hop`)."""
     n = ctx.degree
-    if ctx.ring_hop == "permute":
-        return jax.lax.ppermute(tree, ctx.axis, perm=[(i, (i + 1) % n) for i in range(n)])
-    if n != 2:  # refused before compile (jaxpar.checks); a caller's own spec lands here
-        raise ValueError(f"ring_hop=swap pairs the two devices of a ring of two, not {n}")
-    return jax.tree.map(lambda x: _swap(x, ctx.axis), tree)
-
-
-def _swap(x, axis):
-    """The other device's x, in a ring of two, by an all-to-all: its replica groups hold
-    the two devices alone, and each sends the other one copy of x, as a permute would."""
-    both = jax.lax.all_to_all(jnp.stack([x, x]), axis, 0, 0, tiled=True)  # [x of device 0, x of device 1]
-    return both[1 - jax.lax.axis_index(axis)]
+    return send(tree, ctx.axis, [(i, (i + 1) % n) for i in range(n)], ctx.ring_hop)
 
 
 def _ring(n, step, carry, held, ctx):
