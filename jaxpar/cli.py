@@ -60,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, metavar="S", help="tokens per sequence (default: the recipe's, else 4096)")
     plan.add_argument("--global-batch", type=int, metavar="B", help="sequences per step (default: N)")
     plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile the K fastest estimates (default 4)")
+    plan.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
+                      help="seconds each layout's compile may take before it is stopped and marked failed (default 600)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     launch = sub.add_parser("launch", help="run `train` in several local processes joined by jax.distributed")
     launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
@@ -235,6 +237,10 @@ def explain(args) -> int:
     from jaxpar.inspect.explain import render
     from jaxpar.train import build
 
+    if args.png:
+        from jaxpar.train.metrics import prepare_file
+
+        prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
     devices = jax.devices()
     trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
     if args.png and trainer.pipeline is None:
@@ -257,7 +263,8 @@ def plan(args) -> int:
     from jaxpar.mesh import force_cpu_devices
 
     for flag, value in (("--devices", args.devices), ("--hbm-gb", args.hbm_gb), ("--compile-top", args.compile_top),
-                        ("--hosts", args.hosts), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+                        ("--hosts", args.hosts), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
+                        ("--compile-timeout", args.compile_timeout)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be positive")
     if args.devices > 4096:
@@ -278,10 +285,10 @@ def plan(args) -> int:
     from jaxpar.units import params
 
     planned, facts = make_plan(model, jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
-                               args.compile_top, progress=not args.json)
+                               args.compile_top, progress=not args.json, compile_timeout_s=args.compile_timeout)
     if args.json:
         rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
-                 "prediction": p.prediction, "refused": p.refused} for p in planned]
+                 "prediction": p.prediction, "refused": p.refused, "failed": p.failed} for p in planned]
         print(json.dumps({**facts, "hardware": dataclasses.asdict(facts["hardware"]), "ranked": rows}, indent=1))
     else:
         print(f"{args.model}: {type(model).__name__} {params(model.param_count())} params | {args.devices} devices "
@@ -298,6 +305,10 @@ def schedule(args) -> int:
 
     p, m, v = args.stages, args.microbatches, args.chunks
     try:
+        if args.png:
+            from jaxpar.train.metrics import prepare_file
+
+            prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
         timeline = build_schedule(args.name, p, m, v)
     except ValueError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)

@@ -43,3 +43,13 @@ def test_print_config(capsys):
 @pytest.mark.parametrize("bad", ["--cpu-devices=0"])
 def test_bad_cpu_devices(bad, capsys):
     assert main(["train", "llama", bad]) == 2
+
+
+def test_png_paths_are_checked_before_compile(tmp_path, capsys):
+    """--png under a file is one line before anything compiles; missing folders are made."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["explain", "llama_pp", "--png", str(blocker / "x.png")]) == 2
+    assert "cannot create the folder" in capsys.readouterr().err
+    assert main(["schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--png", str(tmp_path / "new" / "x.png")]) == 0
+    assert (tmp_path / "new" / "x.png").is_file()

@@ -3,7 +3,7 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.data.batch import local_rows
-from jaxpar.data.sources import SyntheticTokens, TokenFile, make_source
+from jaxpar.data.sources import check_ids, SyntheticTokens, TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
 
@@ -42,8 +42,14 @@ def test_token_file_errors(tmp_path, tiny_llama):
         make_source(build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={tmp_path}/none.npy"])))
     big = tmp_path / "big.npy"
     np.save(big, np.full(100, 500, np.int32))
-    with pytest.raises(ConfigError, match="holds token id 500 but model.vocab_size=128"):
+    with pytest.raises(ConfigError, match="holds token id 500 .at position 0. but model.vocab_size=128"):
         make_source(build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={big}"])))
+    late = tmp_path / "late.npy"  # an id out of range far into the file, past any sample of its head
+    ids = np.arange(300_000, dtype=np.int32) % 128
+    ids[-3] = 128
+    np.save(late, ids)
+    with pytest.raises(ConfigError, match="holds token id 128 .at position 299997."):
+        check_ids(np.load(late, mmap_mode="r"), 128, str(late), chunk=1 << 16)
 
 
 def test_local_rows_cover_this_process(trainer):

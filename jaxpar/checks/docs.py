@@ -24,7 +24,8 @@ LATER = (
     ("`make_mesh` (`jaxpar.mesh`)", "mesh.hosts.* asks for a host layout the processes the devices come from cannot give"),
     (
         "opening the data (`jaxpar.data.sources`)",
-        "data.path is not a file, has an unknown suffix or too few tokens; data.dtype is not a numpy dtype",
+        "data.path is not a file, has an unknown suffix, holds no integers, too few tokens or an id outside "
+        "the vocabulary (every id is read); data.dtype is not a numpy dtype",
     ),
     (
         "resuming (`jaxpar.train.checkpoint`)",

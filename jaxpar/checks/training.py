@@ -275,12 +275,16 @@ def data_source(config, sizes) -> None:
 @rule(
     "tokens-need-path",
     fields=["data.source", "data.path"],
-    summary="data.source=tokens reads the file data.path names.",
+    summary="data.source=tokens reads the file data.path names; data.path needs data.source=tokens.",
     example=["data.source=tokens"],
+    also=[["data.path=tokens.npy"]],
 )
 def tokens_need_path(config, sizes) -> None:
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
+    if config.data.source != "tokens" and config.data.path:  # else the file would be ignored, silently
+        raise ConfigError(f"data.path={config.data.path!r} is read only with data.source=tokens, but "
+                          f"data.source={config.data.source!r}; set data.source=tokens, or drop data.path")
 
 
 @rule(

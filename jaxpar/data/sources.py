@@ -65,13 +65,7 @@ class TokenFile(Source):
         seq = self.shapes["inputs"][1]
         if len(self.tokens) < seq + 2:
             raise ConfigError(f"data.path={cfg.path!r} holds {len(self.tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
-        vocab = trainer.config.model.vocab_size
-        sample = np.asarray(self.tokens[: 1 << 16])
-        if sample.size and (sample.max() >= vocab or sample.min() < 0):
-            raise ConfigError(
-                f"data.path={cfg.path!r} holds token id {int(sample.max())} but model.vocab_size={vocab}; "
-                f"set model.vocab_size above the largest id"
-            )
+        check_ids(self.tokens, trainer.config.model.vocab_size, cfg.path)
         from jaxpar.data.heldout import split_tokens  # lazily: heldout builds on this module
 
         # Windows are drawn from the training part only; the held-out tail is jaxpar.data.heldout's.
@@ -152,6 +146,20 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
     if tokens.size == 0:
         raise ConfigError(f"data.path={path!r} holds no tokens; give a file of token ids")
     return tokens.reshape(-1)
+
+
+def check_ids(tokens: np.ndarray, vocab: int, path: str, chunk: int = 1 << 26) -> None:
+    """Refuse a file holding an id outside [0, vocab): the embedding would clamp it and the
+    run would train on other tokens, silently. Every id is read, a chunk at a time (about a
+    second per 10^9 tokens)."""
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start : start + chunk])
+        low, high = int(part.min()), int(part.max())
+        if high >= vocab or low < 0:
+            bad = high if high >= vocab else low
+            where = start + int(np.argmax(part == bad))
+            raise ConfigError(f"data.path={path!r} holds token id {bad} (at position {where}) but "
+                              f"model.vocab_size={vocab}; set model.vocab_size above the largest id, or re-tokenize")
 
 
 def make_source(trainer) -> Source:

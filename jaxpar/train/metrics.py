@@ -33,11 +33,7 @@ def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None) -> No
     """Before anything compiles: refuse paths that cannot be written (one ConfigError line)
     and a TensorBoard directory without tensorboardX; create missing parent folders."""
     if metrics_file:
-        path = pathlib.Path(metrics_file)
-        if path.is_dir():
-            raise ConfigError(f"metrics_file={metrics_file!r} (--metrics-file) is a directory; give a file path, "
-                              f"e.g. {str(path / 'metrics.jsonl')!r}")
-        _make_folder(path.parent, f"metrics_file={metrics_file!r} (--metrics-file)")
+        prepare_file(metrics_file, f"metrics_file={metrics_file!r} (--metrics-file)", "metrics.jsonl")
     if tensorboard_dir:
         summary_writer(tensorboard_dir)
         path = pathlib.Path(tensorboard_dir)
@@ -45,6 +41,15 @@ def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None) -> No
             raise ConfigError(f"tensorboard_dir={tensorboard_dir!r} (--tensorboard) is a file; give a directory "
                               "for the event files, e.g. runs/tb")
         _make_folder(path, f"tensorboard_dir={tensorboard_dir!r} (--tensorboard)")
+
+
+def prepare_file(file: str, what: str, example: str) -> None:
+    """Before anything compiles: refuse a file path that is a directory or lies under a
+    file, and create its missing folders. `what` names the option; `example` a file name."""
+    path = pathlib.Path(file)
+    if path.is_dir():
+        raise ConfigError(f"{what} is a directory; give a file path, e.g. {str(path / example)!r}")
+    _make_folder(path.parent, what)
 
 
 def _make_folder(path: pathlib.Path, what: str) -> None:
