@@ -68,6 +68,9 @@ class LlamaConfig:
         for field in self.SIZES:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
+        for field, example in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5")):
+            if not 0 < getattr(self, field) < float("inf"):
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be positive, e.g. {example}")
 
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)

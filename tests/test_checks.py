@@ -61,6 +61,8 @@ def test_docs_page_is_current():
 # and MLP bases, which the catalogue's examples (on the llama base) do not reach.
 MODEL_EXAMPLES = [
     ("moe", ["model.num_experts=0"], "model-contract", "model.num_experts=0"),
+    ("moe", ["model.rope_theta=-1"], "model-contract", "model.rope_theta=-1.0 must be positive"),
+    ("llama", ["model.norm_eps=0"], "model-contract", "model.norm_eps=0.0 must be positive"),
     ("moe", ["model.top_k=5"], "model-contract", "model.top_k=5"),
     ("moe", ["model.routing=random"], "model-contract", "model.routing='random'"),
     ("moe", ["model.capacity_factor=0"], "model-contract", "model.capacity_factor=0"),

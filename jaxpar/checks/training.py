@@ -27,6 +27,21 @@ def train_counts_positive(config, sizes) -> None:
 
 
 @rule(
+    "train-seed-and-peak",
+    fields=["train.seed", "train.peak_tflops"],
+    summary="The seed is a non-negative integer; train.peak_tflops is 0 (look the device up) or positive.",
+    example=["train.seed=-1"],
+    also=[["train.peak_tflops=-1"]],
+)
+def train_seed_and_peak(config, sizes) -> None:
+    if config.train.seed < 0:  # numpy's generators, which draw the data, take none below 0
+        raise ConfigError(f"train.seed={config.train.seed} must be 0 or more")
+    if not 0 <= config.train.peak_tflops < float("inf"):
+        raise ConfigError(f"train.peak_tflops={config.train.peak_tflops} must be 0 (look up the device kind) or a "
+                          "positive TFLOP/s per device, e.g. 989 for an H100's bf16")
+
+
+@rule(
     "on-nonfinite-policy",
     fields=["train.on_nonfinite"],
     summary="A step with NaN or Inf either stops the run or is skipped.",
