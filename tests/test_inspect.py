@@ -2,6 +2,8 @@
 formulas (within 5%), FLOPs count loop trips, partitioner warnings become findings."""
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides
 from jaxpar.inspect import captured_stderr, inspect_step, parse_findings
+from jaxpar.inspect.buffers import Buffer, parameter_shaped, temporaries
 from jaxpar.inspect.explain import explain
+from jaxpar.inspect.findings import OVERSIZED, oversized_temporaries
 from jaxpar.inspect.formulas import zero_paper_bytes
 from jaxpar.inspect.hlo import matmul_flops
 from jaxpar.train import build
@@ -95,6 +99,98 @@ def test_involuntary_rematerialisation_becomes_a_finding():
     findings = parse_findings(log)
     assert findings and findings[0].kind == "involuntary full rematerialization"
     assert "->" in findings[0].detail
+
+
+def test_temporary_larger_than_a_layer_becomes_a_finding(tiny_llama):
+    """ZeRO-0 keeps the whole fp32 gradient of every layer on every device: parameter-shaped
+    temporaries of 16 layers, 4x one layer's parameters, named with the operation that makes
+    them. ZeRO-3 over fsdp on the same model holds nothing larger than a layer."""
+    config = apply_overrides(tiny_llama, ["model.num_layers=16", "model.embed=128", "model.mlp=512", "model.head_dim=32",
+                                          "model.remat=full", "train.global_batch=8"])
+    layer_bytes = config.model.layer_param_count() * 4
+
+    def oversized(layout):
+        findings = inspect_step(build(apply_overrides(config, layout))).findings
+        return [f for f in findings if f.kind == OVERSIZED]
+
+    replicated = oversized(["mesh.data=8", "parallel.zero_stage=0"])
+    assert replicated, "a replicated gradient of 16 layers is larger than one layer"
+    first = replicated[0]
+    dims = re.match(r"f32\[16,([\d,]+)\]", first.detail)
+    assert dims and first.op, first  # a gradient of all 16 layers, and the JAX operation that makes it
+    size = 16 * math.prod(int(d) for d in dims.group(1).split(",")) * 4
+    assert size > layer_bytes and f"{size / layer_bytes:.1f}x one layer's parameters" in first.detail, (first, layer_bytes)
+    assert oversized(["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]) == []
+
+
+def test_temporaries_read_from_hlo_text():
+    """Buffers of the entry and of loop bodies, a tuple's elements apart; not parameters,
+    outputs, tuples, bitcasts, or what fused computations hold inside."""
+    text = """HloModule m, entry_computation_layout={(f32[64,32]{1,0})->f32[64,32]{1,0}}
+
+%fused (p: f32[64,32]) -> f32[64,32] {
+  %p = f32[64,32]{1,0} parameter(0)
+  %big = f32[4096,4096]{1,0} broadcast(%p), dimensions={}
+  ROOT %n = f32[64,32]{1,0} negate(%p)
+}
+
+%body (t: (s32[], f32[8,64,32])) -> (s32[], f32[8,64,32]) {
+  %t = (s32[], f32[8,64,32]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %acc = f32[8,64,32]{2,1,0} get-tuple-element(%t), index=1
+  %upd = f32[8,64,32]{2,1,0} add(%acc, %acc), metadata={op_name="jit(f)/while/body/add"}
+  ROOT %r = (s32[], f32[8,64,32]{2,1,0}) tuple(%i, %upd)
+}
+
+%cond (t: (s32[], f32[8,64,32])) -> pred[] {
+  %t = (s32[], f32[8,64,32]{2,1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[64,32]) -> f32[64,32] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %pair = (f32[64,32]{1,0}, f32[2,64,32]{2,1,0}) fusion(%x), kind=kLoop, calls=%fused
+  %zeros = f32[8,64,32]{2,1,0} broadcast(%x), dimensions={}
+  %w = (s32[], f32[8,64,32]{2,1,0}) while(%pair), condition=%cond, body=%body
+  %view = f32[2048]{0} bitcast(%x)
+  ROOT %out = f32[64,32]{1,0} negate(%x)
+}
+"""
+    found = {(b.instruction, b.shape, b.bytes) for b in temporaries(text)}
+    assert found == {("upd", "f32[8,64,32]", 65536), ("zeros", "f32[8,64,32]", 65536),
+                     ("pair{0}", "f32[64,32]", 8192), ("pair{1}", "f32[2,64,32]", 16384)}, found
+    assert next(b for b in temporaries(text) if b.instruction == "upd").op_name == "jit(f)/while/body/add"
+
+
+@pytest.mark.parametrize(
+    "shape, expected",
+    [
+        ("f32[16,64,512]", True),  # the stacked [16, 128, 512] weight's gradient, embed over 2
+        ("bf16[1,16,128,512]", True),  # stacked per replica
+        ("f32[128,512]", True),  # one layer's slice, gathered
+        ("f32[16,65536]", True),  # a bitcast that merged two dimensions
+        ("f32[16,8,32,128]", False),  # activations: [layers, batch, seq, embed]
+        ("f32[16,128,384]", False),  # 512/384 is no device count
+    ],
+)
+def test_parameter_shaped(shape, expected):
+    assert parameter_shaped(shape, [(16, 128, 512), (256, 128)], devices=8) is expected
+
+
+def test_oversized_temporaries_leave_out_what_the_forward_pass_saves():
+    """A [layers, seq, embed] stack of saved layer inputs has the shape of a stacked
+    [layers, embed/4, heads x head_dim] gradient: the operation tells them apart."""
+    def buffer(shape, op_name, size=2**20):
+        return Buffer("b", "fusion:dynamic-update-slice", shape, size, op_name, "")
+
+    params = [(16, 512, 8, 64)]  # layers, embed, heads, head_dim
+    grads = buffer("f32[16,128,512]", "jit(step)/vmap(transpose(jvp()))/while/body/dynamic_update_slice")
+    saved = buffer("bf16[16,1,128,512]", "jit(step)/vmap(jvp())/while/body/dynamic_update_slice")
+    small = buffer("f32[16,128,512]", "jit(step)/convert_element_type", size=2**10)
+    found = oversized_temporaries([grads, saved, small], layer_params=2**17, itemsize=2, dtype="bfloat16",
+                                  parameters=params, devices=8)
+    assert [f.op for f in found] == [grads.op_name], found
+    assert "4.0x one layer's parameters (131.07K x 2 B = 256.00 KiB in bfloat16)" in found[0].detail, found
 
 
 def test_explain_cli_json(capsys):

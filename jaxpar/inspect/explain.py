@@ -347,7 +347,8 @@ def render(doc: dict[str, Any]) -> str:
         mean = sum(pp["stage_flops"]) / len(pp["stage_flops"])
         lines.append("  matmul FLOPs per stage / mean: " + " ".join(f"{f / mean:.2f}" for f in pp["stage_flops"])
                      + " (the last stage runs the head and loss, and leaves its forward to its backward)")
-    lines += ["", "findings:" if doc["findings"] else "findings: none (no involuntary rematerialisation)"]
+    lines += ["", "findings:" if doc["findings"] else
+              "findings: none (no involuntary rematerialisation, no parameter-shaped temporary larger than a layer)"]
     lines += [f"  {f}" for f in doc["findings"]]
     lines.append(f"compiled in {doc['compile_seconds']:.1f} s")
     return "\n".join(lines)

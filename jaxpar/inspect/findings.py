@@ -1,9 +1,19 @@
-"""The partitioner's warnings, caught while compiling and turned into findings.
+"""What `jaxpar explain` flags in a compiled step.
 
-XLA reports an involuntary full rematerialisation (a tensor replicated on every device
-because no cheaper resharding was found) on the process's stderr, from C++, where Python
-logging never sees it. We point file descriptor 2 at a temporary file for the duration of
-a compile and read back what was written.
+The partitioner's warnings, caught while compiling: XLA reports an involuntary full
+rematerialisation (a tensor replicated on every device because no cheaper resharding was
+found) on the process's stderr, from C++, where Python logging never sees it. We point file
+descriptor 2 at a temporary file for the duration of a compile and read back what was
+written.
+
+Temporaries larger than a layer (`oversized_temporaries`): under ZeRO-3 / FSDP no buffer
+needs to hold more than one layer's parameters at a time (gathered in the compute dtype), so
+a parameter-shaped temporary larger than that is a whole-model array kept somewhere: a
+gradient of every layer held unreduced, parameters gathered outside the layer scan, a
+replicated fp32 copy. (ZeRO 0-1 keep their whole gradient by design; it is flagged all the
+same.) Activations are left out: a small model's attention probabilities or a large one's
+saved layer inputs are that large too, and expected. The layer is the model contract's
+`layer_param_count()` (jaxpar.xla_options.layer_params).
 """
 
 from __future__ import annotations
@@ -14,7 +24,10 @@ import os
 import re
 import sys
 import tempfile
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
+
+from jaxpar.inspect.buffers import Buffer, parameter_shaped
+from jaxpar.units import byte_size, params
 
 _PATTERNS = {
     "involuntary full rematerialization": re.compile(r"Involuntary full rematerialization", re.I),
@@ -77,3 +90,53 @@ def parse_findings(lines: list[str]) -> list[Finding]:
         finding = Finding(kind, op.group(1) if op else "", detail)
         seen.setdefault((finding.kind, finding.op, finding.detail), finding)
     return list(seen.values())
+
+
+OVERSIZED = "temporary larger than a layer"
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def oversized_temporaries(buffers: Sequence[Buffer], layer_params: int, itemsize: int, dtype: str,
+                          parameters: Iterable[Sequence[int]], devices: int, platform: str = "",
+                          limit: int = 5) -> list[Finding]:
+    """One finding per parameter-shaped temporary buffer (jaxpar.inspect.buffers) larger than
+    one layer's parameters in the compute dtype (`layer_params` x `itemsize` bytes), largest
+    first: the first `limit` distinct ones (by shape and operation), then one line counting
+    the rest. `parameters`: the model's parameter shapes (global), `devices`: the mesh's
+    size (see `parameter_shaped`). Left out: what the forward pass stacks for the backward
+    pass (`saved_for_backward`), activations whatever their shape."""
+    layer_bytes = layer_params * itemsize
+    if layer_bytes <= 0:
+        return []
+    shapes = [tuple(p) for p in parameters]
+    seen: dict[tuple[str, str, str], Buffer] = {}
+    for b in buffers:
+        if b.bytes > layer_bytes and not saved_for_backward(b) and parameter_shaped(b.shape, shapes, devices):
+            seen.setdefault((b.shape, b.op_name, b.source), b)
+    big = list(seen.values())
+    layer = f"one layer's parameters ({params(layer_params)} x {itemsize} B = {byte_size(layer_bytes)} in {dtype})"
+    upcast = platform == "cpu" and itemsize < 4  # the CPU backend runs 16-bit collectives in f32
+
+    def detail(b: Buffer) -> str:
+        note = " (an f32 collective: the cpu backend runs 16-bit ones in f32, a GPU may hold half)" if (
+            upcast and b.dtype == "f32" and b.opcode.split(":")[0] in _COLLECTIVES) else ""
+        return (f"{b.shape} ({byte_size(b.bytes)}) from {b.opcode} {b.instruction}" + (f" at {b.source}" if b.source else "")
+                + f": {b.bytes / layer_bytes:.1f}x {layer}{note}")
+
+    out = [Finding(OVERSIZED, b.op_name, detail(b)) for b in big[:limit]]
+    if len(big) > limit:
+        rest = big[limit:]
+        out.append(Finding(OVERSIZED, "", f"{len(rest)} more, {byte_size(rest[-1].bytes)} to "
+                           f"{byte_size(rest[0].bytes)} each, against {layer}"))
+    return out
+
+
+def saved_for_backward(b: Buffer) -> bool:
+    """A stack the forward pass builds for the backward pass (a layer scan's saved inputs or
+    residuals: a dynamic-update-slice into it, or its zero initialisation, traced under
+    `jvp` and not its `transpose`). jaxpar's remat policies never save a gathered parameter
+    (jaxpar.nn), so what is saved is activations, whose size the remat policy chooses: a
+    [layers, batch, seq, embed] stack has the shape of a stacked [layers, embed/k, heads x
+    head_dim] gradient, so the shape alone cannot tell them apart."""
+    op = b.op_name
+    return "jvp(" in op and "transpose(" not in op and op.rsplit("/", 1)[-1] in ("dynamic_update_slice", "broadcast_in_dim")

@@ -6,7 +6,8 @@ it, and reads back:
                and the compiler's own totals (arguments, outputs, temporaries, peak)
   flops        matmul FLOPs of the per-device program, loops counted by trip count
   collectives  every collective with its mesh axes and bytes per step (jaxpar.inspect.hlo)
-  findings     the partitioner's warnings (involuntary full rematerialisation)
+  findings     the partitioner's warnings (involuntary full rematerialisation), and every
+               temporary buffer larger than one layer's parameters (jaxpar.inspect.findings)
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.inspect.findings import Finding, captured_stderr, parse_findings
+from jaxpar.inspect.buffers import temporaries
+from jaxpar.inspect.findings import Finding, captured_stderr, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
+from jaxpar.xla_options import layer_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,10 @@ def inspect_step(trainer) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
+    compute = trainer.config.train.compute_dtype
+    findings = parse_findings(log) + oversized_temporaries(
+        temporaries(text), layer_params(trainer.config.model), jnp.dtype(compute).itemsize, compute,
+        [x.shape for x in jax.tree.leaves(state.params)], mesh.devices.size, mesh.devices.flat[0].platform)
     # Under a pipeline the executor's switch branches are weighted by how often the average
     # device (and each stage) runs them.
     program = trainer.pipeline
@@ -150,7 +157,7 @@ def inspect_step(trainer) -> StepReport:
         flops=flops,
         xla_flops=float(cost.get("flops", 0.0)),
         collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts), shares),
-        findings=parse_findings(log),
+        findings=findings,
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),

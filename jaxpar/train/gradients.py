@@ -44,7 +44,8 @@ def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, quantize
     (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and for
     qgZ's int8 all-to-all, which replaces the reduction over data. Elsewhere each layer's
     gradient is reduced inside the backward loop, where a GPU can overlap it with the
-    layers still to go."""
+    layers still to go; so it is under hybrid sharding at ZeRO 2-3 too, summed over the
+    replicas layer by layer (`batch_gradients`)."""
     return mesh_shape["data"] > 1 and (
         mesh_shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or quantized_gradients
     )
@@ -65,19 +66,26 @@ def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any]
 
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
-                    microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any]) -> GradFn:
+                    microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any],
+                    quantized: bool = False) -> GradFn:
     """Gradient of (sum of per-example losses over the global batch) / (its weight),
     accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
     the model's other sums over the batch (jaxpar.train.loss).
 
     Per-replica gradients are reduced over fsdp inside the replica, then over data: once per
-    step at ZeRO 0-1 (microbatches accumulate unreduced), once per microbatch at ZeRO 2-3
-    (reduce-scatter into the sharded accumulator). Without accumulation there is no gradient
-    buffer to keep whole: ZeRO-1 reduce-scatters straight to the optimizer's shards, like ZeRO-2.
+    step at ZeRO 0-1 (microbatches accumulate unreduced), layer by layer inside each
+    microbatch's backward pass at ZeRO 2-3 (reduce-scatter into the sharded accumulator; under
+    qgZ, `quantized`, once the microbatch's backward pass ends, by `reduce`). Without
+    accumulation there is no gradient buffer to keep whole: ZeRO-1 reduce-scatters straight
+    to the optimizer's shards, like ZeRO-2.
     """
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
     per_step = replicas and zero_stage < 2  # reduce over data once per step
+    # ZeRO 2-3 keep no whole gradient per replica: each layer's is summed over the replicas
+    # inside the backward pass (jaxpar.train.replicas), except under qgZ, whose int8
+    # all-to-all (`reduce`) takes the per-replica gradients whole.
+    summed = replicas and not per_step and not quantized
 
     def microbatch(params, mb):
         """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is [data, ...]
@@ -87,10 +95,13 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
                 (l, aux), g = grad_fn(params, mb)
             return l, aux, cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
         mb = {k: split_replicas(v, names[k], layout) for k, v in mb.items()}
-        l, aux, g = per_replica(grad_fn, layout, shardings.grads)(params, mb)
-        g = cast_floats(g, jnp.float32)
-        if not per_step:
-            g = reduce(g, reduce_to)
+        l, aux, g = per_replica(grad_fn, layout, shardings.grads, summed)(params, mb)
+        if summed:  # reduced over the replicas layer by layer, inside the backward pass
+            g = jax.lax.with_sharding_constraint(g, reduce_to)
+        else:
+            g = cast_floats(g, jnp.float32)
+            if not per_step:
+                g = reduce(g, reduce_to)
         return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
     def grads(params, batch) -> tuple[jax.Array, dict, Any]:

@@ -176,7 +176,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, shardings
         return pipelined_grads(config, layout, graphdef, names, lambda g: reduce(g, shardings.optimizer), loss_fn)
     replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, parallel.quantized_gradients)
     return batch_gradients(loss_sum, layout, shardings, names, train.microbatches, parallel.zero_stage, replicas,
-                           reduce), None
+                           reduce, parallel.quantized_gradients), None
 
 
 def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:
