@@ -71,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
                         help="address the coordinator listens on (default 127.0.0.1: this machine only)")
     launch.add_argument("--grace", type=float, default=180.0, metavar="S",
                         help="seconds the other processes get to stop on their own after one fails (default 180)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="show the libraries' own logging too (XLA's and gRPC's C++ log, Gloo's connection lines, "
+                        "every process's messages as a process dies); by default they are left out and a message "
+                        "several processes print alike is shown once")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train RECIPE [train options]")
     sub.add_parser("recipes", help="list the shipped recipes")
     return p
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
             command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
             per_proc = max(1, 8 // max(1, args.nproc)) if args.cpu_devices_per_proc is None else args.cpu_devices_per_proc
-            return launch(args.nproc, command, per_proc, args.bind, args.grace)
+            return launch(args.nproc, command, per_proc, args.bind, args.grace, args.verbose)
         if args.command == "plan":
             return plan(args)
         return explain(args) if args.command == "explain" else train(args)

@@ -76,3 +76,67 @@ def test_small_models_print_in_their_own_units():
     assert params(853_120) == "853.12K" and params(8.03e9) == "8.03B" and params(12) == "12"
     assert byte_size(4.26 * 2**20) == "4.26 MiB" and byte_size(512) == "512 B"
     assert duration(7e-6) == "7 µs" and duration(0.0123) == "12.3 ms" and duration(2.5) == "2.50 s"
+
+
+def test_a_compile_that_aborts_is_reported_failed_and_the_plan_goes_on(tiny_llama, tmp_path, monkeypatch):
+    """jaxpar.plan.compile_one: each layout compiles in a child process. Here the first child
+    dies as XLA does on a failed CHECK (its fatal line, a stack trace, SIGABRT); that layout
+    is reported failed with XLA's line, and the next one compiles and ranks first."""
+    import sys
+
+    from jaxpar.plan import compile_one
+
+    first = tmp_path / "first-compile"
+    crash = (f"import os, sys\nif not os.path.exists({str(first)!r}):\n    open({str(first)!r}, 'w').close()\n"
+             "    sys.stderr.write('F0101 00:00:00.000000 1 spmd_partitioner.cc:1] Check failed: a stand-in\\n'\n"
+             "                     '*** Check failure stack trace: ***\\n    @ 0x7f0000000000 (unknown)\\n')\n"
+             "    os.abort()\n"
+             "from jaxpar.plan.compile_one import main\nsys.exit(main(sys.argv[1:]))\n")
+    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", crash])
+    import jax
+
+    planned, facts = plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
+                          compile_top=1, progress=False)
+    assert facts["compiled"] == 2 and facts["failed"] == 1
+    assert planned[0].compiled and planned[0].memory <= facts["budget_bytes"]
+    assert planned[-1].failed == "compile aborted (SIGABRT) in XLA or the runtime: Check failed: a stand-in"
+    assert not planned[-1].compiled and not planned[-1].refused
+    text = render(planned, facts, 1.0)
+    assert "(1 failed)" in text and "failed: compile aborted (SIGABRT)" in text and "best: predicted" in text
+
+
+def test_a_compile_that_overruns_or_exits_without_a_result_says_so(monkeypatch):
+    import sys
+
+    import jax
+
+    from jaxpar.plan import compile_one
+
+    args = (None, [], jax.devices(), 16, 16, Hardware(), 0.0)
+    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert compile_one.compile_in_child(*args, timeout_s=0.5) == {
+        "failed": "compile took longer than 0.5 s (--compile-timeout); stopped it"}
+    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", "raise MemoryError('no room')"])
+    assert compile_one.compile_in_child(*args, timeout_s=60) == {
+        "failed": "compile process exited with status 1 and no result: MemoryError: no room"}
+
+
+def test_a_model_class_from_a_recipe_file_reaches_the_compile_child(tmp_path, monkeypatch):
+    """A recipe file is imported under a name made from its path, which the child cannot
+    import by name: the child's unpickler imports the file the parent loaded."""
+    import io
+    import pickle
+    import sys
+
+    from jaxpar import recipes
+    from jaxpar.plan.compile_one import _Unpickler
+
+    path = tmp_path / "my_llama.py"
+    path.write_text("import dataclasses\nfrom jaxpar.models.llama import LlamaConfig\n\n\n"
+                    "@dataclasses.dataclass(frozen=True)\nclass MyLlama(LlamaConfig):\n    note: str = 'mine'\n")
+    module = recipes.load_file(path)
+    model = module.MyLlama(note="sent")
+    data = pickle.dumps(model)
+    monkeypatch.delitem(sys.modules, module.__name__)  # as in a fresh child
+    assert _Unpickler(io.BytesIO(data), {module.__name__: str(path)}).load().note == "sent"
+    assert module.__name__ in sys.modules

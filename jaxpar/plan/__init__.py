@@ -5,6 +5,8 @@ formulas, and the fastest of those that look as if they fit are compiled for the
 device count on virtual CPU devices. Each compiled step gives its own per-device memory,
 FLOPs and collectives (jaxpar.inspect), from which a roofline predicts the step time on the
 target hardware (jaxpar.plan.presets.Hardware); the ranking is of compiled, fitting layouts.
+Each layout compiles in a child process (jaxpar.plan.compile_one): one that XLA aborts, or
+that runs out of memory or time, is reported failed and the others go on.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ class Planned:
     overrides: list[str]
     memory: float = 0.0  # compiled bytes per device: arguments + outputs + temporaries - donated
     prediction: dict[str, float] = dataclasses.field(default_factory=dict)
-    refused: str = ""  # why the framework refused or failed to compile it
+    refused: str = ""  # why the framework refused to compile it
+    failed: str = ""  # why its compile died (an XLA abort, a signal) or was stopped (the timeout)
 
     @property
     def compiled(self) -> bool:
-        return not self.refused and self.memory > 0
+        return not self.refused and not self.failed and self.memory > 0
 
 
 def resolve_model(name: str):
@@ -61,8 +64,11 @@ PLANNED_FIELDS = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_head
 
 
 def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_batch: int, compile_top: int = 4,
-         hw: Hardware = Hardware(), progress: bool = True) -> tuple[list[Planned], dict[str, Any]]:
-    """(the compiled candidates, best first; facts about the search)."""
+         hw: Hardware = Hardware(), progress: bool = True, compile_timeout_s: float = 600.0
+         ) -> tuple[list[Planned], dict[str, Any]]:
+    """(the compiled candidates, best first; facts about the search). Each compiles in a
+    child process given `compile_timeout_s`; a child that dies or overruns marks its
+    candidate failed, and the search goes on."""
     from tqdm import tqdm
 
     n = len(devices)
@@ -94,7 +100,7 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
             break
         if scale is not None and not fallback and planned.estimate["memory"] * scale > budget:
             continue
-        _compile(planned, model, devices, seq_len, global_batch, hw)
+        _compile(planned, model, devices, seq_len, global_batch, hw, compile_timeout_s)
         attempts += 1
         chosen.append(planned)
         bar.update(1)
@@ -103,27 +109,21 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
     bar.close()
     chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf)))
     facts = {"candidates": len(everything), "estimated_to_fit": sum(p.estimate["memory"] <= budget for p in scored),
-             "compiled": len(chosen), "budget_bytes": budget, "hardware": hw}
+             "compiled": len(chosen), "failed": sum(bool(p.failed) for p in chosen), "budget_bytes": budget,
+             "hardware": hw}
     return chosen, facts
 
 
-def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, hw: Hardware) -> None:
-    from jaxpar.config import Config, TrainConfig, apply_overrides
-    from jaxpar.inspect import inspect_step
-    from jaxpar.train import build
+def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, hw: Hardware, timeout_s: float) -> None:
+    from jaxpar.plan.compile_one import compile_in_child
 
-    base = Config(model=model, train=TrainConfig(global_batch=global_batch, seq_len=seq_len, compute_dtype="bfloat16"))
     # GPUs run cuDNN's fused attention (parallel.attention=auto), which the CPU compiler lacks;
     # jaxpar's blockwise kernel stands in, with memory of the same order (no S x S scores).
     stand_in = ["parallel.attention=flash"] if planned.layout.context == 1 else []
-    try:
-        trainer = build(apply_overrides(base, planned.overrides + stand_in + ["compiler.preset=none"]), devices)
-        report = inspect_step(trainer)
-    except (ConfigError, ValueError) as e:
-        planned.refused = str(e).split("\n")[0]
-        return
-    planned.memory = report.memory.total
-    planned.prediction = roofline(report, trainer.config, hw, planned.estimate["hbm_bytes"])
+    result = compile_in_child(model, planned.overrides + stand_in + ["compiler.preset=none"], devices, seq_len,
+                              global_batch, hw, planned.estimate["hbm_bytes"], timeout_s)
+    planned.refused, planned.failed = result.get("refused", ""), result.get("failed", "")
+    planned.memory, planned.prediction = result.get("memory", 0.0), result.get("prediction", {})
 
 
 def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
@@ -159,14 +159,16 @@ def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]
 
 def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
     """The ranking table, the best layout's overrides and the assumptions."""
+    failed = f" ({facts['failed']} failed)" if facts.get("failed") else ""
     lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
-             f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled:", "",
+             f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled{failed}:", "",
              f"{'#':>2s}  {'layout':58s} {'memory':>10s} {'fits':>4s} {'compute':>8s} {'comm*':>8s} {'bubble':>6s} "
              f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
     budget = facts["budget_bytes"]
     for i, p in enumerate(planned, 1):
-        if p.refused:
-            lines.append(f"{i:2d}  {p.layout.describe():58s} refused: {p.refused}")
+        if p.refused or p.failed:
+            why = f"refused: {p.refused}" if p.refused else f"failed: {p.failed}"
+            lines.append(f"{i:2d}  {p.layout.describe():58s} {why}")
             continue
         r = p.prediction
         lines.append(
