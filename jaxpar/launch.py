@@ -3,20 +3,27 @@ joined through jax.distributed, for tests and single-node runs.
 
 Each child is `python -m jaxpar.cli train ...` with the JAXPAR_* variables that
 jaxpar.distributed reads; the coordinator listens on loopback unless `--bind` says
-otherwise. Process 0 writes to this terminal as it would alone; the others' lines are
-prefixed with their index. When a process fails, the others stop on their own (their
-watchdogs name it). SIGTERM or SIGINT to the launcher reaches every process as SIGTERM,
-which a run of several processes takes as preemption: it saves a checkpoint and stops. The
-children of a launcher killed outright get SIGTERM from the kernel instead (Linux).
-Processes still running `--grace` seconds after either are killed. The exit status is the
-first failure's (128 + signal for a killed process; a process that only stopped because
-another was lost does not count as the cause), or 0.
+otherwise. Every child's output comes through this launcher (Relay): process 0's as it
+would write alone, the others' lines prefixed with their index. Unless `--verbose`, the
+libraries' chatter is left out (XLA's and gRPC's C++ logging below fatal, Gloo's
+connection lines, the coordination service's complaints when another process died), and
+a `jaxpar: ...` line that several processes print alike (the same config error) is shown
+once. When a process fails, the others stop on their own (their watchdogs name it); the
+launcher names the first to fail and sums up the rest in one line. SIGTERM or SIGINT to
+the launcher reaches every process as SIGTERM, which a run of several processes takes as
+preemption: it saves a checkpoint and stops. The children of a launcher killed outright
+get SIGTERM from the kernel instead (Linux). Processes still running `--grace` seconds
+after either are killed. The exit status is the first failure's (128 + signal for a
+killed process; a process that only stopped because another was lost does not count as
+the cause), or 0.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +37,22 @@ from jaxpar.errors import ConfigError
 
 
 LAUNCHER_PID = "JAXPAR_LAUNCHER_PID"  # set in each child: the process it lives and dies with
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}  # XLA's and gRPC's C++ (absl) logging: fatal errors only
+
+# Library chatter, left out of the children's output unless --verbose:
+# Gloo's "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
+# written to std::cout piece by piece with no switch to turn it off: threads interleave the
+# pieces, so a line made of nothing but such pieces is one.
+GLOO = re.compile(r"(\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+|\s+)+")
+ABSL = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")  # a C++ log message's first line
+# The coordination service's messages once another process is gone: that process says why.
+TEARDOWN = re.compile(r"Terminating process because the JAX distributed service|preemption_sync_manager\.cc:|"
+                      r"coordination_service_agent\.cc:")
+CONTINUED = re.compile(r"^(Additional GRPC error information|:[A-Z_]+:|=== Source Location Trace: ===|\S+\.(cc|h):\d+$|"
+                       r"\. This is only expected|$)")  # the rest of such a message
+FRAMES = re.compile(r"^(\*\*\* Check failure stack trace: \*\*\*$|\s+@\s+0x)")  # a C++ fatal error's stack
+# A watchdog's word that another process failed or went: the launcher names that process itself.
+ECHO = re.compile(r"^jaxpar: process \d+: (process \d+ of \d+ stopped on an error|lost the coordinator)")
 
 
 @contextlib.contextmanager
@@ -75,34 +98,43 @@ def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> 
     return [sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(cpu_devices_per_proc)]
 
 
-def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0) -> int:
+def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0,
+           verbose: bool = False) -> int:
     cmd = child_command(nproc, command, cpu_devices_per_proc)
     host = "127.0.0.1" if bind in ("0.0.0.0", "[::]") else bind  # where the children reach process 0
     with reserved_port(host) as port:
-        return _run(nproc, cmd, f"{host}:{port}", f"{bind}:{port}", grace_s)
+        return _run(nproc, cmd, f"{host}:{port}", f"{bind}:{port}", grace_s, verbose)
 
 
-def _run(nproc: int, cmd: list[str], address: str, bind: str, grace_s: float) -> int:
-    procs, relays = [], []
+def child_env(i: int, nproc: int, address: str, bind: str, verbose: bool) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "JAXPAR_COORDINATOR": address,
+        "JAXPAR_COORDINATOR_BIND": bind,
+        "JAXPAR_NUM_PROCESSES": str(nproc),
+        "JAXPAR_PROCESS_ID": str(i),
+        LAUNCHER_PID: str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if not verbose:
+        env.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})  # a level the user set wins
+    return env
+
+
+def _run(nproc: int, cmd: list[str], address: str, bind: str, grace_s: float, verbose: bool) -> int:
+    relay, procs = Relay(verbose), []
     for i in range(nproc):
-        env = {
-            **os.environ,
-            "JAXPAR_COORDINATOR": address,
-            "JAXPAR_COORDINATOR_BIND": bind,
-            "JAXPAR_NUM_PROCESSES": str(nproc),
-            "JAXPAR_PROCESS_ID": str(i),
-            LAUNCHER_PID: str(os.getpid()),
-            "PYTHONUNBUFFERED": "1",
-        }
-        piped = subprocess.PIPE if i else None  # process 0 owns the terminal (progress bar)
         # Own sessions: a Ctrl-C reaches the children once, from this launcher, as preemption.
-        proc = subprocess.Popen(cmd, env=env, stdout=piped, stderr=subprocess.STDOUT if i else None, text=True,
-                                start_new_session=True)
-        if i:
-            relays.append(threading.Thread(target=_relay, args=(proc.stdout, f"[process {i}] "), daemon=True))
-            relays[-1].start()
+        # Process 0 keeps its two streams (its progress bar on stderr); the others' are merged.
+        proc = subprocess.Popen(cmd, env=child_env(i, nproc, address, bind, verbose), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT, start_new_session=True)
+        if i == 0:
+            relay.start(0, proc.stdout, sys.stdout, "")
+            relay.start(0, proc.stderr, sys.stderr, "")
+        else:
+            relay.start(i, proc.stdout, sys.stderr, f"[process {i}] ")
         procs.append(proc)
-        print(f"jaxpar launch: process {i} of {nproc} is pid {proc.pid} (coordinator {address})", file=sys.stderr, flush=True)
+    relay.say(f"jaxpar launch: {nproc} processes, pids {' '.join(str(p.pid) for p in procs)} (coordinator {address})")
 
     asked = []  # when this launcher was told to stop (SIGTERM, SIGINT)
 
@@ -114,48 +146,57 @@ def _run(nproc: int, cmd: list[str], address: str, bind: str, grace_s: float) ->
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(procs, grace_s, asked)
+        return _supervise(procs, grace_s, asked, relay)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for relay in relays:  # the last lines of the other processes, their errors included
-            relay.join(timeout=5)
+        relay.finish()  # the last lines of the processes, their errors included
 
 
-def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float]) -> int:
+def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float], relay: Relay) -> int:
     """Wait for every process. After one fails, or after the launcher is told to stop, the
-    rest get `grace_s` to end on their own (a preempted run saves a checkpoint first)."""
-    failures: list[int] = []  # exit statuses, in the order the processes failed
-    failed_at = None
+    rest get `grace_s` to end on their own (a preempted run saves a checkpoint first). The
+    first failure is named when it happens, the later ones in one line at the end."""
+    failures: list[tuple[int, int]] = []  # (process, exit code), in the order they were seen
     reported: set[int] = set()
 
-    def note(i: int, code: int) -> None:
+    def note(i: int) -> None:
         reported.add(i)
-        if code != 0:
-            print(f"jaxpar launch: process {i} {_describe(code)}", file=sys.stderr, flush=True)
-            failures.append(_status(code))
+        if procs[i].returncode != 0:
+            if not failures:
+                relay.finish(i)  # its own last words before the launcher's
+                relay.say(f"jaxpar launch: process {i} {_describe(procs[i].returncode)}")
+            failures.append((i, procs[i].returncode))
 
+    failed_at = None
     while any(p.poll() is None for p in procs):
         for i, p in enumerate(procs):
             if p.poll() is not None and i not in reported:
-                note(i, p.returncode)
+                note(i)
                 if failures and failed_at is None:
                     failed_at = time.monotonic()
         since = min([t for t in (failed_at, *asked) if t is not None], default=None)
         if since is not None and time.monotonic() - since > grace_s:
-            for i, p in enumerate(procs):
-                if p.poll() is None:
-                    print(f"jaxpar launch: process {i} still runs {grace_s:g} s on; killing it", file=sys.stderr, flush=True)
-                    p.kill()  # JAX's preemption service holds SIGTERM: only SIGKILL is sure
+            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+            if stuck:
+                many = len(stuck) > 1
+                relay.say(f"jaxpar launch: process{'es' if many else ''} {', '.join(map(str, stuck))} still "
+                          f"run{'' if many else 's'} {grace_s:g} s on; killing {'them' if many else 'it'}")
+            for i in stuck:
+                procs[i].kill()  # JAX's preemption service holds SIGTERM: only SIGKILL is sure
             for p in procs:
                 p.wait()
         time.sleep(0.1)
-    for i, p in enumerate(procs):
+    for i in range(len(procs)):
         if i not in reported:
-            note(i, p.returncode)
+            note(i)
+    if len(failures) > 1:
+        relay.finish()
+        relay.say("jaxpar launch: then " + ", ".join(f"process {i} {_describe(code)}" for i, code in failures[1:]))
     # The cause, not its echo: a process that stopped because another was lost says so.
-    causes = [code for code in failures if code != LOST_PEER_EXIT]
-    return (causes or failures or [0])[0]
+    statuses = [_status(code) for _, code in failures]
+    causes = [code for code in statuses if code != LOST_PEER_EXIT]
+    return (causes or statuses or [0])[0]
 
 
 def _status(code: int) -> int:
@@ -168,7 +209,83 @@ def _describe(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _relay(stream, prefix: str) -> None:
-    for line in stream:
-        sys.stderr.write(prefix + line)
-        sys.stderr.flush()
+class Relay:
+    """Copies the processes' output to this launcher's stdout and stderr, a line at a time,
+    leaving out the libraries' chatter and repeats of a `jaxpar: ` line another process
+    printed (unless verbose). A line still being drawn (a progress bar's carriage returns)
+    is copied as it comes."""
+
+    def __init__(self, verbose: bool):
+        self.verbose = verbose
+        self.lock = threading.Lock()  # one writer at a time: lines stay whole
+        self.said: dict[str, int] = {}  # a `jaxpar: ` line -> the process that printed it first
+        self.threads: dict[int, list[threading.Thread]] = {}
+        self.open: dict = {}  # output -> the stream whose unfinished line it shows last
+
+    def start(self, process: int, stream, out, prefix: str) -> None:
+        thread = threading.Thread(target=self._copy, args=(process, stream, out, prefix), daemon=True)
+        self.threads.setdefault(process, []).append(thread)
+        thread.start()
+
+    def finish(self, process: int | None = None, timeout_s: float = 5.0) -> None:
+        """Wait (a while: a grandchild may hold a pipe open) for the copies to reach the end."""
+        for i, threads in self.threads.items():
+            for thread in threads if process in (None, i) else []:
+                thread.join(timeout_s)
+
+    def say(self, line: str) -> None:
+        """A line of the launcher's own, on stderr, on a line of its own."""
+        self._write(sys.stderr, line + "\n", None, ended=True)
+
+    def _write(self, out, text: str, source, ended: bool) -> None:
+        with self.lock:
+            if self.open.get(out, source) != source:
+                text = "\n" + text  # not after another stream's unfinished line (a progress bar)
+            try:
+                out.write(text)
+                out.flush()
+            except (OSError, ValueError):  # our own output closed (`| head`): drain on, or a child blocks on its pipe
+                pass
+            if ended:
+                self.open.pop(out, None)
+            else:
+                self.open[out] = source
+
+    def _copy(self, process: int, stream, out, prefix: str) -> None:
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        dropping = [False]  # inside a chatter message's continuation lines
+        pending, started = "", False  # the unfinished line; whether its start is out already
+        while chunk := stream.read1(65536):
+            *lines, pending = (pending + decode(chunk)).split("\n")
+            for line in lines:
+                self._line(process, line, stream, out, "" if started else prefix, dropping)
+                started = False
+            if pending and ("\r" in pending or started):  # a progress bar drawn in place: show it now
+                self._write(out, ("" if started else prefix) + pending, stream, ended=False)
+                pending, started = "", True
+        if pending:
+            self._line(process, pending, stream, out, "" if started else prefix, dropping)
+        stream.close()
+
+    def _line(self, process: int, line: str, stream, out, prefix: str, dropping: list[bool]) -> None:
+        if self.verbose or not (self._chatter(line, dropping) or self._repeated(process, line)):
+            self._write(out, prefix + line + "\n", stream, ended=True)
+
+    @staticmethod
+    def _chatter(line: str, dropping: list[bool]) -> bool:
+        if ABSL.match(line):
+            dropping[0] = bool(TEARDOWN.search(line))
+            return dropping[0]
+        if dropping[0] and CONTINUED.match(line):
+            return True
+        dropping[0] = False
+        gloo = ("[Gloo]" in line or "peer ranks" in line) and GLOO.fullmatch(line)
+        return bool(gloo or FRAMES.match(line))
+
+    def _repeated(self, process: int, line: str) -> bool:
+        if not line.startswith("jaxpar: "):
+            return False
+        if ECHO.match(line):
+            return True
+        with self.lock:
+            return self.said.setdefault(line, process) != process

@@ -88,6 +88,88 @@ def test_a_reserved_port_is_refused_to_others_and_open_to_the_coordinator():
             coordinator.listen()
 
 
+TEARDOWN = """\
+W1124 11:37:42.036676   11319 preemption_sync_manager.cc:147] Failed to retrieve preemption notice: UNAVAILABLE
+Additional GRPC error information from remote target coordination_service while calling /xla.Coordination/GetKeyValue:
+:UNAVAILABLE:Stream removed (Socket closed)
+=== Source Location Trace: ===
+external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89
+. This is only expected if one of the tasks is unhealthy. Check the logs for the actual root cause.
+F1124 11:37:42.036732   11319 client.h:86] Terminating process because the JAX distributed service detected fatal errors.
+:UNAVAILABLE:Stream removed (Socket closed)
+
+*** Check failure stack trace: ***
+    @     0x7f95c5ef81b4  absl::lts_20260526::log_internal::LogMessage::SendToLog()
+    @     0x7f95cdca71f5  (unknown)"""
+
+
+class Chunks:
+    """A pipe's reads: `parts` one at a time, as a child wrote them."""
+
+    def __init__(self, *parts: bytes):
+        self.parts, self.out, self.seen = list(parts), None, []  # seen: what `out` showed at each read
+
+    def read1(self, size):
+        if self.out is not None:
+            self.seen.append(self.out.getvalue())
+        return self.parts.pop(0) if self.parts else b""
+
+    def close(self):
+        pass
+
+
+def _relayed(outputs: dict, verbose=False):
+    """What jaxpar.launch.Relay makes of each process's output (text, or Chunks of bytes, by
+    process): the launcher's stdout and stderr."""
+    import io
+
+    from jaxpar import launch
+
+    out, err = io.StringIO(), io.StringIO()
+    relay = launch.Relay(verbose)
+    real = sys.stderr
+    sys.stderr = err  # Relay.say writes to sys.stderr
+    try:
+        for i, text in outputs.items():
+            stream = text if isinstance(text, Chunks) else Chunks(text.encode())
+            stream.out = out if i == 0 else err
+            relay.start(i, stream, stream.out, "" if i == 0 else f"[process {i}] ")
+            relay.finish(i)
+        relay.say("jaxpar launch: process 0 exited with status 2")
+    finally:
+        sys.stderr = real
+    return out.getvalue(), err.getvalue()
+
+
+def test_the_relay_leaves_out_library_chatter_and_repeats_but_never_a_process_s_own_error():
+    error = "jaxpar: error: mesh.data=-1 cannot fill 6 devices; use axis sizes whose product divides 6"
+    gloo = ("[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+            "1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")  # two threads' pieces
+    own = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nOSError: no tokens.npy\n"
+           "F1124 11:00:00.000000 1 spmd_partitioner.cc:9] Check failed: shard_count > 0\n"
+           "*** Check failure stack trace: ***\n    @     0x7f95c5ef81b4  xla::Partition()\n")
+    echo = "jaxpar: process 1: process 0 of 3 stopped on an error: ConfigError: x; stopping this process too\n"
+
+    def outputs():
+        bar = "\r 50%|█ | 1/2".encode()  # cut inside a character, and drawn before its line ends
+        zero = Chunks(gloo.encode() + b"loss 6.08 ", b"-> 6.11\n" + bar[:8], bar[8:], "\r100%|██| 2/2\n".encode(),
+                      error.encode() + b"\n")
+        return {0: zero, 1: own + echo, 2: error + "\n" + TEARDOWN}
+
+    zero = (given := outputs())[0]
+    out, err = _relayed(given)
+    assert out == "loss 6.08 -> 6.11\n\r 50%|█ | 1/2\r100%|██| 2/2\n" + error + "\n"
+    assert zero.seen[3] == "loss 6.08 -> 6.11\n\r 50%|█ | 1/2"  # the bar as drawn, its line not yet ended
+    assert err.splitlines() == [
+        "[process 1] Traceback (most recent call last):", '[process 1]   File "x.py", line 1, in <module>',
+        "[process 1] OSError: no tokens.npy",
+        "[process 1] F1124 11:00:00.000000 1 spmd_partitioner.cc:9] Check failed: shard_count > 0",
+        "jaxpar launch: process 0 exited with status 2"]
+    out, err = _relayed(outputs(), verbose=True)  # jaxpar launch --verbose: everything
+    assert out.count("[Gloo]") == 2 and err.count(error) == 1 and "stopping this process too" in err
+    assert TEARDOWN.splitlines()[-1] in err and "Terminating process" in err
+
+
 # ------------------------------------------------------------------ the watchdog
 
 
@@ -239,7 +321,7 @@ def _freeze_one_and_watch(launched, metrics, timeout):
         assert time.monotonic() < deadline, "no steps after 300 s"
         time.sleep(0.05)
     text = "".join(lines)
-    pids = {int(i): int(p) for i, p in re.findall(r"process (\d) of 2 is pid (\d+)", text)}
+    pids = dict(enumerate(map(int, re.search(r"2 processes, pids (\d+) (\d+) \(coordinator", text).groups())))
     port = int(re.search(r"coordinator 127\.0\.0\.1:(\d+)", text).group(1))
     if sys.platform.startswith("linux"):
         loopback = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1, as IPv4 or IPv4-mapped IPv6
@@ -307,12 +389,32 @@ def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bit
     resumed = _cli(*command)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
+    assert "[Gloo]" not in out + err and "peer ranks" not in out + err  # Gloo's chatter, left out by the launcher
     assert f"resumed from step {saved}" in out and "on 8 cpu devices in 2 processes" in out
     one = _cli("train", "llama", "--no-progress", "--metrics-file", str(alone), *_sets(layout))
     assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
     two = _rows(metrics)
     assert [r["step"] for r in two] == list(range(30))
     assert [(r["loss"], r["grad_norm"]) for r in two] == [(r["loss"], r["grad_norm"]) for r in _rows(alone)]
+
+
+def test_a_launch_that_fails_says_why_once():
+    """3 processes x 2 devices: the recipe's mesh cannot fill 6 devices. Every process
+    refuses it, and the ones still joined to the dead coordinator abort in C++: the output
+    is the error once, the first failure, and one line for the rest."""
+    import re
+
+    launched = _cli("launch", "--nproc", "3", "--", "train", "llama", "--no-progress", *_sets(TINY))
+    out, err = launched.communicate(timeout=300)
+    lines = err.splitlines()
+    assert launched.returncode == 2, err[-3000:]
+    assert out == "" and len(lines) == 4, err[-3000:]  # before: about 40 lines of aborts, gRPC and absl
+    assert re.fullmatch(r"jaxpar launch: 3 processes, pids \d+ \d+ \d+ \(coordinator 127\.0\.0\.1:\d+\)", lines[0])
+    assert re.fullmatch(r"(\[process \d\] )?jaxpar: error: mesh\.data=-1 cannot fill 6 devices: .*", lines[1])
+    first = re.fullmatch(r"jaxpar launch: process (\d) exited with status 2", lines[2])
+    ended = r"process (\d) (?:exited with status \d+|was killed by SIG[A-Z]+)"  # its own error, or torn down
+    rest = re.fullmatch(rf"jaxpar launch: then {ended}, {ended}", lines[3])
+    assert first and rest and {first.group(1), *rest.groups()} == {"0", "1", "2"}, err
 
 
 def test_launched_processes_stop_when_the_launcher_dies():
