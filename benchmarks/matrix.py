@@ -1,0 +1,460 @@
+"""The composition matrix: every pair of strategies on different mesh axes, and the triples
+real runs use, each trained for 3 fp32 steps through `jaxpar train` in a subprocess and
+compared with the single-device run of the same recipe and shape.
+
+  python benchmarks/matrix.py                      # every cell; table + benchmarks/results/matrix.json
+  python benchmarks/matrix.py --list               # the cells and their overrides, nothing run
+  python benchmarks/matrix.py --only 1f1b --only zero3 --jobs 2 --out /tmp/m.json
+
+Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
+devices, a triple on 8, so no axis the cell does not name is > 1):
+
+  data: data, zero1, zero2, zero3 (parallel.zero_stage; ZeRO acts over data and fsdp)
+  fsdp: fsdp          tensor: tensor, tensor+sp (parallel.sequence_parallel)
+  context: ring, ulysses, allgather (parallel.context_impl)       expert: expert
+  stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline_schedule)
+
+Cells with `expert` use the moe recipe, the others the llama recipe, each with its own model
+shape, seq_len and global batch; every run forces train.compute_dtype=float32,
+train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
+tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
+replaced: jaxpar.cli.resolve_config). Overrides a cell needs to be legal at all are listed
+in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
+model.routing=dropless), and the reference runs with them too.
+
+A cell is
+  equal    the 3 losses match the reference to RTOL, and so does every final parameter
+           (max |difference| per array within RTOL x the array's largest magnitude; read
+           from the checkpoint that checkpoint.dir makes the CLI write at the end);
+  refused  `jaxpar train` exits 2 with its one-line ConfigError (recorded);
+  failed   anything else: a signal (an XLA abort), a timeout, a traceback, a mismatch; the
+           reason in one line and the tail of stderr are recorded.
+
+The reference is `jaxpar train RECIPE --cpu-devices 1` with the same overrides but the
+mesh and parallel.* ones (on one device every layout collapses), once per recipe and
+adaptation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")  # jaxpar.mesh order, outermost first
+DEGREE = 2
+STEPS = 3
+RTOL = 1e-5
+TIMEOUT_S = 300
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "matrix.json"
+BASE = ("train.compute_dtype=float32", f"train.steps={STEPS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    axis: str
+    sets: tuple[str, ...] = ()  # the parallel.* overrides that select it (besides mesh.<axis>=2)
+
+
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+STRATEGIES = (
+    Strategy("data", "data"),
+    *(Strategy(f"zero{k}", "data", (f"parallel.zero_stage={k}",)) for k in (1, 2, 3)),
+    Strategy("fsdp", "fsdp"),
+    Strategy("tensor", "tensor"),
+    Strategy("tensor+sp", "tensor", ("parallel.sequence_parallel=true",)),
+    *(Strategy(impl, "context", (f"parallel.context_impl={impl}",)) for impl in ("ring", "ulysses", "allgather")),
+    Strategy("expert", "expert"),
+    *(Strategy(s, "stage", (f"parallel.pipeline_schedule={s}",) + (("parallel.pipeline_chunks=2",) if s == "interleaved"
+                                                                   else ())) for s in PIPELINES),
+)
+BY_NAME = {s.name: s for s in STRATEGIES}
+GROUPS = {axis: tuple(s.name for s in STRATEGIES if s.axis == axis) for axis in AXES}
+
+# The triples a real run uses: every strategy of each group, in every combination.
+TRIPLES = (
+    (GROUPS["stage"], ("fsdp",), GROUPS["tensor"]),  # pipeline x fsdp x tensor
+    (GROUPS["stage"], GROUPS["context"], GROUPS["tensor"]),  # pipeline x context x tensor
+    (("fsdp",), GROUPS["context"], ("tensor+sp",)),  # fsdp x context x tensor + SP
+    (("expert",), GROUPS["tensor"], ("fsdp",)),  # expert x tensor x fsdp
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    strategies: tuple[str, ...]  # in mesh axis order
+
+    @property
+    def name(self) -> str:
+        return " x ".join(self.strategies)
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9]+", "_", self.name).strip("_")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(BY_NAME[s].axis for s in self.strategies)
+
+    @property
+    def recipe(self) -> str:
+        return "moe" if "expert" in self.strategies else "llama"
+
+    @property
+    def devices(self) -> int:
+        return DEGREE ** len(self.strategies)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {axis: DEGREE if axis in self.axes else 1 for axis in AXES}
+
+    @property
+    def adapted(self) -> tuple[tuple[str, str], ...]:
+        """(override, why): what the recipe needs changed for this cell to be legal at all."""
+        out = []
+        if "stage" in self.axes:
+            out.append(("train.microbatches=2",
+                        "pipeline-microbatches-per-stage / interleaved-microbatch-groups: a pipeline of mesh.stage=2 "
+                        "runs at least (for interleaved, a multiple of) 2 microbatches; gpipe is given the same"))
+        if "expert" in self.axes and "context" in self.axes:
+            out.append(("model.routing=dropless",
+                        "model-contract: the moe recipe's capacity routing needs whole sequences (mesh.context=1)"))
+        return tuple(out)
+
+    @property
+    def overrides(self) -> list[str]:
+        """Every --set of the cell's run (but checkpoint.dir)."""
+        sets = [f"mesh.{axis}={size}" for axis, size in self.mesh.items()]
+        sets.append("parallel.sequence_parallel=false")
+        for s in self.strategies:
+            sets += [o for o in BY_NAME[s].sets if o not in sets]
+        sets = [o for o in sets if not (o == "parallel.sequence_parallel=false" and "tensor+sp" in self.strategies)]
+        return sets + list(BASE) + [o for o, _ in self.adapted]
+
+    @property
+    def reference_key(self) -> tuple[str, tuple[str, ...]]:
+        return self.recipe, tuple(o for o, _ in self.adapted)
+
+
+def cells() -> list[Cell]:
+    """Every pair of strategies on different axes, then the TRIPLES; each in axis order."""
+    order = {s.name: (AXES.index(s.axis), i) for i, s in enumerate(STRATEGIES)}
+    out = [Cell(tuple(sorted(pair, key=order.get))) for pair in itertools.combinations(BY_NAME, 2)
+           if BY_NAME[pair[0]].axis != BY_NAME[pair[1]].axis]
+    out.sort(key=lambda c: [order[s] for s in c.strategies])
+    for groups in TRIPLES:
+        out += [Cell(tuple(sorted(combo, key=order.get))) for combo in itertools.product(*groups)]
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def jaxpar_command() -> list[str]:
+    script = pathlib.Path(sys.executable).parent / "jaxpar"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("jaxpar")
+    return [found] if found else [sys.executable, "-c", "import sys; from jaxpar.cli import main; sys.exit(main())"]
+
+
+def train_argv(recipe: str, devices: int, overrides: list[str]) -> list[str]:
+    argv = [*jaxpar_command(), "train", recipe, "--cpu-devices", str(devices)]
+    for o in overrides:
+        argv += ["--set", o]
+    return argv + ["--no-progress"]
+
+
+def repro(argv: list[str]) -> str:
+    """The command as one would type it from the checkout."""
+    first = argv[0]
+    try:
+        first = str(pathlib.Path(first).relative_to(ROOT))
+    except ValueError:
+        pass
+    return shlex.join([first, *argv[1:]])
+
+
+def no_core_dumps() -> None:
+    """An XLA abort in a cell should not leave a core file (set here, inherited by the runs:
+    a preexec_fn would run Python between fork and exec in a threaded process)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+
+def run_cli(argv: list[str], workdir: pathlib.Path, timeout_s: float, params: bool) -> dict:
+    """Run `jaxpar train` once; returns rc, stderr, the metrics and the checkpoint's path."""
+    metrics = workdir / "metrics.jsonl"
+    ckpt = workdir / "ckpt"
+    full = [*argv, "--metrics-file", str(metrics)] + (["--set", f"checkpoint.dir={ckpt}"] if params else [])
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    losses = []
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                losses.append(float(json.loads(line)["loss"]))
+            except (ValueError, KeyError):
+                pass
+    state = ckpt / str(STEPS) / "state"
+    return {"rc": proc.returncode, "timed_out": timed_out, "stdout": out, "stderr": err, "losses": losses,
+            "state": state if state.is_dir() else None, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+_XLA_LOG = re.compile(r"^[WI]\d{4} ")  # XLA's warning and info lines (F and E lines stay)
+
+
+def stderr_tail(stderr: str, chars: int = 1500) -> str:
+    lines = [l for l in stderr.splitlines() if not _XLA_LOG.match(l) and not l.startswith("WARNING:absl")]
+    return "\n".join(lines)[-chars:]
+
+
+def failure_reason(result: dict, timeout_s: float) -> str:
+    err = result["stderr"]
+    if result["timed_out"]:
+        return f"timed out after {timeout_s:.0f} s"
+    rc = result["rc"]
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
+        fatal = [l for l in err.splitlines() if re.match(r"^F\d{4} ", l) or "Check failed" in l]
+        where = f": {fatal[0][:300]}" if fatal else ""
+        return f"killed by {name}{where}"
+    lines = [l.strip() for l in err.splitlines() if l.strip() and not _XLA_LOG.match(l)]
+    stopped = [l for l in lines if l.startswith("jaxpar: ")]
+    if stopped:
+        return f"exit {rc}: {stopped[-1][:300]}"
+    raised = [l for l in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", l)]
+    if raised:
+        return f"exit {rc}: {raised[-1][:300]}"
+    return f"exit {rc}: {lines[-1][:300] if lines else 'no output on stderr'}"
+
+
+def load_params(state: pathlib.Path) -> dict:
+    """{key path: array} of the checkpoint's parameters, on the host."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(state).item_metadata.tree
+    restored = checkpointer.restore(state, restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(restored["params"])}
+
+
+def compare(result: dict, reference: dict, rtol: float) -> tuple[bool, str, dict]:
+    """(equal, detail, numbers)."""
+    import numpy as np
+
+    got, want = result["losses"], reference["losses"]
+    if len(got) != len(want):
+        return False, f"mismatch: {len(got)} losses in the metrics file, the reference has {len(want)}", {}
+    rel = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, want)]
+    numbers = {"max_loss_rel": max(rel)}
+    if not all(np.isfinite(got)) or max(rel) > rtol:
+        step = int(np.argmax(rel))
+        return False, (f"mismatch: loss at step {step} is {got[step]:.7g}, the reference's {want[step]:.7g} "
+                       f"(relative {rel[step]:.1e} > {rtol:g})"), numbers
+    if reference.get("params") is None:
+        return True, f"losses within {max(rel):.1e} (parameters not compared)", numbers
+    if result["state"] is None:
+        return False, "no checkpoint written at the last step: parameters cannot be compared", numbers
+    params, ref = load_params(result["state"]), reference["params"]
+    if params.keys() != ref.keys() or any(params[k].shape != ref[k].shape for k in ref):
+        return False, "mismatch: the final parameters' tree or shapes differ from the reference's", numbers
+    worst, where = 0.0, ""
+    for k, want_k in ref.items():
+        scale = max(float(np.abs(want_k).max()), 1e-30)
+        err = float(np.abs(params[k] - want_k).max()) / scale if want_k.size else 0.0
+        if not np.isfinite(err) or err > worst:
+            worst, where = (float("inf") if not np.isfinite(err) else err), k
+    numbers["max_param_rel"] = worst
+    if worst > rtol:
+        return False, f"mismatch: parameter {where} differs by {worst:.1e} of its scale (> {rtol:g})", numbers
+    return True, f"losses within {max(rel):.1e}, parameters within {worst:.1e}", numbers
+
+
+def run_reference(key, workroot: pathlib.Path, timeout_s: float, params: bool) -> dict:
+    recipe, adapted = key
+    argv = train_argv(recipe, 1, [*BASE, *adapted])
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="ref_", dir=workroot))
+    result = run_cli(argv, workdir, timeout_s, params)
+    ok = result["rc"] == 0 and len(result["losses"]) == STEPS and (result["state"] is not None or not params)
+    record = {"recipe": recipe, "adapted": list(adapted), "command": repro(argv), "ok": ok, "losses": result["losses"],
+              "seconds": result["seconds"], "params": load_params(result["state"]) if ok and params else None}
+    if not ok:
+        record["reason"] = failure_reason(result, timeout_s) if result["rc"] else "finished without every step's loss"
+        record["stderr_tail"] = stderr_tail(result["stderr"])
+    shutil.rmtree(workdir, ignore_errors=True)
+    return record
+
+
+def run_cell(cell: Cell, reference: dict, workroot: pathlib.Path, timeout_s: float, params: bool, rtol: float) -> dict:
+    argv = train_argv(cell.recipe, cell.devices, cell.overrides)
+    record = {"cell": cell.name, "strategies": list(cell.strategies), "axes": list(cell.axes), "recipe": cell.recipe,
+              "devices": cell.devices, "mesh": {k: v for k, v in cell.mesh.items() if v > 1},
+              "overrides": cell.overrides, "adapted": [{"set": o, "why": why} for o, why in cell.adapted],
+              "command": repro(argv)}
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=cell.slug + "_", dir=workroot))
+    try:
+        result = run_cli(argv, workdir, timeout_s, params)
+        record.update(seconds=result["seconds"], rc=result["rc"], losses=result["losses"])
+        err_lines = [l for l in result["stderr"].splitlines() if l.strip()]
+        if result["rc"] == 2 and not result["timed_out"] and err_lines and err_lines[-1].startswith("jaxpar: error: "):
+            record.update(status="refused", detail=err_lines[-1].removeprefix("jaxpar: error: "))
+        elif result["rc"] != 0 or result["timed_out"]:
+            record.update(status="failed", detail=failure_reason(result, timeout_s),
+                          stderr_tail=stderr_tail(result["stderr"]))
+        elif not reference["ok"]:
+            record.update(status="failed", detail=f"the single-device reference failed: {reference.get('reason')}")
+        else:
+            equal, detail, numbers = compare(result, reference, rtol)
+            record.update(status="equal" if equal else "failed", detail=detail, reference_losses=reference["losses"],
+                          **numbers)
+            if not equal:
+                record["stderr_tail"] = stderr_tail(result["stderr"])
+    except Exception as e:  # the matrix's own trouble (reading a checkpoint, ...): the cell fails, the run goes on
+        record.update(status="failed", detail=f"matrix: {type(e).__name__}: {e}"[:300])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return record
+
+
+def print_table(records: list[dict], file=sys.stdout) -> dict:
+    width = max([len(r["cell"]) for r in records] + [4])
+    print(f"{'cell':<{width}}  {'status':<7}  detail", file=file)
+    for r in records:
+        detail = r["detail"] if len(r["detail"]) <= 140 else r["detail"][:137] + "..."
+        print(f"{r['cell']:<{width}}  {r['status']:<7}  {detail}", file=file)
+    counts = {s: sum(r["status"] == s for r in records) for s in ("equal", "refused", "failed")}
+    print(f"\n{len(records)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()), file=file)
+    return counts
+
+
+def markdown(payload: dict) -> str:
+    """The results file as the table of docs/matrix.md."""
+    meta, counts = payload["meta"], payload["counts"]
+    lines = [f"{counts['cells']} cells: {counts['equal']} equal, {counts['refused']} refused, {counts['failed']} failed "
+             f"(jax {meta['jax']}, {meta['date'][:10]}, {meta['minutes']} min with --jobs {meta['jobs']} on "
+             f"{meta['cpus']} cores).", "", "| cell | recipe | devices | status | detail |", "|---|---|---|---|---|"]
+    for r in payload["cells"]:
+        detail = r["detail"].replace("|", "\\|")
+        adapted = "".join(f" (+{a['set']})" for a in r["adapted"])
+        lines.append(f"| {r['cell']} | {r['recipe']}{adapted} | {r['devices']} | {r['status']} | {detail} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", action="append", default=[], metavar="SUBSTRING",
+                   help="run the cells whose name contains SUBSTRING (repeatable: any of them)")
+    p.add_argument("--list", action="store_true", help="list the cells (and their overrides) without running them")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="cells run at once (default 1)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S", help=f"seconds per run (default {TIMEOUT_S})")
+    p.add_argument("--rtol", type=float, default=RTOL, help=f"relative tolerance (default {RTOL:g})")
+    p.add_argument("--no-params", action="store_true", help="compare losses only (no checkpoint written)")
+    p.add_argument("--markdown", metavar="RESULTS", help="print a results file as a markdown table and exit")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help=f"JSON results (default {DEFAULT_OUT.relative_to(ROOT)}; with --only, none unless given)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(pathlib.Path(args.markdown).read_text())))
+        return 0
+    selected = [c for c in cells() if not args.only or any(s in c.name for s in args.only)]
+    if args.list:
+        for c in selected:
+            adapted = "  (adapted: " + ", ".join(o for o, _ in c.adapted) + ")" if c.adapted else ""
+            shown = [o for o in c.overrides if o not in BASE and not re.fullmatch(r"mesh\.\w+=1", o)]
+            print(f"{c.name:<36} {c.recipe:<5} {c.devices} devices  {' '.join(shown)}{adapted}")
+        print(f"{len(selected)} cells")
+        return 0
+    if not selected:
+        print(f"no cell matches {args.only}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    no_core_dumps()
+    params = not args.no_params
+    keys = sorted({c.reference_key for c in selected})
+    workroot = pathlib.Path(tempfile.mkdtemp(prefix="jaxpar-matrix-"))
+    started = time.time()
+    records: dict[str, dict] = {}
+    try:
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool, \
+                tqdm(total=len(keys) + len(selected), unit="run", dynamic_ncols=True) as bar:
+            bar.set_description("references")
+            futures = {pool.submit(run_reference, k, workroot, args.timeout, params): k for k in keys}
+            references = {}
+            for f in as_completed(futures):
+                references[futures[f]] = f.result()
+                bar.update()
+            bar.set_description("cells")
+            futures = {pool.submit(run_cell, c, references[c.reference_key], workroot, args.timeout, params,
+                                   args.rtol): c for c in selected}
+            for f in as_completed(futures):
+                r = f.result()
+                records[r["cell"]] = r
+                bar.set_postfix_str(f"{r['cell']}: {r['status']}")
+                bar.update()
+    finally:
+        shutil.rmtree(workroot, ignore_errors=True)
+    ordered = [records[c.name] for c in selected]
+    print()
+    counts = print_table(ordered)
+    out = args.out if args.out is not None else (None if args.only else str(DEFAULT_OUT))
+    if out:
+        import jax
+
+        payload = {
+            "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
+                     "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                     "platform": os.environ.get("JAX_PLATFORMS", "cpu"), "degree": DEGREE, "steps": STEPS,
+                     "rtol": args.rtol, "timeout_s": args.timeout, "params_compared": params, "jobs": args.jobs,
+                     "only": args.only, "minutes": round((time.time() - started) / 60, 1)},
+            "counts": {"cells": len(ordered), **counts},
+            "references": [{k: v for k, v in references[k].items() if k != "params"} for k in keys],
+            "cells": ordered,
+        }
+        path = pathlib.Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0 if counts["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
