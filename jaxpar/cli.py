@@ -12,8 +12,9 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 
-from jaxpar.errors import ConfigError, Preempted, TrainingStopped
+from jaxpar.errors import ConfigError, JaxparWarning, Preempted, TrainingStopped
 
 PREEMPTED_EXIT = 143  # as if SIGTERM had ended the process: schedulers requeue on it
 RECIPE_HELP = ("a shipped recipe (see `jaxpar recipes`), a path to a .py file defining recipe() -> Config "
@@ -97,6 +98,7 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     if args.command == "recipes":
         from jaxpar import recipes
 
@@ -117,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         return explain(args) if args.command == "explain" else train(args)
     except (ConfigError, TrainingStopped) as e:
         return report_error(e)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:
+    """jaxpar's own warnings as one line; everyone else's as Python formats them."""
+    if issubclass(category, JaxparWarning):
+        return f"jaxpar: warning: {message}\n"
+    return _python(message, category, filename, lineno, line)
 
 
 def report_error(e: Exception) -> int:

@@ -8,6 +8,11 @@ class ConfigError(ValueError):
     rule: str | None = None  # the id of the jaxpar.checks rule that raised it, if one did
 
 
+class JaxparWarning(UserWarning):
+    """Something a run goes on despite, said in one line (the CLI prints it as
+    `jaxpar: warning: ...`, without Python's file and source line)."""
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient under train.on_nonfinite=stop):
     the message names the step and what went wrong."""

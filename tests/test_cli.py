@@ -53,3 +53,13 @@ def test_png_paths_are_checked_before_compile(tmp_path, capsys):
     assert "cannot create the folder" in capsys.readouterr().err
     assert main(["schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--png", str(tmp_path / "new" / "x.png")]) == 0
     assert (tmp_path / "new" / "x.png").is_file()
+
+
+def test_jaxpar_warnings_print_as_one_line():
+    """The CLI prints jaxpar's warnings without Python's file and source line; others as usual."""
+    from jaxpar.cli import _one_line_warning
+    from jaxpar.train.checkpoint import UnreadableCheckpoint
+
+    assert _one_line_warning("step 2 cannot be read", UnreadableCheckpoint, "loop.py", 57) == (
+        "jaxpar: warning: step 2 cannot be read\n")
+    assert "loop.py:57" in _one_line_warning("other", UserWarning, "loop.py", 57)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import jax
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparWarning
 
 POLICIES = ("warn", "error", "allow")
 ACTIVATION_NAMES = ("batch", "seq", "norm_seq")  # their axes shard activations, not parameters
@@ -40,7 +40,7 @@ SUGGESTED_AXES = ("fsdp", "tensor", "expert")  # storage-only sharding is safe o
 PARAM_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp")
 
 
-class ReplicatedParams(UserWarning):
+class ReplicatedParams(JaxparWarning):
     """Parameters rest whole on every device because no sharding rule knows their names."""
 
 

@@ -27,7 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxpar.config import flatten
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparWarning
 
 
 @dataclasses.dataclass
@@ -157,5 +157,5 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
 
 
-class UnreadableCheckpoint(UserWarning):
+class UnreadableCheckpoint(JaxparWarning):
     """The newest checkpoint step could not be read; an earlier one was used."""

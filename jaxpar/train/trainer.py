@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.errors import JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import Field, batch_fields, batch_shapes
@@ -225,7 +226,7 @@ def warn_if_offload_is_a_no_op(config: Config, devices: Sequence[jax.Device]) ->
         )
 
 
-class OffloadIsANoOp(UserWarning):
+class OffloadIsANoOp(JaxparWarning):
     """Host offload was asked for on a backend where host and device memory are one."""
 
 
