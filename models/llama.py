@@ -44,6 +44,12 @@ class LlamaConfig:
     head_dim: int = 16
     mlp: int = 128
     rope_theta: float = 10_000.0
+    # Llama 3.1+ RoPE frequency scaling (Hugging Face rope_scaling of type "llama3"): long
+    # wavelengths slowed by the factor, short ones kept, a smooth blend between (1: none).
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"  # none | full | selective | offload | dots | dots_no_batch (jaxpar.nn)
@@ -68,9 +74,16 @@ class LlamaConfig:
         for field in self.SIZES:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
-        for field, example in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5")):
+        for field, example in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5"), ("rope_low_freq_factor", "1"),
+                               ("rope_original_max_positions", "8192")):
             if not 0 < getattr(self, field) < float("inf"):
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be positive, e.g. {example}")
+        if not 1 <= self.rope_scaling_factor < float("inf"):
+            raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be at least 1 (1: no "
+                              "scaling; Llama 3.1 uses 8)")
+        if self.rope_scaling_factor > 1 and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3.1: 4 and 1)")
 
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)
@@ -113,10 +126,28 @@ class RMSNorm(nnx.Module):
         return (y * compute_value(self.scale).astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, cfg: LlamaConfig) -> jax.Array:
+    """RoPE's angular frequencies [head_dim / 2], theta^(-2i/head_dim), with Llama 3.1's
+    scaling when cfg.rope_scaling_factor > 1: a frequency whose wavelength exceeds
+    original / low_freq_factor is divided by the factor, one shorter than original /
+    high_freq_factor is kept, and those between are blended linearly in original / wavelength."""
+    half = head_dim // 2
+    freq = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    if factor == 1:
+        return freq
+    original = cfg.rope_original_max_positions
+    wavelength = 2 * jnp.pi / freq
+    slowed = jnp.where(wavelength > original / low, freq / factor, freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(between, blended, slowed)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[B, S] or [S]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq = rope_frequencies(x.shape[-1], cfg)
     positions = jnp.broadcast_to(positions, x.shape[:2])
     angle = positions.astype(jnp.float32)[..., None] * freq  # [B, S, K/2]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
@@ -140,7 +171,7 @@ class Attention(nnx.Module):
         # Column-parallel (SP: the sequence is all-gathered on the way in, once for all three).
         weights = [compute_value(self.wq), compute_value(self.wk), compute_value(self.wv)]
         q, k, v = column_project(x_BSD, weights, [Q_NAMES, KV_NAMES, KV_NAMES])
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
         o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
         o = constrain(o, Q_NAMES)
