@@ -74,6 +74,7 @@ class Run:
     losses: list[float]
     grads: dict  # first step, on the host
     params: dict  # after the last step, on the host
+    metrics: dict = dataclasses.field(default_factory=dict)  # the last step's scalar metrics
 
 
 @dataclasses.dataclass
@@ -102,7 +103,8 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
         state, metrics, step_grads = trainer.step_and_grads(state, source(i))
         grads = jax.device_get(trainer.model_order(step_grads)) if i == 0 else grads
         losses.append(float(metrics["loss"]))
-    return Run(losses, grads, jax.device_get(trainer.model_order(trainer.master_params(state))))
+    scalars = {k: float(v) for k, v in jax.device_get(metrics).items() if getattr(v, "ndim", 0) == 0}
+    return Run(losses, grads, jax.device_get(trainer.model_order(trainer.master_params(state))), scalars)
 
 
 def reference_run(config: Config, steps: int = 3) -> Run:

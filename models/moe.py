@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
-from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE
+from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
@@ -50,8 +50,7 @@ class MoEConfig(LlamaConfig):
     z_loss_weight: float = 0.001
     bias_update_rate: float = 0.0
 
-    # Not STAGES: pipeline stages do not run the expert kernels yet.
-    capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, REMAT})
+    capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, STAGES, REMAT})
     mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
     WEIGHTS = ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
 
@@ -213,3 +212,21 @@ class MoETransformer(Llama):
             "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
         }
         return self.logits(x, table), aux
+
+    def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
+        """A pipeline chunk's layers (jaxpar.model.PipelineStages), with their report: the
+        chunk's share of the penalty summed under the batch's weights ("loss": the layers'
+        mean is a sum over chunks of each chunk's sum / num_layers), the same shares of the
+        token metrics ("sums"), and each layer's counts ("per_layer")."""
+        cfg = self.cfg
+        x, reports = self.run_layers(x, batch.get("positions"), batch.get("segment_ids"))
+        weights = batch["weights"].astype(jnp.float32)
+        z = jnp.sum(reports["z"], axis=0) / cfg.num_layers  # [B, S]
+        switch_BS = jnp.broadcast_to((jnp.sum(reports["switch"], axis=0) / cfg.num_layers)[:, None], z.shape)
+        penalty = cfg.aux_loss_weight * switch_BS + cfg.z_loss_weight * z
+        metrics = {"moe_aux_loss": jnp.sum(switch_BS * weights), "moe_z_loss": jnp.sum(z * weights)}
+        return x, {
+            "loss": jnp.sum(penalty * weights),
+            "sums": {"token_metrics": jax.lax.stop_gradient(metrics)},
+            "per_layer": {"counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]}},
+        }

@@ -72,7 +72,7 @@ MODEL_EXAMPLES = [
     ("mlp", ["model.hidden=0"], "model-contract", "model.hidden=0"),
     ("mlp", ["mesh.context=2"], "context-needs-attention-helper", "'attention' capability"),
     ("mlp", ["mesh.stage=2"], "pipeline-needs-stages", "'stages' capability"),
-    ("moe", ["mesh.stage=2", "train.microbatches=2"], "pipeline-needs-stages", "MoEConfig"),
+    ("moe", ["mesh.stage=2", "train.microbatches=2", "mesh.expert=2"], "pipeline-without-experts", "mesh.expert=2"),
 ]
 
 

@@ -127,7 +127,7 @@ def test_executor_equals_reference(name, p, m, v):
     layers = jax.tree.map(lambda a: to_pipeline_order(a, p, v), layers)
     stages = _toy()
     prog = compile_schedule(name, p, m, v)
-    loss, weight, d_layers, d_other = jax.jit(lambda l, o, mb: pipeline_grads(prog, stages, mesh, l, o, mb))(layers, other, micro)
+    loss, weight, d_layers, d_other, _ = jax.jit(lambda l, o, mb: pipeline_grads(prog, stages, mesh, l, o, mb))(layers, other, micro)
     ref = reference_grads(stages, p, v, layers, other, micro)
     got = (loss.sum(0), weight.sum(0), jax.tree.map(lambda g: g.sum(0), d_layers), jax.tree.map(lambda g: g.sum(0), d_other))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
@@ -249,7 +249,7 @@ def test_interleaved_stages_hold_their_own_chunks(deep_llama):
         (["mesh.stage=2", "mesh.context=4", "parallel.context_impl=ring"], "use mesh.context=2, or parallel.context_impl=ulysses"),
         (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=0"], "pipeline_chunks=0"),
         (["mesh.stage=2", "mesh.tensor=4", SP, "parallel.collective_matmul=ring"], "use mesh.tensor=2 there"),
-        (["mesh.stage=2", "mesh.data=2", "mesh.expert=2"], "mesh.expert=2"),
+        (["mesh.stage=2", "mesh.data=2", "mesh.expert=2"], "mesh.expert=2"),  # refused whatever the model
         (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=1", "parallel.quantized_gradients=true"], "quantized_gradients"),
         (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline_schedule=gpipe"], "parallel.pipeline_schedule='gpipe' shapes a pipeline"),
         (["mesh.stage=4", "mesh.data=2", "model.num_layers=6"], "or mesh.stage in [2, 3, 6]"),
@@ -260,11 +260,26 @@ def test_bad_pipeline_config_is_refused_before_compile(deep_llama, overrides, ne
         build(apply_overrides(deep_llama, overrides))
 
 
-def test_moe_is_not_pipelined_yet(deep_llama):
-    moe = dataclasses.replace(deep_llama, model=MoEConfig(vocab_size=128, embed=32, num_layers=4, num_heads=4,
-                                                         num_kv_heads=4, head_dim=8, mlp=64, num_experts=4))
-    with pytest.raises(ConfigError, match="MoEConfig"):
-        build(apply_overrides(moe, ["mesh.stage=2", "mesh.data=4"]))
+MOE = MoEConfig(vocab_size=128, embed=32, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64, num_experts=4,
+                bias_update_rate=1e-3)
+
+
+@pytest.mark.parametrize("routing,overrides", [
+    ("capacity", ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2"]),
+    ("dropless", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=zb-h1"]),
+])
+def test_moe_in_stages_equals_single_device(deep_llama, reference, routing, overrides):
+    """MoE layers inside the stages: each chunk's load-balancing and z losses join the
+    objective where the chunk runs, and its expert counts come back per layer (the bias
+    balancing, on here, reads them): losses, gradients, parameters and the step's MoE
+    metrics equal one device (fp32, 1e-5)."""
+    config = dataclasses.replace(deep_llama, model=dataclasses.replace(MOE, routing=routing))
+    ref, run = reference(config), run_layout(apply_overrides(config, overrides))
+    check(compare(run, ref), RTOL, where=f"moe {routing}")
+    moe = {k for k in ref.metrics if k.startswith("moe_")}
+    assert moe >= {"moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped"}, ref.metrics
+    for k in moe:
+        assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL, abs=1e-7), (k, run.metrics[k], ref.metrics[k])
 
 
 # ------------------------------------------------------------------ accounting

@@ -21,6 +21,12 @@ other weights, [input,] microbatch):
   mid    any stage but the first and last                               -> output
   last   the last virtual stage, head and loss included                 -> (loss sum, weight)
 (first and mid must return the same shape and dtype.)
+
+With `Stages.aux`, each of the three also returns what its chunk's layers report (MoE's
+load-balancing losses and expert counts): first and mid return (output, aux), last returns
+(loss sum, weight, aux), where aux = {"loss": a scalar added to the objective (and
+differentiated), "sums": scalars summed over the batch, "per_layer": arrays [chunk layers,
+...] summed per layer}. Each (microbatch, virtual stage) reports once, from its backward op.
 """
 
 from __future__ import annotations
@@ -40,9 +46,23 @@ STAGE, DATA = "stage", "data"
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-    first: Callable[[Any, Any, dict], jax.Array]
-    mid: Callable[[Any, Any, jax.Array, dict], jax.Array]
-    last: Callable[[Any, Any, jax.Array, dict], tuple[jax.Array, jax.Array]]
+    first: Callable[[Any, Any, dict], Any]
+    mid: Callable[[Any, Any, jax.Array, dict], Any]
+    last: Callable[[Any, Any, jax.Array, dict], tuple]
+    aux: bool = False  # the functions also return their layers' reports (above)
+
+
+def _with_aux(stages: Stages) -> Stages:
+    """`stages` in the form with reports; functions without any report an empty one."""
+    if stages.aux:
+        return stages
+    empty = lambda: {"loss": jnp.zeros((), jnp.float32), "sums": {}, "per_layer": {}}  # noqa: E731
+    return Stages(
+        first=lambda c, o, mb: (stages.first(c, o, mb), empty()),
+        mid=lambda c, o, x, mb: (stages.mid(c, o, x, mb), empty()),
+        last=lambda c, o, x, mb: (*stages.last(c, o, x, mb), empty()),
+        aux=True,
+    )
 
 
 def pipeline_grads(
@@ -55,18 +75,25 @@ def pipeline_grads(
     other:  every other weight, replicated over `stage`
     micro:  batch fields [m, B, ...], B sharded over `data`
     Returns loss [data], weight [data], d_layers [data, p*v*Lc, ...], d_other [data, ...]:
-    sums over the replica's rows of every microbatch (float32).
+    sums over the replica's rows of every microbatch (float32); and the layers' reports,
+    {"sums": [data], "per_layer": [data, p*v*Lc, ...] in pipeline order} (empty without
+    `stages.aux`). The loss includes the reports' losses.
     """
     p, v = program.timeline.p, program.timeline.v
+    stages = _with_aux(stages)
     tables = {c: jnp.asarray(program.tables[c]) for c in COLUMNS}
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
     other_spec = jax.tree.map(lambda _: P(), other)
     micro_spec = jax.tree.map(lambda _: P(None, DATA), micro)
+    report = _report_shapes(stages, layers, other, micro, p * v)
+    report_spec = {"sums": jax.tree.map(lambda _: P(DATA), report["sums"]),
+                   "per_layer": jax.tree.map(lambda _: P(DATA, STAGE), report["per_layer"])}
     body = jax.shard_map(
         lambda t, l, o, mb: _run(program, stages, p, v, t, l, o, mb),
         mesh=mesh,
         in_specs=({c: P(None, STAGE) for c in COLUMNS}, layer_spec, other_spec, micro_spec),
-        out_specs=(P(DATA), P(DATA), jax.tree.map(lambda _: P(DATA, STAGE), layers), jax.tree.map(lambda _: P(DATA), other)),
+        out_specs=(P(DATA), P(DATA), jax.tree.map(lambda _: P(DATA, STAGE), layers), jax.tree.map(lambda _: P(DATA), other),
+                   report_spec),
         axis_names={STAGE, DATA},
         check_vma=False,  # the body is never differentiated: it takes its own VJPs
     )
@@ -76,70 +103,89 @@ def pipeline_grads(
         return body(tables, layers, other, micro)
 
 
+def _report_shapes(stages: Stages, layers, other, micro, chunks: int) -> dict:
+    """The shapes of a chunk's report (outside the shard_map: `chunks` = p * v chunks in the
+    stack), its per-layer part stacked over the whole stack."""
+    chunk = jax.tree.map(lambda a: a[: a.shape[0] // chunks], layers)
+    _, report = jax.eval_shape(stages.first, chunk, other, jax.tree.map(lambda a: a[0], micro))
+    per_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * chunks, *a.shape[1:]), a.dtype),
+                             report["per_layer"])
+    return {"sums": report["sums"], "per_layer": per_layer}
+
+
 def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other, micro):
     per_chunk = jax.tree.leaves(layers)[0].shape[0] // v
-    zeros_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+    zeros = lambda tree, dtype=None: jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)  # noqa: E731
     mb0 = jax.tree.map(lambda a: a[0], micro)
     chunk0 = jax.tree.map(lambda a: a[:per_chunk], layers)
-    message = jax.eval_shape(stages.first, chunk0, other, mb0)
+    message, report = jax.eval_shape(stages.first, chunk0, other, mb0)
     zero_message = jnp.zeros(message.shape, message.dtype)
-    seed = (jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32))  # d(loss sum), d(weight)
-    none = jnp.zeros((), jnp.float32)
+    one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
+    seed = (one, none)  # d(loss sum), d(weight)
 
-    def add(acc, dc, do):
-        """acc = (d_layers, d_other, chunk offset) + this op's weight gradients, in float32."""
-        d_layers, d_other, start = acc
-        d_layers = jax.tree.map(
-            lambda a, d: jax.lax.dynamic_update_slice_in_dim(
-                a, jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0) + d.astype(jnp.float32), start, 0
-            ),
-            d_layers,
-            dc,
-        )
-        return d_layers, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_other, do), start
+    def into(a, d, start):  # a[start : start + per_chunk] += d
+        return jax.lax.dynamic_update_slice_in_dim(
+            a, jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0) + d.astype(a.dtype), start, 0)
 
-    # Each branch: (input, gradient in, microbatch, chunk, other, accumulated gradients) ->
-    #   (output sent on, input gradient sent back, accumulated gradients, loss, weight).
+    def report_only(acc, rep):
+        """acc = (d_layers, d_other, chunk offset, report sums, per-layer reports) + a report."""
+        d_layers, d_other, start, sums, per_layer = acc
+        sums = jax.tree.map(lambda a, r: a + r.astype(a.dtype), sums, rep["sums"])
+        per_layer = jax.tree.map(lambda a, r: into(a, r, start), per_layer, rep["per_layer"])
+        return d_layers, d_other, start, sums, per_layer
+
+    def add(acc, dc, do, rep=None):
+        """acc + this op's weight gradients (float32) and, where the op counts it, its report."""
+        d_layers, d_other, start, sums, per_layer = acc
+        d_layers = jax.tree.map(lambda a, d: into(a, d, start), d_layers, dc)
+        d_other = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_other, do)
+        acc = (d_layers, d_other, start, sums, per_layer)
+        return acc if rep is None else report_only(acc, rep)
+
+    # Each branch: (input, gradient in, microbatch, chunk, other, accumulated) ->
+    #   (output sent on, input gradient sent back, accumulated, loss, weight).
     # Gradients are added inside the branches that make them, so other ticks neither build
-    # zeros of the embedding's size nor add them.
+    # zeros of the embedding's size nor add them. A chunk's report is differentiated (its
+    # loss, seeded with 1) wherever the chunk is, and counted once: by the op that returns
+    # the loss for the last chunk, by the backward (or input-gradient) op elsewhere.
     def idle(x, g, mb, c, o, acc):
         return zero_message, zero_message, acc, none, none
 
     def forward_first(x, g, mb, c, o, acc):
-        return stages.first(c, o, mb), zero_message, acc, none, none
+        return stages.first(c, o, mb)[0], zero_message, acc, none, none
 
     def forward_mid(x, g, mb, c, o, acc):
-        return stages.mid(c, o, x, mb), zero_message, acc, none, none
+        return stages.mid(c, o, x, mb)[0], zero_message, acc, none, none
 
     def backward_first(x, g, mb, c, o, acc):  # also the split weight gradient: no input to differentiate
-        _, vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp(g)), none, none
+        (_, rep), vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
+        return zero_message, zero_message, add(acc, *vjp((g, _seed(rep))), rep), rep["loss"], none
 
     def backward_mid(x, g, mb, c, o, acc):
-        _, vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
-        dc, do, dx = vjp(g)
-        return zero_message, dx, add(acc, dc, do), none, none
+        (_, rep), vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
+        dc, do, dx = vjp((g, _seed(rep)))
+        return zero_message, dx, add(acc, dc, do, rep), rep["loss"], none
 
     def backward_last(x, g, mb, c, o, acc):
-        (loss, weight), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
-        dc, do, dx = vjp(seed)
-        return zero_message, dx, add(acc, dc, do), loss, weight
+        (loss, weight, rep), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
+        dc, do, dx = vjp((*seed, _seed(rep)))
+        return zero_message, dx, add(acc, dc, do, rep), loss + rep["loss"], weight
 
     def input_grad_mid(x, g, mb, c, o, acc):
-        _, vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
-        return zero_message, vjp(g)[0], acc, none, none
+        (_, rep), vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
+        return zero_message, vjp((g, _seed(rep)))[0], report_only(acc, rep), rep["loss"], none
 
     def input_grad_last(x, g, mb, c, o, acc):
-        (loss, weight), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
-        return zero_message, vjp(seed)[0], acc, loss, weight
+        (loss, weight, rep), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
+        return zero_message, vjp((*seed, _seed(rep)))[0], report_only(acc, rep), loss + rep["loss"], weight
 
     def weight_grad_mid(x, g, mb, c, o, acc):
-        _, vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp(g)), none, none
+        (_, rep), vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
+        return zero_message, zero_message, add(acc, *vjp((g, _seed(rep)))), none, none
 
     def weight_grad_last(x, g, mb, c, o, acc):
-        _, vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp(seed)), none, none
+        (_, _, rep), vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
+        return zero_message, zero_message, add(acc, *vjp((*seed, _seed(rep)))), none, none
 
     functions = {
         "idle": idle,
@@ -164,32 +210,40 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
         )
 
     def tick(carry, row):
-        acts, grads, d_layers, d_other, loss, weight = carry
+        acts, grads, d_layers, d_other, sums, per_layer, loss, weight = carry
         start = row["chunk"] * per_chunk
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0), layers)
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
-        out, back, (d_layers, d_other, _), l, w = jax.lax.switch(
-            row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start)
+        out, back, (d_layers, d_other, _, sums, per_layer), l, w = jax.lax.switch(
+            row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start, sums, per_layer)
         )
         arrived = jax.lax.ppermute(out, STAGE, send_on)
         returned = jax.lax.ppermute(back, STAGE, send_back)
         acts = store(acts, row["recv_act"], arrived)
         grads = store(grads, row["recv_grad"], returned)
-        return (acts, grads, d_layers, d_other, loss + l, weight + w), None
+        return (acts, grads, d_layers, d_other, sums, per_layer, loss + l, weight + w), None
 
     buffers = (
         jnp.zeros((program.act_slots, *message.shape), message.dtype),
         jnp.zeros((program.grad_slots, *message.shape), message.dtype),
     )
-    carry = (*buffers, zeros_f32(layers), zeros_f32(other), none, none)
+    per_layer0 = jax.tree.map(lambda a: jnp.zeros((a.shape[0] * v, *a.shape[1:]), a.dtype), report["per_layer"])
+    carry = (*buffers, zeros(layers, jnp.float32), zeros(other, jnp.float32), zeros(report["sums"]), per_layer0, none, none)
     rows = {c: tables[c][:, 0] for c in COLUMNS}
-    (_, _, d_layers, d_other, loss, weight), _ = jax.lax.scan(tick, carry, rows)
+    (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
     d_other = jax.lax.psum(d_other, STAGE)
-    loss, weight = jax.lax.psum(loss, STAGE), jax.lax.psum(weight, STAGE)
+    loss, weight, sums = jax.lax.psum((loss, weight, sums), STAGE)
     lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731  the replica axis
-    return loss[None], weight[None], lead(d_layers), lead(d_other)
+    return loss[None], weight[None], lead(d_layers), lead(d_other), lead({"sums": sums, "per_layer": per_layer})
+
+
+def _seed(report: dict) -> dict:
+    """The cotangent of a report: 1 for its loss, nothing for its counts (not differentiated)."""
+    ct = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
+                      else jnp.zeros_like(a), report)
+    return {**ct, "loss": jnp.ones_like(report["loss"])}
 
 
 def to_pipeline_order(x: jax.Array, p: int, v: int) -> jax.Array:
@@ -211,7 +265,9 @@ def to_model_order(x: jax.Array, p: int, v: int) -> jax.Array:
 def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, micro: dict):
     """The plain reference: each microbatch through the p * v chunks in turn on one device,
     differentiated by `jax.grad`; same arguments (pipeline order) and sums as
-    `pipeline_grads`, without the replica axis."""
+    `pipeline_grads`, without the replica axis (the reports' losses included, the reports
+    themselves not returned)."""
+    stages = _with_aux(stages)
     per_chunk = jax.tree.leaves(layers)[0].shape[0] // (p * v)
     m = jax.tree.leaves(micro)[0].shape[0]
 
@@ -223,11 +279,13 @@ def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, mic
         total = weight = 0.0
         for i in range(m):
             mb = jax.tree.map(lambda a: a[i], micro)
-            x = stages.first(chunk(layers, 0), other, mb)
+            x, rep = stages.first(chunk(layers, 0), other, mb)
+            total = total + rep["loss"]
             for vs in range(1, p * v - 1):
-                x = stages.mid(chunk(layers, vs), other, x, mb)
-            l, w = stages.last(chunk(layers, p * v - 1), other, x, mb)
-            total, weight = total + l, weight + w
+                x, rep = stages.mid(chunk(layers, vs), other, x, mb)
+                total = total + rep["loss"]
+            l, w, rep = stages.last(chunk(layers, p * v - 1), other, x, mb)
+            total, weight = total + l + rep["loss"], weight + w
         return total, weight
 
     (total, weight), (d_layers, d_other) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layers, other)

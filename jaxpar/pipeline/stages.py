@@ -52,9 +52,10 @@ def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:
+def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn, reports: bool = False) -> Stages:
     """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
-    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`."""
+    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`. `reports`: the model's
+    `apply_layers` returns (x, report) (`layers_report`), which the stages pass on."""
 
     def model(chunk: Any, other: dict):
         return nnx.merge(graphdef, join_layers(chunk, other))
@@ -68,6 +69,19 @@ def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:
 
     def last(chunk, other, x, mb):
         net = model(chunk, other)
-        return loss_fn(net.output(net.apply_layers(x, mb)), mb)
+        x, *report = net.apply_layers(x, mb) if reports else (net.apply_layers(x, mb),)
+        return (*loss_fn(net.output(x), mb), *report)
 
-    return Stages(first, mid, last)
+    return Stages(first, mid, last, aux=reports)
+
+
+def layers_report(graphdef: nnx.GraphDef, layers: Any, other: dict, micro: dict, chunks: int) -> bool:
+    """Whether the model's `apply_layers` returns (x, report) rather than x, from its shapes
+    on one chunk of the `chunks` in the stack (nothing runs)."""
+    chunk = jax.tree.map(lambda a: a[: a.shape[0] // chunks], layers)
+
+    def first(chunk, other, mb):
+        net = nnx.merge(graphdef, join_layers(chunk, other))
+        return net.apply_layers(net.embed(mb), mb)
+
+    return isinstance(jax.eval_shape(first, chunk, other, jax.tree.map(lambda a: a[0], micro)), tuple)

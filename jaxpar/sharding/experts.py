@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 from jaxpar.kernels.experts import ExpertSpec, expert_parallel, local_experts
-from jaxpar.sharding.annotate import active_layout, compute_value, logical_names
+from jaxpar.sharding.annotate import active_layout, compute_value, logical_names, mesh_here
 
 TOKEN_NAMES = ("batch", "seq", "embed")
 PAIR_NAMES = ("batch", "seq", None)
@@ -29,7 +29,7 @@ def top_k_indices(scores_BSE: jax.Array, k: int) -> jax.Array:
     if layout is None:
         return jax.lax.top_k(scores_BSE, k)[1]
     spec = layout.rules.spec(PAIR_NAMES, "compute")
-    local = jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=layout.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    local = jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=mesh_here(layout.mesh), in_specs=spec, out_specs=spec, check_vma=False)
     return local(scores_BSE)
 
 
@@ -55,7 +55,7 @@ def run_experts(
     names = [logical_names(p)[len(logical_names(p)) - w.ndim :] for p, w in zip(params, weights)]
     live = lambda name: tuple(a for a in rules.table("compute").get(name, ()) if layout.mesh.shape[a] > 1)
     spec = ExpertSpec(
-        mesh=layout.mesh,
+        mesh=mesh_here(layout.mesh),  # inside pipeline stages: the context's partly manual mesh
         token_spec=rules.spec(TOKEN_NAMES, "compute"),
         weight_specs=tuple(rules.spec(n, "compute") for n in names),
         axis=live("experts"),
