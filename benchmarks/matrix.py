@@ -243,9 +243,10 @@ def failure_reason(result: dict, timeout_s: float) -> str:
     rc = result["rc"]
     if rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
-        fatal = [l for l in err.splitlines() if re.match(r"^F\d{4} ", l) or "Check failed" in l]
-        where = f": {fatal[0][:300]}" if fatal else ""
-        return f"killed by {name}{where}"
+        from jaxpar.logs import last_words
+
+        said = last_words(err)  # XLA's fatal line, when it printed one
+        return f"killed by {name}: {said}" if said else f"killed by {name}"
     lines = [l.strip() for l in err.splitlines() if l.strip() and not _XLA_LOG.match(l)]
     stopped = [l for l in lines if l.startswith("jaxpar: ")]
     if stopped:

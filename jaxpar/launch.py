@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 from jaxpar.distributed import LOST_PEER_EXIT
 from jaxpar.errors import ConfigError
+from jaxpar.logs import ABSL
 
 
 LAUNCHER_PID = "JAXPAR_LAUNCHER_PID"  # set in each child: the process it lives and dies with
@@ -44,7 +45,6 @@ QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}  # XLA's and gRPC's C++ (absl) logging
 # written to std::cout piece by piece with no switch to turn it off: threads interleave the
 # pieces, so a line made of nothing but such pieces is one.
 GLOO = re.compile(r"(\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+|\s+)+")
-ABSL = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")  # a C++ log message's first line
 # The coordination service's messages once another process is gone: that process says why.
 TEARDOWN = re.compile(r"Terminating process because the JAX distributed service|preemption_sync_manager\.cc:|"
                       r"coordination_service_agent\.cc:")

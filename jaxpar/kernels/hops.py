@@ -18,9 +18,6 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-HOPS = ("permute", "swap")
-
-
 def hop_here() -> str:
     """The hop for a ring kernel about to be called here: "swap" inside a shard_map that is
     already manual over some mesh axes (the pipeline executor), else "permute". Call it

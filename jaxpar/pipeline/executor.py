@@ -52,15 +52,19 @@ class Stages:
     aux: bool = False  # the functions also return their layers' reports (above)
 
 
+def no_report() -> dict:
+    """The report of layers that report nothing."""
+    return {"loss": jnp.zeros((), jnp.float32), "sums": {}, "per_layer": {}}
+
+
 def _with_aux(stages: Stages) -> Stages:
     """`stages` in the form with reports; functions without any report an empty one."""
     if stages.aux:
         return stages
-    empty = lambda: {"loss": jnp.zeros((), jnp.float32), "sums": {}, "per_layer": {}}  # noqa: E731
     return Stages(
-        first=lambda c, o, mb: (stages.first(c, o, mb), empty()),
-        mid=lambda c, o, x, mb: (stages.mid(c, o, x, mb), empty()),
-        last=lambda c, o, x, mb: (*stages.last(c, o, x, mb), empty()),
+        first=lambda c, o, mb: (stages.first(c, o, mb), no_report()),
+        mid=lambda c, o, x, mb: (stages.mid(c, o, x, mb), no_report()),
+        last=lambda c, o, x, mb: (*stages.last(c, o, x, mb), no_report()),
         aux=True,
     )
 

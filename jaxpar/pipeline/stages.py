@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpar.pipeline.executor import Stages, to_model_order, to_pipeline_order
+from jaxpar.pipeline.executor import Stages, no_report, to_model_order, to_pipeline_order
 from jaxpar.train.loss import LossFn
 
 LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
@@ -52,36 +52,28 @@ def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn, reports: bool = False) -> Stages:
+def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:
     """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
-    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`. `reports`: the model's
-    `apply_layers` returns (x, report) (`layers_report`), which the stages pass on."""
+    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`, with the report of the
+    layers (an empty one where `apply_layers` returns x alone, not (x, report))."""
 
     def model(chunk: Any, other: dict):
         return nnx.merge(graphdef, join_layers(chunk, other))
 
+    def layers(net, x, mb):
+        out = net.apply_layers(x, mb)
+        return out if isinstance(out, tuple) else (out, no_report())
+
     def first(chunk, other, mb):
         net = model(chunk, other)
-        return net.apply_layers(net.embed(mb), mb)
+        return layers(net, net.embed(mb), mb)
 
     def mid(chunk, other, x, mb):
-        return model(chunk, other).apply_layers(x, mb)
+        return layers(model(chunk, other), x, mb)
 
     def last(chunk, other, x, mb):
         net = model(chunk, other)
-        x, *report = net.apply_layers(x, mb) if reports else (net.apply_layers(x, mb),)
-        return (*loss_fn(net.output(x), mb), *report)
+        x, report = layers(net, x, mb)
+        return (*loss_fn(net.output(x), mb), report)
 
-    return Stages(first, mid, last, aux=reports)
-
-
-def layers_report(graphdef: nnx.GraphDef, layers: Any, other: dict, micro: dict, chunks: int) -> bool:
-    """Whether the model's `apply_layers` returns (x, report) rather than x, from its shapes
-    on one chunk of the `chunks` in the stack (nothing runs)."""
-    chunk = jax.tree.map(lambda a: a[: a.shape[0] // chunks], layers)
-
-    def first(chunk, other, mb):
-        net = nnx.merge(graphdef, join_layers(chunk, other))
-        return net.apply_layers(net.embed(mb), mb)
-
-    return isinstance(jax.eval_shape(first, chunk, other, jax.tree.map(lambda a: a[0], micro)), tuple)
+    return Stages(first, mid, last, aux=True)

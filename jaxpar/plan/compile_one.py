@@ -19,16 +19,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 
+from jaxpar.logs import last_words
+
 COMMAND = [sys.executable, "-m", "jaxpar.plan.compile_one"]  # + REQUEST RESULT
-ABSL_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ \S+:\d+\] (.*)")  # a C++ CHECK failure's line
-NOISE = re.compile(r"^(\*\*\* Check failure stack trace|@ +0x|Fatal Python error|Current thread|Thread 0x|File \"|"
-                   r"Extension modules:|<no Python frame>|Traceback \(most recent call last\))")
 
 
 def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, global_batch: int, hw,
@@ -66,15 +64,6 @@ def _cause(code: int, output: str) -> str:
     else:
         how = f"compile process exited with status {code} and no result"
     return f"{how}: {said}" if said else f"{how}, saying nothing"
-
-
-def last_words(output: str) -> str:
-    """The line that says why a process died: the last C++ fatal error's message, else the
-    last line that is not a stack frame or a crash banner."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    fatal = [m.group(1) for m in map(ABSL_FATAL.match, lines) if m]
-    said = fatal[-1] if fatal else next((line for line in reversed(lines) if not NOISE.match(line)), "")
-    return said if len(said) <= 300 else said[:297] + "..."
 
 
 def compile_layout(model, overrides: list[str], devices: list, seq_len: int, global_batch: int, hw,

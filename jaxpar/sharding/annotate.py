@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather
-from jaxpar.mesh import divisors, mesh_here  # noqa: F401  (mesh_here: used by the projections)
+from jaxpar.mesh import divisors, mesh_here
 from jaxpar.sharding.rules import Rules
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpar_layout", default=None)

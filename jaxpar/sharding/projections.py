@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
-from jaxpar.sharding.annotate import Layout, active_layout, constrain, mesh_here
+from jaxpar.mesh import mesh_here
+from jaxpar.sharding.annotate import Layout, active_layout, constrain
 
 COLLECTIVE_MATMULS = ("none", "ring", "bidirectional")
 AXIS = "tensor"

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
-from jaxpar.pipeline.stages import in_model_order, join_layers, layers_report, model_stages, split_layers
+from jaxpar.pipeline.stages import in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.train.loss import LossFn
 from jaxpar.train.microbatches import split_batch
@@ -37,6 +37,7 @@ def pipelined_grads(
     the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
     p, m, v = layout.mesh.shape["stage"], config.train.microbatches, config.parallel.pipeline_chunks
     program = compile_schedule(config.parallel.pipeline_schedule, p, m, v)
+    stages = model_stages(graphdef, loss_fn)
     # The executor is manual over stage and data: its rules leave data out, and no kernel
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
@@ -47,7 +48,6 @@ def pipelined_grads(
             batch = lay_out_sequences(batch, layout)
         micro = split_batch(batch, m, {"positions": names["inputs"], **names}, layout)
         with use_layout(inside):
-            stages = model_stages(graphdef, loss_fn, layers_report(graphdef, layers, other, micro, p * v))
             total, weight, d_layers, d_other, reports = pipeline_grads(program, stages, layout.mesh, layers, other, micro)
         summed = reduce_over_data(join_layers(d_layers, d_other))
         total, weight = total.sum(), weight.sum()
