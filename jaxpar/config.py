@@ -111,9 +111,17 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | tokens
-    path: str = ""  # tokens: a .npy or .bin file of token ids
+    source: str = "synthetic"  # synthetic | tokens | text
+    # tokens: a .npy or .bin file of token ids; text: a .txt, .jsonl or .parquet file, a
+    # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer.
+    path: str = ""
     dtype: str = "uint16"  # tokens: element type of a .bin file
+    tokenizer: str = ""  # text: a Hugging Face tokenizer.json
+    text_field: str = "text"  # text: the JSONL key or Parquet column that holds each document
+    # tokens and text: how rows are drawn from the token stream. windows: seq_len + 1 tokens
+    # at random positions drawn from (seed, step); epochs: the stream cut into consecutive
+    # rows, every row once per epoch, in an order shuffled from (seed, epoch).
+    order: str = "windows"
     # Packed documents: the id that ends each document in the token stream (-1: none).
     # Tokens then attend only inside their document, RoPE positions restart at each one,
     # and no token is trained to predict the next document's first token.
@@ -132,6 +140,10 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end of the run
     keep: int = 3  # the newest this many are kept
     async_save: bool = True  # write in the background while training goes on
+    # A Hugging Face checkpoint folder (config.json and *.safetensors) whose weights the run
+    # starts from when checkpoint.dir holds no checkpoint (jaxpar.hf): each process reads
+    # only the slices its devices hold.
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

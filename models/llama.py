@@ -21,6 +21,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import ConfigError
+from jaxpar.hf.config import refuse_unless, rope_settings, value
+from jaxpar.hf.weights import Weight
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
@@ -52,6 +54,9 @@ class LlamaConfig:
     rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale);
+    # Hugging Face's Llama does not scale them, and its importer sets this False.
+    scale_tied_logits: bool = True
     remat: str = "none"  # none | full | selective | offload | dots | dots_no_batch (jaxpar.nn)
 
     # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
@@ -87,6 +92,24 @@ class LlamaConfig:
 
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)
+
+    # Hugging Face's format (jaxpar.hf asks a model for these; functions at the end of the file).
+    hf_architectures = ("LlamaForCausalLM",)
+    hf_training_fields = ("remat",)  # free to differ from the checkpoint's config
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        return llama_from_hf(cls, hf)
+
+    def to_hf(self) -> dict:
+        return llama_to_hf(self, "LlamaForCausalLM", "llama")
+
+    def hf_weights(self) -> dict:
+        return llama_hf_weights(self)
+
+    def hf_ignored(self) -> tuple[str, ...]:
+        """A tied checkpoint may still hold the head it ties (some exporters write both)."""
+        return ("lm_head.weight",) if self.tie_embeddings else ()
 
     def block(self, rngs: nnx.Rngs) -> nnx.Module:
         """One decoder layer (models.moe swaps the MLP for experts)."""
@@ -261,5 +284,77 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:
         names = ("batch", "seq", "vocab")
         if self.cfg.tie_embeddings:
-            return column_project(self.final_norm(x), [table.T], [names])[0] * self.cfg.embed**-0.5
+            logits = column_project(self.final_norm(x), [table.T], [names])[0]
+            return logits * self.cfg.embed**-0.5 if self.cfg.scale_tied_logits else logits
         return column_project(self.final_norm(x), [compute_value(self.head)], [names])[0]
+
+
+# ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)
+
+
+def llama_from_hf(cls, hf: dict, **extra):
+    """The config of a Hugging Face Llama (2, 3, 3.1, 3.2) or a model shaped like it."""
+    refuse_unless(hf, attention_bias=False, mlp_bias=False, hidden_act="silu")
+    rope = rope_settings(hf)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise ConfigError(f"config.json has RoPE scaling of type {rope['rope_type']!r}; jaxpar's Llama computes "
+                          "'default' (none) and 'llama3'")
+    heads, embed = value(hf, "num_attention_heads"), value(hf, "hidden_size")
+    scaled, tied = rope["rope_type"] == "llama3", bool(hf.get("tie_word_embeddings", False))
+    return cls(
+        vocab_size=value(hf, "vocab_size"), embed=embed, num_layers=value(hf, "num_hidden_layers"), num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or embed // heads,
+        mlp=value(hf, "intermediate_size"), rope_theta=float(rope["rope_theta"]),
+        rope_scaling_factor=float(rope["factor"]) if scaled else 1.0,
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
+        scale_tied_logits=not tied,  # Hugging Face never scales a tied head (untied, the field is unused)
+        **extra,
+    )
+
+
+def llama_to_hf(cfg: LlamaConfig, architecture: str, model_type: str) -> dict:
+    if cfg.tie_embeddings and cfg.scale_tied_logits:
+        raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
+                          "Hugging Face's Llama does not; export a model trained with model.scale_tied_logits=false")
+    hf = {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+    }
+    if cfg.rope_scaling_factor != 1:
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                              "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                              "original_max_position_embeddings": cfg.rope_original_max_positions}
+    return hf
+
+
+def attention_weights(cfg: LlamaConfig) -> dict[str, Weight]:
+    """Hugging Face's Linear weights are [out, in]; a fused head dimension is split."""
+    d, h, kv, k = cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = "model.layers.{layer}."
+    weights = {
+        "embedding": Weight("model.embed_tokens.weight"),
+        "layers.attn.wq": Weight(layer + "self_attn.q_proj.weight", (h, k, d), (2, 0, 1), (h * k, d)),
+        "layers.attn.wk": Weight(layer + "self_attn.k_proj.weight", (kv, k, d), (2, 0, 1), (kv * k, d)),
+        "layers.attn.wv": Weight(layer + "self_attn.v_proj.weight", (kv, k, d), (2, 0, 1), (kv * k, d)),
+        "layers.attn.wo": Weight(layer + "self_attn.o_proj.weight", (d, h, k), (1, 2, 0), (d, h * k)),
+        "layers.attn_norm.scale": Weight(layer + "input_layernorm.weight"),
+        "layers.mlp_norm.scale": Weight(layer + "post_attention_layernorm.weight"),
+        "final_norm.scale": Weight("model.norm.weight"),
+    }
+    if not cfg.tie_embeddings:
+        weights["head"] = Weight("lm_head.weight", order=(1, 0))
+    return weights
+
+
+def llama_hf_weights(cfg: LlamaConfig) -> dict[str, Weight]:
+    layer = "model.layers.{layer}.mlp."
+    return {**attention_weights(cfg), "layers.mlp.w_gate": Weight(layer + "gate_proj.weight", order=(1, 0)),
+            "layers.mlp.w_up": Weight(layer + "up_proj.weight", order=(1, 0)),
+            "layers.mlp.w_down": Weight(layer + "down_proj.weight", order=(1, 0))}
+

@@ -29,7 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.models.llama import HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param
+from jaxpar.hf.config import value
+from jaxpar.hf.weights import Weight
+from jaxpar.models.llama import (HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param, attention_weights,
+                                 llama_from_hf, llama_to_hf)
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
 from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
@@ -73,6 +76,19 @@ class MoEConfig(LlamaConfig):
             raise ConfigError(
                 f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} "
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
+
+    hf_architectures = ("MixtralForCausalLM",)
+    hf_training_fields = ("remat", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "MoEConfig":
+        return mixtral_from_hf(cls, hf)
+
+    def to_hf(self) -> dict:
+        return mixtral_to_hf(self)
+
+    def hf_weights(self) -> dict:
+        return mixtral_hf_weights(self)
 
     def build(self, rngs: nnx.Rngs) -> "MoETransformer":
         return MoETransformer(self, rngs=rngs)
@@ -230,3 +246,52 @@ class MoETransformer(Llama):
             "sums": {"token_metrics": jax.lax.stop_gradient(metrics)},
             "per_layer": {"counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]}},
         }
+
+
+# ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)
+
+
+def mixtral_from_hf(cls, hf: dict) -> MoEConfig:
+    """Mixtral's config: dropless top-k routing, gates renormalised over the k chosen. Its
+    auxiliary loss (router_aux_loss_coef, on when output_router_logits) becomes ours, which is
+    defined per sequence where Mixtral's is over the batch (docs/checkpoints_and_data.md)."""
+    k = value(hf, "num_experts_per_tok")
+    if k == 1:
+        raise ConfigError("config.json has num_experts_per_tok=1: Mixtral renormalises a single gate to 1, where "
+                          "jaxpar keeps the router's probability (which gives the router a gradient); jaxpar imports "
+                          "Mixtral models of top-k >= 2")
+    if hf.get("sliding_window") is not None:
+        raise ConfigError(f"config.json has sliding_window={hf['sliding_window']}; jaxpar's attention is full causal "
+                          "attention, so it imports Mixtral models without a sliding window")
+    aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+    return llama_from_hf(cls, hf, num_experts=value(hf, "num_local_experts"), top_k=k, routing="dropless",
+                         renormalize=True, shared_experts=0, aux_loss_weight=aux, z_loss_weight=0.0, bias_update_rate=0.0)
+
+
+def mixtral_to_hf(cfg: MoEConfig) -> dict:
+    if cfg.shared_experts or not cfg.renormalize or cfg.top_k == 1:
+        raise ConfigError("Mixtral's format has no shared experts and renormalises its top-k >= 2 gates; this model has "
+                          f"model.shared_experts={cfg.shared_experts}, model.renormalize={cfg.renormalize}, "
+                          f"model.top_k={cfg.top_k}, which it cannot hold")
+    hf = llama_to_hf(cfg, "MixtralForCausalLM", "mixtral")
+    for key in ("head_dim", "attention_bias", "mlp_bias"):
+        hf.pop(key)
+    return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "sliding_window": None,
+            "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": cfg.aux_loss_weight > 0}
+
+
+def mixtral_hf_weights(cfg: MoEConfig) -> dict[str, Weight]:
+    """Mixtral's block_sparse_moe: a router [E, D] and each expert's w1 (gate), w3 (up), w2 (down)."""
+    if cfg.shared_experts:
+        raise ConfigError(f"model.shared_experts={cfg.shared_experts}: Mixtral's format has no shared experts")
+    moe, expert = "model.layers.{layer}.block_sparse_moe.", "model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    weights = {
+        **attention_weights(cfg),
+        "layers.moe.router": Weight(moe + "gate.weight", order=(1, 0)),
+        "layers.moe.w_gate": Weight(expert + "w1.weight", order=(1, 0)),
+        "layers.moe.w_up": Weight(expert + "w3.weight", order=(1, 0)),
+        "layers.moe.w_down": Weight(expert + "w2.weight", order=(1, 0)),
+    }
+    if cfg.bias_update_rate:
+        weights["layers.moe.router_bias"] = Weight(None)
+    return weights

@@ -5,7 +5,9 @@
 - a path to a Python file defining `recipe()`: `path/to/gpt2.py`, `./my_recipe.py`, an
   absolute path; `path.py:function` names another function;
 - an importable module, `package.module:function` or `package.module` (function `recipe`),
-  searched on sys.path with the current directory added, as `python -m` does.
+  searched on sys.path with the current directory added, as `python -m` does;
+- `hf:FOLDER`, a Hugging Face checkpoint to fine-tune (jaxpar.hf.recipe): its model, weights,
+  tokenizer and end-of-text id.
 
 A file is imported once per process under a name derived from its resolved path, registered
 in sys.modules (so dataclasses and pickling inside it work), with its own folder at the front
@@ -28,7 +30,7 @@ from types import ModuleType
 from jaxpar.errors import ConfigError
 
 DEFAULT_FUNCTION = "recipe"
-FORMS = "a path to a .py file defining recipe(), or package.module:function"
+FORMS = "a path to a .py file defining recipe(), package.module:function, or hf:FOLDER (a Hugging Face checkpoint)"
 _MODULE_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
 
 
@@ -42,6 +44,10 @@ def names() -> list[str]:
 
 def load(spec: str):
     """The Config that `spec`'s recipe function returns (see the module docstring)."""
+    if spec.startswith("hf:"):
+        from jaxpar.hf.recipe import recipe
+
+        return recipe(spec[3:])
     module, function, where = _module_for(spec)
     return _call(module, function, where)
 

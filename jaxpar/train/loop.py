@@ -32,7 +32,8 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
-    `checkpoint.every` steps and at the end. `data`: the user's own host-local batches, a
+    `checkpoint.every` steps and at the end; with none to resume from and
+    `checkpoint.init_from` set, start from that Hugging Face checkpoint's weights (jaxpar.hf). `data`: the user's own host-local batches, a
     function step -> batch or an iterable (jaxpar.data.user); default the config's source.
     With train.eval_every > 0, the held-out loss (jaxpar.train.evaluation) joins the rows of
     every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
@@ -48,19 +49,27 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
     evaluation = open_evaluation(trainer, data, eval_data)
     prepare_outputs(metrics_file, tensorboard_dir)
+    resuming = checkpoints is not None and checkpoints.latest_step() is not None
+    fresh = trainer.init
+    if ckpt.init_from and not resuming:  # checked now, read after the compile
+        from jaxpar.hf import prepare_import
+
+        fresh = prepare_import(trainer, ckpt.init_from)
 
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
     start = 0
-    if checkpoints is not None and checkpoints.latest_step() is not None:
+    if resuming:
         state, start = checkpoints.restore(trainer)
     else:
-        state = trainer.init()
+        state = fresh()
     if progress:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
     if start and jax.process_index() == 0:
         print(f"resumed from step {start} ({ckpt.dir})", flush=True)
+    elif ckpt.init_from and not start and jax.process_index() == 0:
+        print(f"started from the weights of {ckpt.init_from}", flush=True)
 
     history: list[dict] = []
     writers = open_writers(metrics_file, tensorboard_dir, start)

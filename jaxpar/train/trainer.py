@@ -72,6 +72,9 @@ class Trainer:
     model_order: Any = lambda tree: tree
     pipeline_order: Any = lambda tree: tree
     pipeline: Any = None  # the pipeline's jaxpar.pipeline.program.Program, when mesh.stage > 1
+    # (float32 weights in model order, e.g. imported: jaxpar.hf) -> the TrainState at step 0
+    # (its arguments donated).
+    start_from: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
 
     @property
@@ -128,11 +131,13 @@ def build(
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
     pipelined = stages > 1
 
-    def init() -> TrainState:
-        master = nnx.to_pure_dict(nnx.state(make_model()))
+    def start_from(master: Any) -> TrainState:
         if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
             master = in_pipeline_order(master, stages, chunks)
         return initial_state(master, tx, config.train.compute_dtype)
+
+    def init() -> TrainState:
+        return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
     grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
@@ -163,6 +168,7 @@ def build(
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline=program,
+        start_from=jax.jit(start_from, out_shardings=placement.resting, donate_argnums=0),
         compiler_options=options,
     )
 

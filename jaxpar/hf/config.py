@@ -1,0 +1,70 @@
+"""Reading a Hugging Face config.json: the helpers a model's `from_hf` uses, and the check
+that a run's model is the checkpoint's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from jaxpar.errors import ConfigError
+
+
+def read_config(folder: pathlib.Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise ConfigError(f"{str(folder)!r} is not a folder; give the folder of a Hugging Face checkpoint "
+                          "(config.json and *.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{str(folder)!r} has no config.json; give the folder of a Hugging Face checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{str(path)!r} is not readable JSON ({e})") from None
+
+
+def architecture(hf: dict, folder: Any) -> str:
+    names = hf.get("architectures") or []
+    if len(names) != 1:
+        raise ConfigError(f"{str(folder)!r}: config.json names architectures {names}; jaxpar reads a checkpoint of one")
+    return names[0]
+
+
+def value(hf: dict, key: str, folder: Any = "") -> Any:
+    """A key config.json must have."""
+    if hf.get(key) is None:
+        raise ConfigError(f"{str(folder) + ': ' if folder else ''}config.json has no {key!r}")
+    return hf[key]
+
+
+def refuse_unless(hf: dict, **expected: Any) -> None:
+    """Keys whose other values our models do not compute (a bias, another activation)."""
+    for key, want in expected.items():
+        if hf.get(key, want) != want:
+            raise ConfigError(f"config.json has {key}={hf[key]!r}; jaxpar's model computes only {key}={want!r}")
+
+
+def rope_settings(hf: dict) -> dict:
+    """RoPE's theta and scaling from either spelling: transformers 5's `rope_parameters`, or
+    4's `rope_theta` and `rope_scaling`. Keys: rope_type, rope_theta, and the scaling's own."""
+    settings = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    settings.update({k: v for k, v in scaling.items() if k not in settings})
+    settings.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    settings["rope_type"] = settings.get("rope_type", settings.get("type", "default"))
+    return settings
+
+
+def check_same_model(model: Any, imported: Any, folder: Any) -> None:
+    """The run's model config against the one config.json describes: every field must agree
+    but those the model names as training choices (`hf_training_fields`: remat, routing)."""
+    free = set(getattr(model, "hf_training_fields", ()))
+    for f in dataclasses.fields(imported):
+        ours, theirs = getattr(model, f.name), getattr(imported, f.name)
+        if f.name not in free and ours != theirs:
+            raise ConfigError(
+                f"checkpoint.init_from={str(folder)!r}: its config.json gives model.{f.name}={theirs!r}, but this run has "
+                f"model.{f.name}={ours!r}; set model.{f.name}={theirs!r}, or train the recipe hf:{folder}, whose model is "
+                "the checkpoint's"
+            )

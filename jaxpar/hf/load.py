@@ -1,0 +1,128 @@
+"""Importing a Hugging Face checkpoint into a trainer's sharded state.
+
+Everything is checked before any weight is read: the architecture, every field of the
+model config against config.json, every tensor the model needs (present, of the right
+shape, no shard file missing) and none left over. Then each parameter is made with
+`jax.make_array_from_callback`: every device's shard is read from the memory-mapped
+tensors, so each process reads only the slices its own devices hold and no process holds
+the whole checkpoint. The state is laid out for the trainer's layout, pipeline stages
+included (the layers put in pipeline order on the devices, as a fresh state would be).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pathlib
+from typing import Any, Callable
+
+import jax
+
+from jaxpar.errors import ConfigError
+from jaxpar.hf.config import architecture, check_same_model, read_config
+from jaxpar.hf.safetensors import Entry, tensor_index
+from jaxpar.hf.weights import Weight, read_slice
+from jaxpar.model import model_name
+
+# Architectures jaxpar's shipped models read; `register` adds a model config of one's own.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "jaxpar.models.llama:LlamaConfig",
+    "MixtralForCausalLM": "jaxpar.models.moe:MoEConfig",
+}
+ALWAYS_IGNORED = ("rotary_emb.inv_freq",)  # buffers older exporters saved; recomputed
+
+
+def register(config_class: type) -> None:
+    """Let `model_config` (and the recipe hf:DIR) read checkpoints of `config_class`'s
+    `hf_architectures` with `config_class.from_hf`."""
+    for name in config_class.hf_architectures:
+        ARCHITECTURES[name] = config_class
+
+
+def model_config(folder: str | pathlib.Path) -> Any:
+    """The jaxpar model config of the checkpoint in `folder` (from its config.json)."""
+    folder = pathlib.Path(folder)
+    hf = read_config(folder)
+    name = architecture(hf, folder)
+    if name not in ARCHITECTURES:
+        raise ConfigError(f"{str(folder)!r} holds a {name}; jaxpar reads {', '.join(ARCHITECTURES)} "
+                          "(jaxpar.hf.register adds a model of one's own)")
+    config_class = ARCHITECTURES[name]
+    if isinstance(config_class, str):
+        module, _, attr = config_class.partition(":")
+        config_class = getattr(importlib.import_module(module), attr)
+    return config_class.from_hf(hf)
+
+
+def check_format(model: Any) -> None:
+    if not all(hasattr(model, a) for a in ("hf_weights", "from_hf", "to_hf", "hf_architectures")):
+        raise ConfigError(f"model {model_name(model)} declares no Hugging Face format (hf_architectures, from_hf, "
+                          "to_hf, hf_weights: see jaxpar.hf); train it from its own initialisation instead")
+
+
+def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
+    """Check the checkpoint in `folder` against `trainer`'s model (reading only config.json
+    and the safetensors headers) and return () -> the TrainState at step 0 with its weights."""
+    folder = pathlib.Path(folder)
+    model = trainer.config.model
+    check_format(model)
+    hf = read_config(folder)
+    name = architecture(hf, folder)
+    if name not in model.hf_architectures:
+        raise ConfigError(f"checkpoint.init_from={str(folder)!r} holds a {name}, but this run's model "
+                          f"{model_name(model)} reads {', '.join(model.hf_architectures)}; train the recipe hf:{folder}, "
+                          "whose model is the checkpoint's")
+    check_same_model(model, type(model).from_hf(hf), folder)
+    entries = tensor_index(folder)
+    weights = model.hf_weights()
+    abstract = trainer.master_params(trainer.abstract_state())
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    shapes = {_path(p): leaf.shape for p, leaf in leaves}
+    check_tensors(shapes, weights, entries, folder, tuple(getattr(model, "hf_ignored", lambda: ())()))
+    shardings = jax.tree.leaves(trainer.shardings.optimizer if trainer.abstract_state().master is not None
+                                else trainer.shardings.params)
+
+    def start() -> Any:
+        arrays = [
+            jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
+            for path, sharding in zip(shapes, shardings)
+        ]
+        return trainer.start_from(jax.tree.unflatten(treedef, arrays))
+
+    return start
+
+
+def _reader(weight: Weight, entries: dict[str, Entry], shape: tuple[int, ...]):
+    """index -> that shard, each distinct index read once (replicas share it)."""
+    return functools.lru_cache(maxsize=None)(lambda index: read_slice(weight, entries, shape, index))
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight], entries: dict[str, Entry],
+                  folder: pathlib.Path, ignored: tuple[str, ...]) -> None:
+    """Every tensor the model needs is there in the right shape, and none is left over."""
+    unmapped = [p for p in shapes if p not in weights]
+    if unmapped:
+        raise ConfigError(f"the model's hf_weights() maps no Hugging Face tensor to {', '.join(unmapped)}; "
+                          "give each parameter a jaxpar.hf.Weight (Weight(None) for one Hugging Face has not)")
+    used = set()
+    for path, shape in shapes.items():
+        weight = weights[path]
+        for _, name in weight.names(shape) if weight.name else ():
+            if name not in entries:
+                raise ConfigError(f"{str(folder)!r} has no tensor {name!r} (the model's {path}); the checkpoint is "
+                                  "incomplete or of another model")
+            want = weight.hf_shape(shape[len(weight.stacked):])
+            if entries[name].shape != tuple(want):
+                raise ConfigError(f"{str(folder)!r}: tensor {name!r} has shape {entries[name].shape}, but the model's "
+                                  f"{path} takes one of {tuple(want)}; the checkpoint is of another shape than its "
+                                  "config.json says")
+            used.add(name)
+    left = [n for n in entries if n not in used and n not in ignored and not n.endswith(ALWAYS_IGNORED)]
+    if left:
+        raise ConfigError(f"{str(folder)!r} holds {len(left)} tensors the model has no place for "
+                          f"({', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}); it is of another architecture "
+                          "than its config.json says, or the model's hf_weights() is incomplete")
+
+
+def _path(keys) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in keys)

@@ -1,0 +1,35 @@
+"""The recipe `hf:FOLDER`: fine-tune a Hugging Face checkpoint.
+
+    jaxpar train hf:path/to/checkpoint --set data.source=text --set data.path=corpus.txt
+
+The model is the checkpoint's (its config.json, jaxpar.hf.model_config), the weights are
+read from it at the start (checkpoint.init_from), and its tokenizer.json and end-of-text id
+become data.tokenizer and data.eos_id. Everything else is jaxpar's defaults with a
+fine-tuning learning rate; --set changes any of it (mesh.*, train.*, ...).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from jaxpar.config import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig
+from jaxpar.hf.config import read_config
+from jaxpar.hf.load import model_config
+from jaxpar.mesh import MeshConfig
+
+
+def recipe(folder: str) -> Config:
+    path = pathlib.Path(folder)
+    model = model_config(path)
+    eos = read_config(path).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tokenizer = path / "tokenizer.json"
+    return Config(
+        model=model,
+        mesh=MeshConfig(data=-1),
+        train=TrainConfig(steps=100, global_batch=16, seq_len=256),
+        optim=OptimConfig(lr=1e-4, warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0),
+        data=DataConfig(tokenizer=str(tokenizer) if tokenizer.is_file() else "",
+                        eos_id=eos if isinstance(eos, int) and 0 <= eos < model.vocab_size else -1),
+        checkpoint=CheckpointConfig(init_from=folder),
+    )

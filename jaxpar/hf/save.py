@@ -1,0 +1,114 @@
+"""Exporting a trainer's state as a Hugging Face checkpoint, from any layout.
+
+Each tensor is gathered to the hosts one slab (one layer, one expert) at a time, every
+process taking part; process 0 writes it straight into its file. The files, the index and
+config.json go into a temporary folder renamed to the target when all is written, so an
+export cut short leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.errors import ConfigError
+from jaxpar.hf.load import check_format
+from jaxpar.hf.safetensors import INDEX, NAMES, Planned, file_names, plan_files, write_file
+from jaxpar.hf.weights import Weight
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float32", max_shard_bytes: int = 5 << 30,
+           base_config: dict | None = None, tokenizer: str | None = None) -> list[pathlib.Path]:
+    """Write `state`'s float32 weights (cast to `dtype`) into `folder` in Hugging Face's
+    format: safetensors files of at most `max_shard_bytes`, an index when there are several,
+    config.json (`base_config`'s keys, e.g. the imported checkpoint's token ids, under the
+    model's own), and the tokenizer's files when `tokenizer` names a tokenizer.json."""
+    model = trainer.config.model
+    check_format(model)
+    folder = pathlib.Path(folder)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r}; export as one of {', '.join(DTYPES)}")
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(f"{str(folder)!r} exists and is not an empty folder; give a new folder to export into")
+    hf_config = {**(base_config or {}), **model.to_hf(), "torch_dtype": dtype}
+    tensors = planned_tensors(trainer, state, model.hf_weights(), DTYPES[dtype])
+    files = plan_files(tensors, max_shard_bytes)
+    names = file_names(len(files))
+    leader = jax.process_index() == 0
+    partial = folder.with_name(folder.name + ".partial")
+    if leader:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    try:
+        for name, group in zip(names, files):
+            write_file(partial / name if leader else None, group, {"format": "pt"})
+        if leader:
+            _write_extras(partial, hf_config, names, files, tokenizer)
+            if folder.exists():
+                folder.rmdir()
+            partial.rename(folder)
+    finally:
+        if leader:
+            shutil.rmtree(partial, ignore_errors=True)
+    return [folder / n for n in names]
+
+
+def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
+    """Every Hugging Face tensor, each with a function gathering its slab to the hosts."""
+    master = trainer.master_params(state)
+    master = jax.jit(trainer.model_order, out_shardings=jax.tree.map(lambda x: x.sharding, master))(master)
+    leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
+    replicated = NamedSharding(trainer.mesh, P())
+    tensors = []
+    for path, weight in weights.items():
+        if weight.name is None:
+            continue
+        array = leaves[path]
+        take = jax.jit(lambda a, i: a[i], out_shardings=replicated)  # one slab, on every device
+        for combo, name in weight.names(array.shape):
+            slab_shape = array.shape[len(combo):]
+            hf_shape = weight.hf_shape(slab_shape)
+
+            def values(array=array, combo=combo, weight=weight, hf_shape=hf_shape) -> np.ndarray:
+                slab = take(array, tuple(jnp.int32(i) for i in combo)) if combo else jax.device_put(array, replicated)
+                host = np.asarray(slab.addressable_shards[0].data)
+                return weight.to_hf(host, hf_shape).astype(dtype)
+
+            tensors.append(Planned(name, dtype, hf_shape, values))
+    return sorted(tensors, key=_hf_order)
+
+
+def _hf_order(t: Planned) -> tuple:
+    """Embedding first, then layer by layer, then the final norm and head, as transformers saves."""
+    parts = t.name.split(".")
+    layer = next((int(p) for p in parts if p.isdigit()), -1)
+    rank = 0 if "embed" in t.name else (1 if layer >= 0 else 2)
+    return rank, layer, t.name
+
+
+def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files: list[list[Planned]],
+                  tokenizer: str | None) -> None:
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
+                 "weight_map": {t.name: n for n, group in zip(names, files) for t in group}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if tokenizer:
+        source = pathlib.Path(tokenizer)
+        for name in TOKENIZER_FILES:
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, folder / name)
+
+
+__all__ = ["DTYPES", "NAMES", "export"]

@@ -1,0 +1,107 @@
+"""Make the golden Hugging Face checkpoints the import tests read (tests/test_hf.py), and
+check an export loads in `transformers`.
+
+Needs torch and transformers, which jaxpar's tests do not: run it in an environment of its
+own, from the repository root:
+
+    python -m venv /tmp/golden && /tmp/golden/bin/pip install torch transformers tokenizers safetensors
+    /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
+    /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
+
+Each folder holds what `save_pretrained` writes (config.json, safetensors, an index where
+sharded), `tokens.npy` (a fixed batch [2, 16]) and `logits.npy`, the float32 logits
+transformers computes for it. llama_tied also holds a tokenizer.json (a byte-level BPE of
+vocab 128 trained on corpus.txt) for the text and sampling tests. Weights are drawn with
+a fixed seed at a larger scale than transformers' default, so the logits are far from zero
+and a mistake in any weight shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+HERE = pathlib.Path(__file__).parent
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+CASES = {
+    # Llama 3.2 style: GQA, tied embeddings, llama3 RoPE scaling (original 64 positions: of the 4
+    # frequencies, wavelengths 6.3, 63, 628 and 6283, one is kept, one blended, two slowed).
+    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        COMMON, intermediate_size=128, tie_word_embeddings=True,
+        rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "5GB"),
+    # Llama 2 style: untied head, no scaling; saved in several files with an index.
+    "llama_untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        COMMON, intermediate_size=128, tie_word_embeddings=False, rope_theta=500000.0), "100KB"),
+    # Mixtral: 4 experts, top 2 (renormalised), dropless.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        rope_theta=1e6), "5GB"),
+}
+
+
+def make(name: str) -> None:
+    config_cls, model_cls, fields, shard = CASES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    model = model_cls(config_cls(**fields)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms too: a wrong norm mapping must show
+            p.copy_(torch.randn_like(p) * (0.5 if p.ndim == 1 else p.shape[-1] ** -0.5) + (1.0 if p.ndim == 1 else 0.0))
+    out = HERE / name
+    out.mkdir(exist_ok=True)
+    for old in out.glob("*.safetensors*"):
+        old.unlink()
+    model.save_pretrained(out, max_shard_size=shard)
+    tokens = np.random.default_rng(0).integers(0, fields["vocab_size"], size=(2, 16))
+    np.save(out / "tokens.npy", tokens.astype(np.int32))
+    np.save(out / "logits.npy", logits(model, tokens))
+    if name == "llama_tied":
+        make_tokenizer(out)
+    print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {out}")
+
+
+def logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def make_tokenizer(out: pathlib.Path) -> None:
+    """A byte-level BPE of 128 ids: <unk>, <s>, </s> first (ids 0, 1, 2 as in config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0], show_progress=False)
+    tokenizer.train([str(HERE / "corpus.txt")], trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
+def check(directory: str) -> None:
+    """Load an export with transformers and print its logits on llama_tied's batch beside
+    the golden ones (an export of an import of llama_tied gives them back)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokens = np.load(HERE / "llama_tied" / "tokens.npy")
+    ours = logits(model, tokens)
+    golden = np.load(HERE / "llama_tied" / "logits.npy")
+    print(f"{directory}: {type(model).__name__} loaded; logits max |difference| from llama_tied's golden: "
+          f"{np.max(np.abs(ours - golden)):.3g}")
+    np.save(pathlib.Path(directory) / "transformers_logits.npy", ours)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", metavar="DIR")
+    args = parser.parse_args()
+    if args.check:
+        check(args.check)
+        sys.exit(0)
+    for case in CASES:
+        make(case)

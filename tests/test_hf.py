@@ -1,0 +1,174 @@
+"""Hugging Face checkpoints in and out (jaxpar.hf), against golden files that transformers
+made (tests/golden/make.py says how): logits under several layouts equal transformers' to
+1e-5 (fp32), import -> export is bitwise, and bad checkpoints are refused before compile."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxpar.config import Config, TrainConfig, apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.hf import export, model_config, prepare_import
+from jaxpar.hf.safetensors import Planned, open_tensor, tensor_index, write_file
+from jaxpar.train import build
+from jaxpar.train.inference import forward
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+PIPELINE = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]
+LAYOUTS = {
+    "llama_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE,
+                   ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
+    "llama_untied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                                   "parallel.context_impl=ulysses"]],
+    "mixtral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+}
+
+
+def hf_trainer(folder: pathlib.Path, sets: list[str] = ("mesh.fsdp=2", "mesh.tensor=4")):
+    config = Config(model=model_config(folder), train=TrainConfig(global_batch=4, seq_len=16, compute_dtype="float32"))
+    return build(apply_overrides(config, list(sets)))
+
+
+def logits(trainer, state, folder: pathlib.Path) -> np.ndarray:
+    """The golden batch [2, 16], twice over (the batch axes split 4 rows), through `forward`."""
+    tokens = np.load(folder / "tokens.npy")
+    return np.asarray(forward(trainer)(state.params, {"inputs": np.concatenate([tokens, tokens])}))[:2]
+
+
+@pytest.mark.parametrize("case,layout", [(c, i) for c in LAYOUTS for i in range(3)],
+                         ids=[f"{c}-{' '.join(LAYOUTS[c][i])}" for c in LAYOUTS for i in range(3)])
+def test_imported_logits_equal_transformers(case, layout):
+    folder = GOLDEN / case
+    trainer = hf_trainer(folder, LAYOUTS[case][layout])
+    np.testing.assert_allclose(logits(trainer, prepare_import(trainer, folder)(), folder),
+                               np.load(folder / "logits.npy"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_import_then_export_is_bitwise_and_reimports_to_the_same_logits(case, tmp_path):
+    """Exported from a pipeline layout (stage-sharded, pipeline-ordered layers) in several
+    files with an index; every tensor equals the original bit for bit."""
+    folder = GOLDEN / case
+    trainer = hf_trainer(folder, PIPELINE)
+    state = prepare_import(trainer, folder)()
+    files = export(trainer, state, tmp_path / "out", max_shard_bytes=100_000)
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "out.partial").exists()
+    original, exported = _tensors(folder), _tensors(tmp_path / "out")
+    ignored = {"lm_head.weight"} if case == "llama_tied" else set()
+    assert set(exported) == set(original) - ignored
+    for name, value in exported.items():
+        assert value.dtype == original[name].dtype and value.tobytes() == original[name].tobytes(), name
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert model_config(tmp_path / "out") == model_config(folder) and saved["torch_dtype"] == "float32"
+    reimported = prepare_import(trainer, tmp_path / "out")()  # the same layout: the same logits, bitwise
+    np.testing.assert_array_equal(logits(trainer, reimported, folder), logits(trainer, state, folder))
+
+
+def test_bfloat16_export_reimports_and_exports_again_bitwise(tmp_path):
+    folder = GOLDEN / "llama_untied"
+    trainer = hf_trainer(folder, ["mesh.fsdp=2", "mesh.tensor=2"])
+    export(trainer, prepare_import(trainer, folder)(), tmp_path / "bf16", dtype="bfloat16")
+    state = prepare_import(trainer, tmp_path / "bf16")()
+    export(trainer, state, tmp_path / "again", dtype="bfloat16")
+    first, second, original = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "again"), _tensors(folder)
+    for name, value in first.items():
+        assert value.dtype == ml_dtypes.bfloat16 and value.tobytes() == second[name].tobytes()
+        np.testing.assert_array_equal(value, original[name].astype(ml_dtypes.bfloat16))
+
+
+def test_our_safetensors_files_and_the_library_s_read_each_other(tmp_path):
+    rng = np.random.default_rng(0)
+    values = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=(7,)).astype(ml_dtypes.bfloat16),
+              "c": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    write_file(tmp_path / "model.safetensors",
+               [Planned(k, v.dtype, v.shape, lambda v=v: v) for k, v in values.items()], {"format": "pt"})
+    theirs = load_file(tmp_path / "model.safetensors")
+    assert all(theirs[k].tobytes() == v.tobytes() and theirs[k].dtype == v.dtype for k, v in values.items())
+    save_file({k: np.ascontiguousarray(v[..., :2]) for k, v in values.items()}, tmp_path / "lib.safetensors")
+    (tmp_path / "lib").mkdir()
+    shutil.move(tmp_path / "lib.safetensors", tmp_path / "lib" / "model.safetensors")
+    ours = tensor_index(tmp_path / "lib")
+    for k, v in values.items():
+        tensor = open_tensor(ours[k])
+        assert isinstance(tensor, np.memmap) and tensor.tobytes() == v[..., :2].tobytes()
+
+
+# ---------------------------------------------------------------- refused before compile
+
+
+def _tensors(folder: pathlib.Path) -> dict[str, np.ndarray]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _copy(case: str, tmp_path: pathlib.Path, edit_config=None) -> pathlib.Path:
+    target = tmp_path / case
+    shutil.copytree(GOLDEN / case, target)
+    if edit_config:
+        config = json.loads((target / "config.json").read_text())
+        edit_config(config)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_a_checkpoint_of_another_architecture_or_shape_is_refused(tmp_path, tiny_llama):
+    llama = hf_trainer(GOLDEN / "llama_tied")
+    with pytest.raises(ConfigError, match=r"holds a MixtralForCausalLM, but this run's model LlamaConfig reads LlamaForCausalLM"):
+        prepare_import(llama, GOLDEN / "mixtral")
+    with pytest.raises(ConfigError, match=r"its config.json gives model.embed=64, but this run has model.embed=32; set model.embed=64, or train the recipe hf:"):
+        prepare_import(build(tiny_llama), GOLDEN / "llama_tied")
+    untied = apply_overrides(Config(model=model_config(GOLDEN / "llama_tied"), train=llama.config.train),
+                             ["model.tie_embeddings=false", "mesh.fsdp=2", "mesh.tensor=4"])
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings=True, but this run has model.tie_embeddings=False"):
+        prepare_import(build(untied), GOLDEN / "llama_tied")
+    wider = _copy("llama_tied", tmp_path, lambda c: c.update(intermediate_size=256))  # config.json lies about the tensors
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' has shape \(64, 128\), but .* takes "
+                                          r"one of \(64, 256\)"):
+        prepare_import(hf_trainer(wider), wider)
+    with pytest.raises(ConfigError, match=r"names architectures \[\]"):
+        model_config(_copy("llama_untied", tmp_path, lambda c: c.pop("architectures")))
+
+
+def test_a_missing_shard_or_tensor_and_unknown_tensors_are_named(tmp_path):
+    partial = _copy("llama_untied", tmp_path)
+    (partial / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"names model-00002-of-00004.safetensors, which is not there"):
+        prepare_import(hf_trainer(partial), partial)
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    shutil.copy(GOLDEN / "llama_tied" / "config.json", folder)
+    tensors = load_file(GOLDEN / "llama_tied" / "model.safetensors")
+    save_file({**{k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, "extra.bias": np.zeros(3, np.float32)},
+              folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"has no tensor 'model.layers.1.mlp.up_proj.weight' \(the model's layers.mlp.w_up\)"):
+        prepare_import(hf_trainer(folder), folder)
+    save_file({**tensors, "extra.bias": np.zeros(3, np.float32)}, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"holds 1 tensors the model has no place for \(extra.bias\)"):
+        prepare_import(hf_trainer(folder), folder)
+    with pytest.raises(ConfigError, match=r"has no config.json"):
+        model_config(tmp_path)
+
+
+def test_refusals_of_what_the_format_cannot_hold(tmp_path):
+    top1 = _copy("mixtral", tmp_path, lambda c: c.update(num_experts_per_tok=1))
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok=1: Mixtral renormalises a single gate"):
+        model_config(top1)
+    biased = _copy("llama_untied", tmp_path, lambda c: c.update(attention_bias=True))
+    with pytest.raises(ConfigError, match=r"attention_bias=True; jaxpar's model computes only attention_bias=False"):
+        model_config(biased)
+    from jaxpar.checks import base_config
+
+    with pytest.raises(ConfigError, match=r"model MLPConfig declares no Hugging Face format"):
+        prepare_import(build(base_config("mlp")), GOLDEN / "llama_tied")
+    trainer = hf_trainer(GOLDEN / "llama_untied")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ConfigError, match=r"exists and is not an empty folder"):
+        export(trainer, trainer.init(), tmp_path / "full")
