@@ -1,6 +1,7 @@
 """`jaxpar train RECIPE [--set key=value ...]`, `jaxpar launch --nproc N -- train RECIPE ...`,
-`jaxpar explain RECIPE`, `jaxpar plan --model NAME --devices N --hbm-gb G`, `jaxpar schedule NAME`
-and `jaxpar recipes`. RECIPE is a shipped name, a path to a .py file defining `recipe() -> Config`, or
+`jaxpar explain RECIPE`, `jaxpar plan --model NAME --devices N --hbm-gb G`, `jaxpar schedule NAME`,
+`jaxpar recipes`, and, each in its own module (COMMANDS), `jaxpar sample CHECKPOINT --prompt TEXT`,
+`jaxpar export CHECKPOINT OUT` (to Hugging Face's format) and `jaxpar tokenize PATH --out FILE`. RECIPE is a shipped name, a path to a .py file defining `recipe() -> Config`, or
 `package.module[:function]` (jaxpar.recipes.load).
 
 Device set-up comes first: JAX reads the CPU device count once, when its backends start.
@@ -78,7 +79,18 @@ def parser() -> argparse.ArgumentParser:
                         "several processes print alike is shown once")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train RECIPE [train options]")
     sub.add_parser("recipes", help="list the shipped recipes")
+    from jaxpar import sample_command
+    from jaxpar.data import tokenize_command
+    from jaxpar.hf import command as export_command
+
+    sample_command.add_parser(sub)
+    export_command.add_parser(sub)
+    tokenize_command.add_parser(sub)
     return p
+
+
+# Commands whose module holds their arguments and their run(args) (each raises ConfigError).
+COMMANDS = {"sample": "jaxpar.sample_command", "export": "jaxpar.hf.command", "tokenize": "jaxpar.data.tokenize_command"}
 
 
 def resolve_config(recipe: str, overrides: list[str], num_devices: int):
@@ -116,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.nproc, command, per_proc, args.bind, args.grace, args.verbose)
         if args.command == "plan":
             return plan(args)
+        if args.command in COMMANDS:
+            import importlib
+
+            return importlib.import_module(COMMANDS[args.command]).run(args)
         return explain(args) if args.command == "explain" else train(args)
     except (ConfigError, TrainingStopped) as e:
         return report_error(e)

@@ -12,6 +12,12 @@ DTYPES = ("float32", "bfloat16")
 NONFINITE_POLICIES = ("stop", "skip")
 TRAIN_COUNTS = ("steps", "global_batch", "seq_len", "microbatches")
 TIMEOUTS = ("heartbeat_timeout_s", "join_timeout_s")
+# data.source -> what its data.path names, for those that read one
+FILE_SOURCES = {
+    "tokens": "a .npy or .bin file of token ids",
+    "text": "a .txt, .jsonl or .parquet file, a folder of them, or a glob",
+}
+SOURCES = ("synthetic", *FILE_SOURCES)
 
 
 @rule(
@@ -262,6 +268,23 @@ def checkpoint_keep(config, sizes) -> None:
 
 
 @rule(
+    "init-from-needs-hf-format",
+    fields=["checkpoint.init_from", "model"],
+    summary="Starting from a Hugging Face checkpoint needs a model that declares Hugging Face's format (jaxpar.hf).",
+    example=["checkpoint.init_from=checkpoints/llama"],
+    base="mlp",
+)
+def init_from_needs_hf_format(config, sizes) -> None:
+    if config.checkpoint.init_from:
+        from jaxpar.hf.load import check_format
+
+        try:
+            check_format(config.model)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint.init_from={config.checkpoint.init_from!r}: {e}") from None
+
+
+@rule(
     "distributed-timeouts-positive",
     fields=[f"distributed.{f}" for f in TIMEOUTS],
     summary="The heartbeat and join timeouts of a multi-process run are positive numbers of seconds.",
@@ -279,27 +302,86 @@ def distributed_timeouts_positive(config, sizes) -> None:
 @rule(
     "data-source",
     fields=["data.source"],
-    summary="Batches come from the synthetic source or from a file of tokens.",
+    summary="Batches come from the synthetic source, a file of tokens, or text.",
     example=["data.source=web"],
 )
 def data_source(config, sizes) -> None:
-    if config.data.source not in ("synthetic", "tokens"):
-        raise ConfigError(f"data.source={config.data.source!r}; use synthetic or tokens")
+    if config.data.source not in SOURCES:
+        raise ConfigError(f"data.source={config.data.source!r}; use synthetic, tokens (a file of token ids) or text")
+
+
+@rule(
+    "file-data-needs-language-model",
+    fields=["data.source", "model"],
+    summary="A token file or text feeds a language model (model.task=lm).",
+    example=["data.source=tokens", "data.path=tokens.npy"],
+    base="mlp",
+)
+def file_data_needs_language_model(config, sizes) -> None:
+    source = config.data.source
+    if source in FILE_SOURCES and config.model.task != "lm":  # else the synthetic classes would train, silently
+        raise ConfigError(f"data.source={source} holds tokens for a language model, but model.task="
+                          f"{config.model.task!r}; use data.source=synthetic, or give your batches to "
+                          "jaxpar.train.run(trainer, data=...)")
 
 
 @rule(
     "tokens-need-path",
     fields=["data.source", "data.path"],
-    summary="data.source=tokens reads the file data.path names; data.path needs data.source=tokens.",
+    summary="data.source=tokens or text reads what data.path names; data.path needs one of them.",
     example=["data.source=tokens"],
-    also=[["data.path=tokens.npy"]],
+    also=[["data.path=tokens.npy"], ["data.source=text", "data.tokenizer=tokenizer.json"]],
 )
 def tokens_need_path(config, sizes) -> None:
-    if config.data.source == "tokens" and not config.data.path:
-        raise ConfigError("data.source=tokens needs data.path, a .npy or .bin file of token ids")
-    if config.data.source != "tokens" and config.data.path:  # else the file would be ignored, silently
-        raise ConfigError(f"data.path={config.data.path!r} is read only with data.source=tokens, but "
-                          f"data.source={config.data.source!r}; set data.source=tokens, or drop data.path")
+    source, path = config.data.source, config.data.path
+    if source in FILE_SOURCES and not path:
+        raise ConfigError(f"data.source={source} needs data.path, {FILE_SOURCES[source]}")
+    if source not in FILE_SOURCES and path:  # else the file would be ignored, silently
+        raise ConfigError(f"data.path={path!r} is read only with data.source=tokens or text, but "
+                          f"data.source={source!r}; set data.source=tokens (token ids) or text, or drop data.path")
+
+
+@rule(
+    "text-needs-tokenizer",
+    fields=["data.source", "data.tokenizer"],
+    summary="data.source=text is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` and "
+    "`jaxpar export` also read, with any source).",
+    example=["data.source=text", "data.path=corpus.jsonl"],
+)
+def text_needs_tokenizer(config, sizes) -> None:
+    if config.data.source == "text" and not config.data.tokenizer:
+        raise ConfigError("data.source=text needs data.tokenizer, a Hugging Face tokenizer.json "
+                          "(the one beside the model's weights)")
+
+
+@rule(
+    "text-field-named",
+    fields=["data.text_field"],
+    summary="data.text_field names the JSONL key or Parquet column that holds each document.",
+    example=["data.text_field="],
+)
+def text_field_named(config, sizes) -> None:
+    if not config.data.text_field:
+        raise ConfigError("data.text_field='' names no key; set it to the JSONL key or Parquet column that holds "
+                          "each document's text, e.g. data.text_field=text")
+
+
+@rule(
+    "data-order",
+    fields=["data.order", "data.source"],
+    summary="Rows are windows at random positions or epochs of consecutive rows; epochs need a token file or text.",
+    example=["data.order=sorted"],
+    also=[["data.order=epochs"]],
+)
+def data_order(config, sizes) -> None:
+    from jaxpar.data.order import ORDERS
+
+    order, source = config.data.order, config.data.source
+    if order not in ORDERS:
+        raise ConfigError(f"data.order={order!r}; use windows (random positions) or epochs (every row once per epoch)")
+    if order == "epochs" and source not in FILE_SOURCES:  # a synthetic stream has no rows to go through
+        raise ConfigError(f"data.order=epochs goes through a token file or text once per epoch, but "
+                          f"data.source={source!r} is endless; set data.source=tokens or text, or data.order=windows")
 
 
 @rule(
@@ -379,29 +461,30 @@ def eval_fraction_range(config, sizes) -> None:
 @rule(
     "eval-fraction-needs-token-file",
     fields=["data.eval_fraction", "data.source"],
-    summary="data.eval_fraction splits a token file; synthetic sources hold out a random stream of their own.",
+    summary="data.eval_fraction splits a token file or text; synthetic sources hold out a random stream of their own.",
     example=["data.eval_fraction=0.1"],
 )
 def eval_fraction_needs_token_file(config, sizes) -> None:
     fraction = config.data.eval_fraction
-    if fraction and (config.data.source != "tokens" or config.model.task != "lm"):
+    if fraction and (config.data.source not in FILE_SOURCES or config.model.task != "lm"):
         raise ConfigError(
-            f"data.eval_fraction={fraction} holds out the end of a token file, but data.source="
+            f"data.eval_fraction={fraction} holds out the end of a token file or text, but data.source="
             f"{config.data.source} (model.task={config.model.task!r}) draws held-out batches from a random stream "
-            "of its own; leave data.eval_fraction=0, or set data.source=tokens"
+            "of its own; leave data.eval_fraction=0, or set data.source=tokens or text"
         )
 
 
 @rule(
     "token-eval-needs-held-out-part",
     fields=["train.eval_every", "data.eval_fraction"],
-    summary="Evaluating a model trained on a token file needs a held-out part of it, data.eval_fraction > 0.",
+    summary="Evaluating a model trained on a token file or text needs a held-out part of it, data.eval_fraction > 0.",
     example=["train.eval_every=10", "data.source=tokens", "data.path=tokens.npy"],
+    also=[["train.eval_every=10", "data.source=text", "data.path=corpus.jsonl", "data.tokenizer=tokenizer.json"]],
 )
 def token_eval_needs_held_out_part(config, sizes) -> None:
-    every = config.train.eval_every
-    if every and config.data.source == "tokens" and config.model.task == "lm" and not config.data.eval_fraction:
+    every, data = config.train.eval_every, config.data
+    if every and data.source in FILE_SOURCES and config.model.task == "lm" and not data.eval_fraction:
         raise ConfigError(
             f"train.eval_every={every} evaluates on held-out batches, but data.eval_fraction=0 holds none of "
-            f"data.path={config.data.path!r} out of training; set data.eval_fraction=0.01 (its last 1%)"
+            f"data.path={data.path!r} out of training; set data.eval_fraction=0.01 (its last 1%)"
         )

@@ -7,11 +7,14 @@ the held-out losses of a run compare with each other. Where they come from:
     Its random stream is seeded with the words (train.seed, i, 2**30), a training step's
     with (train.seed, step): the streams differ in their third word, so a held-out batch is
     drawn apart from every training batch (the same language or teacher, other samples).
-  - a token file (data.source=tokens): its last data.eval_fraction share is held out.
-    Training windows are drawn only from the part before it (`split_tokens`, applied by
-    jaxpar.data.sources.TokenFile), held-out windows only from the part after: no token of
-    the held-out part is ever trained on. With data.eval_fraction=0 the whole file trains,
-    as before there was evaluation.
+  - a token file or text (data.source=tokens or text): the last data.eval_fraction share of
+    its token stream is held out. Training rows are drawn only from the part before it
+    (`split_tokens`, applied by jaxpar.data.sources.TokenFile), held-out rows only from the
+    part after: no token of the held-out part is ever trained on. With data.order=windows
+    held-out windows are drawn as training windows are, at step HELD_OUT_STEP + i; with
+    data.order=epochs held-out batch i holds the held-out part's rows i * B to (i + 1) * B - 1
+    in stream order, wrapping round (jaxpar.data.order.Epochs, unshuffled). With
+    data.eval_fraction=0 the whole stream trains, as before there was evaluation.
   - the user's own batches (jaxpar.train.run(data=...)): run(eval_data=...), in the format
     of `data` (jaxpar.data.user): a function i -> host-local batch, or an iterable whose
     first train.eval_batches batches are kept and read at every evaluation.
@@ -25,7 +28,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxpar.data.sources import TokenFile, make_source
+from jaxpar.data.order import Epochs, Windows
+from jaxpar.data.sources import TokenFile, TokenRows, make_source
 from jaxpar.data.user import UserBatches, UserData, check_batch
 from jaxpar.errors import ConfigError
 
@@ -53,18 +57,23 @@ def split_tokens(tokens: np.ndarray, fraction: float, seq_len: int, path: str = 
     return tokens[: n - held], tokens[n - held :]
 
 
-class HeldOutTokens(TokenFile):
-    """The token file's held-out part, its windows drawn as TokenFile draws them."""
+class HeldOutTokens(TokenRows):
+    """The held-out part of a token file's or text's stream (of `source`, or of the config's
+    source, opened now), its rows placed as the module docstring says."""
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        if not len(self.held_out):
-            cfg = trainer.config.data
+    def __init__(self, trainer, source: TokenFile | None = None):
+        source = make_source(trainer) if source is None else source
+        cfg = trainer.config.data
+        if not len(source.held_out):
             raise ConfigError(
                 f"data.eval_fraction={cfg.eval_fraction:g} holds none of data.path={cfg.path!r} out of training; "
                 "set data.eval_fraction=0.01 (its last 1%)"
             )
-        self.tokens = self.held_out
+        batch, seq = trainer.batch_shapes["inputs"]
+        n, seed = len(source.held_out), trainer.config.train.seed
+        order = (Windows(n, seq, batch, seed) if isinstance(source.order, Windows)
+                 else Epochs(n, seq, batch, seed, shuffle=False, first_step=HELD_OUT_STEP))
+        super().__init__(trainer, source.held_out, order)
 
 
 def held_out_batches(trainer, eval_data: UserData | None = None) -> HeldOut:
@@ -74,7 +83,7 @@ def held_out_batches(trainer, eval_data: UserData | None = None) -> HeldOut:
         return user_held_out(trainer, eval_data, trainer.config.train.eval_batches)
     source = make_source(trainer)
     if isinstance(source, TokenFile):
-        source = HeldOutTokens(trainer)
+        source = HeldOutTokens(trainer, source)
     return lambda i: source(HELD_OUT_STEP + i)
 
 

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import local_rows, to_global
+from jaxpar.data.order import Epochs, Windows, row_order
+from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
 
 
@@ -53,29 +55,53 @@ class SyntheticTokens(Source):
         return _lm_rows(tokens, self.eos_id)
 
 
-class TokenFile(Source):
-    """Windows of seq_len + 1 tokens from a memory-mapped file of token ids (.npy, or a raw
-    .bin of `data.dtype`), at positions drawn from (seed, step). Only this process's rows
-    are read from disk."""
+class TokenRows(Source):
+    """Rows of seq_len + 1 tokens from a stream of token ids (a memory-mapped file, or an
+    array), started where `order` places them (jaxpar.data.order). Only this process's rows
+    are read."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, tokens: np.ndarray, order: Windows | Epochs):
         super().__init__(trainer)
-        cfg = trainer.config.data
-        self.tokens = open_tokens(cfg.path, cfg.dtype)
-        seq = self.shapes["inputs"][1]
-        if len(self.tokens) < seq + 2:
-            raise ConfigError(f"data.path={cfg.path!r} holds {len(self.tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
-        check_ids(self.tokens, trainer.config.model.vocab_size, cfg.path)
-        from jaxpar.data.heldout import split_tokens  # lazily: heldout builds on this module
-
-        # Windows are drawn from the training part only; the held-out tail is jaxpar.data.heldout's.
-        self.tokens, self.held_out = split_tokens(self.tokens, cfg.eval_fraction, seq, cfg.path)
+        self.tokens, self.order = tokens, order
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        batch, seq = self.shapes["inputs"]
-        starts = np.random.default_rng([self.seed, step]).integers(0, len(self.tokens) - seq - 1, size=batch)
-        tokens = np.stack([np.asarray(self.tokens[s : s + seq + 1]) for s in starts[rows]]).astype(np.int32)
+        seq = self.shapes["inputs"][1]
+        starts = self.order.starts(step, rows)
+        tokens = np.stack([np.asarray(self.tokens[s : s + seq + 1]) for s in starts]).astype(np.int32)
         return _lm_rows(tokens, self.eos_id)
+
+
+class TokenFile(TokenRows):
+    """Rows from a memory-mapped file of token ids (.npy, or a raw .bin of `data.dtype`), in
+    data.order. The file's last data.eval_fraction is held out (`held_out`, read by
+    jaxpar.data.heldout); rows are drawn from the part before it."""
+
+    def __init__(self, trainer):
+        cfg = trainer.config.data
+        batch, seq = trainer.batch_shapes["inputs"]
+        tokens = self.read(trainer)
+        if len(tokens) < seq + 2:
+            raise ConfigError(f"data.path={cfg.path!r} holds {len(tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
+        check_ids(tokens, trainer.config.model.vocab_size, cfg.path)
+        from jaxpar.data.heldout import split_tokens  # lazily: heldout builds on this module
+
+        training, self.held_out = split_tokens(tokens, cfg.eval_fraction, seq, cfg.path)
+        super().__init__(trainer, training, row_order(cfg.order, len(training), seq, batch, trainer.config.train.seed))
+
+    def read(self, trainer) -> np.ndarray:
+        cfg = trainer.config.data
+        return open_tokens(cfg.path, cfg.dtype)
+
+
+class TextSource(TokenFile):
+    """data.source=text: the documents of data.path tokenized with data.tokenizer when the
+    run starts, each followed by data.eos_id (jaxpar.data.text), then read as a token file
+    is. Every process tokenizes the whole corpus and holds its ids in memory, which suits
+    corpora of some tens of megabytes; tokenize a bigger one once, in parallel, with
+    `jaxpar tokenize` and train on the file it writes (data.source=tokens): the same ids."""
+
+    def read(self, trainer) -> np.ndarray:
+        return tokenize(TextSpec.from_config(trainer.config.data), trainer.config.model.vocab_size)
 
 
 class SyntheticClasses(Source):
@@ -168,7 +194,7 @@ def make_source(trainer) -> Source:
         raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
                           f"({', '.join(trainer.batch_fields)}), which jaxpar's data sources do not make; "
                           "give your batches to jaxpar.train.run(trainer, data=...) (docs/your_model.md)")
-    task, source = model.task, trainer.config.data.source
-    if task == "classify":
+    if model.task == "classify":
         return SyntheticClasses(trainer)
-    return TokenFile(trainer) if source == "tokens" else SyntheticTokens(trainer)
+    sources = {"synthetic": SyntheticTokens, "tokens": TokenFile, "text": TextSource}
+    return sources[trainer.config.data.source](trainer)

@@ -25,6 +25,9 @@ from jaxpar.hf.safetensors import INDEX, NAMES, Planned, file_names, plan_files,
 from jaxpar.hf.weights import Weight
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
+# Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
+# transformers' spellings, so no stale one wins over ours).
+REWRITTEN = ("dtype", "torch_dtype", "rope_parameters", "rope_scaling", "rope_theta", "transformers_version")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -41,7 +44,8 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
         raise ConfigError(f"dtype={dtype!r}; export as one of {', '.join(DTYPES)}")
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{str(folder)!r} exists and is not an empty folder; give a new folder to export into")
-    hf_config = {**(base_config or {}), **model.to_hf(), "torch_dtype": dtype}
+    kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
+    hf_config = {**kept, **model.to_hf(), "torch_dtype": dtype}
     tensors = planned_tensors(trainer, state, model.hf_weights(), DTYPES[dtype])
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))

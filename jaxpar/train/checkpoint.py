@@ -17,16 +17,21 @@ pickled: arrays are tensorstore files, the rest JSON.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import pathlib
 import shutil
+import sys
+import types
+import typing
 import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpar.config import flatten
+from jaxpar.config import Config, flatten
 from jaxpar.errors import ConfigError, JaxparWarning
 
 
@@ -65,6 +70,7 @@ class Checkpoints:
             "seed": trainer.config.train.seed,
             "compute_dtype": trainer.config.train.compute_dtype,
             "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
+            "model_class": _class_record(type(trainer.config.model)),
         }
         if trainer.pipeline is not None:  # on the devices, in the state's own shardings
             state = jax.jit(trainer.model_order, out_shardings=trainer.state_shardings)(state)
@@ -123,7 +129,7 @@ class Checkpoints:
                 f"checkpoint.dir={str(self.directory)!r} has no checkpoint{'' if step is None else f' for step {step}'}; "
                 f"it holds steps {self.all_steps() or 'none'}"
             )
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = self.meta(step)
         saved = meta["config"]
         for key, value in flatten(trainer.config).items():  # the model must be the one saved
             if key.startswith("model.") and key != "model.remat" and saved.get(key) != _jsonable(value):
@@ -144,6 +150,10 @@ class Checkpoints:
             restored = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
         return restored, int(meta["step"])
 
+    def meta(self, step: int) -> dict:
+        """The JSON record saved beside step `step`'s arrays (step, data position, config)."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def wait(self) -> None:
         """Block until every save in flight is on disk."""
         self.manager.wait_until_finished()
@@ -151,6 +161,111 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def saved_config(directory: str | pathlib.Path, step: int | None = None) -> Config:
+    """The Config checkpoint `step` (default: the newest) in `directory` was written with:
+    the recorded model config class with its saved fields, and every other section. A field
+    the record lacks (added to jaxpar since) keeps its default; a saved key jaxpar no longer
+    has is passed over. The model's module is imported (a recipe file from its saved path),
+    so read only checkpoints whose code you would run."""
+    directory = pathlib.Path(directory).absolute()
+    if not directory.is_dir():
+        raise ConfigError(f"checkpoint directory {str(directory)!r} does not exist; give the checkpoint.dir of a run "
+                          "that saved checkpoints")
+    checkpoints = Checkpoints.open(directory, async_save=False)
+    try:
+        steps = checkpoints.all_steps()
+        chosen = steps[-1] if step is None and steps else step
+        if chosen is None or chosen not in steps:
+            which = "" if step is None else f" for step {step}"
+            raise ConfigError(f"checkpoint.dir={str(directory)!r} has no checkpoint{which}; "
+                              f"it holds steps {steps or 'none'}")
+        meta = checkpoints.meta(chosen)
+    finally:
+        checkpoints.close()
+    where = f"checkpoint step {chosen} in {str(directory)!r}"
+    if "model_class" not in meta:
+        raise ConfigError(f"{where} was written before checkpoints recorded their model's class, so its config "
+                          "cannot be rebuilt from it alone; train on from it for one step with this jaxpar (jaxpar train "
+                          f"RECIPE --set checkpoint.dir=... --set train.steps={chosen + 1}), which saves one that records it")
+    saved = meta["config"]
+    hints = typing.get_type_hints(Config)
+    sections = {f.name: _rebuild(hints[f.name], saved, f.name + ".", where)
+                for f in dataclasses.fields(Config) if f.name != "model"}
+    return Config(model=_rebuild(_model_class(meta["model_class"], where), saved, "model.", where), **sections)
+
+
+def _class_record(cls: type) -> dict:
+    """Where a class is found again: its module, its qualified name, and the module's file
+    (a recipe file is imported under a name of jaxpar.recipes' making, not importable)."""
+    module = sys.modules.get(cls.__module__)
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "file": getattr(module, "__file__", None)}
+
+
+def _model_class(record: dict, where: str) -> type:
+    name, qualname, file = record["module"], record["qualname"], record.get("file")
+    shown = f"model config class {name}.{qualname}"
+    if name == "__main__":  # another program's __main__ now; never re-run a script for its class
+        raise ConfigError(f"{where} was written with {shown}, defined in a script run as __main__ ({file}); move the "
+                          "class into an importable module or recipe file and save a checkpoint from there")
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            if not (file and pathlib.Path(file).is_file()):
+                raise ConfigError(f"{where} was written with {shown}, which cannot be imported here ({e}) and whose "
+                                  f"file {file!r} is gone; put its module on sys.path") from None
+            from jaxpar import recipes
+
+            module = recipes.load_file(file)  # a recipe file: imported as `jaxpar train FILE` did
+    found: Any = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if not (isinstance(found, type) and dataclasses.is_dataclass(found)):
+        raise ConfigError(f"{where} was written with {shown}, which {name} no longer defines as a dataclass; restore "
+                          "that class, or use a checkpoint written with the model as it is now")
+    return found
+
+
+def _rebuild(cls: type, saved: dict, prefix: str, where: str) -> Any:
+    """An instance of dataclass `cls` from the flattened record's `prefix`* keys."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        key, hint = prefix + field.name, hints.get(field.name)
+        if not field.init:
+            continue
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            values[field.name] = _rebuild(hint, saved, key + ".", where)
+        elif key in saved:
+            values[field.name] = _field_value(saved[key], hint, key, where)
+    return cls(**values)
+
+
+def _field_value(value: Any, hint: Any, key: str, where: str) -> Any:
+    """A saved JSON value as the field's type: as saved, a float from an int, or a value
+    `_jsonable` saved as text (a tuple) read back as a Python literal."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
+    kind = (typing.get_origin(options[0]) or options[0]) if len(options) == 1 else None
+    if value is None or not isinstance(kind, type):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+    raise ConfigError(f"{where} records {key}={value!r}, which is not of type {kind.__name__} as the field now is; its "
+                      "class changed since the save: restore the class it was written with, or use a newer checkpoint")
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,167 @@
+"""`jaxpar tokenize`: text tokenized once, in parallel, into a token file for data.source=tokens.
+
+The ids are those data.source=text makes when a run starts (jaxpar.data.text: the same
+documents in the same order, each followed by --eos-id), written as uint16 where the
+vocabulary fits, else uint32. The file appears whole or not at all: it is written beside its
+destination under a temporary name and renamed into place when complete; an error or Ctrl-C
+removes the temporary file. A sidecar PATH.json records how it was made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import signal
+import sys
+from typing import Iterable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxpar.data import text
+from jaxpar.errors import ConfigError
+
+NAMES = text.Names(path="PATH", tokenizer="--tokenizer", text_field="--text-field", eos_id="--eos-id")
+OUTPUTS = (".bin", ".npy")
+CHUNK = 256  # documents per task: enough to keep a worker busy, few enough for a smooth progress bar
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `tokenize` and its arguments on the CLI's sub-command parsers."""
+    p = subparsers.add_parser(
+        "tokenize", help="tokenize text once, in parallel, into a token file for data.source=tokens",
+        description="Tokenize .txt, .jsonl or .parquet documents with a Hugging Face tokenizer.json into a "
+        "memory-mapped token file, the ids data.source=text would make.")
+    p.add_argument("path", metavar="PATH", help="a .txt, .jsonl or .parquet file, a folder of them, or a glob (quoted)")
+    p.add_argument("--tokenizer", required=True, metavar="FILE", help="a Hugging Face tokenizer.json")
+    p.add_argument("--out", required=True, metavar="OUT", help="the token file to write: OUT.bin (raw) or OUT.npy")
+    p.add_argument("--text-field", default="text", metavar="KEY",
+                   help="the JSONL key or Parquet column of each document (default text)")
+    p.add_argument("--eos-id", type=int, default=-1, metavar="ID",
+                   help="the id written after each document, to train with data.eos_id=ID (default -1: none)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes tokenizing at once (default: one per CPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jaxpar tokenize ...` without the rest of the CLI: errors print as one line (status 2)."""
+    parser = argparse.ArgumentParser(prog="jaxpar")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigError as e:
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    """Tokenize args.path into args.out and its sidecar; print one line saying how to train on it.
+    Bad input raises ConfigError, before anything is written where it can."""
+    spec = text.TextSpec(args.path, args.tokenizer, args.text_field, args.eos_id, NAMES)
+    out = pathlib.Path(args.out)
+    if out.suffix not in OUTPUTS:
+        raise ConfigError(f"--out={args.out!r}: write a .bin (raw ids) or .npy file, e.g. --out={out.with_suffix('.bin')}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out={args.out!r}: no folder {str(out.parent)!r}; create it first")
+    if args.workers < 1:
+        raise ConfigError(f"--workers={args.workers} must be at least 1, e.g. --workers={os.cpu_count() or 1}")
+    if not spec.text_field:
+        raise ConfigError("--text-field='' names no key; give the JSONL key or Parquet column of each document")
+    tokenizer = text.load_tokenizer(spec)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = text.token_dtype(vocab)
+    files = text.document_files(spec)
+    total = text.count_documents(files, spec)
+    with tqdm(total=total, unit="doc", disable=args.no_progress, dynamic_ncols=True) as bar:
+        parts = _encoded(tokenizer, spec, files, dtype, args.workers, bar)
+        try:
+            count = write_tokens(out, parts, dtype)
+        finally:
+            parts.close()  # stops the workers now, also when writing failed
+    sidecar = {"tokenizer": str(pathlib.Path(spec.tokenizer).resolve()), "vocab_size": vocab, "dtype": dtype.name,
+               "eos_id": spec.eos_id, "documents": total, "tokens": count, "source": spec.path,
+               "text_field": spec.text_field}
+    _write_atomically(out.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
+    eos = f" --set data.eos_id={spec.eos_id}" if spec.eos_id >= 0 else ""
+    print(f"jaxpar tokenize: {total} documents, {count} tokens ({dtype.name}) in {out}; train on it with "
+          f"--set data.source=tokens --set data.path={out} --set data.dtype={dtype.name}{eos}", flush=True)
+    return 0
+
+
+def _encoded(tokenizer, spec: text.TextSpec, files, dtype, workers: int, bar) -> Iterator[np.ndarray]:
+    """The corpus's ids, a chunk of documents at a time, in order; with several workers each
+    encodes whole chunks with its own copy of the tokenizer."""
+    chunks = (list(c) for c in itertools.batched(text.documents(files, spec), CHUNK))
+    if workers == 1:
+        for docs in chunks:
+            yield text.encode(tokenizer, docs, spec.eos_id, dtype)
+            bar.update(len(docs))
+        return
+    # spawn: a forked child would inherit the parent's threads (JAX's, the tokenizer's) mid-state
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_start_worker, initargs=(spec, dtype)) as pool:
+        for ids, n_docs in pool.imap(_encode_chunk, chunks):
+            yield ids
+            bar.update(n_docs)
+
+
+_WORKER: dict = {}  # in each worker process: its tokenizer, eos id and dtype, set once by _start_worker
+
+
+def _start_worker(spec: text.TextSpec, dtype) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism: no thread pool each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
+    _WORKER.update(tokenizer=text.load_tokenizer(spec), eos_id=spec.eos_id, dtype=dtype)
+
+
+def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, int]:
+    return text.encode(_WORKER["tokenizer"], docs, _WORKER["eos_id"], _WORKER["dtype"]), len(docs)
+
+
+def write_tokens(out: pathlib.Path, parts: Iterable[np.ndarray], dtype) -> int:
+    """Write the parts end to end to `out` (.bin: raw; .npy: with its header) atomically, and
+    return how many ids were written. The ids stream to disk, never all in memory."""
+    raw = out.with_name(f".{out.name}.{os.getpid()}.ids")
+    count = 0
+    try:
+        with open(raw, "wb") as f:
+            for part in parts:
+                f.write(part.astype(dtype, copy=False).tobytes())
+                count += len(part)
+        if out.suffix == ".npy":
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
+
+            def npy(f):
+                np.lib.format.write_array_header_1_0(f, header)
+                with open(raw, "rb") as ids:
+                    shutil.copyfileobj(ids, f, 1 << 24)
+
+            _write_atomically(out, npy)
+        else:
+            os.replace(raw, out)
+    finally:
+        raw.unlink(missing_ok=True)
+    return count
+
+
+def _write_atomically(path: pathlib.Path, write) -> None:
+    """`write(file)` into a temporary file beside `path`, then rename it into place; on any
+    error or interrupt the temporary file is removed and `path` left as it was."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # python -m jaxpar.data.tokenize_command tokenize PATH ...
+    sys.exit(main())

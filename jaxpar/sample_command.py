@@ -1,0 +1,174 @@
+"""`jaxpar sample CHECKPOINT --prompt TEXT`: continue a prompt with a trained checkpoint, on a
+mesh of this machine's devices (jaxpar.train.sample; no KV cache: for looking at what a
+model learned, not for serving).
+
+The checkpoint directory alone describes the run (jaxpar.train.checkpoint.saved_config);
+`--set` changes its config as `jaxpar train` does (naming any mesh.* axis replaces the saved
+mesh). The tokenizer is a Hugging Face tokenizer.json: --tokenizer, else the run's
+data.tokenizer. Device set-up comes first: JAX reads the CPU device count once, when its
+backends start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+
+from jaxpar.errors import ConfigError
+
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `sample` on the CLI's subparsers."""
+    sample = subparsers.add_parser("sample", help="continue a prompt with a trained checkpoint")
+    add_arguments(sample)
+    return sample
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a run's checkpoint.dir")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 (default): greedy; above 0: draw from softmax(logits / T)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="draw only among the K likeliest tokens (default 0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the random draws' seed (default 0)")
+    parser.add_argument("--step", type=int, metavar="STEP", help="the checkpoint step (default: the newest)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a saved config field, e.g. --set mesh.tensor=4 (repeatable)")
+    parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
+                        help="virtual CPU devices when no accelerator is present (default 8)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jaxpar sample` on its own (argv without the word `sample`)."""
+    from jaxpar.cli import report_error
+
+    parser = argparse.ArgumentParser(prog="jaxpar sample", description="Continue a prompt with a trained checkpoint.")
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigError as e:
+        return report_error(e)
+
+
+def run(args) -> int:
+    """Check the arguments, rebuild the run's config, restore its weights on this machine's
+    mesh, and print the mesh, then the prompt and its continuation."""
+    _check_arguments(args)
+    from jaxpar.mesh import force_cpu_devices
+
+    force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+    import jax
+
+    from jaxpar.mesh import describe
+    from jaxpar.train import build
+    from jaxpar.train.checkpoint import Checkpoints, saved_config
+    from jaxpar.train.sample import generate
+
+    devices = jax.devices()
+    run_config = with_overrides(saved_config(args.checkpoint, args.step), args.overrides, len(devices))
+    if run_config.model.task != "lm":
+        raise ConfigError(f"CHECKPOINT={args.checkpoint!r} holds a {type(run_config.model).__name__} with model.task="
+                          f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
+    tokenizer = _load_tokenizer(args.tokenizer, run_config.data, getattr(run_config.model, "vocab_size", None))
+    prompt_ids = _encode(tokenizer, args.prompt)
+    config = sampling_config(run_config, len(devices), len(prompt_ids) + args.max_new_tokens)
+    trainer = build(config, devices)
+    checkpoints = Checkpoints.open(args.checkpoint, async_save=False)
+    try:
+        state, step = checkpoints.restore(trainer, args.step)
+    finally:
+        checkpoints.close()
+    drawn = generate(trainer, state.params, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+                     args.seed, eos_id=run_config.data.eos_id,
+                     vocab_limit=tokenizer.get_vocab_size(with_added_tokens=True))
+    how = "greedy" if args.temperature == 0 else (
+        f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
+    print(f"{args.checkpoint} step {step}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
+          f"{len(devices)} {devices[0].platform} devices | {len(drawn)} tokens, {how}", flush=True)
+    print(args.prompt + _completion(tokenizer, prompt_ids, drawn), flush=True)
+    return 0
+
+
+def with_overrides(saved, overrides: list[str], num_devices: int):
+    """The saved config with `--set` overrides, as `jaxpar train` applies them to a recipe:
+    naming any mesh.* axis replaces the saved mesh (unnamed axes 1, data filling with -1),
+    and on a single device every layout collapses to the single-device run."""
+    from jaxpar.config import apply_overrides
+    from jaxpar.mesh import MeshConfig
+
+    if num_devices == 1 or any(o.startswith("mesh.") for o in overrides):
+        saved = dataclasses.replace(saved, mesh=MeshConfig(hosts=saved.mesh.hosts))
+    return apply_overrides(saved, overrides)
+
+
+def sampling_config(config, num_devices: int, tokens: int):
+    """`config` for a forward pass: one batch of the fewest rows its mesh splits and a
+    sequence of `tokens` rounded up to what the mesh splits; no data or checkpoint settings
+    (nothing is trained or saved)."""
+    from jaxpar.config import CheckpointConfig, DataConfig
+    from jaxpar.train.sample import sequence_multiple
+
+    sizes = config.mesh.resolve(num_devices)
+    multiple = sequence_multiple(sizes, config.parallel)
+    rows = math.prod(sizes[a] for a in BATCH_AXES) * config.train.microbatches
+    train = dataclasses.replace(config.train, seq_len=-(-tokens // multiple) * multiple, global_batch=rows)
+    return dataclasses.replace(config, train=train, data=DataConfig(), checkpoint=CheckpointConfig())
+
+
+def _check_arguments(args) -> None:
+    """Everything that needs no JAX, before devices start."""
+    if not args.prompt:
+        raise ConfigError("--prompt='' is empty; give text to continue, e.g. --prompt 'Once upon a time'")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature={args.temperature}; use 0 for greedy, or a positive value such as 0.8")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k}; use 0 for the whole vocabulary, or a positive count such as 40")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
+    if args.cpu_devices < 1:
+        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+    if not pathlib.Path(args.checkpoint).is_dir():
+        raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is not a directory; give the checkpoint.dir of a run that "
+                          "saved checkpoints")
+
+
+def _load_tokenizer(given: str | None, data, model_vocab: int | None):
+    """--tokenizer, else the run's data.tokenizer, loaded as training loads it
+    (jaxpar.data.text: truncation and padding off, data.eos_id one of its ids); its
+    vocabulary may not exceed the model's."""
+    from jaxpar.data.text import CONFIG_NAMES, TextSpec, load_tokenizer
+
+    if given is None and not data.tokenizer:
+        raise ConfigError("--tokenizer is not given and the checkpoint's data.tokenizer is empty; give --tokenizer "
+                          "PATH to the tokenizer.json the model was trained with")
+    name = "--tokenizer" if given is not None else "data.tokenizer"
+    path = given if given is not None else data.tokenizer
+    tokenizer = load_tokenizer(TextSpec("", path, eos_id=data.eos_id, names=CONFIG_NAMES._replace(tokenizer=name)))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if model_vocab is not None and vocab > model_vocab:
+        raise ConfigError(f"{name}={path!r} has {vocab} tokens, more than the checkpoint's model.vocab_size="
+                          f"{model_vocab}; give the tokenizer the model was trained with (ids below {model_vocab})")
+    return tokenizer
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids as training encodes documents: no special tokens added."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not ids:
+        raise ConfigError(f"--prompt={prompt!r} encodes to no tokens with this tokenizer; give text it has tokens for")
+    return ids
+
+
+def _completion(tokenizer, prompt_ids: list[int], drawn: list[int]) -> str:
+    """The drawn tokens' text as it follows the prompt: decoded together with the prompt where
+    that starts with the prompt's own text (a lone token may lose its leading space)."""
+    prompt, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + drawn)
+    return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.decode(drawn)

@@ -1,0 +1,121 @@
+"""Text from a trained language model: `generate` continues a prompt token by token on the
+trainer's mesh, in any layout `jaxpar.train.inference.forward` runs (tensor, sequence and
+context parallel, FSDP, experts, pipeline stages).
+
+No KV cache: every new token runs the whole forward pass again over a fixed-length buffer,
+so n new tokens cost n full forward passes. It is for looking at what a model learned (after
+a fine-tune, say), not for serving.
+
+The buffer holds the prompt, the tokens drawn so far, then padding; its length (the prompt
+plus max_new_tokens, rounded up to what the layout splits) is fixed, so the step compiles
+once. Causal attention keeps the padding after a position out of that position's logits; a
+model whose tokens meet other than through causal attention (MoE routing with a capacity
+limit, where padding competes for expert slots) can see it. Every row of the batch holds the
+prompt, as many rows as the batch axes (mesh data x fsdp x expert) split; row 0 is read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import ConfigError
+from jaxpar.train.inference import forward
+
+
+def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None) -> list[int]:
+    """The tokens that follow `prompt_ids`, at most `max_new_tokens` of them, ending early
+    with `eos_id` (included) when it is drawn. Temperature 0 is greedy (argmax); above 0 each
+    token is drawn from softmax(logits / temperature) over the `top_k` largest logits (0: the
+    whole vocabulary; ties with the k-th are kept), with jax.random keys from `seed`.
+    `vocab_limit`: only ids below it are chosen (a tokenizer's vocabulary, where the model's
+    is larger: ids past it decode to nothing). `params`: the weights where they rest, as a
+    TrainState holds them (`state.params`)."""
+    _check_arguments(trainer, prompt_ids, max_new_tokens, temperature, top_k)
+    start = len(prompt_ids)
+    length = _round_up(start + max_new_tokens, sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel))
+    tokens = np.zeros((batch_rows(trainer), length), np.int32)
+    tokens[:, :start] = prompt_ids
+    tokens = jax.device_put(tokens, trainer.batch_shardings["inputs"])
+    step, key, drawn = next_token_step(trainer), jax.random.key(seed), []
+    limit = np.iinfo(np.int32).max if vocab_limit is None else vocab_limit
+    settings = (np.float32(temperature), np.int32(top_k), np.int32(limit), key)  # one dtype each: one trace
+    for position in range(start, start + max_new_tokens):
+        tokens, token = step(params, tokens, np.int32(position), *settings)
+        drawn.append(int(token))
+        if drawn[-1] == eos_id:
+            break
+    return drawn
+
+
+def next_token_step(trainer) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """jit((params, tokens [B, L], position, temperature, top_k, vocab_limit, key) -> (tokens
+    with column `position` filled, the token)): the token after tokens[0, :position]. All but
+    the arrays' shapes are traced, so one compile serves every call of a buffer shape."""
+    logits_of = forward(trainer)
+
+    def step(params, tokens, position, temperature, top_k, vocab_limit, key):
+        logits = logits_of(params, {"inputs": tokens})  # [B, L, V]
+        last = jax.lax.dynamic_index_in_dim(logits[0], position - 1, keepdims=False).astype(jnp.float32)
+        last = jnp.where(jnp.arange(last.shape[0]) < vocab_limit, last, -jnp.inf)
+        token = choose(last, temperature, top_k, jax.random.fold_in(key, position))
+        return tokens.at[:, position].set(token), token
+
+    return jax.jit(step)
+
+
+def choose(logits_V: jax.Array, temperature: jax.Array, top_k: jax.Array, key: jax.Array) -> jax.Array:
+    """Greedy at temperature 0; else one draw from softmax(logits / temperature) restricted
+    to the top_k largest logits (0: all of them)."""
+    vocab = logits_V.shape[0]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    threshold = jnp.sort(logits_V)[vocab - k]  # the k-th largest
+    kept = jnp.where(logits_V >= threshold, logits_V, -jnp.inf)
+    drawn = jax.random.categorical(key, kept / jnp.maximum(temperature, 1e-6))
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits_V)).astype(jnp.int32)
+
+
+def sequence_multiple(mesh_shape: Mapping[str, int], parallel: Any) -> int:
+    """What a sequence's length must be a multiple of on this mesh: mesh.context (twice it
+    for the zigzag layout's two chunks a device), times mesh.tensor under sequence parallelism
+    (jaxpar.checks' seq-divides-context-tensor and zigzag-seq-divides)."""
+    context = mesh_shape["context"]
+    chunks = 2 * context if context > 1 and parallel.context_layout == "zigzag" else context
+    sequence_ways = context * (mesh_shape["tensor"] if parallel.sequence_parallel else 1)
+    return math.lcm(chunks, sequence_ways)
+
+
+def batch_rows(trainer) -> int:
+    """The fewest rows a batch can have: the product of the mesh axes its rows split over."""
+    sharding = trainer.batch_shardings["inputs"]
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_arguments(trainer, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int) -> None:
+    model = trainer.config.model
+    if model.task != "lm":
+        raise ConfigError(f"generate needs a language model (model.task='lm'); {type(model).__name__} has "
+                          f"model.task={model.task!r}")
+    if not prompt_ids:
+        raise ConfigError("prompt_ids=[] is empty; give at least one token to continue")
+    vocab = getattr(model, "vocab_size", None)
+    outside = [t for t in prompt_ids if t < 0 or (vocab is not None and t >= vocab)]
+    if outside:
+        raise ConfigError(f"prompt_ids hold {outside[0]}, outside model.vocab_size={vocab}; give ids in [0, {vocab})")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}; give at least 1")
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"temperature={temperature}; use 0 for greedy, or a positive value such as 0.8 to sample")
+    if top_k < 0:
+        raise ConfigError(f"top_k={top_k}; use 0 for the whole vocabulary, or a positive count such as 40")

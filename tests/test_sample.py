@@ -1,0 +1,165 @@
+"""Sampling (jaxpar.train.sample, `jaxpar sample`): greedy generation on sharded layouts
+equals a plain greedy loop on one device, token for token; top-k and temperature draws; the
+command end to end from a checkpoint directory alone (jaxpar.train.checkpoint.saved_config),
+and its refusals of bad input."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.checks import base_config
+from jaxpar.config import apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.sample_command import main
+from jaxpar.train import build
+from jaxpar.train.checkpoint import saved_config
+from jaxpar.train.inference import unsharded_model
+from jaxpar.train.loop import run
+from jaxpar.train.sample import choose, generate
+
+PROMPT = [5, 17, 3, 99, 42]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "to", "big", "red", "house", "and", "then", "slept"]
+
+
+def _greedy_on_one_device(model, prompt: list[int], new: int) -> list[int]:
+    """The plain loop: the whole sequence so far through the unsharded model, argmax of the last logits."""
+    apply, ids = nnx.jit(lambda module, inputs: module(inputs)), list(prompt)
+    for _ in range(new):
+        ids.append(int(jnp.argmax(apply(model, jnp.asarray([ids]))[0, -1])))
+    return ids[len(prompt):]
+
+
+def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama):
+    layouts = {"tensor4": ["mesh.tensor=4"],  # data=2 x tensor=4: vocab-parallel head, batch rows 2
+               "fsdp2_tensor2_sp": ["mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]}
+    trainers = {name: build(apply_overrides(tiny_llama, layout)) for name, layout in layouts.items()}
+    states = {name: trainer.init() for name, trainer in trainers.items()}  # random weights, the same in each
+    want = _greedy_on_one_device(unsharded_model(trainers["tensor4"], states["tensor4"]), PROMPT, 6)
+    for name, trainer in trainers.items():
+        assert generate(trainer, states[name].params, PROMPT, 6) == want, name
+    tensor4, params = trainers["tensor4"], states["tensor4"].params
+    assert generate(tensor4, params, PROMPT, 6, eos_id=want[2]) == want[:3]  # stops at eos, eos included
+
+
+def test_top_k_one_is_greedy_and_draws_are_reproducible(tiny_llama):
+    trainer = build(apply_overrides(tiny_llama, ["mesh.tensor=4"]))
+    params = trainer.init().params
+    greedy = generate(trainer, params, PROMPT, 6)
+    assert generate(trainer, params, PROMPT, 6, temperature=1.0, top_k=1, seed=3) == greedy
+    drawn = {seed: generate(trainer, params, PROMPT, 6, temperature=1.0, seed=seed) for seed in (0, 0, 1)}
+    assert generate(trainer, params, PROMPT, 6, temperature=1.0, seed=0) == drawn[0]
+    assert drawn[0] != drawn[1]
+    assert max(generate(trainer, params, PROMPT, 6, temperature=1.0, seed=0, vocab_limit=10)) < 10
+
+
+def test_draws_stay_within_the_top_k():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=64), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draw = jax.vmap(choose, in_axes=(None, None, None, 0))
+    top3 = set(np.argsort(-np.asarray(logits))[:3].tolist())
+    assert set(np.asarray(draw(logits, 2.0, 3, keys)).tolist()) == top3  # every one of them, nothing else
+    assert len(set(np.asarray(draw(logits, 2.0, 0, keys)).tolist())) > 10  # top_k=0: the whole vocabulary
+    assert set(np.asarray(draw(logits, 0.0, 3, keys)).tolist()) == {int(jnp.argmax(logits))}  # greedy
+
+
+# ------------------------------------------------------------------ the command
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> str:
+    """A word-level tokenizer of 16 tokens (the tiny Llama has 128)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {word: i for i, word in enumerate(["[UNK]"] + WORDS)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory, tokenizer_file) -> tuple[str, object]:
+    """A tiny Llama (tests/conftest.py's tiny_llama, as jaxpar.checks.base_config gives it)
+    trained 3 steps on text (data.source=text) on fsdp x tensor with sequence parallelism."""
+    folder = tmp_path_factory.mktemp("run")
+    rng = np.random.default_rng(0)
+    (folder / "corpus.txt").write_text(" ".join(rng.choice(WORDS, size=400)))
+    directory = str(folder / "checkpoints")
+    config = apply_overrides(base_config("llama"), [
+        "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true", f"checkpoint.dir={directory}",
+        "data.source=text", f"data.path={folder / 'corpus.txt'}", f"data.tokenizer={tokenizer_file}"])
+    run(build(config), progress=False)
+    return directory, config
+
+
+def test_sample_command_prints_the_continuation_from_the_checkpoint_alone(checkpoint_dir, capsys):
+    directory, config = checkpoint_dir
+    assert saved_config(directory) == config  # the model's class and every section, as trained
+    assert main([directory, "--prompt", "the cat sat", "--max-new-tokens", "5", "--set", "mesh.tensor=4"]) == 0
+    header, text = capsys.readouterr().out.splitlines()
+    assert "step 3: LlamaConfig | mesh data=2 tensor=4 on 8 cpu devices | 5 tokens, greedy" in header
+    assert text.startswith("the cat sat ") and len(text.split()) == 3 + 5
+
+
+def test_sample_command_draws_with_temperature_and_top_k(checkpoint_dir, capsys):
+    directory, _ = checkpoint_dir
+    args = [directory, "--prompt", "a dog", "--max-new-tokens", "4", "--temperature", "0.8", "--top-k", "5"]
+    assert main(args + ["--seed", "1"]) == 0 and main(args + ["--seed", "1"]) == 0
+    first, second = capsys.readouterr().out.splitlines()[1::2]
+    assert first == second and first.startswith("a dog ")
+
+
+def test_a_checkpoint_without_its_model_class_is_refused_in_one_line(checkpoint_dir, tmp_path, capsys):
+    old = tmp_path / "old"
+    shutil.copytree(checkpoint_dir[0], old)
+    meta_file = old / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["model_class"]  # as written before checkpoints recorded it
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="was written before checkpoints recorded their model's class"):
+        saved_config(old)
+    assert main([str(old), "--prompt", "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "train.steps=4" in err
+
+
+@pytest.fixture(scope="module")
+def large_tokenizer(tmp_path_factory) -> str:
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(200)}
+    path = tmp_path_factory.mktemp("large") / "tokenizer.json"
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}", "--prompt", "the"], "CHECKPOINT='{missing}' is not a directory"),
+    (["{empty}", "--prompt", "the"], "has no checkpoint; it holds steps none"),
+    (["{ckpt}", "--prompt", "the", "--step", "7"], "has no checkpoint for step 7; it holds steps [3]"),
+    (["{ckpt}", "--prompt", "the", "--tokenizer", "{missing}"], "--tokenizer='{missing}' is not a file"),
+    (["{ckpt}", "--prompt", "the", "--tokenizer", "{checkpoint_file}"], "is not a readable tokenizer.json"),
+    (["{ckpt}", "--prompt", "the", "--tokenizer", "{large}"],
+     "has 200 tokens, more than the checkpoint's model.vocab_size=128"),
+    (["{ckpt}", "--prompt", "the", "--set", "data.tokenizer="], "--tokenizer is not given and the checkpoint's "
+                                                                 "data.tokenizer is empty"),
+    (["{ckpt}", "--prompt", "the", "--temperature", "-1"], "--temperature=-1.0; use 0 for greedy"),
+    (["{ckpt}", "--prompt", "the", "--top-k", "-2"], "--top-k=-2; use 0 for the whole vocabulary"),
+    (["{ckpt}", "--prompt", ""], "--prompt='' is empty"),
+    (["{ckpt}", "--prompt", "   "], "--prompt='   ' encodes to no tokens"),
+    (["{ckpt}", "--prompt", "the", "--max-new-tokens", "0"], "--max-new-tokens=0; give at least 1"),
+    (["{ckpt}", "--prompt", "the", "--set", "mesh.tensor=3"],
+     "mesh.data=-1 cannot fill 8 devices: the other axes multiply to 3"),
+])
+def test_bad_input_is_one_line_naming_the_argument(checkpoint_dir, large_tokenizer, tmp_path, capsys, args, message):
+    (tmp_path / "empty").mkdir()
+    names = {"missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"), "ckpt": checkpoint_dir[0],
+             "large": large_tokenizer, "checkpoint_file": str(tmp_path / "not_json")}
+    (tmp_path / "not_json").write_text("not a tokenizer")
+    assert main([a.format(**names) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message.format(**names) in err, err
