@@ -10,7 +10,6 @@ Device set-up comes first: JAX reads the CPU device count once, when its backend
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import warnings
@@ -98,14 +97,9 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
     naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
     single device every layout collapses to the single-device run."""
     from jaxpar import recipes
-    from jaxpar.config import apply_overrides
-    from jaxpar.mesh import MeshConfig
+    from jaxpar.config import with_overrides
 
-    config = recipes.load(recipe)
-    mesh_keys = [o for o in overrides if o.startswith("mesh.")]
-    if mesh_keys or num_devices == 1:
-        config = dataclasses.replace(config, mesh=MeshConfig(hosts=config.mesh.hosts))
-    return apply_overrides(config, overrides)
+    return with_overrides(recipes.load(recipe), overrides, num_devices)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,6 +238,16 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(text)
 
 
+def with_overrides(config: Any, overrides: list[str], num_devices: int) -> Any:
+    """A recipe's or a checkpoint's config with `--set` overrides, as the CLI applies them:
+    its mesh is the layout it was written for, so naming any mesh.* axis replaces it (unnamed
+    axes 1, data filling with -1), and on a single device every layout collapses to the
+    single-device run."""
+    if num_devices == 1 or any(o.startswith("mesh.") for o in overrides):
+        config = dataclasses.replace(config, mesh=MeshConfig(hosts=config.mesh.hosts))
+    return apply_overrides(config, overrides)
+
+
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     """{'train.steps': 100, ...}: every leaf key and its value."""
     out: dict[str, Any] = {}

@@ -67,6 +67,7 @@ def run(args) -> int:
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
     import jax
 
+    from jaxpar.config import with_overrides
     from jaxpar.mesh import describe
     from jaxpar.train import build
     from jaxpar.train.checkpoint import Checkpoints, saved_config
@@ -95,18 +96,6 @@ def run(args) -> int:
           f"{len(devices)} {devices[0].platform} devices | {len(drawn)} tokens, {how}", flush=True)
     print(args.prompt + _completion(tokenizer, prompt_ids, drawn), flush=True)
     return 0
-
-
-def with_overrides(saved, overrides: list[str], num_devices: int):
-    """The saved config with `--set` overrides, as `jaxpar train` applies them to a recipe:
-    naming any mesh.* axis replaces the saved mesh (unnamed axes 1, data filling with -1),
-    and on a single device every layout collapses to the single-device run."""
-    from jaxpar.config import apply_overrides
-    from jaxpar.mesh import MeshConfig
-
-    if num_devices == 1 or any(o.startswith("mesh.") for o in overrides):
-        saved = dataclasses.replace(saved, mesh=MeshConfig(hosts=saved.mesh.hosts))
-    return apply_overrides(saved, overrides)
 
 
 def sampling_config(config, num_devices: int, tokens: int):

@@ -274,8 +274,10 @@ def mixtral_to_hf(cfg: MoEConfig) -> dict:
                           f"model.shared_experts={cfg.shared_experts}, model.renormalize={cfg.renormalize}, "
                           f"model.top_k={cfg.top_k}, which it cannot hold")
     hf = llama_to_hf(cfg, "MixtralForCausalLM", "mixtral")
-    for key in ("head_dim", "attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):
         hf.pop(key)
+    if cfg.head_dim == cfg.embed // cfg.num_heads:  # Mixtral's default; written only where it differs
+        hf.pop("head_dim")
     return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "sliding_window": None,
             "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": cfg.aux_loss_weight > 0}
 

@@ -154,6 +154,11 @@ def test_a_missing_shard_or_tensor_and_unknown_tensors_are_named(tmp_path):
         prepare_import(hf_trainer(folder), folder)
     with pytest.raises(ConfigError, match=r"has no config.json"):
         model_config(tmp_path)
+    truncated = _copy("mixtral", tmp_path)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])  # a download cut short
+    with pytest.raises(ConfigError, match=r"the file is truncated or damaged: download it again"):
+        prepare_import(hf_trainer(truncated), truncated)
 
 
 def test_refusals_of_what_the_format_cannot_hold(tmp_path):

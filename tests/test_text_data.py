@@ -324,7 +324,8 @@ def test_killed_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp
                                     *[x for s in sets + list(more) for x in ("--set", s)]]
     alone, metrics, ckpt = tmp_path / "alone.jsonl", tmp_path / "m.jsonl", tmp_path / "ckpt"
     one = _cli(*train(alone))
-    assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
+    _, err = one.communicate(timeout=600)  # read as it runs: a full pipe would stall the child
+    assert one.returncode == 0, err[-3000:]
 
     killed = _cli(*train(metrics, f"checkpoint.dir={ckpt}", "checkpoint.every=1"))
     deadline = time.monotonic() + 600

@@ -76,12 +76,13 @@ class HeldOutTokens(TokenRows):
         super().__init__(trainer, source.held_out, order)
 
 
-def held_out_batches(trainer, eval_data: UserData | None = None) -> HeldOut:
+def held_out_batches(trainer, eval_data: UserData | None = None, source=None) -> HeldOut:
     """i -> held-out global batch i, for 0 <= i < train.eval_batches: from `eval_data` when
-    given (checked now), else from the config's source (see the module docstring)."""
+    given (checked now), else from the config's source (see the module docstring): `source`,
+    the run's own when it has opened it (a text corpus is then tokenized once), else opened now."""
     if eval_data is not None:
         return user_held_out(trainer, eval_data, trainer.config.train.eval_batches)
-    source = make_source(trainer)
+    source = make_source(trainer) if source is None else source
     if isinstance(source, TokenFile):
         source = HeldOutTokens(trainer, source)
     return lambda i: source(HELD_OUT_STEP + i)

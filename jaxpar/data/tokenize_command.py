@@ -4,7 +4,7 @@ The ids are those data.source=text makes when a run starts (jaxpar.data.text: th
 documents in the same order, each followed by --eos-id), written as uint16 where the
 vocabulary fits, else uint32. The file appears whole or not at all: it is written beside its
 destination under a temporary name and renamed into place when complete; an error or Ctrl-C
-removes the temporary file. A sidecar PATH.json records how it was made.
+removes the temporary file. A sidecar beside it, the same name with .json, records how it was made.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ model's own, and the tokenizer's files (data.tokenizer) are copied beside the we
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import pathlib
+
+from jaxpar.errors import ConfigError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,19 +31,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from jaxpar.errors import ConfigError
     from jaxpar.mesh import force_cpu_devices
 
     if args.max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb={args.max_shard_gb} must be positive; e.g. 5")
+    if args.cpu_devices < 1:
+        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
     force_cpu_devices(args.cpu_devices)
     import jax
 
+    from jaxpar.config import with_overrides
     from jaxpar.hf import export
+    from jaxpar.hf.load import check_format
+    from jaxpar.hf.save import DTYPES
     from jaxpar.train import build
-    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.checkpoint import Checkpoints, saved_config
 
-    config = saved_layout(args.checkpoint, args.step, args.overrides, len(jax.devices()))
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype={args.dtype}; export as one of {', '.join(DTYPES)}")
+    config = with_overrides(saved_config(args.checkpoint, args.step), args.overrides, len(jax.devices()))
+    check_format(config.model)
+    config.model.to_hf()  # what the format cannot hold is refused before anything is restored
     trainer = build(config)
     checkpoints = Checkpoints.open(args.checkpoint, async_save=False)
     try:
@@ -51,7 +59,7 @@ def run(args) -> int:
     finally:
         checkpoints.close()
     files = export(trainer, state, args.out, args.dtype, int(args.max_shard_gb * 1e9),
-                   base_config=_imported_config(config), tokenizer=config.data.tokenizer or None)
+                   base_config=_base_config(config), tokenizer=config.data.tokenizer or None)
     if jax.process_index() == 0:
         size = sum(f.stat().st_size for f in files)
         print(f"exported step {step} of {args.checkpoint} to {args.out}: {len(files)} safetensors "
@@ -59,20 +67,20 @@ def run(args) -> int:
     return 0
 
 
-def saved_layout(directory: str, step: int | None, overrides: list[str], num_devices: int):
-    """The checkpoint's config with `overrides`; naming a mesh.* axis replaces the saved mesh
-    (as `jaxpar train` treats a recipe's), as does a single device."""
-    from jaxpar.config import apply_overrides
-    from jaxpar.mesh import MeshConfig
-    from jaxpar.train.checkpoint import saved_config
+def _base_config(config) -> dict:
+    """What config.json holds besides the model: the checkpoint the run started from's keys
+    (token ids, context length), else the run's end-of-text id."""
+    import warnings
 
-    config = saved_config(directory, step)
-    if num_devices == 1 or any(o.startswith("mesh.") for o in overrides):
-        config = dataclasses.replace(config, mesh=MeshConfig(hosts=config.mesh.hosts))
-    return apply_overrides(config, overrides)
+    from jaxpar.errors import JaxparWarning
+    from jaxpar.hf.config import read_config
 
-
-def _imported_config(config) -> dict | None:
-    """The config.json of the checkpoint the run started from, if it is still there."""
-    source = pathlib.Path(config.checkpoint.init_from) / "config.json" if config.checkpoint.init_from else None
-    return json.loads(source.read_text()) if source is not None and source.is_file() else None
+    base = {"eos_token_id": config.data.eos_id} if config.data.eos_id >= 0 else {}
+    if not config.checkpoint.init_from:
+        return base
+    try:
+        return {**base, **read_config(pathlib.Path(config.checkpoint.init_from))}
+    except ConfigError as e:
+        warnings.warn(f"the run started from {config.checkpoint.init_from!r}, whose config.json cannot be read now ({e}); "
+                      "its keys besides the model's (token ids, context length) are not in the export's", JaxparWarning)
+        return base

@@ -31,5 +31,5 @@ def recipe(folder: str) -> Config:
         optim=OptimConfig(lr=1e-4, warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0),
         data=DataConfig(tokenizer=str(tokenizer) if tokenizer.is_file() else "",
                         eos_id=eos if isinstance(eos, int) and 0 <= eos < model.vocab_size else -1),
-        checkpoint=CheckpointConfig(init_from=folder),
+        checkpoint=CheckpointConfig(init_from=str(path.absolute())),  # export reads it again, from anywhere
     )

@@ -58,14 +58,20 @@ def read_header(path: pathlib.Path) -> dict[str, Entry]:
     except (OSError, ValueError, struct.error) as e:
         raise ConfigError(f"{str(path)!r} is not a readable safetensors file ({e})") from None
     header.pop("__metadata__", None)
-    start = 8 + length
+    start, size = 8 + length, path.stat().st_size
     entries = {}
     for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise ConfigError(f"{str(path)!r}: tensor {name!r} has dtype {info['dtype']}, which jaxpar does not read; "
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{str(path)!r}: the header's entry for {name!r} is not a tensor's") from None
+        if dtype not in DTYPES:
+            raise ConfigError(f"{str(path)!r}: tensor {name!r} has dtype {dtype}, which jaxpar does not read; "
                               f"it reads {', '.join(DTYPES)}")
-        begin, _ = info["data_offsets"]
-        entries[name] = Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), start + begin)
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize or start + end > size:
+            raise ConfigError(f"{str(path)!r}: tensor {name!r} should lie in bytes {start + begin} to {start + end} of "
+                              f"the file, which has {size}; the file is truncated or damaged: download it again")
+        entries[name] = Entry(path, DTYPES[dtype], shape, start + begin)
     return entries
 
 
@@ -74,8 +80,11 @@ def tensor_index(folder: pathlib.Path) -> dict[str, Entry]:
     be there; a missing one is named)."""
     index = folder / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{str(index)!r} is not a readable index ({type(e).__name__}: {e}); it holds "
+                              '{"weight_map": {tensor: file}}') from None
     elif (folder / SINGLE).is_file():
         files = [SINGLE]
     else:

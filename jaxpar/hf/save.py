@@ -71,7 +71,8 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
 def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
     """Every Hugging Face tensor, each with a function gathering its slab to the hosts."""
     master = trainer.master_params(state)
-    master = jax.jit(trainer.model_order, out_shardings=jax.tree.map(lambda x: x.sharding, master))(master)
+    if trainer.pipeline is not None:  # layers back in model order (a copy only under a pipeline)
+        master = jax.jit(trainer.model_order, out_shardings=jax.tree.map(lambda x: x.sharding, master))(master)
     leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
     replicated = NamedSharding(trainer.mesh, P())
     tensors = []
@@ -110,7 +111,8 @@ def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files
         (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     if tokenizer:
         source = pathlib.Path(tokenizer)
-        for name in TOKENIZER_FILES:
+        shutil.copyfile(source, folder / "tokenizer.json")  # under the name transformers reads
+        for name in TOKENIZER_FILES[1:]:
             if (source.parent / name).is_file():
                 shutil.copyfile(source.parent / name, folder / name)
 

@@ -28,6 +28,11 @@ class Weight:
     order: tuple[int, ...] | None = None  # None: its own axis order
     fused: tuple[int, ...] | None = None  # with `view`: the tensor's own shape, which it splits
 
+    def __post_init__(self):
+        if (self.view is None) != (self.fused is None):
+            raise ValueError(f"Weight {self.name!r}: give view and fused together (the tensor's own shape, and the "
+                             "shape it is viewed as)")
+
     @property
     def stacked(self) -> tuple[str, ...]:
         """The placeholders of `name`, one per leading stacked dimension of ours."""

@@ -132,7 +132,11 @@ class Checkpoints:
         meta = self.meta(step)
         saved = meta["config"]
         for key, value in flatten(trainer.config).items():  # the model must be the one saved
-            if key.startswith("model.") and key != "model.remat" and saved.get(key) != _jsonable(value):
+            if not key.startswith("model.") or key == "model.remat":
+                continue
+            if key not in saved and value == _default(trainer.config.model, key[len("model."):]):
+                continue  # a field added since the checkpoint was written, at its default
+            if saved.get(key) != _jsonable(value):
                 raise ConfigError(
                     f"checkpoint step {step} in {str(self.directory)!r} was written with {key}={saved.get(key)!r}, but "
                     f"this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another checkpoint.dir"
@@ -266,6 +270,12 @@ def _field_value(value: Any, hint: Any, key: str, where: str) -> Any:
 
 def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _default(config: Any, name: str) -> Any:
+    """A dataclass field's default (a sentinel where it has none or is no field)."""
+    field = next((f for f in dataclasses.fields(config) if f.name == name), None)
+    return field.default if field is not None and field.default is not dataclasses.MISSING else object()
 
 
 def _jsonable(value: Any) -> Any:

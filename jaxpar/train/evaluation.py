@@ -62,9 +62,11 @@ class Evaluation:
         return dataclasses.replace(self, evaluate=trainer.evaluate.lower(params, trainer.abstract_batch()).compile())
 
 
-def open_evaluation(trainer, data: UserData | None = None, eval_data: UserData | None = None) -> Evaluation | None:
+def open_evaluation(trainer, data: UserData | None = None, eval_data: UserData | None = None,
+                    source=None) -> Evaluation | None:
     """The run's evaluation (None when train.eval_every=0), its held-out batches set up and
-    checked: call before compiling. `data` and `eval_data` as jaxpar.train.run takes them."""
+    checked: call before compiling. `data` and `eval_data` as jaxpar.train.run takes them;
+    `source`: the run's own batch source, whose held-out part is read (None: opened here)."""
     every = trainer.config.train.eval_every
     if not every:
         if eval_data is not None:
@@ -75,4 +77,4 @@ def open_evaluation(trainer, data: UserData | None = None, eval_data: UserData |
         raise ConfigError(f"train.eval_every={every} evaluates on held-out batches, but run(data=...) trains on your "
                           "own batches and no eval_data was given; give run(..., eval_data=...) in the format of data "
                           "(jaxpar.data.heldout), or set train.eval_every=0")
-    return Evaluation(trainer.evaluate, held_out_batches(trainer, eval_data), trainer.config.train.eval_batches, every)
+    return Evaluation(trainer.evaluate, held_out_batches(trainer, eval_data, source), trainer.config.train.eval_batches, every)

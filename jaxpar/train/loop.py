@@ -47,7 +47,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     source = make_source(trainer) if data is None else UserBatches(trainer, data)
     if data is not None:  # the first batch is checked before the compile
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
-    evaluation = open_evaluation(trainer, data, eval_data)
+    evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
     prepare_outputs(metrics_file, tensorboard_dir)
     resuming = checkpoints is not None and checkpoints.latest_step() is not None
     fresh = trainer.init
