@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
                       help="seconds each layout's compile may take before it is stopped and marked failed (default 600)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    launch = sub.add_parser("launch", help="run `train` in several local processes joined by jax.distributed")
+    launch = sub.add_parser("launch", help="run `train` (or `export`) in several local processes joined by jax.distributed")
     launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
     launch.add_argument("--cpu-devices-per-proc", type=int, metavar="K",
                         help="virtual CPU devices per process when no accelerator is present (default 8 // N, at least 1)")
@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
                         help="show the libraries' own logging too (XLA's and gRPC's C++ log, Gloo's connection lines, "
                         "every process's messages as a process dies); by default they are left out and a message "
                         "several processes print alike is shown once")
-    launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train RECIPE [train options]")
+    launch.add_argument("command_line", nargs=argparse.REMAINDER,
+                        help="-- train RECIPE [train options], or -- export CHECKPOINT OUT [export options]")
     sub.add_parser("recipes", help="list the shipped recipes")
     from jaxpar import sample_command
     from jaxpar.data import tokenize_command
@@ -162,17 +163,27 @@ def train(args) -> int:
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+    return in_cluster(lambda: _train(args), lambda: _distributed_settings(args))
+
+
+def in_cluster(body, settings) -> int:
+    """body() alone, or, when the environment names a cluster (jaxpar.distributed), as one of
+    its processes: joined first with `settings()` (a DistributedConfig, checked before it is
+    used), watched by the heartbeat, and ended without JAX's shutdown barrier on an error
+    (the other processes are not coming to it)."""
+    from jaxpar import distributed
+
     cluster = distributed.from_environment()
     if cluster is None:
-        return _train(args)
+        return body()
     from jaxpar.launch import follow_launcher
 
     follow_launcher()  # started by `jaxpar launch`: stop when it dies
-    settings = _distributed_settings(args)  # checked before they are used to join
-    distributed.join(cluster, settings.heartbeat_timeout_s, settings.join_timeout_s)
-    watchdog = distributed.Watchdog(settings.heartbeat_timeout_s).start()
+    config = settings()
+    distributed.join(cluster, config.heartbeat_timeout_s, config.join_timeout_s)
+    watchdog = distributed.Watchdog(config.heartbeat_timeout_s).start()
     try:
-        code = _train(args)
+        code = body()
     except BaseException as e:
         watchdog.stop(f"{type(e).__name__}: {e}")
         code = report_error(e) if isinstance(e, Exception) else 130
@@ -185,10 +196,16 @@ def train(args) -> int:
 
 def _distributed_settings(args):
     from jaxpar import recipes
+
+    return distributed_settings(recipes.load(args.recipe), args.overrides)
+
+
+def distributed_settings(config, overrides: list[str]):
+    """`config`'s distributed.* settings with the overrides that name them, checked."""
     from jaxpar.checks import by_id
     from jaxpar.config import apply_overrides
 
-    config = apply_overrides(recipes.load(args.recipe), [o for o in args.overrides if o.startswith("distributed.")])
+    config = apply_overrides(config, [o for o in overrides if o.startswith("distributed.")])
     by_id("distributed-timeouts-positive").check(config, None)
     return config.distributed
 

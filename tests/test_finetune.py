@@ -1,12 +1,15 @@
 """Issue 22's acceptance, end to end on 8 CPU devices, through the CLI as a user runs it: a
 tiny Hugging Face Llama (tied embeddings, GQA, llama3 RoPE scaling; tests/golden/llama_tied)
 imported into fsdp 2 x tensor 4, fine-tuned on a text file tokenized by its tokenizer.json
-with a held-out split, exported, re-imported (identical logits), and sampled."""
+with a held-out split, exported (by one process, and by two: the same files), re-imported
+(identical logits), and sampled."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 
@@ -39,6 +42,11 @@ def test_a_hugging_face_llama_is_fine_tuned_on_text_exported_reimported_and_samp
 
     assert main(["export", str(ckpt), str(out)]) == 0
     assert "exported step 12" in capsys.readouterr().out
+    launched = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--cpu-devices-per-proc", "4",
+                               "--", "export", str(ckpt), str(tmp_path / "by_two")], capture_output=True, text=True, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-3000:]  # two processes gather, process 0 writes: the same bytes
+    assert sorted(p.name for p in (tmp_path / "by_two").iterdir()) == sorted(p.name for p in out.iterdir())
+    assert all((tmp_path / "by_two" / p.name).read_bytes() == p.read_bytes() for p in out.iterdir())
     assert (out / "tokenizer.json").is_file() and model_config(out) == model_config(GOLDEN / "llama_tied")
     trainer = build(saved_config(ckpt))  # fsdp 2 x tensor 4, as trained
     checkpoints = Checkpoints.open(ckpt)

@@ -38,6 +38,15 @@ def run(args) -> int:
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
     force_cpu_devices(args.cpu_devices)
+    from jaxpar.cli import distributed_settings, in_cluster
+    from jaxpar.config import Config
+
+    # Alone, or one of several processes (jaxpar launch --nproc N -- export ...): every one
+    # restores its shards and joins each gather, process 0 writes.
+    return in_cluster(lambda: _export(args), lambda: distributed_settings(Config(), args.overrides))
+
+
+def _export(args) -> int:
     import jax
 
     from jaxpar.config import with_overrides

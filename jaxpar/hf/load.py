@@ -75,11 +75,11 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     check_same_model(model, type(model).from_hf(hf), folder)
     entries = tensor_index(folder)
     weights = model.hf_weights()
-    abstract = trainer.master_params(trainer.abstract_state())
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    abstract_state = trainer.abstract_state()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_params(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
     check_tensors(shapes, weights, entries, folder, tuple(getattr(model, "hf_ignored", lambda: ())()))
-    shardings = jax.tree.leaves(trainer.shardings.optimizer if trainer.abstract_state().master is not None
+    shardings = jax.tree.leaves(trainer.shardings.optimizer if abstract_state.master is not None
                                 else trainer.shardings.params)
 
     def start() -> Any:

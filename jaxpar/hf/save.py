@@ -86,7 +86,7 @@ def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.d
             hf_shape = weight.hf_shape(slab_shape)
 
             def values(array=array, combo=combo, weight=weight, hf_shape=hf_shape) -> np.ndarray:
-                slab = take(array, tuple(jnp.int32(i) for i in combo)) if combo else jax.device_put(array, replicated)
+                slab = take(array, tuple(jnp.int32(i) for i in combo))  # () takes the whole array
                 host = np.asarray(slab.addressable_shards[0].data)
                 return weight.to_hf(host, hf_shape).astype(dtype)
 
