@@ -10,11 +10,21 @@
      where the optimizer state rests between steps, the compiled device bytes, losses of
      the same steps (must agree), and step time side by side; and `model.remat=offload`
      beside `full`: pinned-host temporaries and device temporaries.
+  4. cudnn: cuDNN's fused attention as jaxpar runs it for parallel.attention=cudnn (and
+     auto on GPUs): `attend` under a layout whose attention is cudnn, that is
+     jax.nn.dot_product_attention(implementation="cudnn"), against the plain reference
+     attention (scores materialised, softmax in float32) in the same dtype, both measured
+     against that reference in float32: output and dq, dk, dv errors, bf16 and fp16,
+     causal and not, grouped-query heads; forward and forward+backward time side by side.
+     Packed documents are not checked: jaxpar's cuDNN path takes no segment ids (attend
+     refuses them, and the checks refuse attention=cudnn with data.eos_id set).
 
   python benchmarks/gpu_checks.py [--out benchmarks/results/gpu_checks.json]
+  python benchmarks/gpu_checks.py --only cudnn        # one section (or several: pallas,grouped)
 
-Each section records its error instead of stopping the others. On a machine without a
-GPU it says so and exits.
+Each section records its error instead of stopping the others, and the JSON is rewritten
+after each section, so a run stopped part way keeps the sections it finished. On a machine
+without a GPU it says so and exits.
 """
 
 from __future__ import annotations
@@ -35,7 +45,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/gpu_checks.json")
     p.add_argument("--repeats", type=int, default=20)
-    return p.parse_args()
+    p.add_argument("--only", metavar="SECTION[,SECTION]", help=f"run only these sections, of {','.join(SECTIONS)}")
+    args = p.parse_args()
+    args.only = args.only.split(",") if args.only else list(SECTIONS)
+    unknown = [name for name in args.only if name not in SECTIONS]
+    if unknown:
+        p.error(f"--only: unknown section {','.join(unknown)}; use some of {','.join(SECTIONS)}")
+    return args
 
 
 def timed(fn, *args, repeats: int = 20) -> float:
@@ -185,6 +201,109 @@ def offload_rows(steps: int = 12) -> list[dict]:
     return rows
 
 
+# batch, seq, heads, kv heads, head dim, dtype, causal: mfu.py's attention first (GQA 2:1)
+CUDNN_CASES = [
+    (4, 2048, 16, 8, 128, "bfloat16", True),
+    (1, 8192, 16, 8, 128, "bfloat16", True),
+    (2, 4096, 16, 8, 128, "bfloat16", False),
+    (4, 2048, 16, 8, 128, "float16", True),
+    (2, 4096, 32, 4, 64, "bfloat16", True),
+]
+
+
+def attention_as_jaxpar_runs_it(impl: str, causal: bool):
+    """`attend` under a one-device layout whose attention is `impl`: the call the models make,
+    so this checks whatever jaxpar's cudnn path is, not a copy of it."""
+    import jax
+
+    from jaxpar.sharding import Layout, Rules, use_layout
+    from jaxpar.sharding.attend import attend
+
+    layout = Layout(mesh=jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), rules=Rules.of({}, {}),
+                    attention=impl)
+
+    def fn(q, k, v):
+        with use_layout(layout):
+            return attend(q, k, v, causal=causal)
+
+    return fn
+
+
+def fwd_bwd(fn):
+    """jit of (output, (dq, dk, dv)) for a cotangent dy."""
+    import jax
+
+    def both(q, k, v, dy):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(dy)
+
+    return jax.jit(both)
+
+
+def cudnn_case(b, s, h, g, d, dtype, causal, repeats: int, impl: str) -> dict:
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.kernels.attention import reference_attention
+
+    k = jax.random.split(jax.random.key(s + h + d), 4)
+    q = jax.random.normal(k[0], (b, s, h, d), dtype)
+    kk, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in k[1:3])
+    dy = jax.random.normal(k[3], (b, s, h, d), dtype)
+    args = (q, kk, v, dy)
+    fused_fn = attention_as_jaxpar_runs_it(impl, causal)
+    plain_fn = lambda q, k, v: reference_attention(q, k, v, causal=causal)  # noqa: E731
+    fused, plain = fwd_bwd(fused_fn), fwd_bwd(plain_fn)
+    want = plain(*(x.astype(jnp.float32) for x in args))  # the ground truth: the reference in float32
+    got, same_dtype = fused(*args), plain(*args)
+    compiled = fused.lower(*args).compile().as_text()  # the library calls it makes: cuDNN's, on a GPU
+    row = {"kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled)))}
+    for name, i in (("out", None), ("dq", 0), ("dk", 1), ("dv", 2)):
+        pick = (lambda r: r[0]) if i is None else (lambda r, i=i: r[1][i])  # noqa: E731
+        row[f"{impl}_{name}_error"] = rel_error(pick(got), pick(want))
+        row[f"reference_{name}_error"] = rel_error(pick(same_dtype), pick(want))
+    row.update({
+        f"{impl}_forward_seconds": timed(jax.jit(fused_fn), q, kk, v, repeats=repeats),
+        "reference_forward_seconds": timed(jax.jit(plain_fn), q, kk, v, repeats=repeats),
+        f"{impl}_fwd_bwd_seconds": timed(fused, *args, repeats=repeats),
+        "reference_fwd_bwd_seconds": timed(plain, *args, repeats=repeats),
+    })
+    return row
+
+
+def cudnn_rows(repeats: int, cases=CUDNN_CASES, impl: str = "cudnn") -> list[dict]:
+    """One row a case; a case cuDNN refuses (a dtype, a head dim) records why, the rest go on."""
+    rows = []
+    for b, s, h, g, d, dtype, causal in cases:
+        row = {"batch": b, "seq": s, "heads": h, "kv_heads": g, "head_dim": d, "dtype": dtype, "causal": causal}
+        try:
+            row.update(cudnn_case(b, s, h, g, d, dtype, causal, repeats, impl))
+        except Exception as e:  # noqa: BLE001  (recorded: an unsupported case is a result too)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        rows.append(row)
+    rows.append({"packed": True, "skipped": "jaxpar's cudnn path takes no segment ids: attend raises on them and the "
+                 "checks refuse attention=cudnn with packed documents (data.eos_id >= 0); flash covers packing"})
+    return rows
+
+
+SECTIONS = {
+    "pallas": lambda args: pallas_rows(args.repeats),
+    "grouped": lambda args: grouped_rows(args.repeats),
+    "offload": lambda args: offload_rows(),
+    "cudnn": lambda args: cudnn_rows(args.repeats),
+}
+
+
+def write(doc: dict, out: pathlib.Path) -> None:
+    """Atomically: a reader (the GPU battery) never sees half a file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+
+
 def main() -> None:
     args = parse_args()
     import jax
@@ -194,18 +313,17 @@ def main() -> None:
         return
     doc = {"setup": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "machine": platform.machine(),
                      "date": time.strftime("%Y-%m-%d")}}
-    for name, fn in [("pallas", lambda: pallas_rows(args.repeats)), ("grouped", lambda: grouped_rows(args.repeats)),
-                     ("offload", offload_rows)]:
+    out = pathlib.Path(args.out)
+    for name in args.only:
         t0 = time.perf_counter()
         try:
-            doc[name] = fn()
+            doc[name] = SECTIONS[name](args)
         except Exception:  # record and go on: each section stands alone
             doc[name] = {"error": traceback.format_exc()}
+        doc["setup"][f"{name}_seconds"] = time.perf_counter() - t0
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
         print(json.dumps(doc[name], indent=1), flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+        write(doc, out)  # after each section: a run stopped later keeps this one
     print(f"wrote {out}")
 
 

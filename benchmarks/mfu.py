@@ -7,15 +7,17 @@ cuDNN's fused flash attention on GPUs.
 
   python benchmarks/mfu.py [--steps 20] [--warmup 5] [--out benchmarks/results/mfu.json]
   python benchmarks/mfu.py --tiny     # a toy shape, to check the script on a CPU
+  python benchmarks/mfu.py --matmul-dtype fp8 --no-peer   # jaxpar alone, its projections in FP8
   python benchmarks/mfu.py --target benchmarks/targets/h100.pbtxt   # compile only, for an H100, without a GPU
 
 Both sides train on the same shapes (batch x seq tokens of random ids), their step times
 are the median of `--steps` timed steps after `--warmup`, and MFU is the model FLOPs
 (6 x matmul params + attention, PaLM appendix B, as jaxpar.flops counts them) over the
-device's bf16 peak. Each side runs in its own child process, one after the other in the same
-call: two frameworks in one process fight over the GPU's memory (JAX's allocator keeps what it
-took, and the 0.9B step needs most of an H100). Without PyTorch (or transformers) the peer
-column says so.
+device's bf16 peak, also with --matmul-dtype fp8 (train.matmul_dtype: jaxpar's projections
+multiply in FP8; the peer stays bf16, and --no-peer leaves it out). Each side runs in its own
+child process, one after the other in the same call: two frameworks in one process fight over
+the GPU's memory (JAX's allocator keeps what it took, and the 0.9B step needs most of an
+H100). Without PyTorch (or transformers) the peer column says so.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--remat", default="none", help="jaxpar model.remat (none | full | dots | ...)")
     p.add_argument("--tiny", action="store_true", help="a toy shape and 2 x 64 tokens (CPU check)")
+    p.add_argument("--matmul-dtype", choices=["compute", "fp8"], default="compute",
+                   help="jaxpar train.matmul_dtype: compute (bf16) or fp8 projections")
+    p.add_argument("--no-peer", action="store_true", help="measure jaxpar only (no PyTorch side)")
     p.add_argument("--target", help="GpuTargetConfig file: only compile jaxpar's step for that GPU (deviceless; needs "
                    "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
@@ -50,21 +55,22 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int):
+def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute"):
     from jaxpar.config import Config, TrainConfig
     from jaxpar.models.llama import LlamaConfig
 
     return Config(model=LlamaConfig(**shape, remat=remat),
-                  train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps))
+                  train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
+                                    matmul_dtype=matmul_dtype))
 
 
-def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int) -> dict:
+def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str) -> dict:
     import jax
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
 
-    config = jaxpar_config(shape, batch, seq, remat, steps + warmup)
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer)
@@ -119,6 +125,21 @@ def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> d
             "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
+def gemm_operands(hlo: str) -> dict[str, int]:
+    """GEMMs of a compiled GPU program by their operands' types ("f8e4m3fn x f8e5m2": count):
+    XLA's GEMM fusions (Triton) and cuBLAS(Lt) calls, whose FP8 form names itself $f8."""
+    import collections
+    import re
+
+    found = collections.Counter()
+    for params in re.findall(r"^%\S*gemm\S* \(([^)]*)\) ->", hlo, flags=re.M):
+        types = re.findall(r": (\w+)\[", params)
+        floats = [t for t in types if t.startswith(("f8", "bf16", "f16", "f32"))]
+        found[" x ".join(floats[-2:])] += 1  # the two matrices come last; scales before them
+    found["cublas fp8 calls"] = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo))
+    return dict(found)
+
+
 def compile_only(args) -> int:
     """jaxpar's step compiled by XLA's GPU compiler for the GPU a target config describes."""
     import re
@@ -132,17 +153,19 @@ def compile_only(args) -> int:
     from jaxpar.train import build
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
-    config = jaxpar_config(SHAPE, args.batch, args.seq_len, args.remat, 1)
+    config = jaxpar_config(SHAPE, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype)
     trainer = build(config, [device])
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-    kernels = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
+    text = compiled.as_text()
+    kernels = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+    gemms = gemm_operands(text)
     flops = config.model.flops_per_token(args.seq_len) * args.batch * args.seq_len
     peak = peak_flops(device)
     row = {"device": device.device_kind, "attention": trainer.layout.attention, "argument_bytes": memory.argument_size_in_bytes,
            "temp_bytes": memory.temp_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-           "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels,
+           "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels, "gemms": gemms,
            "model_flops_per_step": flops, "step_s_at_50_percent_mfu": flops / (0.5 * peak) if peak else None}
     print(f"jaxpar step, Llama {config.model.param_count() / 1e9:.2f}B, batch {args.batch} x seq {args.seq_len}, bf16, "
           f"remat {args.remat}: compiled (deviceless) for one {device.device_kind}")
@@ -150,13 +173,14 @@ def compile_only(args) -> int:
           f"temporaries {memory.temp_size_in_bytes / 2**30:.1f}, outputs {memory.output_size_in_bytes / 2**30:.1f}, "
           f"aliased {memory.alias_size_in_bytes / 2**30:.1f})")
     print(f"  attention {trainer.layout.attention}; library calls: {', '.join(kernels) or 'none'}")
+    print(f"  GEMMs by operand types: {', '.join(f'{k}: {v}' for k, v in sorted(gemms.items()))}")
     if peak:
         print(f"  {flops / 1e12:.1f} model TFLOP per step: 50% MFU is {flops / (0.5 * peak) * 1e3:.0f} ms a step "
               f"({args.batch * args.seq_len / (flops / (0.5 * peak)):,.0f} tokens/s)")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"compile_only": row, "shape": SHAPE, "batch": args.batch, "seq_len": args.seq_len,
-                               "remat": args.remat, "jax": jax.__version__}, indent=1))
+                               "remat": args.remat, "matmul_dtype": args.matmul_dtype, "jax": jax.__version__}, indent=1))
     print(f"wrote {out}")
     return 0 if used <= hbm else 1
 
@@ -187,12 +211,13 @@ def main() -> int:
     shape = TINY if args.tiny else SHAPE
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
     if args.side:
-        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup) if args.side == "jaxpar"
-               else torch_steps(shape, batch, seq, args.steps, args.warmup))
+        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype)
+               if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup))
         print("SIDE " + json.dumps(row))
         return 0
     tokens = batch * seq
-    ours, peer = run_side("jaxpar"), run_side("pytorch")
+    ours = run_side("jaxpar")
+    peer = {"skipped": "--no-peer"} if args.no_peer else run_side("pytorch")
     if "step_s" not in ours:
         raise SystemExit(f"jaxpar's side failed: {ours['skipped']}")
     peak = peak_flops(SimpleNamespace(device_kind=ours["device"]))  # the parent never touches the GPU
@@ -201,7 +226,8 @@ def main() -> int:
         if "step_s" in row:
             row["tokens_per_s"] = tokens / row["step_s"]
             row["mfu"] = ours["flops_per_step"] / row["step_s"] / peak if peak else None
-    print(f"Llama {ours['params'] / 1e9:.2f}B params, batch {batch} x seq {seq}, bf16, one {ours['device']} "
+    dtype = "bf16" if args.matmul_dtype == "compute" else "bf16 with fp8 matmuls (jaxpar)"
+    print(f"Llama {ours['params'] / 1e9:.2f}B params, batch {batch} x seq {seq}, {dtype}, one {ours['device']} "
           f"(peak {peak / 1e12:.0f} TFLOP/s)" if peak else f"Llama {ours['params'] / 1e6:.1f}M params on {ours['device']} (no known peak)")
     print(f"{'':8s} {'step':>9s} {'tokens/s':>10s} {'MFU':>7s} {'loss':>8s}")
     for name, row in rows.items():
@@ -214,7 +240,8 @@ def main() -> int:
         print(f"jaxpar / pytorch tokens/s: {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat, "jax": jax.__version__,
+    out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat,
+                               "matmul_dtype": args.matmul_dtype, "jax": jax.__version__,
                                "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
     print(f"wrote {out}")
     return 0

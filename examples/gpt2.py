@@ -178,7 +178,7 @@ class GPT2(nnx.Module):
 
     def output(self, x: jax.Array) -> jax.Array:
         table = compute_value(self.wte)
-        return column_project(self.ln_f(x), [table.T], [("batch", "seq", "tok")])[0]
+        return column_project(self.ln_f(x), [table.T], [("batch", "seq", "tok")], low_precision=False)[0]
 
 
 def recipe() -> Config:

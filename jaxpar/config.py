@@ -83,6 +83,11 @@ class TrainConfig:
     microbatches: int = 1
     seed: int = 0
     compute_dtype: str = "bfloat16"  # parameters are always stored in float32
+    # compute: matmuls in compute_dtype. fp8: the projections that go through jaxpar's
+    # helpers (jaxpar.sharding.projections) multiply in float8, e4m3 forward and e5m2 for
+    # gradients, each tensor scaled by its current amax (jaxpar.kernels.fp8); master
+    # weights, optimizer state and everything else unchanged.
+    matmul_dtype: str = "compute"
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
     # A step whose loss or gradients hold NaN or Inf is not applied (the state stays as it
     # was); then `stop` ends the run naming the step and the first bad gradient, `skip`
@@ -93,6 +98,10 @@ class TrainConfig:
     # progress bar and the metrics.
     eval_every: int = 0
     eval_batches: int = 4
+    # "START:STOP": a jax.profiler trace of steps START..STOP-1 into profile_dir, for
+    # TensorBoard's profile plugin or Perfetto (jaxpar.train.profile). "": none.
+    profile_steps: str = ""
+    profile_dir: str = "runs/profile"
 
 
 @dataclasses.dataclass(frozen=True)

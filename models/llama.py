@@ -284,9 +284,9 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:
         names = ("batch", "seq", "vocab")
         if self.cfg.tie_embeddings:
-            logits = column_project(self.final_norm(x), [table.T], [names])[0]
+            logits = column_project(self.final_norm(x), [table.T], [names], low_precision=False)[0]
             return logits * self.cfg.embed**-0.5 if self.cfg.scale_tied_logits else logits
-        return column_project(self.final_norm(x), [compute_value(self.head)], [names])[0]
+        return column_project(self.final_norm(x), [compute_value(self.head)], [names], low_precision=False)[0]
 
 
 # ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)

@@ -11,7 +11,7 @@ from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
 from jaxpar.sharding.attend import ATTENTIONS
-from jaxpar.sharding.projections import COLLECTIVE_MATMULS
+from jaxpar.sharding.projections import COLLECTIVE_MATMULS, MATMUL_DTYPES
 from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, supports
 
 RULES: list[Rule] = []
@@ -107,6 +107,33 @@ def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
     if t == 1:
         raise ConfigError(f"{where} needs a ring, but mesh.tensor=1; use mesh.tensor > 1, or "
                           "parallel.collective_matmul=none")
+
+
+@rule(
+    "matmul-dtype",
+    fields=["train.matmul_dtype", "parallel.collective_matmul", "mesh.stage", "model"],
+    summary="train.matmul_dtype is compute or fp8; fp8 runs the projections a model sends through jaxpar's "
+    "helpers (capability 'projections'), not inside the collective matmul's ring, and not in pipeline stages.",
+    example=["train.matmul_dtype=int8"],
+    also=[["train.matmul_dtype=fp8", "parallel.collective_matmul=ring", "parallel.sequence_parallel=true",
+           "mesh.tensor=2"], ["train.matmul_dtype=fp8", "mesh.stage=2", "train.microbatches=2"]],
+)
+def matmul_dtype(config, sizes) -> None:
+    value = config.train.matmul_dtype
+    if value not in MATMUL_DTYPES:
+        raise ConfigError(f"train.matmul_dtype={value!r}; use one of {', '.join(MATMUL_DTYPES)}")
+    if value == "compute":
+        return
+    if not supports(config.model, PROJECTIONS):  # nothing would run in FP8
+        raise lacks(config.model, PROJECTIONS, f"train.matmul_dtype={value}", "set train.matmul_dtype=compute")
+    if config.parallel.collective_matmul != "none":
+        raise ConfigError(f"train.matmul_dtype={value} with parallel.collective_matmul="
+                          f"{config.parallel.collective_matmul}: the collective matmul's ring multiplies in the "
+                          "compute dtype; set parallel.collective_matmul=none for FP8, or train.matmul_dtype=compute")
+    if sizes["stage"] > 1:  # the pipeline's step computes NaN losses (XLA:CPU, jaxlib 0.12), cause not yet found
+        raise ConfigError(f"train.matmul_dtype={value} with mesh.stage={sizes['stage']}: FP8 inside pipeline stages "
+                          "is not supported yet; set mesh.stage=1 (FSDP, TP, context parallelism compose with FP8), "
+                          "or train.matmul_dtype=compute")
 
 
 @rule(

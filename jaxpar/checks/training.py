@@ -48,6 +48,23 @@ def train_seed_and_peak(config, sizes) -> None:
 
 
 @rule(
+    "profile-steps",
+    fields=["train.profile_steps", "train.steps"],
+    summary="train.profile_steps is empty or START:STOP with 0 <= START < STOP <= train.steps (steps counted "
+    "from 0).",
+    example=["train.profile_steps=8:5"],
+    also=[["train.profile_steps=5"], ["train.steps=10", "train.profile_steps=5:20"]],
+)
+def profile_steps(config, sizes) -> None:
+    from jaxpar.train.profile import parse_steps
+
+    window = parse_steps(config.train.profile_steps)
+    if window is not None and window[1] > config.train.steps:
+        raise ConfigError(f"train.profile_steps={config.train.profile_steps} ends after the run's last step "
+                          f"(train.steps={config.train.steps}); use STOP <= {config.train.steps}")
+
+
+@rule(
     "on-nonfinite-policy",
     fields=["train.on_nonfinite"],
     summary="A step with NaN or Inf either stops the run or is skipped.",

@@ -87,6 +87,7 @@ class Layout:
     collective_matmul: none | ring | bidirectional; how the tensor-parallel projections run
     their sequence all-gather and reduce-scatter (jaxpar.sharding.projections).
     attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
+    matmul_dtype: compute | fp8; the dtype the projections multiply in (train.matmul_dtype).
     """
 
     mesh: Mesh
@@ -98,6 +99,7 @@ class Layout:
     replica_sum: bool = False
     collective_matmul: str = "none"
     attention: str = "reference"
+    matmul_dtype: str = "compute"
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))

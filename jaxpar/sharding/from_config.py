@@ -31,6 +31,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         expert_exchange=expert_exchange(config, device.platform),
         collective_matmul=parallel.collective_matmul,
         attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),
+        matmul_dtype=config.train.matmul_dtype,
     )
 
 

@@ -14,6 +14,10 @@ shard_map collective matmul (jaxpar.kernels.collective_matmul), whose ring steps
 transfers with partial matmuls. A column projection with several weights (QKV, gate/up)
 gathers its input once.
 
+With `Layout.matmul_dtype="fp8"` (train.matmul_dtype) the plain path multiplies in FP8
+(jaxpar.kernels.fp8); a projection called with `low_precision=False` (a vocabulary head,
+whose logits feed the softmax) stays in the compute dtype.
+
 Like `constrain`, these read the layout entered around tracing: a model names no mesh and
 holds no collective. Without a layout they are plain tensordots.
 """
@@ -28,12 +32,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
+from jaxpar.kernels.fp8 import fp8_tensordot
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.mesh import mesh_here
 from jaxpar.sharding.annotate import Layout, active_layout, constrain
 
 COLLECTIVE_MATMULS = ("none", "ring", "bidirectional")
+MATMUL_DTYPES = ("compute", "fp8")  # train.matmul_dtype
 AXIS = "tensor"
 GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
 SCATTERED = ("batch", "norm_seq", "embed")  # where sequence parallelism keeps it
@@ -41,16 +47,19 @@ SCATTERED = ("batch", "norm_seq", "embed")  # where sequence parallelism keeps i
 Names = Sequence[str | None]
 
 
-def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Sequence[Names]) -> list[jax.Array]:
+def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Sequence[Names],
+                   low_precision: bool = True) -> list[jax.Array]:
     """[x @ w laid out as names for w, names in zip(weights, out_names)]; x arrives in the
-    residual layout (SCATTERED) and each w as `compute_value` gives it."""
+    residual layout (SCATTERED) and each w as `compute_value` gives it. `low_precision`:
+    may run in the layout's matmul dtype (FP8)."""
     layout = active_layout()
     if not _collective(layout):
         # SP: the partitioner all-gathers the sequence here. Pinning the scattered layout
         # first keeps the gather after the norm's cast to the compute dtype; otherwise it
         # may gather the float32 norm output and cast after (twice the bytes).
         x_BSD = constrain(constrain(x_BSD, SCATTERED), GATHERED)
-        return [constrain(jnp.tensordot(x_BSD, w, axes=1), names) for w, names in zip(weights, out_names)]
+        dot = _tensordot(layout, low_precision)
+        return [constrain(dot(x_BSD, w, 1), names) for w, names in zip(weights, out_names)]
     x_spec = _spec(layout, SCATTERED)
     gathered = _spec(layout, GATHERED)
     out_specs = [_spec(layout, names) for names in out_names]
@@ -74,13 +83,14 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
     return list(sharded(constrain(x_BSD, SCATTERED), *weights))
 
 
-def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
+def row_project(y: jax.Array, w: jax.Array, in_names: Names, low_precision: bool = True) -> jax.Array:
     """y [B, S, *F] laid out as `in_names` @ w [*F, D] -> [B, S, D] in the residual layout
     (SCATTERED): summed over `tensor`, and with sequence parallelism scattered over it."""
     layout = active_layout()
     features = y.ndim - 2
     if not _collective(layout):
-        return constrain(jnp.tensordot(y, w, axes=features), SCATTERED)  # SP: reduce-scatter, else all-reduce
+        dot = _tensordot(layout, low_precision)
+        return constrain(dot(y, w, features), SCATTERED)  # SP: reduce-scatter, else all-reduce
     y_spec = _spec(layout, in_names)
     out_spec = _spec(layout, SCATTERED)
     gathered = _spec(layout, GATHERED)
@@ -101,6 +111,14 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names) -> jax.Array:
         out_specs=out_spec,
     )
     return sharded(y, w)
+
+
+def _tensordot(layout: Layout | None, low_precision: bool):
+    """(x, w, axes) -> x . w in the layout's matmul dtype (the checks refuse FP8 with the
+    collective matmul, whose ring steps multiply chunks)."""
+    if low_precision and layout is not None and layout.matmul_dtype == "fp8":
+        return fp8_tensordot
+    return lambda x, w, axes: jnp.tensordot(x, w, axes=axes)
 
 
 def _collective(layout: Layout | None) -> bool:

@@ -20,6 +20,7 @@ from jaxpar.flops import mfu, peak_flops
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.evaluation import Sums, collect, open_evaluation
 from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
+from jaxpar.train.profile import Profiler
 from jaxpar.train.trainer import Trainer
 
 
@@ -49,6 +50,8 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
     evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
     prepare_outputs(metrics_file, tensorboard_dir)
+    profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
+    profiler.prepare()
     resuming = checkpoints is not None and checkpoints.latest_step() is not None
     fresh = trainer.init
     if ckpt.init_from and not resuming:  # checked now, read after the compile
@@ -87,7 +90,9 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         while step < end:
             step += 1
             if step < end:
-                state, metrics = step_fn(state, source(step))
+                with profiler.step(step):
+                    state, metrics = step_fn(state, source(step))
+                profiler.after(step, state)
             if pending is not None:  # read step-1 while `step` runs
                 history.append(rows.row(*pending))
             pending = None
@@ -106,6 +111,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                 held_out = evaluation.start(state.params) if evaluation is not None and evaluation.due(done, steps) else None
                 pending = (step, metrics, held_out)
     finally:
+        profiler.stop()
         bar.close()
         writers.close()
         if checkpoints is not None:

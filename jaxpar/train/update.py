@@ -23,46 +23,46 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     step's counts into metrics (`summarise(counts)`)."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
-    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any) -> tuple[TrainState, dict]:
-        if offload:  # fetch from host memory for the update
-            state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
-                                        opt_state=to_device(state.opt_state, placement.working.opt_state))
+    def apply(state: TrainState, grads: Any, counts: dict) -> TrainState:
         # in float32 the parameters are the master weights
         master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
-        counts = sums.get("counts", {})
         if counts and hasattr(model, "update"):
             master = model.update(master, counts)
-        # A non-finite loss or gradient leaves the state as it was; the loop then stops or
-        # skips (train.on_nonfinite), naming the first bad gradient.
-        finite_grads = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-        finite = jnp.isfinite(loss) & jnp.all(finite_grads)
-        guard = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        opt_state = guard(opt_state, state.opt_state)
-        if mixed:
-            master = guard(master, state.master)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
-        if not mixed:  # the old weights are at hand in the parameter sharding: no gather for the guard
-            params = guard(params, state.params)
-        # A step not applied does not count: the schedule (state.step, and the optimizer's
-        # own count) stays where the weights are.
-        new = TrainState(step=jnp.where(finite, state.step + 1, state.step), params=params,
-                         master=master if mixed else None, opt_state=opt_state)
-        return new, step_metrics(loss, sums, grads, finite, finite_grads, lr_schedule, state.step, model)
+        return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state)
+
+    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any) -> tuple[TrainState, dict]:
+        if offload:  # fetch from host memory for the update
+            state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
+                                        opt_state=to_device(state.opt_state, placement.working.opt_state))
+        counts = sums.get("counts", {})
+        # A non-finite loss or gradient leaves the state as it was, and the schedule
+        # (state.step, the optimizer's count) where the weights are; the loop then stops or
+        # skips (train.on_nonfinite), naming the first bad gradient. A branch, not a select
+        # over the whole state: a finite step pays only for the test. Each gradient's
+        # squared sum is finite exactly when the gradient is (or when it overflows float32,
+        # and then its norm, which clipping divides by, is infinite too).
+        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
+        finite_grads = jnp.isfinite(jnp.stack(squares))
+        finite = jnp.isfinite(loss) & jnp.all(finite_grads)
+        new = jax.lax.cond(finite, apply, lambda state, grads, counts: state, state, grads, counts)
+        grad_norm = jnp.sqrt(sum(squares))
+        return new, step_metrics(loss, sums, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 
     return update
 
 
-def step_metrics(loss, sums: dict, grads: Any, finite, finite_grads, lr_schedule, step, model: Any) -> dict:
+def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule, step, model: Any) -> dict:
     """What the loop shows and logs. The learning rate only where the schedule is known:
     a custom optax `tx` passed to `build` without its `lr_schedule` reports none."""
     counts = sums.get("counts", {})
     return {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         **({"learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)} if lr_schedule is not None else {}),
         "nonfinite": (~finite).astype(jnp.float32),
         # which gradient leaf (in tree order) is the first non-finite one, -1 if none

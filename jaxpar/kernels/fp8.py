@@ -1,0 +1,104 @@
+"""FP8 matmuls with per-tensor current scaling, as `train.matmul_dtype=fp8` runs the
+projections (jaxpar.sharding.projections).
+
+  forward    y  = (x/sx)_e4m3 . (w/sw)_e4m3 * sx*sw
+  backward   dx = (g/sg)_e5m2 . (w/sw)_e4m3 * sg*sw
+             dw = (x/sx)_e4m3 . (g/sg)_e5m2 * sx*sg
+
+e4m3 (3 mantissa bits, range +-448) for weights and activations; e5m2 (range +-57344) for
+gradients, whose range is wider. Each tensor's scale comes from its own absolute maximum
+in this step ("current" scaling), rounded up to a power of two:
+  - no scaling state: nothing to carry through microbatches, pipeline stages and
+    checkpoints, and no overflow when a distribution jumps between steps (the failure of
+    delayed scaling, which reads last steps' amax history);
+  - a power of two divides exactly, so an element's 8-bit value depends only on itself and
+    the exponent of the tensor's amax. Under FSDP or TP the amax is taken over the whole
+    (logical) tensor, a scalar all-reduce, so every layout quantizes as one device does.
+The cost is one more read of each operand for its amax, which XLA fuses into the op that
+produces it. The forward keeps the 8-bit operands for the backward: half the bytes of bf16.
+
+Dots take 8-bit operands and accumulate in float32, the form XLA's GPU compiler turns into
+cuBLASLt FP8 GEMMs on Hopper (e4m3 x e4m3, e5m2 x e4m3); on CPU they run upcast. The plain
+reference, `reference_tensordot`, quantizes and dequantizes in float32 and multiplies in
+float32: the kernel equals it up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FORWARD = jnp.float8_e4m3fn
+GRADIENT = jnp.float8_e5m2
+
+
+def scale_of(x: jax.Array, dtype) -> jax.Array:
+    """The float32 power of two by which x is divided to fill dtype's range: 2^ceil(log2(amax
+    / max)). An all-zero tensor gets 1."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    ratio = amax / float(jnp.finfo(dtype).max)
+    return jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(ratio))), 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(x / scale in dtype, scale): saturated at dtype's maximum (a non-finite x stays
+    non-finite, for the step's guard to see)."""
+    scale = scale_of(x, dtype)
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype), scale
+
+
+def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tuple[int, ...]) -> jax.Array:
+    return jax.lax.dot_general(a, b, ((contract_a, contract_b), ((), ())), preferred_element_type=jnp.float32)
+
+
+def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
+    """jnp.tensordot(x, w, axes) (x's last `axes` dimensions against w's first) in FP8; the
+    result in x's dtype, the gradients in their operands' dtypes."""
+    batch = x.ndim - axes  # x's leading, uncontracted dimensions; the gradient's too
+
+    @jax.custom_vjp
+    def dot(x, w):
+        return forward(x, w)[0]
+
+    def forward(x, w):
+        qx, sx = quantize(x, FORWARD)
+        qw, sw = quantize(w, FORWARD)
+        y = _dot(qx, qw, tuple(range(batch, x.ndim)), tuple(range(axes))) * (sx * sw)
+        return y.astype(x.dtype), (qx, sx, qw, sw)
+
+    def backward(residuals, g):
+        qx, sx, qw, sw = residuals
+        qg, sg = quantize(g, GRADIENT)
+        dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim))) * (sg * sw)
+        dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch))) * (sx * sg)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    dot.defvjp(forward, backward)
+    return dot(x, w)
+
+
+def reference_tensordot(x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
+    """The plain reference: each operand quantized and dequantized in float32, one float32
+    tensordot, the gradient quantized the same way on its way back."""
+
+    @jax.custom_vjp
+    def dot(x, w):
+        return jnp.tensordot(_round_trip(x, FORWARD), _round_trip(w, FORWARD), axes=axes).astype(x.dtype)
+
+    def forward(x, w):
+        return dot(x, w), (x, w)
+
+    def backward(residuals, g):
+        x, w = residuals
+        dx, dw = jax.vjp(lambda x, w: jnp.tensordot(x, w, axes=axes),
+                         _round_trip(x, FORWARD), _round_trip(w, FORWARD))[1](_round_trip(g, GRADIENT))
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    dot.defvjp(forward, backward)
+    return dot(x, w)
+
+
+def _round_trip(x: jax.Array, dtype) -> jax.Array:
+    q, scale = quantize(x, dtype)
+    return q.astype(jnp.float32) * scale

@@ -1,0 +1,83 @@
+"""A `jax.profiler` trace of chosen steps (train.profile_steps="START:STOP", steps START to
+STOP-1, counted from 0), written to train.profile_dir in the layout TensorBoard's profile
+plugin and Perfetto read: DIR/plugins/profile/<run>/<host>.xplane.pb (and .trace.json.gz).
+
+Each traced step is marked with a StepTraceAnnotation, so the viewer's overview splits the
+trace per step. Steps are dispatched ahead of the devices; the trace stops only once the
+last traced step has finished, so its device work is in the file. Each process writes its
+own host's file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+
+import jax
+
+from jaxpar.errors import ConfigError
+
+
+def parse_steps(spec: str) -> tuple[int, int] | None:
+    """"START:STOP" -> (START, STOP); "" -> None. ConfigError on anything else."""
+    if not spec:
+        return None
+    start, sep, stop = spec.partition(":")
+    try:
+        window = int(start), int(stop)
+    except ValueError:
+        window = None
+    if not sep or window is None or not 0 <= window[0] < window[1]:
+        raise ConfigError(f"train.profile_steps={spec!r}; give START:STOP with 0 <= START < STOP, e.g. 5:8 to trace "
+                          "steps 5, 6 and 7 (counted from 0), or leave it empty")
+    return window
+
+
+class Profiler:
+    """Starts the trace before step START, stops it after step STOP-1 (or at the run's end)."""
+
+    def __init__(self, spec: str, folder: str):
+        self.window = parse_steps(spec)
+        self.folder = folder
+        self.active = False
+
+    def prepare(self) -> None:
+        """Before anything compiles: the folder can be made (one line if not)."""
+        if self.window is None:
+            return
+        path = pathlib.Path(self.folder)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"train.profile_dir={self.folder!r} is a file; give a directory for the trace, "
+                              "e.g. runs/profile")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"train.profile_dir={self.folder!r} cannot be created ({e.strerror}); give a "
+                              "writable directory") from None
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Around one step's dispatch."""
+        if self.window is None or not self.window[0] <= step < self.window[1]:
+            yield
+            return
+        if not self.active:
+            jax.profiler.start_trace(self.folder)
+            self.active = True
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            yield
+
+    def after(self, step: int, state) -> None:
+        """After step `step` was dispatched: at the window's last step, wait for it and stop."""
+        if self.active and step == self.window[1] - 1:
+            self.stop(state)
+
+    def stop(self, state=None) -> None:
+        if not self.active:
+            return
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        self.active = False
+        if jax.process_index() == 0:
+            print(f"wrote the trace of steps {self.window[0]}-{self.window[1] - 1} to {self.folder} "
+                  f"(tensorboard --logdir {self.folder}, or ui.perfetto.dev)", flush=True)

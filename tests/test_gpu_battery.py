@@ -1,0 +1,76 @@
+"""The GPU battery's summary (benchmarks/gpu_battery.py): ratios, targets and the table from
+a made-up set of section results; nothing runs (the battery itself needs minutes)."""
+
+import importlib.util
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("jaxpar_benchmarks_gpu_battery", ROOT / "benchmarks" / "gpu_battery.py")
+battery = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = battery  # dataclasses look their module up there
+_spec.loader.exec_module(battery)
+
+
+def side(tokens_per_s, mfu):
+    return {"tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": 16384 / tokens_per_s}
+
+
+def attention_row(dtype, out, grad, ref_s, cudnn_s):
+    errors = {f"{who}_{g}_error": grad if g != "out" else out for who in ("cudnn", "reference")
+              for g in ("out", "dq", "dk", "dv")}
+    return {"seq": 2048, "dtype": dtype, **errors, "reference_fwd_bwd_seconds": ref_s, "cudnn_fwd_bwd_seconds": cudnn_s}
+
+
+def results():
+    """What the sections' JSON files hold, trimmed to the fields the summary reads."""
+    ok = lambda doc: {"status": "ok", "wall_s": 10.0, "result": doc}  # noqa: E731
+    return {
+        "mfu_bf16": ok({"jaxpar": side(96000, 0.56), "pytorch": side(75000, 0.44)}),
+        "mfu_fp8": ok({"jaxpar": side(115200, 0.67), "pytorch": {"skipped": "--no-peer"}}),
+        "plan": ok({"prediction": {"step_s": 0.12, "mfu": 0.78}}),
+        "cudnn": ok({"cudnn": [attention_row("bfloat16", 4e-3, 8e-3, 0.02, 0.004),
+                               attention_row("float16", 1e-3, 2e-3, 0.01, 0.002), {"packed": True, "skipped": "no"}]}),
+        "overlap": ok({"how": "mock", "variants": {
+            "preset=none,collective_matmul=none": {"overlapped_share": 0.6},
+            "preset=overlap,collective_matmul=none": {"overlapped_share": 0.8}}}),
+        "gpu_checks": {"status": "timeout", "wall_s": 300.0, "error": "stopped after 300 s", "result": {
+            "offload": [{"setting": "resident", "losses": [3.0, 2.5]},
+                        {"setting": "offload_optimizer", "losses": [3.0, 2.5]}]}},
+    }
+
+
+def test_targets_ratios_and_table_on_a_gpu():
+    done = results()
+    s = battery.summarize(done, gpu=True)
+    assert abs(s["jaxpar_over_pytorch"] - 1.28) < 1e-9 and abs(s["fp8_over_bf16"] - 1.2) < 1e-9
+    assert {k: t["verdict"] for k, t in s["targets"].items()} == {
+        "mfu": "ok", "jaxpar_over_pytorch": "ok", "fp8_over_bf16": "MISSED"}
+    assert abs(s["plan"]["predicted_over_measured"] - 0.12 / (16384 / 96000)) < 1e-9
+    assert s["overlap"]["preset_none"] == 0.6 and s["overlap"]["preset_overlap"] == 0.8
+    assert s["cudnn"]["cases"] == 2 and s["cudnn"]["grad_error"] == 8e-3 and s["cudnn"]["fwd_bwd_speedup"] == [5.0, 5.0]
+    assert s["gpu_checks"] == {"pallas_out_error": None, "grouped_error": None, "offload_losses_agree": True}
+    table = battery.render(done, s, {"platform": "gpu", "gpu": True, "device": "H100", "jax": "0.11.2"})
+    assert "fp8_over_bf16" in table and "MISSED" in table and "stopped after 300 s" in table
+    assert "skipped" not in table.split("target")[0].split("speed")[1]  # all three speeds measured
+
+
+def test_without_a_gpu_nothing_is_judged():
+    done = results()
+    done["mfu_bf16"]["result"]["pytorch"] = {"skipped": "not installed: torch"}
+    for name in ("cudnn", "gpu_checks"):
+        done[name] = {"status": "skipped", "error": "no GPU"}
+    s = battery.summarize(done, gpu=False)
+    assert s["jaxpar_over_pytorch"] is None and s["pytorch"] == {"skipped": "not installed: torch"}
+    assert {t["verdict"] for t in s["targets"].values()} == {"n/a (no GPU)"}
+    assert s["plan"]["measured_s"] is None and s["plan"]["predicted_s"] == 0.12
+    table = battery.render(done, s, {"platform": "cpu", "gpu": False})
+    assert "CPU part only" in table and "not installed: torch" in table and "no GPU" in table
+
+
+def test_a_failed_section_leaves_the_rest():
+    done = results()
+    done["mfu_bf16"] = {"status": "error", "wall_s": 5.0, "error": "exit status 1: boom", "result": None}
+    s = battery.summarize(done, gpu=True)
+    assert s["targets"]["mfu"]["verdict"] == "n/a (not measured)" and s["fp8_over_bf16"] is None
+    assert s["cudnn"]["cases"] == 2 and "boom" in battery.render(done, s, {"platform": "gpu", "gpu": True})
