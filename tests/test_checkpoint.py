@@ -22,10 +22,13 @@ def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])  # bfloat16: fp32 master weights saved too
-def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path, compute_dtype):
+# bfloat16: fp32 master weights saved too; fp8: its scales are taken afresh each step, so
+# nothing of FP8's is saved, and resuming must still repeat the losses
+@pytest.mark.parametrize("compute_dtype, matmul_dtype", [("float32", "compute"), ("bfloat16", "compute"),
+                                                         ("bfloat16", "fp8")])
+def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path, compute_dtype, matmul_dtype):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=4",
-                                          f"train.compute_dtype={compute_dtype}"])
+                                          f"train.compute_dtype={compute_dtype}", f"train.matmul_dtype={matmul_dtype}"])
     whole = run(build(config), progress=False)
     saving = apply_overrides(config, [f"checkpoint.dir={tmp_path}", "checkpoint.every=1"])
     first = run(build(saving), steps=2, progress=False)  # "killed" after step 2
