@@ -241,7 +241,9 @@ def _train(args) -> int:
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
-            f"compute {config.train.compute_dtype} | batch {config.train.global_batch} x {config.train.microbatches} microbatches",
+            f"compute {config.train.compute_dtype}"
+            f"{', fp8 matmuls' if config.train.matmul_dtype == 'fp8' else ''} | "
+            f"batch {config.train.global_batch} x {config.train.microbatches} microbatches",
             flush=True,
         )
     try:
