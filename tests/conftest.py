@@ -64,7 +64,7 @@ SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whol
     "test_zero.py::test_remat_policy_equals_single_device[selective]": "remat",
     "test_xla_options.py::test_step_with_the_overlap_preset_equals_the_single_device_run": "XLA overlap preset",
     "test_inspect.py::test_zero_memory_and_traffic_match_the_paper[3]": "explain",
-    "test_checkpoint.py::test_resumed_run_repeats_the_uninterrupted_one_bitwise[float32]": "checkpoints",
+    "test_checkpoint.py::test_resumed_run_repeats_the_uninterrupted_one_bitwise[float32-compute]": "checkpoints",
     "test_distributed.py::test_each_process_reads_only_its_rows": "several processes",
     "test_checks.py::test_base_configs_pass_every_rule[llama]": "config checks",
     "test_cli.py::test_train_writes_metrics": "jaxpar train",
