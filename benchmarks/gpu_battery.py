@@ -39,6 +39,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks.mfu, for the plan section
+
+from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 BATCH, SEQ = 8, 2048  # mfu.py's run, which the plan section predicts
 TARGETS = {"mfu": 0.55, "jaxpar_over_pytorch": 1.2, "fp8_over_bf16": 1.3}
 MIN_SECTION_S = 20  # a section with less of the budget left is not started
@@ -171,17 +173,9 @@ def plan_section(out: str) -> int:
     doc = {"model": SHAPE, "batch": BATCH, "seq_len": SEQ, "layout": layout.describe(), "overrides": overrides,
            "hardware": hw.describe(), "estimate": guess, "compile_s": time.perf_counter() - t0, **found,
            "fits": found.get("memory", 0) <= hbm_gb * 2**30 * RUNTIME_SHARE, "hbm_gb": hbm_gb}
-    write_json(pathlib.Path(out), doc)
+    write(doc, pathlib.Path(out))
     print(json.dumps(doc, indent=1, default=str))
     return 0 if "prediction" in found else 1
-
-
-def write_json(path: pathlib.Path, doc: dict) -> None:
-    """Atomically (a temporary file renamed): an interrupted run leaves the last whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    tmp.replace(path)
 
 
 # ---- the summary: pure functions of the sections' results (tests/test_gpu_battery.py) ----
@@ -329,8 +323,8 @@ def main(argv=None) -> int:
     done = run_all(chosen, setup["gpu"], args.budget, workdir)
     setup.update(total_s=round(time.perf_counter() - t0, 1), budget_s=args.budget, logs=str(workdir))
     summary = summarize(done, setup["gpu"])
-    write_json(ROOT / args.out if not os.path.isabs(args.out) else pathlib.Path(args.out),
-               {"setup": setup, "summary": summary, "sections": done})
+    write({"setup": setup, "summary": summary, "sections": done},
+          ROOT / args.out if not os.path.isabs(args.out) else pathlib.Path(args.out))
     print("\n" + render(done, summary, setup))
     print(f"\nwrote {args.out} in {setup['total_s']:.0f} s (children's logs in {workdir})")
     return 0

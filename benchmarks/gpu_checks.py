@@ -297,10 +297,11 @@ SECTIONS = {
 
 
 def write(doc: dict, out: pathlib.Path) -> None:
-    """Atomically: a reader (the GPU battery) never sees half a file."""
+    """Atomically (a temporary file renamed): a reader (the GPU battery) never sees half a
+    file, and an interrupted run leaves the last whole one."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
     tmp.replace(out)
 
 

@@ -44,6 +44,11 @@ def _topk_sent(c: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return flat[indices], indices
 
 
+def _dense(values: jax.Array, indices: jax.Array, like: jax.Array) -> jax.Array:
+    """The entries (values, flat indices) summed into zeros shaped like `like`."""
+    return jnp.zeros(like.size, like.dtype).at[indices].add(values).reshape(like.shape)
+
+
 def topk_mean(g: jax.Array, residual: jax.Array, fraction: float, mesh: Mesh, axis: str) -> tuple[jax.Array, jax.Array]:
     """(mean over replicas of what each sent [...], new residuals [n, ...])."""
     k = topk_count(math.prod(g.shape[1:]), fraction)
@@ -51,11 +56,10 @@ def topk_mean(g: jax.Array, residual: jax.Array, fraction: float, mesh: Mesh, ax
     def body(g, residual):
         c = (g + residual)[0]
         values, indices = _topk_sent(c, k)
-        sent = jnp.zeros(c.size, c.dtype).at[indices].set(values).reshape(c.shape)
         all_values = jax.lax.all_gather(values, axis, to="invarying").reshape(-1)  # n x k pairs on the wire
         all_indices = jax.lax.all_gather(indices, axis, to="invarying").reshape(-1)
-        total = jnp.zeros(c.size, c.dtype).at[all_indices].add(all_values).reshape(c.shape)
-        return total / jax.lax.axis_size(axis), (c - sent)[None]
+        total = _dense(all_values, all_indices, c)
+        return total / jax.lax.axis_size(axis), (c - _dense(values, indices, c))[None]
 
     spec = P(axis)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(P(), spec))(g, residual)
@@ -65,12 +69,7 @@ def topk_mean_reference(g: jax.Array, residual: jax.Array, fraction: float) -> t
     """The same numbers from the stacked replicas, no collective."""
     k = topk_count(math.prod(g.shape[1:]), fraction)
     c = g + residual
-
-    def dense_sent(c):
-        values, indices = _topk_sent(c, k)
-        return jnp.zeros(c.size, c.dtype).at[indices].set(values).reshape(c.shape)
-
-    sent = jax.vmap(dense_sent)(c)
+    sent = jax.vmap(lambda c: _dense(*_topk_sent(c, k), c))(c)
     return jnp.mean(sent, axis=0), c - sent
 
 

@@ -84,10 +84,11 @@ def reference_tensordot(x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
 
     @jax.custom_vjp
     def dot(x, w):
-        return jnp.tensordot(_round_trip(x, FORWARD), _round_trip(w, FORWARD), axes=axes).astype(x.dtype)
+        return forward(x, w)[0]
 
     def forward(x, w):
-        return dot(x, w), (x, w)
+        y = jnp.tensordot(_round_trip(x, FORWARD), _round_trip(w, FORWARD), axes=axes)
+        return y.astype(x.dtype), (x, w)
 
     def backward(residuals, g):
         x, w = residuals

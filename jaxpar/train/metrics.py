@@ -36,11 +36,17 @@ def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None) -> No
         prepare_file(metrics_file, f"metrics_file={metrics_file!r} (--metrics-file)", "metrics.jsonl")
     if tensorboard_dir:
         summary_writer(tensorboard_dir)
-        path = pathlib.Path(tensorboard_dir)
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"tensorboard_dir={tensorboard_dir!r} (--tensorboard) is a file; give a directory "
-                              "for the event files, e.g. runs/tb")
-        _make_folder(path, f"tensorboard_dir={tensorboard_dir!r} (--tensorboard)")
+        prepare_folder(tensorboard_dir, f"tensorboard_dir={tensorboard_dir!r} (--tensorboard)", "the event files",
+                       "runs/tb")
+
+
+def prepare_folder(folder: str, what: str, contents: str, example: str) -> None:
+    """Before anything compiles: refuse a folder path that is a file, and create the folder.
+    `what` names the option; `contents` what goes in it; `example` a folder."""
+    path = pathlib.Path(folder)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} is a file; give a directory for {contents}, e.g. {example}")
+    _make_folder(path, what)
 
 
 def prepare_file(file: str, what: str, example: str) -> None:

@@ -11,11 +11,11 @@ own host's file.
 from __future__ import annotations
 
 import contextlib
-import pathlib
 
 import jax
 
 from jaxpar.errors import ConfigError
+from jaxpar.train.metrics import prepare_folder
 
 
 def parse_steps(spec: str) -> tuple[int, int] | None:
@@ -43,17 +43,8 @@ class Profiler:
 
     def prepare(self) -> None:
         """Before anything compiles: the folder can be made (one line if not)."""
-        if self.window is None:
-            return
-        path = pathlib.Path(self.folder)
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"train.profile_dir={self.folder!r} is a file; give a directory for the trace, "
-                              "e.g. runs/profile")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"train.profile_dir={self.folder!r} cannot be created ({e.strerror}); give a "
-                              "writable directory") from None
+        if self.window is not None:
+            prepare_folder(self.folder, f"train.profile_dir={self.folder!r}", "the trace", "runs/profile")
 
     @contextlib.contextmanager
     def step(self, step: int):
