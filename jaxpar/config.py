@@ -39,6 +39,14 @@ class ParallelConfig:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     quantization_block: int = 256
+    # Compress the gradient reduction over mesh.data across hosts (jaxpar.train.compression;
+    # needs mesh.hosts.data = mesh.data > 1, the in-host part of data parallelism on
+    # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
+    # factors of each device's block of each gradient matrix, warm-started, with error
+    # feedback) | topk (the topk_fraction largest entries of each block, error feedback).
+    gradient_compression: str = "none"
+    powersgd_rank: int = 4
+    topk_fraction: float = 0.01
     # fp32 master weights and optimizer state rest in pinned host memory between steps and
     # are brought to the device for the update.
     offload_optimizer: bool = False
@@ -73,6 +81,11 @@ class ParallelConfig:
     # parameters is > 1 rests whole on every device: warn (name it and the rule that would
     # shard it), error (refuse the layout), or allow (say nothing).
     on_replicated: str = "warn"
+
+    @property
+    def int8_gradients(self) -> bool:
+        """qgZ, by either of its names."""
+        return self.quantized_gradients or self.gradient_compression == "int8"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,9 +235,11 @@ def pipeline_zero_stage(config, sizes) -> None:
 
 @rule(
     "pipeline-without-zero-plus-plus",
-    fields=["parallel.quantized_weights", "parallel.quantized_gradients", "mesh.stage"],
-    summary="ZeRO++ quantized collectives are not wired into pipeline stages yet.",
+    fields=["parallel.quantized_weights", "parallel.quantized_gradients", "parallel.gradient_compression", "mesh.stage"],
+    summary="ZeRO++ quantized collectives and gradient compression are not wired into pipeline stages yet.",
     example=["mesh.stage=2", "train.microbatches=2", "mesh.fsdp=2", "parallel.quantized_weights=true"],
+    also=[["mesh.stage=2", "train.microbatches=2", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=2",
+           "parallel.gradient_compression=topk"]],
 )
 def pipeline_without_zero_plus_plus(config, sizes) -> None:
     p = sizes["stage"]
@@ -247,3 +249,9 @@ def pipeline_without_zero_plus_plus(config, sizes) -> None:
                 f"parallel.{flag}=true with mesh.stage={p}: ZeRO++ collectives are not wired into pipeline stages "
                 f"yet; set parallel.{flag}=false or mesh.stage=1"
             )
+    if p > 1 and config.parallel.gradient_compression != "none":
+        raise ConfigError(
+            f"parallel.gradient_compression={config.parallel.gradient_compression} with mesh.stage={p}: compressed "
+            "gradient reductions are not wired into pipeline stages yet; set parallel.gradient_compression=none or "
+            "mesh.stage=1"
+        )

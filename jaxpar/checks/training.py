@@ -192,18 +192,72 @@ def quantized_weights_need_sharded_params(config, sizes) -> None:
 
 @rule(
     "quantized-gradients-need-data-sharding",
-    fields=["parallel.quantized_gradients", "mesh.data", "parallel.zero_stage"],
-    summary="qgZ quantizes the gradient reduce-scatter over mesh.data, so it needs mesh.data > 1 and ZeRO >= 1.",
+    fields=["parallel.quantized_gradients", "parallel.gradient_compression", "mesh.data", "parallel.zero_stage"],
+    summary="qgZ (parallel.quantized_gradients, or gradient_compression=int8) quantizes the gradient reduce-scatter "
+    "over mesh.data, so it needs mesh.data > 1 and ZeRO >= 1.",
     example=["parallel.quantized_gradients=true"],
+    also=[["parallel.gradient_compression=int8"]],
 )
 def quantized_gradients_need_data_sharding(config, sizes) -> None:
     stage = config.parallel.zero_stage
-    if config.parallel.quantized_gradients and (sizes["data"] == 1 or stage == 0):
+    if config.parallel.int8_gradients and (sizes["data"] == 1 or stage == 0):
+        named = ("parallel.quantized_gradients=true" if config.parallel.quantized_gradients
+                 else "parallel.gradient_compression=int8")
         raise ConfigError(
-            f"parallel.quantized_gradients=true quantizes the gradient reduce-scatter over mesh.data, but "
+            f"{named} quantizes the gradient reduce-scatter over mesh.data, but "
             f"mesh.data={sizes['data']} and zero_stage={stage}; use mesh.data>1 and parallel.zero_stage>=1 "
             "(so the data axis shards the reduced gradient)"
         )
+
+
+GRADIENT_COMPRESSION = ("none", "int8", "powersgd", "topk")
+
+
+@rule(
+    "gradient-compression",
+    fields=["parallel.gradient_compression", "parallel.powersgd_rank", "parallel.topk_fraction",
+            "parallel.quantized_gradients", "mesh.hosts", "mesh.data"],
+    summary="parallel.gradient_compression is none, int8, powersgd or topk; powersgd and topk compress the "
+    "reduction over mesh.data across hosts, so they need every data replica on its own host "
+    "(mesh.hosts.data = mesh.data > 1), a rank >= 1, a fraction in (0, 1].",
+    example=["parallel.gradient_compression=lossy"],
+    also=[["parallel.gradient_compression=topk", "parallel.topk_fraction=0", "mesh.data=2", "mesh.hosts.data=2",
+           "mesh.fsdp=4"],
+          ["parallel.gradient_compression=powersgd", "parallel.powersgd_rank=0", "mesh.data=2", "mesh.hosts.data=2",
+           "mesh.fsdp=4"],
+          ["parallel.gradient_compression=powersgd", "mesh.data=2", "mesh.fsdp=4"],
+          ["parallel.gradient_compression=topk", "mesh.data=4", "mesh.hosts.data=2", "mesh.fsdp=2"],
+          ["parallel.gradient_compression=topk", "parallel.quantized_gradients=true", "mesh.data=2",
+           "mesh.hosts.data=2", "mesh.fsdp=4", "parallel.zero_stage=1"]],
+)
+def gradient_compression(config, sizes) -> None:
+    parallel, method = config.parallel, config.parallel.gradient_compression
+    if method not in GRADIENT_COMPRESSION:
+        raise ConfigError(f"parallel.gradient_compression={method!r}; use one of {', '.join(GRADIENT_COMPRESSION)}")
+    if method in ("none", "int8"):
+        return
+    if method == "topk" and not 0 < parallel.topk_fraction <= 1:
+        raise ConfigError(f"parallel.topk_fraction={parallel.topk_fraction}: the share of each gradient block "
+                          "sent; use 0 < fraction <= 1 (e.g. 0.01)")
+    if method == "powersgd" and parallel.powersgd_rank < 1:
+        raise ConfigError(f"parallel.powersgd_rank={parallel.powersgd_rank}; use a rank >= 1 (e.g. 4)")
+    data, across = sizes["data"], config.mesh.hosts.data
+    if across < 2:
+        raise ConfigError(
+            f"parallel.gradient_compression={method} compresses the reduction over mesh.data across hosts, but "
+            f"mesh.hosts.data={across} puts no data replicas on other hosts; set mesh.data and mesh.hosts.data to the "
+            "number of hosts (e.g. mesh.data=2 mesh.hosts.data=2) and mesh.fsdp to the devices per host"
+        )
+    if data != across:
+        raise ConfigError(
+            f"parallel.gradient_compression={method} with mesh.data={data} and mesh.hosts.data={across}: "
+            f"{data // across} data replicas share each host, and compression would cover their in-host reduction "
+            f"too; set mesh.data={across} and put the in-host degree on mesh.fsdp (x{data // across}), where it stays exact"
+        )
+    if parallel.quantized_gradients:
+        raise ConfigError(f"parallel.quantized_gradients=true with parallel.gradient_compression={method}: one "
+                          "compressor per reduction; set parallel.quantized_gradients=false, or "
+                          "parallel.gradient_compression=int8 (the same qgZ)")
 
 
 @rule(

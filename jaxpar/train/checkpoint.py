@@ -2,7 +2,8 @@
 restorable onto any layout.
 
 A checkpoint holds the TrainState (parameters, fp32 master weights, optimizer state, step)
-in the model's layer order, and a JSON record of the step, the data position (batches are
+in the model's layer order, gradient compression's state (residuals, PowerSGD factors) as an
+item of its own, and a JSON record of the step, the data position (batches are
 a function of the seed and the step: jaxpar.data.sources) and the config. Nothing in it is
 pickled: arrays are tensorstore files, the rest JSON.
 
@@ -74,7 +75,12 @@ class Checkpoints:
         }
         if trainer.pipeline is not None:  # on the devices, in the state's own shardings
             state = jax.jit(trainer.model_order, out_shardings=trainer.state_shardings)(state)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        items = {}
+        if state.compression is not None:  # its own item: a run that compresses differently starts it afresh
+            items["compression"] = ocp.args.StandardSave(state.compression)
+            meta["compression"] = compression_signature(trainer)
+            state = dataclasses.replace(state, compression=None)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), **items)
         self.manager.save(step, args=args, force=True)
 
     def restore(self, trainer, step: int | None = None) -> tuple[Any, int]:
@@ -149,7 +155,20 @@ class Checkpoints:
                 "another checkpoint.dir"
             )
         target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        items = {"state": ocp.args.StandardRestore(dataclasses.replace(target, compression=None))}
+        resume_compression = target.compression is not None and meta.get("compression") == compression_signature(trainer)
+        if resume_compression:
+            items["compression"] = ocp.args.StandardRestore(target.compression)
+        got = self.manager.restore(step, args=ocp.args.Composite(**items))
+        restored = got["state"]
+        if target.compression is not None:
+            if not resume_compression:
+                warnings.warn(f"checkpoint step {step} in {str(self.directory)!r} holds no gradient compression state for "
+                              f"this run's parallel.gradient_compression={trainer.config.parallel.gradient_compression} and "
+                              "layout (saved: " + str(meta.get("compression", "none")) + "); its residuals and factors start "
+                              "afresh", CompressionRestarted, stacklevel=3)
+            restored = dataclasses.replace(
+                restored, compression=got["compression"] if resume_compression else trainer.init_compression())
         if trainer.pipeline is not None:  # back to the stages' order (a copy only where there is one)
             restored = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
         return restored, int(meta["step"])
@@ -284,3 +303,17 @@ def _jsonable(value: Any) -> Any:
 
 class UnreadableCheckpoint(JaxparWarning):
     """The newest checkpoint step could not be read; an earlier one was used."""
+
+
+class CompressionRestarted(JaxparWarning):
+    """A checkpoint was resumed without its gradient compression state (none saved, or saved
+    for another method or layout): the residuals and factors start afresh."""
+
+
+def compression_signature(trainer) -> str:
+    """What a compression state's shapes depend on: the method, its rank or fraction, the
+    replicas and how each parameter is cut into blocks."""
+    c = trainer.compressor
+    knob = f"rank {c.rank}" if c.method == "powersgd" else f"fraction {c.fraction}"
+    blocks = "; ".join(f"{k} {b.shards}" for k, b in c.blocks.items())
+    return f"{c.method} {knob} over {c.replicas} replicas; blocks {blocks}"

@@ -39,15 +39,16 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
     return loss_sum
 
 
-def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, quantized_gradients: bool) -> bool:
+def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, own_reduction: bool) -> bool:
     """Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
-    (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and for
-    qgZ's int8 all-to-all, which replaces the reduction over data. Elsewhere each layer's
+    (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and where
+    the reduction over data is our own (`own_reduction`): qgZ's int8 all-to-all, a
+    compressor (jaxpar.train.compression). Elsewhere each layer's
     gradient is reduced inside the backward loop, where a GPU can overlap it with the
     layers still to go; so it is under hybrid sharding at ZeRO 2-3 too, summed over the
     replicas layer by layer (`batch_gradients`)."""
     return mesh_shape["data"] > 1 and (
-        mesh_shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or quantized_gradients
+        mesh_shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or own_reduction
     )
 
 
@@ -67,7 +68,7 @@ def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any]
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
                     microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any],
-                    quantized: bool = False) -> GradFn:
+                    quantized: bool = False, compressed: bool = False) -> GradFn:
     """Gradient of (sum of per-example losses over the global batch) / (its weight),
     accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
     the model's other sums over the batch (jaxpar.train.loss).
@@ -78,10 +79,14 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     qgZ, `quantized`, once the microbatch's backward pass ends, by `reduce`). Without
     accumulation there is no gradient buffer to keep whole: ZeRO-1 reduce-scatters straight
     to the optimizer's shards, like ZeRO-2.
+
+    `compressed`: the gradients are returned per replica ([data, ...], unreduced over data,
+    accumulated once per step at any ZeRO stage) for a compressor to average
+    (jaxpar.train.compression).
     """
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
-    per_step = replicas and zero_stage < 2  # reduce over data once per step
+    per_step = replicas and (zero_stage < 2 or compressed)  # reduce over data once per step
     # ZeRO 2-3 keep no whole gradient per replica: each layer's is summed over the replicas
     # inside the backward pass (jaxpar.train.replicas), except under qgZ, whose int8
     # all-to-all (`reduce`) takes the per-replica gradients whole.
@@ -110,6 +115,8 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         else:
             total, (weight, sums), g = accumulate(microbatch, params, split_batch(batch, microbatches, names, layout),
                                                   shardings.grads, per_step, layout.mesh.shape["data"])
+        if compressed:  # per replica, for the compressor
+            return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
         if per_step:
             g = reduce(g, shardings.optimizer)
         g = jax.lax.with_sharding_constraint(g, shardings.optimizer)

@@ -26,6 +26,9 @@ class TrainState:
     params: Any  # pure dict, compute dtype, parameter sharding
     master: Any  # pure dict, float32, optimizer sharding; None when compute dtype is float32
     opt_state: Any  # optimizer sharding
+    # Gradient compression's error-feedback residuals and factors
+    # (jaxpar.train.compression.CompressionState); None without compression.
+    compression: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +41,10 @@ class StatePlacement:
 
 
 def place_state(tx: optax.GradientTransformation, abstract_params: Any, shardings: StateShardings, mesh,
-                mixed: bool, offload: bool) -> StatePlacement:
+                mixed: bool, offload: bool, compression: Any = None) -> StatePlacement:
     """Shardings of every part of the state. Optimizer state that mirrors a parameter (Adam
     moments) is sharded like it; anything else (counts, adafactor's factored rows and
-    columns) is replicated."""
+    columns) is replicated. `compression`: the compression state's shardings, if any."""
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(
         tx,
@@ -57,19 +60,21 @@ def place_state(tx: optax.GradientTransformation, abstract_params: Any, sharding
 
     master = shardings.optimizer if mixed else None
     return StatePlacement(
-        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt)),
-        working=TrainState(replicated, shardings.params, master, opt),
+        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt), compression),
+        working=TrainState(replicated, shardings.params, master, opt, compression),
     )
 
 
-def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: Any) -> TrainState:
-    """Step 0 from the float32 weights."""
+def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: Any, compression: Any = None
+                  ) -> TrainState:
+    """Step 0 from the float32 weights (and the compression state's start, if any)."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=cast_floats(master, compute_dtype),
         master=master if mixed else None,
         opt_state=tx.init(master),
+        compression=compression,
     )
 
 

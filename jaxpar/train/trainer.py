@@ -35,6 +35,7 @@ from jaxpar.data.batch import Field, batch_fields, batch_shapes
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, param_names, use_layout
 from jaxpar.sharding.from_config import layout_for
+from jaxpar.train.compression import Compressor, make_compressor
 from jaxpar.train.gradients import batch_gradients, loss_sum_fn, replica_reducer, uses_replicas
 from jaxpar.train.loss import LossFn, task_loss
 from jaxpar.train.optim import make_optimizer
@@ -76,6 +77,9 @@ class Trainer:
     # (its arguments donated).
     start_from: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
+    # parallel.gradient_compression's compressor (jaxpar.train.compression), None without one
+    compressor: Compressor | None = None
+    init_compression: Any = None  # () -> the compression state's start, in its shardings
 
     @property
     def mesh(self):
@@ -124,8 +128,10 @@ def build(
     check_params(config, names, abstract_params, layout)
     tx = _train_params_only(tx, abstract)
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
+    compressor = make_compressor(config.parallel, names, abstract_params, shardings.grads, layout.mesh, config.train.seed)
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
-    placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer)
+    placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
+                            compressor.shardings() if compressor else None)
     fields = batch_fields(config.model, config.train.seq_len, config.data.eos_id)
     batch_shardings = {k: layout.sharding(f.names, "compute") for k, f in fields.items()}
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
@@ -134,19 +140,33 @@ def build(
     def start_from(master: Any) -> TrainState:
         if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
             master = in_pipeline_order(master, stages, chunks)
-        return initial_state(master, tx, config.train.compute_dtype)
+        return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None)
 
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
-    grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
+    grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn, compressor is not None)
     update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
                        config.parallel.offload_optimizer, config.model)
 
+    def reduced(params, batch, compression) -> tuple[jax.Array, dict, Any, Any]:
+        """The step's gradient, averaged over data through the compressor if there is one
+        (with the compressor's new state)."""
+        loss, sums, grads = grads_fn(params, batch)
+        if compressor is None:
+            return loss, sums, grads, None
+        grads, compression = compressor.reduce(grads, compression)
+        return loss, sums, jax.lax.with_sharding_constraint(grads, shardings.optimizer), compression
+
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
-        loss, sums, grads = grads_fn(state.params, batch)
-        return (*update(state, loss, sums, grads), grads)
+        loss, sums, grads, compression = reduced(state.params, batch, state.compression)
+        return (*update(state, loss, sums, grads, compression), grads)
+
+    def grads(params, batch) -> tuple[jax.Array, Any]:
+        """Under compression, from a fresh compression state (no residuals yet)."""
+        loss, _, g, _ = reduced(params, batch, compressor.init() if compressor else None)
+        return loss, g
 
     def evaluate(params, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once."""
@@ -163,27 +183,31 @@ def build(
         init=jax.jit(init, out_shardings=placement.resting),
         step=jit["step"](lambda state, batch: step(state, batch)[:2]),
         step_and_grads=jit["step_and_grads"](step),
-        grads=jit["grads"](lambda params, batch: _without_sums(grads_fn(params, batch))),
+        grads=jit["grads"](grads),
         evaluate=jit["evaluate"](evaluate),
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
         pipeline=program,
         start_from=jax.jit(start_from, out_shardings=placement.resting, donate_argnums=0),
         compiler_options=options,
+        compressor=compressor,
+        init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,
     )
 
 
 def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, shardings: StateShardings,
-               fields: dict[str, Field], loss_sum, loss_fn: LossFn):
-    """(the step's gradient function, the pipeline's program or None)."""
+               fields: dict[str, Field], loss_sum, loss_fn: LossFn, compressed: bool):
+    """(the step's gradient function, the pipeline's program or None). `compressed`: the
+    gradients come back per replica, for the compressor."""
     parallel, train = config.parallel, config.train
-    reduce = replica_reducer(layout, parallel.quantization_block if parallel.quantized_gradients else 0)
+    int8 = parallel.int8_gradients
+    reduce = replica_reducer(layout, parallel.quantization_block if int8 else 0)
     names = {k: f.names for k, f in fields.items()}
     if layout.mesh.shape["stage"] > 1:
         return pipelined_grads(config, layout, graphdef, names, lambda g: reduce(g, shardings.optimizer), loss_fn)
-    replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, parallel.quantized_gradients)
+    replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, int8 or compressed)
     return batch_gradients(loss_sum, layout, shardings, names, train.microbatches, parallel.zero_stage, replicas,
-                           reduce, parallel.quantized_gradients), None
+                           reduce, int8, compressed), None
 
 
 def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:
@@ -213,11 +237,6 @@ def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State) ->
     # Zeroed after `tx` rather than routed around it, so the optimizer state keeps the
     # parameters' tree (its shardings are derived leaf by leaf).
     return optax.chain(tx, optax.masked(optax.set_to_zero(), fixed))
-
-
-def _without_sums(out: tuple) -> tuple:
-    loss, _, grads = out
-    return loss, grads
 
 
 def warn_if_offload_is_a_no_op(config: Config, devices: Sequence[jax.Device]) -> None:

@@ -13,17 +13,18 @@ import optax
 from jaxpar.train.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.train.zero import StateShardings
 
-UpdateFn = Callable[[TrainState, jax.Array, dict, Any], tuple[TrainState, dict]]
+UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, grads, compression=None)
 
 
 def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, shardings: StateShardings,
               placement: StatePlacement, compute_dtype: Any, offload: bool, model: Any) -> UpdateFn:
-    """(state, loss, sums, grads) -> (new state, metrics). The model may adjust its weights
-    after the optimizer (`update(master, counts)`, e.g. MoE bias balancing) and turn the
-    step's counts into metrics (`summarise(counts)`)."""
+    """(state, loss, sums, grads, compression) -> (new state, metrics). The model may adjust
+    its weights after the optimizer (`update(master, counts)`, e.g. MoE bias balancing) and
+    turn the step's counts into metrics (`summarise(counts)`). `compression`: the gradient
+    compressor's new state (jaxpar.train.compression), kept only with the step."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
-    def apply(state: TrainState, grads: Any, counts: dict) -> TrainState:
+    def apply(state: TrainState, grads: Any, counts: dict, compression: Any) -> TrainState:
         # in float32 the parameters are the master weights
         master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(grads, state.opt_state, master)
@@ -33,9 +34,11 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
-        return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state)
+        return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state,
+                          compression=compression)
 
-    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any) -> tuple[TrainState, dict]:
+    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any, compression: Any = None
+               ) -> tuple[TrainState, dict]:
         if offload:  # fetch from host memory for the update
             state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
                                         opt_state=to_device(state.opt_state, placement.working.opt_state))
@@ -49,7 +52,12 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
         finite_grads = jnp.isfinite(jnp.stack(squares))
         finite = jnp.isfinite(loss) & jnp.all(finite_grads)
-        new = jax.lax.cond(finite, apply, lambda state, grads, counts: state, state, grads, counts)
+        if compression is not None:  # what a compressor left out of the gradients must be finite too
+            residual = jax.tree.leaves(compression.residual)
+            finite &= jnp.isfinite(sum(jnp.sum(jnp.square(r)) for r in residual))
+        else:
+            compression = state.compression
+        new = jax.lax.cond(finite, apply, lambda state, *_: state, state, grads, counts, compression)
         grad_norm = jnp.sqrt(sum(squares))
         return new, step_metrics(loss, sums, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 

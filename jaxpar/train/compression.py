@@ -1,0 +1,192 @@
+"""Compressed gradient reduction over `data` across hosts (parallel.gradient_compression =
+powersgd | topk), with error feedback (jaxpar.kernels.compression holds the kernels).
+
+The step computes one gradient per data replica ([data, ...], jaxpar.train.replicas), each
+already reduced inside its host over fsdp (exact), and averages them over `data`, whose
+replicas sit one per host (the `gradient-compression` rule), through a compressor instead
+of an all-reduce, so only compressed factors or (value, index) pairs cross the network:
+top-k picks the largest entries of each device's block of its replica's gradient; PowerSGD
+factors each whole gradient matrix, whatever the in-host layout. What a replica left out is
+its residual, added to its next gradient (error feedback); the residuals and PowerSGD's
+warm-started factors are training state (TrainState.compression), checkpointed with the
+rest.
+
+Replica r's gradient g_r sums its share of the batch's per-example losses over the global
+batch weight, so sum_r g_r is the step's gradient; the kernels average n x g_r, each
+replica's estimate of that gradient, and their residuals are in the same units.
+
+PowerSGD sees a gradient as a batch of matrices (jaxpar.kernels.compression.matrix_shape),
+the batch its leading dimensions named `layers` or `experts` (the layer scan's stack, the
+experts), the rest split into rows and columns where the matrix is closest to square. A
+matrix whose shorter side is below parallel.powersgd_rank is factored at that side's rank,
+which is exact (as PyTorch's PowerSGD hook does); a rank above every matrix's shorter side
+is refused. Parameters with fewer than two other dimensions (norm scales,
+biases) are averaged exactly. Top-k compresses every parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.errors import ConfigError
+from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split, powersgd_cross_host_floats,
+                                        powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
+from jaxpar.train.replicas import AXIS, without_data
+
+BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
+COMPRESSED = ("powersgd", "topk")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CompressionState:
+    residual: Any  # parameter-shaped: each replica's [data, ...] float32, what it has not sent yet
+    factors: Any  # PowerSGD: {parameter path: its Q [*batch, b, rank]}; top-k: None
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """How one parameter's gradient is cut: its shape, the spec of a replica's gradient
+    (its in-host sharding), the blocks per dimension, one device's block, and its leading
+    batch dims."""
+
+    shape: tuple[int, ...]
+    spec: P
+    shards: tuple[int, ...]
+    block: tuple[int, ...]
+    batch_dims: int
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) - self.batch_dims >= 2
+
+    @property
+    def sides(self) -> tuple[int, int]:
+        """PowerSGD's matrix [a, b] (per batch entry)."""
+        return matrix_shape(self.shape, self.batch_dims)[-2:]
+
+    @property
+    def factor_spec(self) -> P:
+        return factor_spec(self.spec, len(self.shape), self.batch_dims, matrix_split(self.shape, self.batch_dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    method: str  # powersgd | topk
+    rank: int
+    fraction: float
+    mesh: Mesh
+    blocks: dict[str, Block]  # parameter path -> how it is cut
+    treedef: Any  # the parameters' tree, whose leaves `blocks` lists in order
+    seed: int
+
+    @property
+    def replicas(self) -> int:
+        return self.mesh.shape[AXIS]
+
+    def factored(self) -> dict[str, Block]:
+        """The parameters PowerSGD factors (none under top-k)."""
+        return {k: b for k, b in self.blocks.items() if self.method == "powersgd" and b.is_matrix}
+
+    def rank_of(self, block: Block) -> int:
+        """The rank a matrix is factored at: parallel.powersgd_rank, or its shorter side."""
+        return min(self.rank, *block.sides)
+
+    def shardings(self) -> CompressionState:
+        residual = [NamedSharding(self.mesh, P(AXIS, *b.spec)) for b in self.blocks.values()]
+        factors = {k: NamedSharding(self.mesh, b.factor_spec) for k, b in self.factored().items()}
+        return CompressionState(jax.tree.unflatten(self.treedef, residual), factors if self.method == "powersgd" else None)
+
+    def init(self) -> CompressionState:
+        """Zero residuals and, for PowerSGD, Gaussian factors drawn from train.seed."""
+        residual = [jnp.zeros((self.replicas, *b.shape), jnp.float32) for b in self.blocks.values()]
+        keys = jax.random.split(jax.random.key(self.seed), max(1, len(self.blocks)))
+        factors = {k: powersgd_start(b.shape, self.rank_of(b), keys[i], b.batch_dims)
+                   for i, (k, b) in enumerate(self.blocks.items()) if k in self.factored()}
+        return CompressionState(jax.tree.unflatten(self.treedef, residual), factors if self.method == "powersgd" else None)
+
+    def reduce(self, grads: Any, state: CompressionState) -> tuple[Any, CompressionState]:
+        """(per-replica gradients [data, ...], state) -> (their sum, compressed, sharded as a
+        replica's gradient; the new state)."""
+        n, factored = self.replicas, self.factored()
+        leaves, residuals = jax.tree.leaves(grads), jax.tree.leaves(state.residual)
+        means, new_residuals, factors = [], [], {}
+        for (path, block), g, residual in zip(self.blocks.items(), leaves, residuals):
+            estimate = g * n  # each replica's estimate of the summed gradient
+            if self.method == "topk":
+                mean, residual = topk_mean(estimate, residual, self.fraction, self.mesh, AXIS, block.spec)
+            elif path in factored:
+                mean, factors[path], residual = powersgd_mean(estimate, state.factors[path], residual, self.mesh, AXIS,
+                                                              block.spec, block.batch_dims)
+            else:  # a vector: averaged exactly
+                mean = jax.lax.with_sharding_constraint(jnp.mean(estimate + residual, axis=0),
+                                                        NamedSharding(self.mesh, block.spec))
+                residual = jnp.zeros_like(residual)
+            means.append(mean)
+            new_residuals.append(residual)
+        new = CompressionState(jax.tree.unflatten(self.treedef, new_residuals),
+                               factors if self.method == "powersgd" else None)
+        return jax.tree.unflatten(self.treedef, means), new
+
+    def cross_host_bytes(self) -> dict[str, float]:
+        """Bytes each device sends across hosts per step, ring model: compressed, and what
+        an all-reduce of the same float32 blocks would send."""
+        n = self.replicas
+        ring = 2 * (n - 1) / n * 4  # all-reduce bytes per float32 element
+        compressed = dense = 0.0
+        for path, b in self.blocks.items():
+            size = math.prod(b.block)
+            dense += ring * size
+            if self.method == "topk":  # all-gather of n x k (float32 value, int32 index) pairs
+                compressed += (n - 1) * topk_count(size, self.fraction) * 8
+            elif path in self.factored():
+                compressed += ring * powersgd_cross_host_floats(b.shape, self.rank_of(b), b.spec, dict(self.mesh.shape),
+                                                                b.batch_dims)
+            else:
+                compressed += ring * size
+        return {"compressed": compressed, "uncompressed": dense}
+
+
+def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
+                    ) -> Compressor | None:
+    """The compressor parallel.gradient_compression asks for, or None (none, int8). Refuses
+    a PowerSGD rank above a side of a block it would factor, naming the parameter."""
+    method = parallel.gradient_compression
+    if method not in COMPRESSED:
+        return None
+    flat_names, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))
+    flat_shapes, flat_shardings = jax.tree.leaves(shapes), jax.tree.leaves(grad_shardings)
+    blocks = {}
+    for (path, n), shape, sharding in zip(flat_names, flat_shapes, flat_shardings):
+        spec = without_data(sharding).spec
+        shards = shard_counts(spec, dict(mesh.shape), len(shape.shape))
+        batch = next((i for i, name in enumerate(n.names) if name not in BATCH_NAMES), len(n.names))
+        blocks[jax.tree_util.keystr(path, simple=True, separator=".")] = Block(
+            tuple(shape.shape), spec, shards, tuple(d // s for d, s in zip(shape.shape, shards)), batch)
+    compressor = Compressor(method, parallel.powersgd_rank, parallel.topk_fraction, mesh, blocks, treedef, seed)
+    check_rank(compressor)
+    return compressor
+
+
+def check_rank(compressor: Compressor) -> None:
+    """PowerSGD's rank may not exceed the shorter side of every matrix it factors (then no
+    block would be factored at the rank asked for)."""
+    if compressor.method != "powersgd":
+        return
+    sides = {k: b.sides for k, b in compressor.factored().items()}
+    if not sides:
+        raise ConfigError("parallel.gradient_compression=powersgd: the model has no parameter with two dimensions "
+                          "(besides layers and experts) to factor; use parallel.gradient_compression=topk")
+    path, (a, b) = max(sides.items(), key=lambda kv: min(kv[1]))
+    if compressor.rank > min(a, b):
+        raise ConfigError(
+            f"parallel.powersgd_rank={compressor.rank} exceeds the shorter side of every matrix PowerSGD factors, "
+            f"the largest being {path}'s gradient, {a} x {b}; use parallel.powersgd_rank <= {min(a, b)}"
+        )
