@@ -18,6 +18,7 @@ from jaxpar.config import apply_overrides
 from jaxpar.data.sources import make_source
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import inspect_step
+from jaxpar.inspect.explain import explain, render
 from jaxpar.testing import check, compare, run_layout, tree_error
 from jaxpar.train import build
 from jaxpar.train.checkpoint import Checkpoints, CompressionRestarted
@@ -71,13 +72,18 @@ def test_error_feedback_applied_plus_residual_is_every_true_gradient(tiny_llama)
 
 def test_cross_host_bytes_are_the_formula(tiny_llama):
     """ZeRO-0 on two hosts x fsdp 4: the gradient all-reduce is all that crosses (besides
-    scalars); compressed, the compiled program sends what Compressor.cross_host_bytes says."""
+    scalars); compressed, the compiled program sends what Compressor.cross_host_bytes says
+    (2%), and `explain` says so."""
     config = apply_overrides(tiny_llama, TWO_HOSTS + ["mesh.fsdp=4", "model.embed=64", "model.mlp=256"])
     dense = inspect_step(build(config)).cross_host_bytes()
     for method, knob in (("topk", "parallel.topk_fraction=0.01"), ("powersgd", "parallel.powersgd_rank=2")):
         trainer = build(apply_overrides(config, [f"parallel.gradient_compression={method}", knob]))
         formula = trainer.compressor.cross_host_bytes()
-        measured = inspect_step(trainer).cross_host_bytes()
+        report = inspect_step(trainer)
+        measured = report.cross_host_bytes()
+        doc = explain(trainer, report)  # `jaxpar explain` shows the compressed traffic beside its formula
+        row = doc["compressed_traffic"]  # over data: the compressor's collectives and the step's scalars
+        assert abs(row["measured"] - row["formula"]) <= 0.02 * row["formula"] + 64 and "uncompressed" in render(doc)
         assert abs(formula["uncompressed"] - dense) <= 0.02 * dense, (method, formula, dense)
         assert abs(measured - formula["compressed"]) <= 0.02 * formula["compressed"] + 64, (method, measured, formula)
         assert measured <= dense / 4, (method, measured, dense)

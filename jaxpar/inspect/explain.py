@@ -83,10 +83,15 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     if trainer.pipeline is not None:
         grad_formula, grad_formula_text = _pipeline_gradient_traffic(trainer, state, mesh, psi_layers, psi_d)
     itemsize = lambda c: jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize  # noqa: E731
+    compression = _compressed_traffic(trainer, report) if trainer.compressor is not None else {}
+    if compression:  # the reduction over data is the compressor's, in its own row
+        grad_formula -= formulas.gradient_traffic_elements(psi_dt / fsdp, data * expert, stage)
+        grad_formula_text = "3Ψ'(f-1)/f over fsdp, Ψ' = Ψ/tensor; over data: compressed, below"
     grad_measured = sum(
         c.bytes_per_step / itemsize(c)
         for c in report.collectives
         if c.axes and set(c.axes) <= set(DP_AXES) | {"expert"} and c.kind in GRAD_KINDS
+        and not (compression and "data" in c.axes)
     )
     context = _context_traffic(config, mesh, report, itemsize, psi_t)
     pipeline = _pipeline(trainer, mesh, report, itemsize, psi - psi_layers) if trainer.pipeline is not None else {}
@@ -112,6 +117,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         **context,
         **experts,
         **pipeline,
+        **compression,
         "collectives": [
             {**row, "axes": list(row["axes"])} for row in summarize(report.collectives)
         ],
@@ -288,6 +294,22 @@ _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "in
                "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
 
 
+def _compressed_traffic(trainer, report: StepReport) -> dict[str, Any]:
+    """The compressor's bytes over data (across hosts) beside its formula, and the
+    all-reduce of the same float32 gradients it replaces."""
+    compressor = trainer.compressor
+    formula = compressor.cross_host_bytes()
+    measured = sum(c.bytes_per_step for c in report.collectives if c.axes == ("data",))
+    knob = f"rank {compressor.rank}" if compressor.method == "powersgd" else f"fraction {compressor.fraction:g}"
+    how = ("two all-reduces of r(a+b) floats per matrix, each device its share; vectors whole"
+           if compressor.method == "powersgd" else "all-gather of n x k (float32 value, int32 index) pairs per device block")
+    return {
+        "compressed_traffic": _row(f"gradient bytes over data, {compressor.method} {knob}", measured, formula["compressed"]),
+        "compressed_traffic_formula": f"{how}; uncompressed: {byte_size(formula['uncompressed'])} "
+        f"(2(n-1)/n x 4 bytes x Ψ/(fsdp x tensor)), {formula['uncompressed'] / formula['compressed']:.1f}x more",
+    }
+
+
 def describe_shape(mesh: dict[str, int]) -> str:
     return " ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "single device"
 
@@ -316,6 +338,9 @@ def render(doc: dict[str, Any]) -> str:
     if "expert_traffic" in doc:
         lines.append(_line(doc["expert_traffic"], _count))
         lines.append(f"  formula: {doc['expert_traffic_formula']}")
+    if "compressed_traffic" in doc:
+        lines.append(_line(doc["compressed_traffic"], _bytes))
+        lines.append(f"  formula: {doc['compressed_traffic_formula']}")
     if "pipeline_traffic" in doc:
         lines.append(_line(doc["pipeline_traffic"], _count))
         lines.append(f"  formula: {doc['pipeline_traffic_formula']}")
