@@ -52,6 +52,7 @@ SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whol
     "test_zeropp.py::test_hpz_equals_single_device": "ZeRO++ hpZ",
     "test_zeropp.py::test_quantized_all_gather_equals_reference[source0-target0]": "int8 collectives",
     "test_zeropp.py::test_optimizer_offload_equals_single_device_and_rests_on_host": "host offload",
+    "test_gradient_compression.py::test_lossless_settings_equal_the_single_device_run[topk_zero3]": "gradient compression",
     "test_context_training.py::test_context_parallel_training_equals_single_device[ring]": "context: ring",
     "test_context_training.py::test_context_parallel_training_equals_single_device[ulysses]": "context: Ulysses",
     "test_moe_training.py::test_dropless_routing_equals_single_device[expert4_tensor2]": "expert parallel",

@@ -1,8 +1,8 @@
 """Compressed gradient averaging (jaxpar.kernels.compression): each shard_map kernel over 8
-replicas against its plain reference, per-device blocks on a data x fsdp x tensor mesh,
-exactness at full rank / fraction 1, and error feedback: over several steps the means the
-replicas agreed on plus their mean residual are the mean of every gradient they had (fp32,
-1e-5)."""
+replicas against its plain reference; on a data x fsdp x tensor mesh, top-k per device block
+and PowerSGD on whole matrices under three in-host layouts; exactness at full rank /
+fraction 1, and error feedback: over several steps the means the replicas agreed on plus
+their mean residual are the mean of every gradient they had (fp32, 1e-5)."""
 
 import jax
 import jax.numpy as jnp

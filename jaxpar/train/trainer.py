@@ -4,6 +4,7 @@
          --the model's abstract parameters--> shardings of params, grads, optimizer state
          (jaxpar.train.zero, jaxpar.train.state)
          --> gradients (jaxpar.train.gradients, or the pipeline's: jaxpar.train.pipelined)
+         --> averaged over data by a compressor, if one is asked for (jaxpar.train.compression)
          --> the update (jaxpar.train.update) --> jax.jit at the edge, here.
 
 `build(config) -> Trainer`; nothing is allocated until `init()` runs:
