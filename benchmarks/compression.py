@@ -18,7 +18,6 @@ cross hosts, and what compression does to the loss.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import sys
@@ -27,6 +26,7 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 from jaxpar.mesh import force_cpu_devices  # noqa: E402
 
 TWO_HOSTS = ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=0"]
@@ -53,7 +53,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def measured_bytes(recipe, build, inspect_step, apply_overrides) -> list[dict]:
+def build(config, devices=None):
+    """The trainer on 8 devices (16 are forced, for the scale table)."""
+    import jax
+
+    from jaxpar.train import build as build_on
+
+    return build_on(config, devices or jax.devices()[:8])
+
+
+def measured_bytes(recipe) -> list[dict]:
+    from jaxpar.config import apply_overrides
+    from jaxpar.inspect import inspect_step
+
     rows = []
     for name, overrides in METHODS.items():
         trainer = build(apply_overrides(recipe, overrides))
@@ -68,20 +80,30 @@ def measured_bytes(recipe, build, inspect_step, apply_overrides) -> list[dict]:
     return rows
 
 
-def bytes_at_scale(build, apply_overrides, Config, LlamaConfig, MeshConfig, TrainConfig, devices) -> list[dict]:
+def bytes_at_scale() -> list[dict]:
+    """Compressor.cross_host_bytes at real shapes: built, nothing compiled."""
+    import jax
+
+    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.mesh import MeshConfig
+    from jaxpar.models.llama import LlamaConfig
+
     rows = []
     for model, (fields, inside) in SHAPES.items():
         base = Config(model=LlamaConfig(**fields), mesh=MeshConfig(data=2),
                       train=TrainConfig(global_batch=16, seq_len=2048, compute_dtype="bfloat16"))
         for name, overrides in list(METHODS.items())[1:]:
             config = apply_overrides(base, ["mesh.data=2", "mesh.hosts.data=2", *inside, *overrides])
-            c = build(config, devices).compressor.cross_host_bytes()
+            c = build(config, jax.devices()[:16]).compressor.cross_host_bytes()
             rows.append(dict(model=model, layout=" ".join(inside), method=name, compressed=c["compressed"],
                              uncompressed=c["uncompressed"], ratio=c["uncompressed"] / c["compressed"]))
     return rows
 
 
-def losses(recipe, steps: int, build, run, apply_overrides) -> dict[str, list[float]]:
+def losses(recipe, steps: int) -> dict[str, list[float]]:
+    from jaxpar.config import apply_overrides
+    from jaxpar.train.loop import run
+
     curves = {}
     for name, overrides in METHODS.items():
         config = apply_overrides(recipe, [*overrides, f"train.steps={steps}"])
@@ -121,22 +143,12 @@ def main() -> None:
     import jax
 
     from jaxpar import recipes
-    from jaxpar.config import Config, TrainConfig, apply_overrides
-    from jaxpar.inspect import inspect_step
-    from jaxpar.mesh import MeshConfig
-    from jaxpar.models.llama import LlamaConfig
-    from jaxpar.train import build as build_on
-    from jaxpar.train.loop import run
-
-    eight = jax.devices()[:8]
-
-    def build(config, devices=eight):
-        return build_on(config, devices)
+    from jaxpar.config import apply_overrides
 
     recipe = apply_overrides(recipes.load("llama"), TWO_HOSTS)
-    compiled = measured_bytes(recipe, build, inspect_step, apply_overrides)
-    scale = bytes_at_scale(build, apply_overrides, Config, LlamaConfig, MeshConfig, TrainConfig, jax.devices()[:16])
-    curves = losses(recipe, args.steps, build, run, apply_overrides)
+    compiled = measured_bytes(recipe)
+    scale = bytes_at_scale()
+    curves = losses(recipe, args.steps)
     tail = {k: sum(v[-10:]) / len(v[-10:]) for k, v in curves.items()}
     loss_rows = [dict(method=k, last10_mean_loss=v, vs_uncompressed=v / tail["none"]) for k, v in tail.items()]
 
@@ -158,14 +170,11 @@ def main() -> None:
 
     drawn = draw(curves, args.png, f"llama recipe, 2 simulated hosts: gradient compression ({args.steps} steps)")
     out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(layout=TWO_HOSTS, platform=platform.platform(), jax=jax.__version__, compiled_bytes=compiled,
                    bytes_at_scale=scale, loss=dict(steps=args.steps, final=loss_rows, curves=curves),
                    png=args.png if drawn else None,
                    command="python benchmarks/compression.py " + " ".join(sys.argv[1:]))
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(out)
+    write(payload, out)
     print(f"wrote {out}" + (f" and {args.png}" if drawn else ""))
 
 

@@ -42,8 +42,8 @@ class ParallelConfig:
     # Compress the gradient reduction over mesh.data across hosts (jaxpar.train.compression;
     # needs mesh.hosts.data = mesh.data > 1, the in-host part of data parallelism on
     # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
-    # factors of each device's block of each gradient matrix, warm-started, with error
-    # feedback) | topk (the topk_fraction largest entries of each block, error feedback).
+    # factors of each gradient matrix, warm-started, with error feedback) | topk (the
+    # topk_fraction largest entries of each device's block, with error feedback).
     gradient_compression: str = "none"
     powersgd_rank: int = 4
     topk_fraction: float = 0.01

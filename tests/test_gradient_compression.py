@@ -11,7 +11,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxpar.config import apply_overrides

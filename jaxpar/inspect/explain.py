@@ -300,11 +300,10 @@ def _compressed_traffic(trainer, report: StepReport) -> dict[str, Any]:
     compressor = trainer.compressor
     formula = compressor.cross_host_bytes()
     measured = sum(c.bytes_per_step for c in report.collectives if c.axes == ("data",))
-    knob = f"rank {compressor.rank}" if compressor.method == "powersgd" else f"fraction {compressor.fraction:g}"
     how = ("two all-reduces of r(a+b) floats per matrix, each device its share; vectors whole"
            if compressor.method == "powersgd" else "all-gather of n x k (float32 value, int32 index) pairs per device block")
     return {
-        "compressed_traffic": _row(f"gradient bytes over data, {compressor.method} {knob}", measured, formula["compressed"]),
+        "compressed_traffic": _row(f"gradient bytes over data, {compressor.method} {compressor.knob}", measured, formula["compressed"]),
         "compressed_traffic_formula": f"{how}; uncompressed: {byte_size(formula['uncompressed'])} "
         f"(2(n-1)/n x 4 bytes x Ψ/(fsdp x tensor)), {formula['uncompressed'] / formula['compressed']:.1f}x more",
     }

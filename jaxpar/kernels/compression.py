@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.kernels.quantized import entries
+
 
 def topk_count(size: int, fraction: float) -> int:
     """Entries a block sends: ceil(fraction x size), at least one."""
@@ -46,19 +48,9 @@ def topk_count(size: int, fraction: float) -> int:
     return max(1, math.ceil(fraction * size))
 
 
-def spec_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes `spec` shards over, in order."""
-    return tuple(a for entry in spec for a in _axes(entry))
-
-
 def shard_counts(spec: P, mesh_shape: dict, ndim: int) -> tuple[int, ...]:
     """How many blocks `spec` cuts each of `ndim` dimensions into."""
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    return tuple(math.prod(mesh_shape[a] for a in _axes(e)) for e in entries)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(math.prod(mesh_shape[a] for a in axes) for axes in entries(spec, ndim))
 
 
 def to_blocks(x: jax.Array, shards: Sequence[int]) -> jax.Array:
@@ -155,16 +147,15 @@ def _power_step(c: jax.Array, q: jax.Array, mean) -> tuple[jax.Array, jax.Array]
 def factor_spec(spec: P, ndim: int, batch_dims: int, split: int) -> P:
     """Sharding of q [*batch, b, r] for a gradient sharded `spec`: the batch as the
     gradient's, the columns over the axes that shard the column dimensions."""
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    cols = tuple(a for e in entries[batch_dims + split:] for a in _axes(e))
-    return P(*entries[:batch_dims], cols or None, None)
+    batch = (axes or None for axes in entries(spec, ndim)[:batch_dims])
+    return P(*batch, _sides(spec, ndim, batch_dims, split)[1] or None, None)
 
 
 def _sides(spec: P, ndim: int, batch_dims: int, split: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(axes sharding the rows, axes sharding the columns) of the matrix view."""
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    rows = tuple(a for e in entries[batch_dims:batch_dims + split] for a in _axes(e))
-    return rows, tuple(a for e in entries[batch_dims + split:] for a in _axes(e))
+    dims = entries(spec, ndim)
+    rows, cols = dims[batch_dims:batch_dims + split], dims[batch_dims + split:]
+    return tuple(a for axes in rows for a in axes), tuple(a for axes in cols for a in axes)
 
 
 def _replica_mean(x: jax.Array, partial: tuple[str, ...], axis: str) -> jax.Array:

@@ -314,6 +314,5 @@ def compression_signature(trainer) -> str:
     """What a compression state's shapes depend on: the method, its rank or fraction, the
     replicas and how each parameter is cut into blocks."""
     c = trainer.compressor
-    knob = f"rank {c.rank}" if c.method == "powersgd" else f"fraction {c.fraction}"
     blocks = "; ".join(f"{k} {b.shards}" for k, b in c.blocks.items())
-    return f"{c.method} {knob} over {c.replicas} replicas; blocks {blocks}"
+    return f"{c.method} {c.knob} over {c.replicas} replicas; blocks {blocks}"

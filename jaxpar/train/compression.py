@@ -54,14 +54,17 @@ class CompressionState:
 @dataclasses.dataclass(frozen=True)
 class Block:
     """How one parameter's gradient is cut: its shape, the spec of a replica's gradient
-    (its in-host sharding), the blocks per dimension, one device's block, and its leading
-    batch dims."""
+    (its in-host sharding), the blocks per dimension, and its leading batch dims."""
 
     shape: tuple[int, ...]
     spec: P
     shards: tuple[int, ...]
-    block: tuple[int, ...]
     batch_dims: int
+
+    @property
+    def block(self) -> tuple[int, ...]:
+        """One device's block."""
+        return tuple(d // s for d, s in zip(self.shape, self.shards))
 
     @property
     def is_matrix(self) -> bool:
@@ -95,14 +98,22 @@ class Compressor:
         """The parameters PowerSGD factors (none under top-k)."""
         return {k: b for k, b in self.blocks.items() if self.method == "powersgd" and b.is_matrix}
 
+    @property
+    def knob(self) -> str:
+        """The method's setting, in words: "rank 4", "fraction 0.01"."""
+        return f"rank {self.rank}" if self.method == "powersgd" else f"fraction {self.fraction}"
+
     def rank_of(self, block: Block) -> int:
         """The rank a matrix is factored at: parallel.powersgd_rank, or its shorter side."""
         return min(self.rank, *block.sides)
 
+    def _state(self, residual: list, factors: dict) -> CompressionState:
+        """The state from residual leaves in `blocks` order and the factors (PowerSGD only)."""
+        return CompressionState(jax.tree.unflatten(self.treedef, residual), factors if self.method == "powersgd" else None)
+
     def shardings(self) -> CompressionState:
         residual = [NamedSharding(self.mesh, P(AXIS, *b.spec)) for b in self.blocks.values()]
-        factors = {k: NamedSharding(self.mesh, b.factor_spec) for k, b in self.factored().items()}
-        return CompressionState(jax.tree.unflatten(self.treedef, residual), factors if self.method == "powersgd" else None)
+        return self._state(residual, {k: NamedSharding(self.mesh, b.factor_spec) for k, b in self.factored().items()})
 
     def init(self) -> CompressionState:
         """Zero residuals and, for PowerSGD, Gaussian factors drawn from train.seed."""
@@ -110,7 +121,7 @@ class Compressor:
         keys = jax.random.split(jax.random.key(self.seed), max(1, len(self.blocks)))
         factors = {k: powersgd_start(b.shape, self.rank_of(b), keys[i], b.batch_dims)
                    for i, (k, b) in enumerate(self.blocks.items()) if k in self.factored()}
-        return CompressionState(jax.tree.unflatten(self.treedef, residual), factors if self.method == "powersgd" else None)
+        return self._state(residual, factors)
 
     def reduce(self, grads: Any, state: CompressionState) -> tuple[Any, CompressionState]:
         """(per-replica gradients [data, ...], state) -> (their sum, compressed, sharded as a
@@ -131,9 +142,7 @@ class Compressor:
                 residual = jnp.zeros_like(residual)
             means.append(mean)
             new_residuals.append(residual)
-        new = CompressionState(jax.tree.unflatten(self.treedef, new_residuals),
-                               factors if self.method == "powersgd" else None)
-        return jax.tree.unflatten(self.treedef, means), new
+        return jax.tree.unflatten(self.treedef, means), self._state(new_residuals, factors)
 
     def cross_host_bytes(self) -> dict[str, float]:
         """Bytes each device sends across hosts per step, ring model: compressed, and what
@@ -157,7 +166,7 @@ class Compressor:
 def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
                     ) -> Compressor | None:
     """The compressor parallel.gradient_compression asks for, or None (none, int8). Refuses
-    a PowerSGD rank above a side of a block it would factor, naming the parameter."""
+    a PowerSGD rank above the shorter side of every matrix it would factor (`check_rank`)."""
     method = parallel.gradient_compression
     if method not in COMPRESSED:
         return None
@@ -168,8 +177,7 @@ def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any,
         spec = without_data(sharding).spec
         shards = shard_counts(spec, dict(mesh.shape), len(shape.shape))
         batch = next((i for i, name in enumerate(n.names) if name not in BATCH_NAMES), len(n.names))
-        blocks[jax.tree_util.keystr(path, simple=True, separator=".")] = Block(
-            tuple(shape.shape), spec, shards, tuple(d // s for d, s in zip(shape.shape, shards)), batch)
+        blocks[jax.tree_util.keystr(path, simple=True, separator=".")] = Block(tuple(shape.shape), spec, shards, batch)
     compressor = Compressor(method, parallel.powersgd_rank, parallel.topk_fraction, mesh, blocks, treedef, seed)
     check_rank(compressor)
     return compressor
@@ -177,7 +185,7 @@ def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any,
 
 def check_rank(compressor: Compressor) -> None:
     """PowerSGD's rank may not exceed the shorter side of every matrix it factors (then no
-    block would be factored at the rank asked for)."""
+    matrix would be factored at the rank asked for)."""
     if compressor.method != "powersgd":
         return
     sides = {k: b.sides for k, b in compressor.factored().items()}

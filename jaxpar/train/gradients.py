@@ -115,11 +115,10 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         else:
             total, (weight, sums), g = accumulate(microbatch, params, split_batch(batch, microbatches, names, layout),
                                                   shardings.grads, per_step, layout.mesh.shape["data"])
-        if compressed:  # per replica, for the compressor
-            return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
-        if per_step:
-            g = reduce(g, shardings.optimizer)
-        g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
+        if not compressed:  # compressed: per replica, for the compressor
+            if per_step:
+                g = reduce(g, shardings.optimizer)
+            g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
         return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
 
     return grads
