@@ -228,7 +228,8 @@ def summarize(done: dict, gpu: bool) -> dict:
     checks = result(done, "gpu_checks")
     s["gpu_checks"] = {"pallas_out_error": worst(checks.get("pallas", []), "pallas_out_error"),
                        "grouped_error": worst(checks.get("grouped", []), "_error"),
-                       "offload_losses_agree": offload_agrees(checks.get("offload", []))}
+                       "offload_losses_agree": offload_agrees(checks.get("offload", [])),
+                       "offload_loss_difference": offload_difference(checks.get("offload", []))}
     return s
 
 
@@ -254,10 +255,27 @@ def cudnn_summary(rows: list) -> dict:
             "fwd_bwd_speedup": [r["reference_fwd_bwd_seconds"] / r["cudnn_fwd_bwd_seconds"] for r in cases]}
 
 
+# The recipe computes in bf16, and the offloaded program is another program: XLA fuses (and
+# so rounds) it differently, and on an H200 its losses left the resident run's in the 5th
+# digit by step 3 (4.7e-5 relative at worst over 12 steps). A wrong update would differ by
+# the loss's own steps, about 0.1 or more.
+OFFLOAD_LOSS_RTOL = 1e-3
+
+
 def offload_agrees(rows) -> bool | None:
-    """Whether the offloaded optimizer's losses equal the resident run's (they must)."""
+    """Whether the offloaded optimizer's losses equal the resident run's, to bf16's rounding
+    (OFFLOAD_LOSS_RTOL)."""
+    difference = offload_difference(rows)
+    return None if difference is None else difference <= OFFLOAD_LOSS_RTOL
+
+
+def offload_difference(rows) -> float | None:
+    """The largest relative difference between the offloaded and the resident losses."""
     by = {r.get("setting"): r.get("losses") for r in rows if isinstance(r, dict)}
-    return by["resident"] == by["offload_optimizer"] if by.get("resident") and by.get("offload_optimizer") else None
+    a, b = by.get("resident"), by.get("offload_optimizer")
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
 
 def fmt(value, spec: str = ".2f", none: str = "-") -> str:
@@ -297,7 +315,8 @@ def render(done: dict, s: dict, setup: dict) -> str:
         f" (reference in the same dtype: {fmt(c['reference_out_error'], '.1e')},"
         f" {fmt(c['reference_grad_error'], '.1e')}); fwd+bwd speedup {speedups}",
         f"gpu_checks        pallas out error {fmt(g['pallas_out_error'], '.1e')}, grouped error"
-        f" {fmt(g['grouped_error'], '.1e')}, offload losses agree {fmt(g['offload_losses_agree'], '')}",
+        f" {fmt(g['grouped_error'], '.1e')}, offload losses agree {fmt(g['offload_losses_agree'], '')}"
+        f" (worst relative difference {fmt(g['offload_loss_difference'], '.1e')})",
     ]
     return "\n".join(lines)
 

@@ -10,8 +10,8 @@ Nothing runs; the step is only compiled, by XLA's GPU compiler, in one of three 
   --target FILE   deviceless, for 8 GPUs described by a GpuTargetConfig (an H100 SXM is in
                   benchmarks/targets/): needs the CUDA plugin (pip install 'jax[cuda13]'),
                   not a GPU; the latency-hiding scheduler uses its analytical cost model
-  on a GPU        for the mock topology --topology (jax_mock_gpu_topology), which needs one
-                  real GPU
+  on a GPU        for the mock topology --topology (jax_mock_gpu_topology; default 1x8x1:
+                  a mock host holds as many GPUs as the machine, here one)
   otherwise       for 8 CPU devices, whose collectives are synchronous: the code path runs,
                   but the CPU share is 0 by construction and says nothing about GPUs
 """
@@ -29,7 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--topology", default="1x1x8", help="GPU topology, slices x hosts x devices (default 1x1x8)")
+    p.add_argument("--topology", help="GPU topology, slices x hosts x devices (default: 1x1x8 with --target, "
+                   "one GPU a host on a GPU: 1x8x1)")
     p.add_argument("--target", help="GpuTargetConfig text file: compile for GPUs without one (deviceless)")
     p.add_argument("--collective-matmul", default="none,ring,bidirectional",
                    help="values of parallel.collective_matmul to compare")
@@ -70,17 +71,22 @@ def devices_for(args):
     if args.target:
         from benchmarks.targets.deviceless import gpu_devices
 
-        devices = gpu_devices(args.target, args.topology)
-        return devices, f"deviceless compile for {args.topology} x {devices[0].device_kind}"
+        topology = args.topology or "1x1x8"
+        devices = gpu_devices(args.target, topology)
+        return devices, f"deviceless compile for {topology} x {devices[0].device_kind}"
     import jax
 
     # Both before the backends start: the mock topology shapes a GPU backend, the device
-    # count a CPU one; whichever backend JAX picks reads its own.
-    jax.config.update("jax_mock_gpu_topology", args.topology)
+    # count a CPU one; whichever backend JAX picks reads its own. A mock host must hold as
+    # many devices as the machine has (jaxlib 0.11.2 on one H200 refused 1x1x8: "The number
+    # of devices per host in 'mock_gpu_topology' must be the same as the number of devices
+    # in the local topology"), so on a one-GPU machine the 8 GPUs are 8 hosts of one.
+    topology = args.topology or "1x8x1"
+    jax.config.update("jax_mock_gpu_topology", topology)
     jax.config.update("jax_num_cpu_devices", args.fsdp * args.tensor)
     devices = jax.devices()
     if devices[0].platform == "gpu":
-        return devices, f"mock topology {args.topology} on {devices[0].device_kind}"
+        return devices, f"mock topology {topology} on {devices[0].device_kind}"
     return devices, "no GPU: CPU devices, synchronous collectives (0% by construction); see --target"
 
 
