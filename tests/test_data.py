@@ -37,6 +37,27 @@ def test_token_file_windows(tmp_path, tiny_llama, suffix):
     np.testing.assert_array_equal((inputs + 1) % 128, targets)  # consecutive ids, shifted by one
 
 
+def test_token_file_windows_reach_the_last_token(tmp_path, tiny_llama):
+    """Every start from 0 to n - seq_len - 1 is drawn, the last included (its row ends on the
+    last token), and none past it: each row is whole. So for the training part and for the
+    held-out part (data.eval_fraction) alike."""
+    from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens
+
+    n, seq, batch = 20, tiny_llama.train.seq_len, tiny_llama.train.global_batch
+    path = tmp_path / "short.npy"
+    np.save(path, np.arange(2 * n, dtype=np.uint16))  # a token's id is its position: 20 train, 20 held out
+    trainer = build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}", "data.eval_fraction=0.5"]))
+    source = make_source(trainer)
+    for part, first_step, first_id in ((source, 0, 0), (HeldOutTokens(trainer, source), HELD_OUT_STEP, n)):
+        rows = [part.local(first_step + i, slice(0, batch)) for i in range(8)]
+        starts = np.concatenate([r["inputs"][:, 0] for r in rows])
+        assert set(starts.tolist()) == set(range(first_id, first_id + n - seq))
+        assert max(int(r["targets"][:, -1].max()) for r in rows) == first_id + n - 1
+        for r in rows:  # whole rows of consecutive ids, none cut short by the end of the part
+            assert r["inputs"].shape[1] == seq
+            np.testing.assert_array_equal(r["targets"], r["inputs"] + 1)
+
+
 def test_token_file_errors(tmp_path, tiny_llama):
     with pytest.raises(ConfigError, match="is not a file"):
         make_source(build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={tmp_path}/none.npy"])))

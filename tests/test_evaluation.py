@@ -110,7 +110,7 @@ def test_token_file_holds_out_its_tail_and_trains_on_the_rest(tiny_llama, tmp_pa
     # Off, the whole file trains, drawn exactly as before the split existed.
     whole = make_source(build(base))
     assert len(whole.tokens) == n and len(whole.held_out) == 0
-    starts = np.random.default_rng([0, 5]).integers(0, n - 17, size=16)
+    starts = np.random.default_rng([0, 5]).integers(0, n - 16, size=16)  # starts 0 to n - seq_len - 1
     np.testing.assert_array_equal(whole.local(5, rows)["inputs"], np.stack([tokens[s : s + 16] for s in starts]))
 
     too_small = r"data.eval_fraction=0.001 .* 5 held out; each part needs train.seq_len \+ 2 = 18: use 0.0036 to 0.996"

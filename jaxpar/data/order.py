@@ -2,8 +2,9 @@
 (seed, step) and of the global rows asked for, so a process builds only its own rows and a
 run resumed at any step, on any number of processes, sees the batches of an uninterrupted one.
 
-  - windows: seq_len + 1 tokens at positions drawn uniformly from (seed, step); rows may
-    overlap and repeat, and no epoch is ever complete.
+  - windows: seq_len + 1 tokens at positions drawn uniformly from (seed, step), 0 to
+    n_tokens - seq_len - 1 (the last window ends on the last token); rows may overlap and
+    repeat, and no epoch is ever complete.
   - epochs: the stream cut into consecutive rows of seq_len + 1 tokens, row r starting at
     r * seq_len (consecutive rows share one token, so every token after the first is a target
     exactly once per epoch; a tail shorter than a row is left out). The run reads one endless
@@ -28,7 +29,8 @@ class Windows:
         self.n_tokens, self.seq_len, self.batch, self.seed = n_tokens, seq_len, batch, seed
 
     def starts(self, step: int, rows: slice) -> np.ndarray:
-        draw = np.random.default_rng([self.seed, step]).integers(0, self.n_tokens - self.seq_len - 1, size=self.batch)
+        # A row reads seq_len + 1 tokens, so the last start is n_tokens - seq_len - 1 (the bound is exclusive).
+        draw = np.random.default_rng([self.seed, step]).integers(0, self.n_tokens - self.seq_len, size=self.batch)
         return draw[rows]
 
 
