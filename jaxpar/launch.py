@@ -9,19 +9,22 @@ libraries' chatter is left out (XLA's and gRPC's C++ logging below fatal, Gloo's
 connection lines, the coordination service's complaints when another process died), and
 a `jaxpar: ...` line that several processes print alike (the same config error) is shown
 once. When a process fails, the others stop on their own (their watchdogs name it); the
-launcher names the first to fail and sums up the rest in one line. SIGTERM or SIGINT to
+launcher names the cause (first_cause: of the failures seen within moments of each other, a
+process killed by a signal before one that aborted because its peer vanished) and sums up
+the rest in one line. SIGTERM or SIGINT to
 the launcher reaches every process as SIGTERM, which a run of several processes takes as
 preemption: it saves a checkpoint and stops. The children of a launcher killed outright
 get SIGTERM from the kernel instead (Linux). Processes still running `--grace` seconds
-after either are killed. The exit status is the first failure's (128 + signal for a
-killed process; a process that only stopped because another was lost does not count as
-the cause), or 0.
+after either are killed. The exit status is the cause's (128 + signal for a killed
+process; a process that only stopped because another was lost does not count as the
+cause), or 0.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -39,6 +42,8 @@ from jaxpar.logs import ABSL
 
 LAUNCHER_PID = "JAXPAR_LAUNCHER_PID"  # set in each child: the process it lives and dies with
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}  # XLA's and gRPC's C++ (absl) logging: fatal errors only
+POLL_S = 0.1  # how often the launcher looks at its processes
+SETTLE_S = 0.5  # after a first failure, how long the launcher waits for others before naming the cause
 
 # Library chatter, left out of the children's output unless --verbose:
 # Gloo's "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7",
@@ -160,47 +165,84 @@ def _run(nproc: int, cmd: list[str], address: str, bind: str, grace_s: float, ve
 def _supervise(procs: list[subprocess.Popen], grace_s: float, asked: list[float], relay: Relay) -> int:
     """Wait for every process. After one fails, or after the launcher is told to stop, the
     rest get `grace_s` to end on their own (a preempted run saves a checkpoint first). The
-    first failure is named when it happens, the later ones in one line at the end."""
-    failures: list[tuple[int, int]] = []  # (process, exit code), in the order they were seen
-    reported: set[int] = set()
+    cause (first_cause) is named SETTLE_S after the first failure is seen, the later
+    failures in one line at the end; the exit status is the cause's."""
+    exits: list[Exit] = []  # in the order they were seen
+    named: Exit | None = None
 
-    def note(i: int) -> None:
-        reported.add(i)
-        if procs[i].returncode != 0:
-            if not failures:
-                relay.finish(i)  # its own last words before the launcher's
-                relay.say(f"jaxpar launch: process {i} {_describe(procs[i].returncode)}")
-            failures.append((i, procs[i].returncode))
+    def name_cause() -> Exit:
+        cause = first_cause(exits)
+        relay.finish(cause.process)  # its own last words before the launcher's
+        relay.say(f"jaxpar launch: process {cause.process} {_describe(cause.code)}")
+        return cause
 
-    failed_at = None
-    while any(p.poll() is None for p in procs):
-        for i, p in enumerate(procs):
-            if p.poll() is not None and i not in reported:
-                note(i)
-                if failures and failed_at is None:
-                    failed_at = time.monotonic()
+    while True:
+        now, running = time.monotonic(), [p.poll() is None for p in procs]
+        seen = {e.process for e in exits}
+        exits += [Exit(i, p.returncode, now) for i, p in enumerate(procs) if not running[i] and i not in seen]
+        failed_at = min((e.seen for e in exits if e.code != 0), default=None)
+        if named is None and failed_at is not None and (now - failed_at >= SETTLE_S or not any(running)):
+            named = name_cause()
+        if not any(running):
+            break
         since = min([t for t in (failed_at, *asked) if t is not None], default=None)
-        if since is not None and time.monotonic() - since > grace_s:
-            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
-            if stuck:
-                many = len(stuck) > 1
-                relay.say(f"jaxpar launch: process{'es' if many else ''} {', '.join(map(str, stuck))} still "
-                          f"run{'' if many else 's'} {grace_s:g} s on; killing {'them' if many else 'it'}")
-            for i in stuck:
-                procs[i].kill()  # JAX's preemption service holds SIGTERM: only SIGKILL is sure
-            for p in procs:
-                p.wait()
-        time.sleep(0.1)
-    for i in range(len(procs)):
-        if i not in reported:
-            note(i)
-    if len(failures) > 1:
+        if since is not None and now - since > grace_s:
+            named = named or (name_cause() if failed_at is not None else None)  # before the kills below
+            _kill_stuck(procs, grace_s, relay)
+        time.sleep(POLL_S)
+    later = [e for e in exits if e.code != 0 and e != named]
+    if later:
         relay.finish()
-        relay.say("jaxpar launch: then " + ", ".join(f"process {i} {_describe(code)}" for i, code in failures[1:]))
-    # The cause, not its echo: a process that stopped because another was lost says so.
-    statuses = [_status(code) for _, code in failures]
-    causes = [code for code in statuses if code != LOST_PEER_EXIT]
-    return (causes or statuses or [0])[0]
+        relay.say("jaxpar launch: then " + ", ".join(f"process {e.process} {_describe(e.code)}" for e in later))
+    cause = first_cause(exits)  # over every exit: a lost peer's echo named first gives way to what it echoed
+    return 0 if cause is None else _status(cause.code)
+
+
+def _kill_stuck(procs: list[subprocess.Popen], grace_s: float, relay: Relay) -> None:
+    stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+    if stuck:
+        many = len(stuck) > 1
+        relay.say(f"jaxpar launch: process{'es' if many else ''} {', '.join(map(str, stuck))} still "
+                  f"run{'' if many else 's'} {grace_s:g} s on; killing {'them' if many else 'it'}")
+    for i in stuck:
+        procs[i].kill()  # JAX's preemption service holds SIGTERM: only SIGKILL is sure
+    for p in procs:
+        p.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """A process the launcher saw gone: its index, its return code as Popen gives it
+    (negative: killed by that signal), and when it was seen (time.monotonic())."""
+
+    process: int
+    code: int
+    seen: float
+
+
+def first_cause(exits: list[Exit], settle_s: float = SETTLE_S) -> Exit | None:
+    """The failure to name as the cause, None if none failed. A process's death brings
+    others down within moments (gloo aborts a collective whose peer vanished), often within
+    one poll, so the order seen does not say which came first. Of the failures seen within
+    `settle_s` of the first, the likeliest cause wins: a signal from outside (SIGKILL,
+    SIGTERM, ...), then an exit status of its own, then an abort (SIGABRT, 134), which a
+    lost peer provokes; then the earliest seen, then the lowest index. A process that exited
+    because another was lost (LOST_PEER_EXIT) is the cause only when nothing else failed."""
+    failed = [e for e in exits if e.code != 0]
+    causes = [e for e in failed if _status(e.code) != LOST_PEER_EXIT] or failed
+    if not causes:
+        return None
+    first = min(e.seen for e in causes)
+    settled = [e for e in causes if e.seen - first <= settle_s]
+    return min(settled, key=lambda e: (_consequence(e.code), e.seen, e.process))
+
+
+def _consequence(code: int) -> int:
+    """How likely an exit is the echo of another's rather than a cause: 0 killed by a
+    signal other than SIGABRT, 1 an exit status, 2 an abort."""
+    if code == -signal.SIGABRT or code == 128 + signal.SIGABRT:
+        return 2
+    return 0 if code < 0 else 1
 
 
 def _status(code: int) -> int:

@@ -260,6 +260,47 @@ def test_watchdog_thread_lets_a_finished_process_go_and_says_done_when_stopped(c
     assert store.values["jaxpar/heartbeat/0"] == "done"  # stop() tells the others
 
 
+def test_the_cause_named_is_the_killed_process_not_the_one_its_death_aborted():
+    """first_cause on made-up exits: (process, return code as Popen gives it, time seen)."""
+    from jaxpar.launch import Exit, first_cause
+
+    abort, kill, term = -signal.SIGABRT, -signal.SIGKILL, -signal.SIGTERM
+    assert first_cause([Exit(0, 0, 1.0), Exit(1, 0, 1.0)]) is None
+    # Seen in one poll, or one poll apart: the signal from outside, not the abort it provoked.
+    assert first_cause([Exit(0, abort, 1.0), Exit(1, kill, 1.0)]).process == 1
+    assert first_cause([Exit(0, 134, 1.0), Exit(1, kill, 1.1)]).process == 1
+    assert first_cause([Exit(1, abort, 1.0), Exit(0, term, 1.2)]).process == 0
+    assert first_cause([Exit(0, abort, 1.0), Exit(2, 2, 1.1), Exit(1, abort, 1.1)]).process == 2  # an error exit
+    # Long after: the abort came first and is the cause.
+    assert first_cause([Exit(0, abort, 1.0), Exit(1, kill, 9.0)]).process == 0
+    # Alike: the earliest seen, then the lowest index.
+    assert first_cause([Exit(1, 2, 1.0), Exit(0, 2, 1.1)]).process == 1
+    assert first_cause([Exit(1, 2, 1.0), Exit(0, 2, 1.0)]).process == 0
+    # A lost peer's exit is an echo: the cause only when nothing else failed.
+    assert first_cause([Exit(0, LOST_PEER_EXIT, 1.0), Exit(1, kill, 5.0)]).process == 1
+    assert first_cause([Exit(0, LOST_PEER_EXIT, 1.0), Exit(1, 0, 5.0)]).process == 0
+
+
+def test_the_launcher_names_a_killed_process_whose_death_aborted_another_at_once(capsys):
+    """Two tiny Python children: process 1 holds a pipe and is killed; process 0 reads the
+    pipe and aborts the moment it closes, as gloo aborts when its peer's socket closes. Both
+    go within one poll; the launcher names process 1 and exits 137."""
+    from jaxpar.launch import Relay, _supervise
+
+    read, write = os.pipe()
+    reader = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
+              "os.read(int(sys.argv[1]), 1); os.abort()")
+    killed = "import os, signal, time; time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)"
+    procs = [subprocess.Popen([sys.executable, "-c", reader, str(read)], pass_fds=(read,)),
+             subprocess.Popen([sys.executable, "-c", killed], pass_fds=(write,))]
+    os.close(read)
+    os.close(write)
+    assert _supervise(procs, grace_s=30, asked=[], relay=Relay(verbose=False)) == 128 + signal.SIGKILL
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["jaxpar launch: process 1 was killed by SIGKILL",
+                   "jaxpar launch: then process 0 was killed by SIGABRT"]
+
+
 # ------------------------------------------------------------------ real processes
 
 TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "train.compute_dtype=float32"]
