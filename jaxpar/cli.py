@@ -96,11 +96,30 @@ COMMANDS = {"sample": "jaxpar.sample_command", "export": "jaxpar.hf.command", "t
 def resolve_config(recipe: str, overrides: list[str], num_devices: int):
     """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
     naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
-    single device every layout collapses to the single-device run."""
+    single device every layout collapses to the single-device run. The paths a checkpoint
+    records for `sample` and `export` to read back are made absolute (RECORDED_PATHS)."""
     from jaxpar import recipes
     from jaxpar.config import with_overrides
 
-    return with_overrides(recipes.load(recipe), overrides, num_devices)
+    return with_absolute_paths(with_overrides(recipes.load(recipe), overrides, num_devices))
+
+
+# Paths `jaxpar sample` and `jaxpar export` read from a run's checkpoint, from any folder.
+RECORDED_PATHS = (("data", "tokenizer"), ("checkpoint", "init_from"))
+
+
+def with_absolute_paths(config):
+    """`config` with each of RECORDED_PATHS that is set made absolute, against the current folder."""
+    import dataclasses
+    import pathlib
+
+    for section, field in RECORDED_PATHS:
+        part = getattr(config, section)
+        value = getattr(part, field)
+        if value and not pathlib.Path(value).is_absolute():
+            absolute = str(pathlib.Path(value).absolute())
+            config = dataclasses.replace(config, **{section: dataclasses.replace(part, **{field: absolute})})
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

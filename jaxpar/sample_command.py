@@ -4,9 +4,10 @@ model learned, not for serving).
 
 The checkpoint directory alone describes the run (jaxpar.train.checkpoint.saved_config);
 `--set` changes its config as `jaxpar train` does (naming any mesh.* axis replaces the saved
-mesh). The tokenizer is a Hugging Face tokenizer.json: --tokenizer, else the run's
-data.tokenizer. Device set-up comes first: JAX reads the CPU device count once, when its
-backends start.
+mesh). `hf:FOLDER` samples a Hugging Face checkpoint's weights as published, its config
+that of the recipe hf:FOLDER. The tokenizer is a Hugging Face tokenizer.json: --tokenizer,
+else the run's data.tokenizer. Device set-up comes first: JAX reads the CPU device count
+once, when its backends start.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a run's checkpoint.dir")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a run's checkpoint.dir, or hf:FOLDER for a Hugging Face checkpoint's weights as published")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
@@ -59,43 +61,62 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    """Check the arguments, rebuild the run's config, restore its weights on this machine's
-    mesh, and print the mesh, then the prompt and its continuation."""
+    """Check the arguments, rebuild the run's config, restore its weights (or read hf:FOLDER's)
+    on this machine's mesh, and print the mesh, then the prompt and its continuation."""
     _check_arguments(args)
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
     import jax
 
+    from jaxpar import recipes
     from jaxpar.config import with_overrides
     from jaxpar.mesh import describe
     from jaxpar.train import build
-    from jaxpar.train.checkpoint import Checkpoints, saved_config
+    from jaxpar.train.checkpoint import saved_config
     from jaxpar.train.sample import generate
 
     devices = jax.devices()
-    run_config = with_overrides(saved_config(args.checkpoint, args.step), args.overrides, len(devices))
+    published = args.checkpoint.startswith("hf:")
+    recorded = recipes.load(args.checkpoint) if published else saved_config(args.checkpoint, args.step)
+    run_config = with_overrides(recorded, args.overrides, len(devices))
     if run_config.model.task != "lm":
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} holds a {type(run_config.model).__name__} with model.task="
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
-    tokenizer = _load_tokenizer(args.tokenizer, run_config.data, getattr(run_config.model, "vocab_size", None))
+    tokenizer = _load_tokenizer(args, run_config.data, getattr(run_config.model, "vocab_size", None))
     prompt_ids = _encode(tokenizer, args.prompt)
     config = sampling_config(run_config, len(devices), len(prompt_ids) + args.max_new_tokens)
     trainer = build(config, devices)
+    params, which = _published_weights(trainer, run_config) if published else _run_weights(trainer, args)
+    drawn = generate(trainer, params, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+                     args.seed, eos_id=run_config.data.eos_id,
+                     vocab_limit=tokenizer.get_vocab_size(with_added_tokens=True))
+    how = "greedy" if args.temperature == 0 else (
+        f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
+    print(f"{args.checkpoint} {which}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
+          f"{len(devices)} {devices[0].platform} devices | {len(drawn)} tokens, {how}", flush=True)
+    print(args.prompt + _completion(tokenizer, prompt_ids, drawn), flush=True)
+    return 0
+
+
+def _run_weights(trainer, args) -> tuple:
+    """(params, 'step N'): the run's checkpoint at --step, else its newest, restored onto the trainer."""
+    from jaxpar.train.checkpoint import Checkpoints
+
     checkpoints = Checkpoints.open(args.checkpoint, async_save=False)
     try:
         state, step = checkpoints.restore(trainer, args.step)
     finally:
         checkpoints.close()
-    drawn = generate(trainer, state.params, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     args.seed, eos_id=run_config.data.eos_id,
-                     vocab_limit=tokenizer.get_vocab_size(with_added_tokens=True))
-    how = "greedy" if args.temperature == 0 else (
-        f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
-    print(f"{args.checkpoint} step {step}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
-          f"{len(devices)} {devices[0].platform} devices | {len(drawn)} tokens, {how}", flush=True)
-    print(args.prompt + _completion(tokenizer, prompt_ids, drawn), flush=True)
-    return 0
+    return state.params, f"step {step}"
+
+
+def _published_weights(trainer, run_config) -> tuple:
+    """(params, 'as published'): a Hugging Face checkpoint's weights (the recipe hf:FOLDER's
+    checkpoint.init_from), read straight onto the trainer's mesh."""
+    from jaxpar.hf import prepare_import
+
+    return prepare_import(trainer, run_config.checkpoint.init_from)().params, "as published"
 
 
 def sampling_config(config, num_devices: int, tokens: int):
@@ -124,20 +145,36 @@ def _check_arguments(args) -> None:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
-    if not pathlib.Path(args.checkpoint).is_dir():
+    from jaxpar.hf.command import hf_checkpoint
+
+    folder = hf_checkpoint(args.checkpoint)
+    if args.checkpoint.startswith("hf:"):
+        if args.step is not None:
+            raise ConfigError(f"--step={args.step} picks a step of a run's checkpoint.dir, but CHECKPOINT="
+                              f"{args.checkpoint!r} is a Hugging Face checkpoint, one set of weights; leave --step out")
+    elif folder is not None:
+        raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is a Hugging Face checkpoint (config.json and safetensors "
+                          f"files), not a jaxpar run's checkpoint.dir; sample its weights as they are with jaxpar "
+                          f"sample hf:{folder} ..., or fine-tune it with jaxpar train hf:{folder} --set "
+                          "checkpoint.dir=DIR ... and sample DIR")
+    elif not pathlib.Path(args.checkpoint).is_dir():
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is not a directory; give the checkpoint.dir of a run that "
-                          "saved checkpoints")
+                          "saved checkpoints, or hf:FOLDER for a Hugging Face checkpoint")
 
 
-def _load_tokenizer(given: str | None, data, model_vocab: int | None):
+def _load_tokenizer(args, data, model_vocab: int | None):
     """--tokenizer, else the run's data.tokenizer, loaded as training loads it
     (jaxpar.data.text: truncation and padding off, data.eos_id one of its ids); its
     vocabulary may not exceed the model's."""
     from jaxpar.data.text import CONFIG_NAMES, TextSpec, load_tokenizer
+    from jaxpar.hf.command import recorded_file, where_from
 
+    given = args.tokenizer
     if given is None and not data.tokenizer:
         raise ConfigError("--tokenizer is not given and the checkpoint's data.tokenizer is empty; give --tokenizer "
                           "PATH to the tokenizer.json the model was trained with")
+    if given is None:
+        recorded_file(data.tokenizer, "data.tokenizer", where_from(args, "data.tokenizer"), "--tokenizer PATH")
     name = "--tokenizer" if given is not None else "data.tokenizer"
     path = given if given is not None else data.tokenizer
     tokenizer = load_tokenizer(TextSpec("", path, eos_id=data.eos_id, names=CONFIG_NAMES._replace(tokenizer=name)))

@@ -40,6 +40,21 @@ def test_print_config(capsys):
     assert "train.microbatches=4" in capsys.readouterr().out
 
 
+def test_the_paths_sample_and_export_read_back_are_recorded_absolute(tmp_path, monkeypatch):
+    """data.tokenizer and checkpoint.init_from, given relative (as the docs' hf:tests/golden/...
+    does), are made absolute at train time, so a run's checkpoint reads them from any folder."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    monkeypatch.chdir(root)
+    config = resolve_config("hf:tests/golden/llama_tied", ["data.tokenizer=tests/golden/llama_tied/tokenizer.json"], 8)
+    assert config.data.tokenizer == str(root / "tests/golden/llama_tied/tokenizer.json")
+    assert config.checkpoint.init_from == str(root / "tests/golden/llama_tied")
+    monkeypatch.chdir(tmp_path)
+    config = resolve_config("llama", ["checkpoint.init_from=hf/model", "data.tokenizer="], 8)
+    assert (config.checkpoint.init_from, config.data.tokenizer) == (str(tmp_path / "hf/model"), "")  # unset stays unset
+
+
 @pytest.mark.parametrize("bad", ["--cpu-devices=0"])
 def test_bad_cpu_devices(bad, capsys):
     assert main(["train", "llama", bad]) == 2

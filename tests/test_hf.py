@@ -175,5 +175,5 @@ def test_refusals_of_what_the_format_cannot_hold(tmp_path):
     trainer = hf_trainer(GOLDEN / "llama_untied")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    with pytest.raises(ConfigError, match=r"exists and is not an empty folder"):
+    with pytest.raises(ConfigError, match=r"is a folder that holds files already"):
         export(trainer, trainer.init(), tmp_path / "full")

@@ -4,6 +4,7 @@ command end to end from a checkpoint directory alone (jaxpar.train.checkpoint.sa
 and its refusals of bad input."""
 
 import json
+import pathlib
 import shutil
 
 import jax
@@ -23,6 +24,7 @@ from jaxpar.train.loop import run
 from jaxpar.train.sample import choose, generate
 
 PROMPT = [5, 17, 3, 99, 42]
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "llama_tied"  # a tiny Llama in Hugging Face's format
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "to", "big", "red", "house", "and", "then", "slept"]
 
 
@@ -178,12 +180,54 @@ def large_tokenizer(tmp_path_factory) -> str:
     (["{ckpt}", "--prompt", "the", "--max-new-tokens", "0"], "--max-new-tokens=0; give at least 1"),
     (["{ckpt}", "--prompt", "the", "--set", "mesh.tensor=3"],
      "mesh.data=-1 cannot fill 8 devices: the other axes multiply to 3"),
+    (["{golden}", "--prompt", "the"], "CHECKPOINT='{golden}' is a Hugging Face checkpoint (config.json and safetensors "
+     "files), not a jaxpar run's checkpoint.dir; sample its weights as they are with jaxpar sample hf:{golden} ..., or "
+     "fine-tune it with jaxpar train hf:{golden} --set checkpoint.dir=DIR ... and sample DIR"),
+    (["hf:{golden}", "--prompt", "the", "--step", "3"], "--step=3 picks a step of a run's checkpoint.dir, but "
+     "CHECKPOINT='hf:{golden}' is a Hugging Face checkpoint, one set of weights; leave --step out"),
 ])
 def test_bad_input_is_one_line_naming_the_argument(checkpoint_dir, large_tokenizer, tmp_path, capsys, args, message):
     (tmp_path / "empty").mkdir()
     names = {"missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"), "ckpt": checkpoint_dir[0],
-             "large": large_tokenizer, "checkpoint_file": str(tmp_path / "not_json")}
+             "large": large_tokenizer, "checkpoint_file": str(tmp_path / "not_json"), "golden": str(GOLDEN)}
     (tmp_path / "not_json").write_text("not a tokenizer")
     assert main([a.format(**names) for a in args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message.format(**names) in err, err
+
+
+def test_a_hugging_face_checkpoint_samples_as_published(capsys):
+    """hf:FOLDER: the recipe hf:FOLDER's model, its weights read onto the mesh, its tokenizer."""
+    assert main([f"hf:{GOLDEN}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
+    header, text = capsys.readouterr().out.splitlines()
+    assert header == f"hf:{GOLDEN} as published: LlamaConfig | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy"
+    assert text.startswith("The old ship") and len(text) > len("The old ship")
+
+
+def test_a_relative_tokenizer_path_of_an_older_run_is_one_line_naming_the_folder_before_any_restore(
+        checkpoint_dir, tokenizer_file, tmp_path, monkeypatch, capsys):
+    """A run recorded data.tokenizer relative to the folder it trained in (as jaxpar did
+    before it recorded paths absolute); sample and export run from elsewhere name the path
+    and the folder it was resolved against, before building or restoring anything."""
+    from jaxpar import train
+    from jaxpar.cli import main as cli_main
+
+    old, trained_in, elsewhere = tmp_path / "old", tmp_path / "trained_in", tmp_path / "elsewhere"
+    shutil.copytree(checkpoint_dir[0], old)
+    (trained_in / "tok").mkdir(parents=True)
+    shutil.copy(tokenizer_file, trained_in / "tok" / "tokenizer.json")
+    meta_file = old / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["data.tokenizer"] = "tok/tokenizer.json"
+    meta_file.write_text(json.dumps(meta))
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(train, "build", lambda *a, **k: pytest.fail("built a trainer before the check"))
+    recorded = f"data.tokenizer='tok/tokenizer.json' (as the run recorded it in '{old}') is a relative path, not " \
+               f"found from this folder, '{elsewhere}'; run from the folder the run was trained in, or give "
+    assert main([str(old), "--prompt", "the cat"]) == 2
+    assert capsys.readouterr().err == f"jaxpar: error: {recorded}--tokenizer PATH\n"
+    assert cli_main(["export", str(old), str(tmp_path / "out")]) == 2
+    export_hint = "--set data.tokenizer=PATH to the run's tokenizer.json"
+    assert capsys.readouterr().err == f"jaxpar: error: {recorded}{export_hint}\n"
+    assert not (tmp_path / "out").exists()

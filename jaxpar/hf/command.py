@@ -10,6 +10,7 @@ model's own, and the tokenizer's files (data.tokenizer) are copied beside the we
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 
 from jaxpar.errors import ConfigError
@@ -37,7 +38,15 @@ def run(args) -> int:
         raise ConfigError(f"--max-shard-gb={args.max_shard_gb} must be positive; e.g. 5")
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+    folder = hf_checkpoint(args.checkpoint)
+    if folder is not None:
+        raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is a Hugging Face checkpoint already (config.json and "
+                          "safetensors files), not a jaxpar run's checkpoint.dir; fine-tune it with jaxpar train "
+                          f"hf:{folder} --set checkpoint.dir=DIR ..., then export DIR")
     force_cpu_devices(args.cpu_devices)
+    from jaxpar.hf.save import check_target
+
+    check_target(args.out, "OUT")  # before anything is restored or gathered
     from jaxpar.cli import distributed_settings, in_cluster
     from jaxpar.config import Config
 
@@ -59,6 +68,9 @@ def _export(args) -> int:
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype={args.dtype}; export as one of {', '.join(DTYPES)}")
     config = with_overrides(saved_config(args.checkpoint, args.step), args.overrides, len(jax.devices()))
+    if config.data.tokenizer:  # the file export copies, checked before anything is restored
+        recorded_file(config.data.tokenizer, "data.tokenizer", where_from(args, "data.tokenizer"),
+                      "--set data.tokenizer=PATH to the run's tokenizer.json")
     check_format(config.model)
     config.model.to_hf()  # what the format cannot hold is refused before anything is restored
     trainer = build(config)
@@ -74,6 +86,36 @@ def _export(args) -> int:
         print(f"exported step {step} of {args.checkpoint} to {args.out}: {len(files)} safetensors "
               f"file{'s' if len(files) > 1 else ''}, {size / 2**20:.1f} MiB {args.dtype}")
     return 0
+
+
+def hf_checkpoint(path: str) -> str | None:
+    """The folder `path` names where it is a Hugging Face checkpoint (hf:FOLDER, or a folder
+    holding config.json and safetensors files) rather than a run's checkpoint.dir, else None."""
+    folder = pathlib.Path(path.removeprefix("hf:"))
+    if path.startswith("hf:") or ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
+        return str(folder)
+    return None
+
+
+def recorded_file(value: str, field: str, source: str, instead: str) -> None:
+    """Refuse, in one line, a path the run recorded (`field`=`value`) that is not a file here.
+    A relative one (as jaxpar recorded them before it made them absolute) is resolved against
+    the current folder, which the message names. `source`: where the value comes from."""
+    path = pathlib.Path(value)
+    if path.is_file():
+        return
+    where = f"{field}={value!r} ({source})"
+    if not path.is_absolute():
+        raise ConfigError(f"{where} is a relative path, not found from this folder, {os.getcwd()!r}; run from the "
+                          f"folder the run was trained in, or give {instead}")
+    raise ConfigError(f"{where} is not a file; give {instead}")
+
+
+def where_from(args, field: str) -> str:
+    """Where a saved config field's value came from: --set, or the run's record."""
+    if any(o.startswith(field + "=") for o in args.overrides):
+        return "given with --set"
+    return f"as the run recorded it in {args.checkpoint!r}"
 
 
 def _base_config(config) -> dict:

@@ -23,7 +23,7 @@ def recipe(folder: str) -> Config:
     model = model_config(path)
     eos = read_config(path).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    tokenizer = path / "tokenizer.json"
+    tokenizer = path.absolute() / "tokenizer.json"  # sample and export read it again, from anywhere
     return Config(
         model=model,
         mesh=MeshConfig(data=-1),

@@ -9,6 +9,7 @@ export cut short leaves nothing half-written behind.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -42,8 +43,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     folder = pathlib.Path(folder)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r}; export as one of {', '.join(DTYPES)}")
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ConfigError(f"{str(folder)!r} exists and is not an empty folder; give a new folder to export into")
+    check_target(folder)
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
     hf_config = {**kept, **model.to_hf(), "torch_dtype": dtype}
     tensors = planned_tensors(trainer, state, model.hf_weights(), DTYPES[dtype])
@@ -66,6 +66,23 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
         if leader:
             shutil.rmtree(partial, ignore_errors=True)
     return [folder / n for n in names]
+
+
+def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
+    """`folder` can be exported into: new (its parents are made) or an empty folder, under a
+    folder this process may write. `name` is how the message calls it (the CLI's OUT)."""
+    folder = pathlib.Path(folder)
+    shown = f"{name}={str(folder)!r}"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{shown} is a file; give a new folder to export into (it will hold config.json, the "
+                          "safetensors files and the tokenizer)")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise ConfigError(f"{shown} is a folder that holds files already; give a new or empty folder to export into")
+    above = next(p for p in folder.absolute().parents if p.exists())  # the first folder that is there
+    if not above.is_dir():
+        raise ConfigError(f"{shown}: {str(above)!r} is a file, so no folder can be made under it; give another path")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"{shown}: {str(above)!r} is not writable by this user; give a folder you can write")
 
 
 def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
@@ -117,4 +134,4 @@ def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files
                 shutil.copyfile(source.parent / name, folder / name)
 
 
-__all__ = ["DTYPES", "NAMES", "export"]
+__all__ = ["DTYPES", "NAMES", "check_target", "export"]
