@@ -156,7 +156,7 @@ def test_tokenize_command_writes_what_text_reads(tiny_llama, corpus, tmp_path, c
     assert np.load(tmp_path / "parallel.npy", mmap_mode="r").dtype == np.uint16
     assert tokenize_main(common + ["--out", str(tmp_path / "one.bin"), "--workers", "1"]) == 0
     np.testing.assert_array_equal(np.fromfile(tmp_path / "one.bin", np.uint16), expected)
-    sidecar = json.loads((tmp_path / "one.json").read_text())
+    sidecar = json.loads((tmp_path / "one.bin.json").read_text())
     assert sidecar == {"tokenizer": corpus["tokenizer"], "vocab_size": 38, "dtype": "uint16", "eos_id": 1,
                        "documents": 150, "tokens": len(expected), "source": str(jsonl), "text_field": "text"}
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -169,7 +169,7 @@ def test_tokenize_command_writes_what_text_reads(tiny_llama, corpus, tmp_path, c
     assert isinstance(on_file, TokenFile) and not isinstance(on_file, TextSource)
     for field, value in on_text.local(4, slice(0, 16)).items():
         np.testing.assert_array_equal(on_file.local(4, slice(0, 16))[field], value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.bin", "one.json", "parallel.json", "parallel.npy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.bin", "one.bin.json", "parallel.npy", "parallel.npy.json"]
 
 
 def test_tokenize_leaves_nothing_half_written(corpus, tmp_path, capsys, monkeypatch, worker_pools):
@@ -205,6 +205,35 @@ def test_tokenize_leaves_nothing_half_written(corpus, tmp_path, capsys, monkeypa
     assert sorted(p.name for p in out.parent.iterdir()) == ["tokens.bin"] and out.read_bytes() == b"earlier"
     assert tokenize_main(["tokenize", str(bad), "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "x.txt")]) == 2
     assert "--out=" in capsys.readouterr().err
+
+
+def test_tokenize_checks_its_output_paths_before_reading_the_corpus(corpus, tmp_path, capsys, monkeypatch):
+    """--out that is a folder, in a folder missing, under a file or unwritable, or whose side
+    file is a folder: one line each, and not a document read (text.documents is never called)."""
+    monkeypatch.setattr(text, "documents", lambda *a: pytest.fail("read the corpus before checking --out"))
+    (tmp_path / "made.bin").mkdir()
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "taken.npy.json").mkdir()
+    (tmp_path / "locked").mkdir()
+    cases = {
+        "made.bin": f"--out='{tmp_path / 'made.bin'}' is a folder; give the file to write, e.g. "
+                    f"--out={tmp_path / 'made.bin' / 'tokens.bin'}",
+        "none/x.bin": f"--out='{tmp_path / 'none/x.bin'}': no folder '{tmp_path / 'none'}'; create it first",
+        "a_file/x.bin": f"--out='{tmp_path / 'a_file/x.bin'}': '{tmp_path / 'a_file'}' is a file, not a folder; "
+                        "give a path in a folder",
+        "taken.npy": f"--out='{tmp_path / 'taken.npy'}': its side file '{tmp_path / 'taken.npy.json'}' is a folder; "
+                     "move it, or give another --out",
+        "locked/x.bin": f"--out='{tmp_path / 'locked/x.bin'}': the folder '{tmp_path / 'locked'}' is not writable by "
+                        "this user; give a folder you can write",
+    }
+    import os
+
+    writable = os.access  # root may write anywhere: the locked folder is locked by saying so
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path / "locked") and writable(path, mode))
+    for out, message in cases.items():
+        args = ["tokenize", corpus["root"] / "docs.jsonl", "--tokenizer", corpus["tokenizer"], "--out", tmp_path / out]
+        assert tokenize_main([str(a) for a in args] + ["--no-progress"]) == 2
+        assert capsys.readouterr().err == f"jaxpar: error: {message}\n"
 
 
 def _bad_inputs(root, corpus):

@@ -4,7 +4,8 @@ The ids are those data.source=text makes when a run starts (jaxpar.data.text: th
 documents in the same order, each followed by --eos-id), written as uint16 where the
 vocabulary fits, else uint32. The file appears whole or not at all: it is written beside its
 destination under a temporary name and renamed into place when complete; an error or Ctrl-C
-removes the temporary file. A sidecar beside it, the same name with .json, records how it was made.
+removes the temporary file. A side file beside it, its name with .json added (corpus.bin.json),
+records how it was made. The output paths are checked before any document is read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "memory-mapped token file, the ids data.source=text would make.")
     p.add_argument("path", metavar="PATH", help="a .txt, .jsonl or .parquet file, a folder of them, or a glob (quoted)")
     p.add_argument("--tokenizer", required=True, metavar="FILE", help="a Hugging Face tokenizer.json")
-    p.add_argument("--out", required=True, metavar="OUT", help="the token file to write: OUT.bin (raw) or OUT.npy")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="the token file to write, .bin (raw) or .npy; FILE.json beside it records how it was made")
     p.add_argument("--text-field", default="text", metavar="KEY",
                    help="the JSONL key or Parquet column of each document (default text)")
     p.add_argument("--eos-id", type=int, default=-1, metavar="ID",
@@ -66,10 +68,7 @@ def run(args) -> int:
     Bad input raises ConfigError, before anything is written where it can."""
     spec = text.TextSpec(args.path, args.tokenizer, args.text_field, args.eos_id, NAMES)
     out = pathlib.Path(args.out)
-    if out.suffix not in OUTPUTS:
-        raise ConfigError(f"--out={args.out!r}: write a .bin (raw ids) or .npy file, e.g. --out={out.with_suffix('.bin')}")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out={args.out!r}: no folder {str(out.parent)!r}; create it first")
+    check_out(out)
     if args.workers < 1:
         raise ConfigError(f"--workers={args.workers} must be at least 1, e.g. --workers={os.cpu_count() or 1}")
     if not spec.text_field:
@@ -88,11 +87,36 @@ def run(args) -> int:
     sidecar = {"tokenizer": str(pathlib.Path(spec.tokenizer).resolve()), "vocab_size": vocab, "dtype": dtype.name,
                "eos_id": spec.eos_id, "documents": total, "tokens": count, "source": spec.path,
                "text_field": spec.text_field}
-    _write_atomically(out.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
+    _write_atomically(side_file(out), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
     eos = f" --set data.eos_id={spec.eos_id}" if spec.eos_id >= 0 else ""
     print(f"jaxpar tokenize: {total} documents, {count} tokens ({dtype.name}) in {out}; train on it with "
           f"--set data.source=tokens --set data.path={out} --set data.dtype={dtype.name}{eos}", flush=True)
     return 0
+
+
+def side_file(out: pathlib.Path) -> pathlib.Path:
+    """Where the record of how `out` was made goes: its whole name with .json added, so
+    corpus.bin's and corpus.npy's do not overwrite each other."""
+    return out.with_name(out.name + ".json")
+
+
+def check_out(out: pathlib.Path) -> None:
+    """--out and its side file can be written, checked before the corpus is read: a .bin or
+    .npy path, in a folder that is there and writable, neither path a folder."""
+    shown = f"--out={str(out)!r}"
+    if out.suffix not in OUTPUTS:
+        raise ConfigError(f"{shown}: write a .bin (raw ids) or .npy file, e.g. --out={out.with_suffix('.bin')}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"{shown}: {str(out.parent)!r} is a file, not a folder; give a path in a folder")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{shown}: no folder {str(out.parent)!r}; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{shown}: the folder {str(out.parent)!r} is not writable by this user; give a folder you "
+                          "can write")
+    if out.is_dir():
+        raise ConfigError(f"{shown} is a folder; give the file to write, e.g. --out={out / ('tokens' + out.suffix)}")
+    if side_file(out).is_dir():
+        raise ConfigError(f"{shown}: its side file {str(side_file(out))!r} is a folder; move it, or give another --out")
 
 
 def _encoded(tokenizer, spec: text.TextSpec, files, dtype, workers: int, bar) -> Iterator[np.ndarray]:
