@@ -12,7 +12,7 @@ from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
 from jaxpar.sharding.attend import ATTENTIONS
 from jaxpar.sharding.projections import COLLECTIVE_MATMULS, MATMUL_DTYPES
-from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, supports
+from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, model_name, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -125,7 +125,11 @@ def matmul_dtype(config, sizes) -> None:
     if value == "compute":
         return
     if not supports(config.model, PROJECTIONS):  # nothing would run in FP8
-        raise lacks(config.model, PROJECTIONS, f"train.matmul_dtype={value}", "set train.matmul_dtype=compute")
+        raise ConfigError(f"train.matmul_dtype={value}: model {model_name(config.model)} does not run its matmuls "
+                          "through jaxpar's projection helpers (column_project / row_project; it declares no "
+                          f"'{PROJECTIONS}' capability), and FP8 applies only there, so nothing would run in FP8; set "
+                          "train.matmul_dtype=compute, or route its projections through the helpers and declare "
+                          f"'{PROJECTIONS}' (docs/your_model.md)")
     if config.parallel.collective_matmul != "none":
         raise ConfigError(f"train.matmul_dtype={value} with parallel.collective_matmul="
                           f"{config.parallel.collective_matmul}: the collective matmul's ring multiplies in the "
