@@ -55,7 +55,8 @@ def test_zero3_over_data_and_fsdp_holds_temporaries_like_zero3_over_fsdp(tiny_ll
     backward pass, so its compiled temporaries stay within 1.25x of ZeRO-3 over fsdp alone
     on the same model and batch. (Reduced after the backward pass instead, every replica
     held its gradient of all 16 layers, 1/fsdp of the model: 2.3x here, and 383 GiB against
-    12 GiB of model state per device at the 405B shape.)"""
+    12 GiB of model state per device at the 405B shape.) So does qgZ, whose int8 all-to-all
+    sums each layer's gradient there too."""
     config = apply_overrides(tiny_llama, ["model.num_layers=16", "model.embed=128", "model.mlp=512", "model.head_dim=32",
                                           "model.remat=full", "train.global_batch=8"])
 
@@ -64,7 +65,8 @@ def test_zero3_over_data_and_fsdp_holds_temporaries_like_zero3_over_fsdp(tiny_ll
 
     fsdp = temporaries(["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"])
     hybrid = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3"])
-    assert hybrid <= 1.25 * fsdp, (hybrid, fsdp)
+    qgz = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3", "parallel.quantized_gradients=true"])
+    assert hybrid <= 1.25 * fsdp and qgz <= 1.25 * fsdp, (hybrid, qgz, fsdp)
 
 
 @pytest.mark.parametrize("remat", ["full", "selective", "dots"])

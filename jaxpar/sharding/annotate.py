@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
-from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather
+from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
 from jaxpar.mesh import divisors, mesh_here
 from jaxpar.sharding.rules import Rules
 
@@ -58,6 +59,19 @@ class ParamGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaSum:
+    """How a parameter's gradient is summed over the per-replica vmap's replicas at its point
+    of use (`sum_over_replicas`).
+
+    quantize_block  > 0: ZeRO++ qgZ, an int8 all-to-all with a scale per this many elements
+                    (jaxpar.kernels.quantized), where the sum lands sharded over the
+                    replica axis; 0: the partitioner's reduction in the compute dtype
+    """
+
+    quantize_block: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ContextAttention:
     """How attention runs when the compute rules shard "seq" (jaxpar.kernels.attention).
 
@@ -83,7 +97,8 @@ class Layout:
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     replica_sum: inside that vmap at ZeRO 2-3: every parameter's gradient is summed over the
     replicas where `compute_value` gathers it (`sum_over_replicas`), so inside the layer
-    scan one layer at a time, rather than held whole per replica until the backward ends.
+    scan one layer at a time, rather than held whole per replica until the backward ends
+    (None: held per replica).
     collective_matmul: none | ring | bidirectional; how the tensor-parallel projections run
     their sequence all-gather and reduce-scatter (jaxpar.sharding.projections).
     attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
@@ -96,7 +111,7 @@ class Layout:
     context: ContextAttention = ContextAttention()
     expert_exchange: str = "padded"
     replica_axis: str | None = None
-    replica_sum: bool = False
+    replica_sum: ReplicaSum | None = None
     collective_matmul: str = "none"
     attention: str = "reference"
     matmul_dtype: str = "compute"
@@ -189,24 +204,50 @@ def sum_over_replicas(value: jax.Array, names: Sequence[str | None], layout: Lay
     total = add_axes(layout.rules.spec(names, "storage"), value.shape, names, layout.mesh, (axis,))
     inside = P(*(None if not e else e[0] if len(e) == 1 else e
                  for e in ([a for a in held if a != axis] for held in spec_entries(total, value.ndim))))
-    return _replica_sum(value, NamedSharding(mesh, inside), NamedSharding(mesh, total))
+    scattered = spec_entries(total, value.ndim) != spec_entries(inside, value.ndim)
+    block = layout.replica_sum.quantize_block if scattered else 0  # qgZ's sum lands sharded over the replicas
+    return _replica_sum(value, NamedSharding(mesh, inside), NamedSharding(mesh, total), axis, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _replica_sum(value, inside, total):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _replica_sum(value, inside, total, axis, block):
     return value
 
 
-def _replica_sum_fwd(value, inside, total):
+def _replica_sum_fwd(value, inside, total, axis, block):
     return value, None
 
 
-def _replica_sum_bwd(inside, total, _, ct):
+def _replica_sum_bwd(inside, total, axis, block, _, ct):
     if not jnp.issubdtype(ct.dtype, jnp.inexact):
         return (ct,)
     ct = jax.lax.with_sharding_constraint(ct, inside)  # each replica's: reduced inside it
-    summed = jax.lax.with_sharding_constraint(jax.lax.psum(ct, REPLICAS), total)  # over the replicas
+    if block:  # qgZ
+        summed = _int8_replica_sum(ct, inside, total, axis, block)
+    else:
+        summed = jax.lax.with_sharding_constraint(jax.lax.psum(ct, REPLICAS), total)  # over the replicas
     return (summed / jax.lax.axis_size(REPLICAS),)
+
+
+def _int8_replica_sum(ct: jax.Array, inside: NamedSharding, total: NamedSharding, axis: str, block: int) -> jax.Array:
+    """Inside the per-replica vmap over mesh axis `axis`: the replicas' sum of `ct` (each
+    replica's, sharded `inside`) through qgZ's int8 all-to-all, unbatched and sharded
+    `total`. The kernel is a shard_map over the replicas' stacked values, which a vmap with
+    spmd_axis_name may not trace inside: its batching rule, which sees them stacked, runs it
+    once, outside."""
+
+    @custom_vmap
+    def summed(ct):  # traced for its output type only: the vmap rule below is what runs
+        return ct
+
+    @summed.def_vmap
+    def _(axis_size, in_batched, ct):
+        if not in_batched[0]:
+            raise ValueError("the int8 replica sum sums each replica's own gradient, not a shared value")
+        stacked = jax.lax.with_sharding_constraint(ct, NamedSharding(total.mesh, P(axis, *inside.spec)))
+        return quantized_reduce_scatter(stacked, total.mesh, axis, inside.spec, total.spec, block), False
+
+    return summed(ct)
 
 
 # optimize_remat: a remat policy sees one opaque step (`remat_opt`, jaxpar.nn.LAYOUT_CHANGES)

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxpar.kernels.quantized import quantized_reduce_scatter
 from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
+from jaxpar.sharding.annotate import ReplicaSum
 from jaxpar.train.loss import LossFn, model_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
@@ -68,15 +69,15 @@ def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any]
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
                     microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any],
-                    quantized: bool = False, compressed: bool = False) -> GradFn:
+                    quantize_block: int = 0, compressed: bool = False) -> GradFn:
     """Gradient of (sum of per-example losses over the global batch) / (its weight),
     accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
     the model's other sums over the batch (jaxpar.train.loss).
 
     Per-replica gradients are reduced over fsdp inside the replica, then over data: once per
-    step at ZeRO 0-1 (microbatches accumulate unreduced), layer by layer inside each
-    microbatch's backward pass at ZeRO 2-3 (reduce-scatter into the sharded accumulator; under
-    qgZ, `quantized`, once the microbatch's backward pass ends, by `reduce`). Without
+    step at ZeRO 0-1 (microbatches accumulate unreduced; by `reduce`), layer by layer inside
+    each microbatch's backward pass at ZeRO 2-3 (reduce-scattered into the sharded
+    accumulator; under qgZ, `quantize_block` > 0, by an int8 all-to-all). Without
     accumulation there is no gradient buffer to keep whole: ZeRO-1 reduce-scatters straight
     to the optimizer's shards, like ZeRO-2.
 
@@ -88,9 +89,8 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
     per_step = replicas and (zero_stage < 2 or compressed)  # reduce over data once per step
     # ZeRO 2-3 keep no whole gradient per replica: each layer's is summed over the replicas
-    # inside the backward pass (jaxpar.train.replicas), except under qgZ, whose int8
-    # all-to-all (`reduce`) takes the per-replica gradients whole.
-    summed = replicas and not per_step and not quantized
+    # inside the backward pass (jaxpar.train.replicas), under qgZ by an int8 all-to-all.
+    summed = ReplicaSum(quantize_block) if replicas and not per_step else None
 
     def microbatch(params, mb):
         """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is [data, ...]
@@ -103,10 +103,8 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         l, aux, g = per_replica(grad_fn, layout, shardings.grads, summed)(params, mb)
         if summed:  # reduced over the replicas layer by layer, inside the backward pass
             g = jax.lax.with_sharding_constraint(g, reduce_to)
-        else:
+        else:  # reduced once per step
             g = cast_floats(g, jnp.float32)
-            if not per_step:
-                g = reduce(g, reduce_to)
         return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
     def grads(params, batch) -> tuple[jax.Array, dict, Any]:

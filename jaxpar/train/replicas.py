@@ -28,16 +28,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding import Layout, use_layout
-from jaxpar.sharding.annotate import REPLICAS
+from jaxpar.sharding.annotate import REPLICAS, ReplicaSum
 from jaxpar.train.state import cast_floats
 
 AXIS = "data"
 
 
-def inner_layout(layout: Layout, summed: bool = False) -> Layout:
+def inner_layout(layout: Layout, summed: ReplicaSum | None = None) -> Layout:
     """The layout one replica's computation sees: `data` taken out of every compute rule
-    (the vmapped replica axis holds it); `summed`: parameters' gradients summed over the
-    replicas where they are used (Layout.replica_sum)."""
+    (the vmapped replica axis holds it); `summed`: how parameters' gradients are summed over
+    the replicas where they are used (Layout.replica_sum; None: they are not)."""
     table = {k: tuple(a for a in v if a != AXIS) for k, v in layout.rules.table("compute").items()}
     return dataclasses.replace(layout, rules=layout.rules.with_overrides(compute=table), replica_axis=AXIS,
                                replica_sum=summed)
@@ -67,12 +67,13 @@ def split_replicas(x: jax.Array, names: tuple, layout: Layout) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(AXIS, *spec)))
 
 
-def per_replica(grad_fn: Callable, layout: Layout, grad_shardings: Any, summed: bool = False) -> Callable:
+def per_replica(grad_fn: Callable, layout: Layout, grad_shardings: Any, summed: ReplicaSum | None = None) -> Callable:
     """(params, replica batch [data, b, ...]) -> (loss sums [data], (weights, other sums)
     each [data, ...], gradients [data, ...]), each replica's gradient reduced inside it only.
 
-    `summed`: the gradients come back summed over the replicas instead, in float32 and in
-    `grad_shardings`, reduced layer by layer inside the backward pass."""
+    `summed`: the gradients come back summed over the replicas instead (as it says: plain,
+    or qgZ's int8), in float32 and in `grad_shardings`, reduced layer by layer inside the
+    backward pass."""
     inner = inner_layout(layout, summed)
     inside = jax.tree.map(without_data, grad_shardings)
 

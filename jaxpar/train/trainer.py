@@ -208,7 +208,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, shardings
         return pipelined_grads(config, layout, graphdef, names, lambda g: reduce(g, shardings.optimizer), loss_fn)
     replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, int8 or compressed)
     return batch_gradients(loss_sum, layout, shardings, names, train.microbatches, parallel.zero_stage, replicas,
-                           reduce, int8, compressed), None
+                           reduce, parallel.quantization_block if int8 else 0, compressed), None
 
 
 def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:
