@@ -5,6 +5,7 @@ and its refusals of bad input."""
 
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -46,6 +47,30 @@ def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama
         assert generate(trainer, states[name].params, PROMPT, 6) == want, name
     tensor4, params = trainers["tensor4"], states["tensor4"].params
     assert generate(tensor4, params, PROMPT, 6, eos_id=want[2]) == want[:3]  # stops at eos, eos included
+
+
+def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llama):
+    """stage=2 x data=4: parameters rest half on each stage (the layers), replicated over
+    data; to sample, each device holds the whole model, every parameter's bytes. The tokens
+    are those of the same weights with no pipeline."""
+    import warnings
+
+    from jaxpar.train.sample import StagesGathered
+    from jaxpar.units import byte_size
+
+    piped = build(apply_overrides(tiny_llama, ["mesh.stage=2", "train.microbatches=2"]))
+    params = piped.init().params
+    whole = sum(x.nbytes for x in jax.tree.leaves(params))
+    resting = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+    assert resting < whole
+    gathered = f"{byte_size(whole)} of parameters per device (training holds {byte_size(resting)})"
+    with pytest.warns(StagesGathered, match=rf"^mesh.stage=2: sampling runs the whole model on every device, not "
+                      rf"stage by stage, so each device gathers every stage's layers: {re.escape(gathered)}; where"):
+        piped_tokens = generate(piped, params, PROMPT, 3)
+    plain = build(apply_overrides(tiny_llama, ["mesh.data=8"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StagesGathered)  # none without stages
+        assert generate(plain, plain.init().params, PROMPT, 3) == piped_tokens
 
 
 def test_top_k_one_is_greedy_and_draws_are_reproducible(tiny_llama):

@@ -12,19 +12,30 @@ once. Causal attention keeps the padding after a position out of that position's
 model whose tokens meet other than through causal attention (MoE routing with a capacity
 limit, where padding competes for expert slots) can see it. Every row of the batch holds the
 prompt, as many rows as the batch axes (mesh data x fsdp x expert) split; row 0 is read.
+
+Under pipeline stages (mesh.stage > 1) the forward pass runs the whole model at once, not
+stage by stage: every device gathers every stage's layers (jaxpar.train.pipelined.unpipelined),
+and `generate` warns (StagesGathered) with the bytes of parameters that puts on each device.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.train.inference import forward
+from jaxpar.train.replicas import without_axis
+from jaxpar.units import byte_size
+
+
+class StagesGathered(JaxparWarning):
+    """Sampling under pipeline stages holds the whole model on every device."""
 
 
 def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
@@ -37,6 +48,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, t
     is larger: ids past it decode to nothing). `params`: the weights where they rest, as a
     TrainState holds them (`state.params`)."""
     _check_arguments(trainer, prompt_ids, max_new_tokens, temperature, top_k)
+    _warn_of_gathered_stages(trainer, params)
     start = len(prompt_ids)
     length = _round_up(start + max_new_tokens, sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel))
     tokens = np.zeros((batch_rows(trainer), length), np.int32)
@@ -51,6 +63,25 @@ def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, t
         if drawn[-1] == eos_id:
             break
     return drawn
+
+
+def _warn_of_gathered_stages(trainer, params: Any) -> None:
+    """Under mesh.stage > 1, say how much of the model each device holds to sample: all of
+    every stage's layers (sharded over the other axes as in training), not its stage's."""
+    stages = trainer.layout.mesh.shape["stage"]
+    if stages == 1:
+        return
+
+    def per_device(x: jax.Array, sharding) -> int:
+        return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(trainer.shardings.params)))
+    whole = sum(per_device(x, without_axis(s, "stage")) for x, s in leaves)
+    resting = sum(per_device(x, s) for x, s in leaves)
+    warnings.warn(f"mesh.stage={stages}: sampling runs the whole model on every device, not stage by stage, so each "
+                  f"device gathers every stage's layers: {byte_size(whole)} of parameters per device (training holds "
+                  f"{byte_size(resting)}); where that does not fit, sample with mesh.stage=1 and the layers sharded "
+                  "over mesh.fsdp or mesh.tensor", StagesGathered, stacklevel=3)
 
 
 def next_token_step(trainer) -> Callable[..., tuple[jax.Array, jax.Array]]:
