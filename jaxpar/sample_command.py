@@ -167,14 +167,14 @@ def _load_tokenizer(args, data, model_vocab: int | None):
     (jaxpar.data.text: truncation and padding off, data.eos_id one of its ids); its
     vocabulary may not exceed the model's."""
     from jaxpar.data.text import CONFIG_NAMES, TextSpec, load_tokenizer
-    from jaxpar.hf.command import recorded_file, where_from
+    from jaxpar.hf.command import recorded_file, recorded_in
 
     given = args.tokenizer
     if given is None and not data.tokenizer:
         raise ConfigError("--tokenizer is not given and the checkpoint's data.tokenizer is empty; give --tokenizer "
                           "PATH to the tokenizer.json the model was trained with")
     if given is None:
-        recorded_file(data.tokenizer, "data.tokenizer", where_from(args, "data.tokenizer"), "--tokenizer PATH")
+        recorded_file(data.tokenizer, "data.tokenizer", recorded_in(args, "data.tokenizer"), "--tokenizer PATH")
     name = "--tokenizer" if given is not None else "data.tokenizer"
     path = given if given is not None else data.tokenizer
     tokenizer = load_tokenizer(TextSpec("", path, eos_id=data.eos_id, names=CONFIG_NAMES._replace(tokenizer=name)))

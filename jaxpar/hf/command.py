@@ -69,7 +69,7 @@ def _export(args) -> int:
         raise ConfigError(f"--dtype={args.dtype}; export as one of {', '.join(DTYPES)}")
     config = with_overrides(saved_config(args.checkpoint, args.step), args.overrides, len(jax.devices()))
     if config.data.tokenizer:  # the file export copies, checked before anything is restored
-        recorded_file(config.data.tokenizer, "data.tokenizer", where_from(args, "data.tokenizer"),
+        recorded_file(config.data.tokenizer, "data.tokenizer", recorded_in(args, "data.tokenizer"),
                       "--set data.tokenizer=PATH to the run's tokenizer.json")
     check_format(config.model)
     config.model.to_hf()  # what the format cannot hold is refused before anything is restored
@@ -97,25 +97,25 @@ def hf_checkpoint(path: str) -> str | None:
     return None
 
 
-def recorded_file(value: str, field: str, source: str, instead: str) -> None:
-    """Refuse, in one line, a path the run recorded (`field`=`value`) that is not a file here.
-    A relative one (as jaxpar recorded them before it made them absolute) is resolved against
-    the current folder, which the message names. `source`: where the value comes from."""
+def recorded_file(value: str, field: str, recorded_in: str | None, instead: str) -> None:
+    """Refuse, in one line, a path the run recorded in `recorded_in` (None: given with --set)
+    that is not a file here. A relative one (as jaxpar recorded them before it made them
+    absolute) is resolved against the current folder, which the message names."""
     path = pathlib.Path(value)
     if path.is_file():
         return
-    where = f"{field}={value!r} ({source})"
+    if recorded_in is None:
+        raise ConfigError(f"{field}={value!r} (given with --set) is not a file; give {instead}")
+    where = f"{field}={value!r} (as the run recorded it in {recorded_in!r})"
     if not path.is_absolute():
         raise ConfigError(f"{where} is a relative path, not found from this folder, {os.getcwd()!r}; run from the "
                           f"folder the run was trained in, or give {instead}")
     raise ConfigError(f"{where} is not a file; give {instead}")
 
 
-def where_from(args, field: str) -> str:
-    """Where a saved config field's value came from: --set, or the run's record."""
-    if any(o.startswith(field + "=") for o in args.overrides):
-        return "given with --set"
-    return f"as the run recorded it in {args.checkpoint!r}"
+def recorded_in(args, field: str) -> str | None:
+    """The checkpoint a saved config field's value comes from, or None where --set gives it."""
+    return None if any(o.startswith(field + "=") for o in args.overrides) else args.checkpoint
 
 
 def _base_config(config) -> dict:
