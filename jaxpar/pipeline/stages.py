@@ -10,12 +10,16 @@ stage. The embedding runs on the first virtual stage, the output and the loss on
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from jaxpar.pipeline.executor import Stages, no_report, to_model_order, to_pipeline_order
+from jaxpar.pipeline.executor import STAGE, Stages, no_report, to_model_order, to_pipeline_order
 from jaxpar.train.loss import LossFn
 
 LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
@@ -44,12 +48,137 @@ def in_model_order(tree: Any, p: int, v: int) -> Any:
 def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
     """`fn` on the arrays under a "layers" key that are stacked over the layers (an
     optimizer's placeholders or per-layer scalars of other shapes are left alone)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _stacked_layers(path, x, p, v) else x, tree)
 
-    def one(path, x):
-        stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] % (p * v) == 0 and x.shape[0] >= p * v
-        return fn(x) if stacked and any(getattr(k, "key", None) == LAYERS for k in path) else x
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+def _stacked_layers(path, x: Any, p: int, v: int) -> bool:
+    stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] % (p * v) == 0 and x.shape[0] >= p * v
+    return stacked and any(getattr(k, "key", None) == LAYERS for k in path)
+
+
+# ------------------------------------------------ the two orders as a collective, for checkpoints
+#
+# Sharded over `stage`, the two orders put different chunks on a device: in pipeline order
+# device s holds chunks s, s + p, ...; in model order chunks s*v ... s*v + v-1. The partitioner
+# cannot express that permutation between contiguous shards and gathers the whole stack on
+# every device; here each chunk that changes device moves once, point to point.
+
+
+def _home_in_pipeline_order(chunk: int, p: int, v: int) -> tuple[int, int]:
+    """(device, slot among its v chunks) of chunk `chunk` (a virtual stage) in pipeline order."""
+    return chunk % p, chunk // p
+
+
+def _home_in_model_order(chunk: int, p: int, v: int) -> tuple[int, int]:
+    return chunk // v, chunk % v
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One collective permute: device d sends its chunk at slot `send[d]` to device `to[d]`,
+    which keeps it at slot `keep_at[to[d]]`. `to` is a permutation of the devices."""
+
+    send: tuple[int, ...]
+    to: tuple[int, ...]
+    keep_at: tuple[int, ...]
+
+
+@functools.cache
+def relayout_rounds(p: int, v: int, to: str) -> tuple[Round, ...]:
+    """The moves that take every chunk from its home in one order to its home in the other
+    (`to`: "model" or "pipeline") as v rounds in which every device sends one chunk and
+    receives one: the chunk moves form a v-regular bipartite multigraph between devices,
+    which splits into v perfect matchings (Hall), found here by augmenting paths."""
+    homes = (_home_in_pipeline_order, _home_in_model_order)
+    source, dest = homes if to == "model" else homes[::-1]
+    device_of = lambda chunk: source(chunk, p, v)[0]  # noqa: E731
+    target_of = lambda chunk: dest(chunk, p, v)[0]  # noqa: E731
+    pending = {d: [c for c in range(p * v) if device_of(c) == d] for d in range(p)}
+    rounds = []
+    for _ in range(v):
+        matched: dict[int, int] = {}  # target device -> the chunk it receives this round
+        for d in range(p):
+            if not _augment(d, pending, matched, set(), device_of, target_of):
+                raise AssertionError(f"no perfect matching in round {len(rounds)} of p={p}, v={v}")
+        sent = {device_of(c): c for c in matched.values()}
+        rounds.append(Round(send=tuple(source(sent[d], p, v)[1] for d in range(p)),
+                            to=tuple(target_of(sent[d]) for d in range(p)),
+                            keep_at=tuple(dest(matched[d], p, v)[1] for d in range(p))))
+        for c in matched.values():
+            pending[device_of(c)].remove(c)
+    return tuple(rounds)
+
+
+def _augment(device: int, pending: dict, matched: dict, seen: set, device_of: Callable, target_of: Callable) -> bool:
+    """Kuhn's augmenting path: match one of `device`'s pending chunks to a free target,
+    re-matching earlier choices where that frees one."""
+    for chunk in pending[device]:
+        target = target_of(chunk)
+        if target in seen:
+            continue
+        seen.add(target)
+        if target not in matched or _augment(device_of(matched[target]), pending, matched, seen, device_of, target_of):
+            matched[target] = chunk
+            return True
+    return False
+
+
+def _relayout_blocks(blocks: list[jax.Array], rounds: tuple[Round, ...]) -> list[jax.Array]:
+    """Inside a shard_map over `stage`: each of this device's blocks ([v * n, ...] rows of a
+    stack) in the other order. A chunk that stays on its device is not sent."""
+    v, p = len(rounds), len(rounds[0].to)
+    me = jax.lax.axis_index(STAGE)
+    sent_slot = jnp.asarray([r.send for r in rounds])[:, me]
+    kept = jnp.asarray([[s == d for s, d in enumerate(r.to)] for r in rounds])[:, me]  # sent to itself (`to` permutes)
+    filled_by = [[0] * v for _ in range(p)]  # [device][slot] -> the round that brings its chunk
+    for i, r in enumerate(rounds):
+        for d, slot in enumerate(r.keep_at):
+            filled_by[d][slot] = i
+    order = jnp.asarray(filled_by)[me]
+    out = []
+    for x in blocks:
+        chunks = x.reshape(v, x.shape[0] // v, *x.shape[1:])
+        received = []
+        for i, r in enumerate(rounds):
+            piece = jax.lax.dynamic_index_in_dim(chunks, sent_slot[i], keepdims=False)
+            moves = [(s, d) for s, d in enumerate(r.to) if s != d]
+            got = jax.lax.ppermute(piece, STAGE, moves) if moves else piece
+            received.append(jnp.where(kept[i], piece, got))
+        out.append(jnp.take(jnp.stack(received), order, axis=0, mode="clip").reshape(x.shape))
+    return out
+
+
+def relaid_layers(tree: Any, shardings: Any, p: int, v: int, to: str) -> Any:
+    """`in_model_order` (to="model") or `in_pipeline_order` (to="pipeline") of `tree`, whose
+    arrays are laid out by `shardings` (a tree of NamedShardings like it), moving chunks
+    between stages with collective permutes instead of gathering the stack. An array whose
+    layer axis is not sharded over `stage` (replicated: every device has every chunk) gets
+    the plain reorder, which needs no communication then."""
+    plain = {"model": to_model_order, "pipeline": to_pipeline_order}[to]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    placed = treedef.flatten_up_to(shardings)
+    out = [x for _, x in leaves]
+    moving = []  # (index, sharding) of the stacks sharded over `stage`, moved by one shard_map below
+    for i, ((path, x), sharding) in enumerate(zip(leaves, placed)):
+        if not _stacked_layers(path, x, p, v):
+            continue
+        if tuple(sharding.spec)[:1] in ((STAGE,), ((STAGE,),)):
+            moving.append((i, sharding))
+        else:
+            out[i] = plain(x, p, v)
+    if moving:
+        blocks = [_on_device(out[i], sharding) for i, sharding in moving]
+        specs = [sharding.spec for _, sharding in moving]
+        body = functools.partial(_relayout_blocks, rounds=relayout_rounds(p, v, to))
+        moved = jax.shard_map(body, mesh=moving[0][1].mesh, in_specs=(specs,), out_specs=specs, check_vma=False)(blocks)
+        for (i, _), x in zip(moving, moved):
+            out[i] = x
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _on_device(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Offloaded optimizer state is moved on the device (the jit puts it back)."""
+    return x if sharding.memory_kind in (None, "device") else jax.device_put(x, sharding.with_memory_kind("device"))
 
 
 def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:

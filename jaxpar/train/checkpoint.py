@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import pathlib
 import shutil
@@ -34,6 +35,7 @@ import orbax.checkpoint as ocp
 
 from jaxpar.config import Config, flatten
 from jaxpar.errors import ConfigError, JaxparWarning
+from jaxpar.pipeline.stages import relaid_layers
 
 
 @dataclasses.dataclass
@@ -73,8 +75,9 @@ class Checkpoints:
             "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
             "model_class": _class_record(type(trainer.config.model)),
         }
-        if trainer.pipeline is not None:  # on the devices, in the state's own shardings
-            state = jax.jit(trainer.model_order, out_shardings=trainer.state_shardings)(state)
+        to_model_order = reorder_layers(trainer, "model")
+        if to_model_order is not None:
+            state = to_model_order(state)
         items = {}
         if state.compression is not None:  # its own item: a run that compresses differently starts it afresh
             items["compression"] = ocp.args.StandardSave(state.compression)
@@ -169,8 +172,9 @@ class Checkpoints:
                               "afresh", CompressionRestarted, stacklevel=3)
             restored = dataclasses.replace(
                 restored, compression=got["compression"] if resume_compression else trainer.init_compression())
-        if trainer.pipeline is not None:  # back to the stages' order (a copy only where there is one)
-            restored = jax.jit(trainer.pipeline_order, out_shardings=trainer.state_shardings)(restored)
+        to_pipeline_order = reorder_layers(trainer, "pipeline")
+        if to_pipeline_order is not None:
+            restored = to_pipeline_order(restored)
         return restored, int(meta["step"])
 
     def meta(self, step: int) -> dict:
@@ -184,6 +188,27 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def reorder_layers(trainer, to: str):
+    """The jitted move of a TrainState's stacked layers to model order (`to="model"`, before
+    a save) or back to the stages' pipeline order (`to="pipeline"`, after a restore), in the
+    state's own shardings; None where the orders coincide (no interleaved pipeline). Chunks
+    move between stages by collective permutes (jaxpar.pipeline.stages.relaid_layers), so
+    no stage's layers are gathered onto another."""
+    p, v = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
+    if trainer.pipeline is None or p == 1 or v == 1:
+        return None
+    leaves, treedef = jax.tree.flatten(trainer.state_shardings)
+    return _reorder_layers(tuple(leaves), treedef, p, v, to)
+
+
+@functools.lru_cache(maxsize=16)  # one jitted function per layout: a save does not trace afresh
+def _reorder_layers(shardings: tuple, treedef, p: int, v: int, to: str):
+    out = jax.tree.unflatten(treedef, shardings)
+    donate = (0,) if to == "pipeline" else ()  # a restored state is ours to reuse; a saved one is still training
+    return jax.jit(functools.partial(relaid_layers, shardings=out, p=p, v=v, to=to), out_shardings=out,
+                   donate_argnums=donate)
 
 
 def saved_config(directory: str | pathlib.Path, step: int | None = None) -> Config:
