@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.kernels.experts.exchange import EXCHANGED_NAME
 from jaxpar.sharding import HPZ_NAME
+from jaxpar.sharding.layer_hooks import take_layer_hooks
 
 REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
 # The policies that keep nothing named RESIDUALS_NAME or EXCHANGED_NAME: a context-parallel
@@ -108,15 +109,19 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
 
     Each step sees one layer's parameters, so FSDP gathers (`compute_value`) happen one
     layer at a time, and the remat policy applies per layer. A layer may return (x, report):
-    the reports are stacked on a leading layer axis and returned beside x.
+    the reports are stacked on a leading layer axis and returned beside x. Hooks the trainer
+    bound to the stacked parameters (jaxpar.sharding.layer_hooks) run on each layer's slice.
     """
     policy = layer_policy(remat)
     graphdef, stacked = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(stacked)
+    states, hooks = take_layer_hooks(leaves)
 
-    def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, Any]:
+    def body(carry: jax.Array, xs: tuple[list, list]) -> tuple[jax.Array, Any]:
         carry = checkpoint_name(carry, OFFLOADED_NAME)
-        out = nnx.merge(graphdef, layer_state)(carry, *args)
+        layer = [x if hook is None else hook(x, state) for x, state, hook in zip(*xs, hooks)]
+        out = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))(carry, *args)
         return out if isinstance(out, tuple) else (out, None)
 
-    out, reports = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, stacked)
+    out, reports = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, (leaves, states))
     return out if reports is None else (out, reports)

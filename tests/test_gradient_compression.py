@@ -1,9 +1,11 @@
 """Gradient compression in training (parallel.gradient_compression, jaxpar.train.compression)
 over two simulated hosts: PowerSGD at full rank (on HSDP with tensor + sequence parallelism
 at ZeRO-1) and top-k of every entry (on ZeRO-3), both with microbatches, equal the
-single-device run (fp32: losses and gradients 1e-5, parameters after 3 steps 1e-5); error
-feedback holds in the trainer (what was applied plus the replicas' mean residual is the sum
-of the true gradients, 1e-5); the compiled program's cross-host bytes are the formula's;
+single-device run (fp32: losses and gradients 1e-5, parameters after 3 steps 1e-5), the
+layer stack averaged one layer at a time inside the backward pass (jaxpar.train.compressed);
+error feedback holds in the trainer (what was applied plus the replicas' mean residual is
+the sum of the true gradients, 1e-5); the compiled program's cross-host bytes are the
+formula's at ZeRO-0 and -1, the compressor's collectives inside the layer loop;
 int8 is qgZ bitwise; resuming repeats the losses bitwise; bad ranks are refused before
 compile."""
 
@@ -68,23 +70,33 @@ def test_error_feedback_applied_plus_residual_is_every_true_gradient(tiny_llama)
     assert tree_error(jax.device_get(add(applied, residual)), jax.device_get(true)) <= 1e-5
 
 
-def test_cross_host_bytes_are_the_formula(tiny_llama):
-    """ZeRO-0 on two hosts x fsdp 4: the gradient all-reduce is all that crosses (besides
-    scalars); compressed, the compiled program sends what Compressor.cross_host_bytes says
-    (2%), and `explain` says so."""
+def test_cross_host_bytes_are_the_formula_and_the_stack_is_averaged_layer_by_layer(tiny_llama):
+    """Two hosts x fsdp 4, PowerSGD at ZeRO-0 (the uncompressed step all-reduces over data)
+    and top-k at ZeRO-1 (it reduce-scatters, and gathers the updated parameters): the
+    compiled program sends what Compressor.cross_host_bytes says for the stage (2%), and
+    `explain` says so, the parameter gathers in their own row. The layer stack's
+    parameters are averaged inside the backward loop: their compressed collectives run once
+    per layer, in the layer scan's loop."""
     config = apply_overrides(tiny_llama, TWO_HOSTS + ["mesh.fsdp=4", "model.embed=64", "model.mlp=256"])
-    dense = inspect_step(build(config)).cross_host_bytes()
-    for method, knob in (("topk", "parallel.topk_fraction=0.01"), ("powersgd", "parallel.powersgd_rank=2")):
-        trainer = build(apply_overrides(config, [f"parallel.gradient_compression={method}", knob]))
-        formula = trainer.compressor.cross_host_bytes()
+    for method, knob, stage in (("powersgd", "parallel.powersgd_rank=2", 0), ("topk", "parallel.topk_fraction=0.01", 1)):
+        layout = apply_overrides(config, [f"parallel.zero_stage={stage}"])
+        dense = inspect_step(build(layout))
+        gradient = dense.bytes_over(["data"], ["all-reduce" if stage == 0 else "reduce-scatter"])  # the uncompressed step's
+        trainer = build(apply_overrides(layout, [f"parallel.gradient_compression={method}", knob]))
+        stack = {p for p in trainer.compressor.blocks if p.startswith("layers.")}
+        assert trainer.compressor.per_layer == stack and len(stack) == 9
+        formula = trainer.compressor.cross_host_bytes(stage)
         report = inspect_step(trainer)
-        measured = report.cross_host_bytes()
         doc = explain(trainer, report)  # `jaxpar explain` shows the compressed traffic beside its formula
-        row = doc["compressed_traffic"]  # over data: the compressor's collectives and the step's scalars
+        row, gathers = doc["compressed_traffic"], doc["parameter_gathers"]
         assert abs(row["measured"] - row["formula"]) <= 0.02 * row["formula"] + 64 and "uncompressed" in render(doc)
-        assert abs(formula["uncompressed"] - dense) <= 0.02 * dense, (method, formula, dense)
-        assert abs(measured - formula["compressed"]) <= 0.02 * formula["compressed"] + 64, (method, measured, formula)
-        assert measured <= dense / 4, (method, measured, dense)
+        assert abs(formula["uncompressed"] - gradient) <= 0.02 * gradient, (method, formula, gradient)
+        assert gathers["measured"] == gathers["formula"] == (0 if stage == 0 else dense.bytes_over(["data"], ["all-gather"]))
+        compressed = [c for c in report.collectives if "gradient_compression" in c.op_name and "data" in c.axes]
+        in_loop = sum(c.bytes_per_step for c in compressed if c.trip_count == 2)  # the 2 layers' loop
+        assert in_loop >= 0.5 * row["measured"], (method, in_loop, row)  # the stack is most of the model
+        assert row["measured"] <= gradient / 4, (method, row, gradient)
+        assert doc["compressed_schedule"]["where"].startswith("9 of 12 parameters layer by layer")
 
 
 def test_int8_is_qgz_under_its_new_name(tiny_llama):
@@ -117,3 +129,31 @@ def test_a_rank_above_every_matrix_side_is_refused_before_compile(tiny_llama):
                                                              "parallel.powersgd_rank=4096"])
     with pytest.raises(ConfigError, match=r"parallel.powersgd_rank=4096 exceeds .* use parallel.powersgd_rank <= \d+"):
         build(config)
+
+
+def test_a_loss_weighed_by_its_outputs_is_averaged_after_the_backward_pass(tiny_llama):
+    """A layer hook needs the batch's total weight before the backward pass (error feedback
+    adds residuals in the update's units), read off the batch alone: the built-in loss's
+    is; one that weighs tokens by the model's own outputs is not, so its whole gradient is
+    averaged once the backward pass ends, and equals the uncompressed one (top-k of every
+    entry, 1e-5)."""
+    from jaxpar.train.compressed import weight_of_batch
+    from jaxpar.train.loss import cross_entropy_sum, task_loss
+
+    def confident_tokens(outputs, batch):  # weights the tokens the model is sure of
+        weights = batch["weights"] * (jnp.max(outputs, axis=-1) > 0)
+        return cross_entropy_sum(outputs, batch["targets"], weights)
+
+    config = apply_overrides(tiny_llama, TWO_HOSTS + ["mesh.fsdp=4"])
+    outputs = jax.ShapeDtypeStruct((16, 16, 128), jnp.float32)
+    batch = {"targets": jax.ShapeDtypeStruct((16, 16), jnp.int32), "weights": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
+    assert weight_of_batch(task_loss, outputs, batch) is not None
+    assert weight_of_batch(confident_tokens, outputs, batch) is None
+    plain = build(config, loss_fn=confident_tokens)
+    trainer = build(apply_overrides(config, ["parallel.gradient_compression=topk", "parallel.topk_fraction=1"]),
+                    loss_fn=confident_tokens)
+    assert trainer.compressor.per_layer == frozenset()
+    state = plain.init()
+    batch = make_source(plain)(0)
+    (loss, grads), (want_loss, want) = trainer.grads(state.params, batch), plain.grads(state.params, batch)
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 and tree_error(jax.device_get(grads), jax.device_get(want)) <= 1e-5

@@ -18,6 +18,7 @@ from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
 from jaxpar.sharding.embedding import rows_sharded
+from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
 
 DP_AXES = ("data", "fsdp")  # the axes parameters and gradients are reduced over
@@ -83,7 +84,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     if trainer.pipeline is not None:
         grad_formula, grad_formula_text = _pipeline_gradient_traffic(trainer, state, mesh, psi_layers, psi_d)
     itemsize = lambda c: jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize  # noqa: E731
-    compression = _compressed_traffic(trainer, report) if trainer.compressor is not None else {}
+    compression = _compressed_traffic(trainer, report, psi_t) if trainer.compressor is not None else {}
     if compression:  # the reduction over data is the compressor's, in its own row
         grad_formula -= formulas.gradient_traffic_elements(psi_dt / fsdp, data * expert, stage)
         grad_formula_text = "3Ψ'(f-1)/f over fsdp, Ψ' = Ψ/tensor; over data: compressed, below"
@@ -294,19 +295,54 @@ _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "in
                "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
 
 
-def _compressed_traffic(trainer, report: StepReport) -> dict[str, Any]:
-    """The compressor's bytes over data (across hosts) beside its formula, and the
-    all-reduce of the same float32 gradients it replaces."""
-    compressor = trainer.compressor
-    formula = compressor.cross_host_bytes()
-    measured = sum(c.bytes_per_step for c in report.collectives if c.axes == ("data",))
+def _compressed_traffic(trainer, report: StepReport, psi_t: float) -> dict[str, Any]:
+    """The compressor's bytes over data (across hosts; its collectives are the ones traced
+    in its name scope) beside its formula and the uncompressed step's reduction of the same
+    float32 gradients at this ZeRO stage; how many of them run asynchronously; and the
+    parameter gathers over data, which stay uncompressed, in their own row."""
+    compressor, stage = trainer.compressor, trainer.config.parallel.zero_stage
+    formula = compressor.cross_host_bytes(stage)
+    over_data = [c for c in report.collectives if "data" in c.axes]
+    mine = [c for c in over_data if COMPRESSION_SCOPE in c.op_name]
+    measured = sum(c.bytes_per_step for c in mine)
     how = ("two all-reduces of r(a+b) floats per matrix, each device its share; vectors whole"
            if compressor.method == "powersgd" else "all-gather of n x k (float32 value, int32 index) pairs per device block")
+    baseline = "all-reduce, 2(n-1)/n" if stage == 0 else "reduce-scatter, (n-1)/n"
+    where = (f"{len(compressor.per_layer)} of {len(compressor.blocks)} parameters layer by layer inside the backward pass"
+             if compressor.per_layer else "after the backward pass")
+    gathers = [c for c in over_data if c not in mine and c.kind == "all-gather"]
+    data = report.mesh["data"]
     return {
         "compressed_traffic": _row(f"gradient bytes over data, {compressor.method} {compressor.knob}", measured, formula["compressed"]),
-        "compressed_traffic_formula": f"{how}; uncompressed: {byte_size(formula['uncompressed'])} "
-        f"(2(n-1)/n x 4 bytes x Ψ/(fsdp x tensor)), {formula['uncompressed'] / formula['compressed']:.1f}x more",
+        "compressed_traffic_formula": f"{how}; uncompressed at ZeRO-{stage}: {byte_size(formula['uncompressed'])} "
+        f"({baseline} x 4 bytes x Ψ/(fsdp x tensor)), {formula['uncompressed'] / formula['compressed']:.1f}x more",
+        "compressed_schedule": {
+            "where": where, "collectives": len(mine),
+            "async_share": _share(mine, lambda c: c.is_async), "overlapped_share": _share(mine, lambda c: c.overlapped),
+        },
+        "parameter_gathers": _row("parameter all-gathers over data, uncompressed", sum(c.bytes_per_step for c in gathers),
+                                  _parameter_gather_bytes(trainer, psi_t, data)),
     }
+
+
+def _share(collectives: list, which) -> float | None:
+    """The share of `collectives`' bytes per step for which `which` holds."""
+    total = sum(c.bytes_per_step for c in collectives)
+    return sum(c.bytes_per_step for c in collectives if which(c)) / total if total else None
+
+
+def _parameter_gather_bytes(trainer, psi_t: float, data: int) -> float | None:
+    """Bytes a device receives from parameter all-gathers over data per step, ZeRO 1-2:
+    the updated parameters, Ψ/(fsdp x tensor) in the compute dtype, gathered once
+    ((n-1)/n of them). ZeRO-3 gathers them over data and fsdp at once, as often as its
+    remat policy needs them: no formula here (the gradient traffic row's 3Ψ counts them)."""
+    stage = trainer.config.parallel.zero_stage
+    if stage == 0:
+        return 0.0
+    if stage >= 3:
+        return None
+    itemsize = jnp.dtype(trainer.config.train.compute_dtype).itemsize
+    return psi_t / trainer.mesh.shape["fsdp"] * (data - 1) / data * itemsize
 
 
 def describe_shape(mesh: dict[str, int]) -> str:
@@ -340,6 +376,11 @@ def render(doc: dict[str, Any]) -> str:
     if "compressed_traffic" in doc:
         lines.append(_line(doc["compressed_traffic"], _bytes))
         lines.append(f"  formula: {doc['compressed_traffic_formula']}")
+        sched = doc["compressed_schedule"]
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+        lines.append(f"  {sched['where']}; async {pct(sched['async_share'])}, overlapped with compute "
+                     f"{pct(sched['overlapped_share'])} of its bytes")
+        lines.append(_line(doc["parameter_gathers"], _bytes))
     if "pipeline_traffic" in doc:
         lines.append(_line(doc["pipeline_traffic"], _count))
         lines.append(f"  formula: {doc['pipeline_traffic_formula']}")

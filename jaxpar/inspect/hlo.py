@@ -86,6 +86,7 @@ class Collective:
     overlapped: bool  # async with real compute scheduled between start and done
     crosses_hosts: bool | None  # some group spans hosts; None when no host map was given
     lowered_as: str = ""  # set when the backend ran this as something else (see _split_scatter)
+    op_name: str = ""  # the JAX name stack it was traced under (metadata op_name; jax.named_scope shows here)
 
     @property
     def bytes_per_step(self) -> int:
@@ -127,7 +128,8 @@ def collectives(
                 name=ins.name, computation=comp, dtype=_dtype(result), group_size=n, groups=groups,
                 axes=_axes(groups, mesh), trip_count=runs, trip_count_known=known, is_async=is_async,
                 overlapped=is_async and _overlapped(instrs, i, done),
-                crosses_hosts=None if host_of is None else any(len({host_of[p] for p in g}) > 1 for g in groups))
+                crosses_hosts=None if host_of is None else any(len({host_of[p] for p in g}) > 1 for g in groups),
+                op_name=_op_name(spec.attrs))
             scattered = _scattered_bytes(ins, comps, users, n) if kind == "all-reduce" and not is_async else 0
             if scattered:
                 out.append(Collective(kind="reduce-scatter", buffer_bytes=scattered, lowered_as="all-reduce + dynamic-slice",
@@ -375,6 +377,11 @@ def _collective_at(ins: _Instr, comps: dict[str, list[_Instr]]) -> tuple[str, _I
             if inner:
                 return inner[-1].opcode, inner[-1], True
     return None
+
+
+def _op_name(attrs: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', attrs)
+    return found.group(1) if found else ""
 
 
 def _done_of(start: _Instr, finishers: dict[str, _Instr]) -> _Instr | None:

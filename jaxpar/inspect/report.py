@@ -121,7 +121,7 @@ def inspect_step(trainer) -> StepReport:
     num_hosts = trainer.config.mesh.hosts.num_hosts
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}  # None from a deviceless GPU compile
     grad_dtype = jnp.float32 if trainer.config.train.microbatches > 1 else jnp.dtype(trainer.config.train.compute_dtype)
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, grad_dtype, sharding=s), state.params, trainer.shardings.grads)
     memory = Memory(

@@ -38,9 +38,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split, powersgd_cross_host_floats,
                                         powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
+from jaxpar.kernels.quantized import entries
 from jaxpar.train.replicas import AXIS, without_data
 
 BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
+# The name scope of the compressors' kernels: their collectives carry it in the compiled
+# program's op_name (jaxpar.inspect: what crosses hosts for the compressor, and what not).
+SCOPE = "gradient_compression"
 COMPRESSED = ("powersgd", "topk")
 
 
@@ -79,6 +83,10 @@ class Block:
     def factor_spec(self) -> P:
         return factor_spec(self.spec, len(self.shape), self.batch_dims, matrix_split(self.shape, self.batch_dims))
 
+    def layer(self) -> Block:
+        """One layer's slice of a stacked parameter (its leading dimension, `layers`)."""
+        return Block(self.shape[1:], P(*entries(self.spec, len(self.shape))[1:]), self.shards[1:], self.batch_dims - 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Compressor:
@@ -89,6 +97,9 @@ class Compressor:
     blocks: dict[str, Block]  # parameter path -> how it is cut
     treedef: Any  # the parameters' tree, whose leaves `blocks` lists in order
     seed: int
+    # The stacked parameters averaged one layer at a time inside the backward pass
+    # (jaxpar.train.compressed); the rest are averaged once it ends.
+    per_layer: frozenset[str] = frozenset()
 
     @property
     def replicas(self) -> int:
@@ -115,6 +126,14 @@ class Compressor:
         residual = [NamedSharding(self.mesh, P(AXIS, *b.spec)) for b in self.blocks.values()]
         return self._state(residual, {k: NamedSharding(self.mesh, b.factor_spec) for k, b in self.factored().items()})
 
+    def layer_state(self, state: CompressionState) -> dict[str, dict]:
+        """The `per_layer` parameters' state, as their layer hooks take it (stacked over
+        layers): {path: {"residual": [data, layers, ...], "q": PowerSGD's [layers, ..., b, r]}}."""
+        residuals = dict(zip(self.blocks, jax.tree.leaves(state.residual)))
+        factors = state.factors or {}
+        return {path: {"residual": residuals[path], **({"q": factors[path]} if path in factors else {})}
+                for path in self.blocks if path in self.per_layer}
+
     def init(self) -> CompressionState:
         """Zero residuals and, for PowerSGD, Gaussian factors drawn from train.seed."""
         residual = [jnp.zeros((self.replicas, *b.shape), jnp.float32) for b in self.blocks.values()]
@@ -123,38 +142,60 @@ class Compressor:
                    for i, (k, b) in enumerate(self.blocks.items()) if k in self.factored()}
         return self._state(residual, factors)
 
-    def reduce(self, grads: Any, state: CompressionState) -> tuple[Any, CompressionState]:
+    def reduce(self, grads: Any, state: CompressionState, done: dict[str, tuple] | None = None
+               ) -> tuple[Any, CompressionState]:
         """(per-replica gradients [data, ...], state) -> (their sum, compressed, sharded as a
-        replica's gradient; the new state)."""
-        n, factored = self.replicas, self.factored()
+        replica's gradient; the new state). `done`: {path: (sum, {"residual", "q"})} of the
+        parameters already averaged layer by layer (`per_layer`), whose `grads` are ignored."""
+        done = done or {}
         leaves, residuals = jax.tree.leaves(grads), jax.tree.leaves(state.residual)
         means, new_residuals, factors = [], [], {}
         for (path, block), g, residual in zip(self.blocks.items(), leaves, residuals):
-            estimate = g * n  # each replica's estimate of the summed gradient
-            if self.method == "topk":
-                mean, residual = topk_mean(estimate, residual, self.fraction, self.mesh, AXIS, block.spec)
-            elif path in factored:
-                mean, factors[path], residual = powersgd_mean(estimate, state.factors[path], residual, self.mesh, AXIS,
-                                                              block.spec, block.batch_dims)
-            else:  # a vector: averaged exactly
-                mean = jax.lax.with_sharding_constraint(jnp.mean(estimate + residual, axis=0),
-                                                        NamedSharding(self.mesh, block.spec))
-                residual = jnp.zeros_like(residual)
+            if path in done:
+                mean, new = done[path]
+                residual, q = new["residual"], new.get("q")
+            else:
+                q = state.factors[path] if path in self.factored() else None
+                # each replica's estimate of the summed gradient
+                mean, residual, q = self.average(block, g * self.replicas, residual, q)
+            if q is not None:
+                factors[path] = q
             means.append(mean)
             new_residuals.append(residual)
         return jax.tree.unflatten(self.treedef, means), self._state(new_residuals, factors)
 
-    def cross_host_bytes(self) -> dict[str, float]:
+    def average(self, block: Block, estimate: jax.Array, residual: jax.Array, q: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Each replica's estimate [data, ...] of one parameter's gradient (or of a layer's
+        slice of it, `block` cut the same way) -> (their compressed mean, sharded
+        `block.spec`; the new residuals [data, ...]; PowerSGD's next q, None without one).
+        Traced under the name scope SCOPE, which the compiled program's collectives keep."""
+        with jax.named_scope(SCOPE):
+            return self._average(block, estimate, residual, q)
+
+    def _average(self, block, estimate, residual, q):
+        if self.method == "topk":
+            return (*topk_mean(estimate, residual, self.fraction, self.mesh, AXIS, block.spec), None)
+        if q is not None:
+            mean, q, residual = powersgd_mean(estimate, q, residual, self.mesh, AXIS, block.spec, block.batch_dims)
+            return mean, residual, q
+        mean = jnp.mean(estimate + residual, axis=0)  # a vector: averaged exactly
+        return jax.lax.with_sharding_constraint(mean, NamedSharding(self.mesh, block.spec)), jnp.zeros_like(residual), None
+
+    def cross_host_bytes(self, zero_stage: int = 0) -> dict[str, float]:
         """Bytes each device sends across hosts per step, ring model: compressed, and what
-        an all-reduce of the same float32 blocks would send."""
+        the uncompressed step's reduction of the same float32 blocks would send at
+        `zero_stage` (an all-reduce at ZeRO-0, a reduce-scatter above)."""
         n = self.replicas
         ring = 2 * (n - 1) / n * 4  # all-reduce bytes per float32 element
+        uncompressed = ring if zero_stage == 0 else ring / 2
         compressed = dense = 0.0
         for path, b in self.blocks.items():
             size = math.prod(b.block)
-            dense += ring * size
+            dense += uncompressed * size
             if self.method == "topk":  # all-gather of n x k (float32 value, int32 index) pairs
-                compressed += (n - 1) * topk_count(size, self.fraction) * 8
+                layers = b.shape[0] if path in self.per_layer else 1  # k of each layer's block
+                compressed += (n - 1) * layers * topk_count(size // layers, self.fraction) * 8
             elif path in self.factored():
                 compressed += ring * powersgd_cross_host_floats(b.shape, self.rank_of(b), b.spec, dict(self.mesh.shape),
                                                                 b.batch_dims)

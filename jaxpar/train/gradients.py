@@ -13,6 +13,7 @@ from jaxpar.kernels.quantized import quantized_reduce_scatter
 from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.annotate import ReplicaSum
+from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
 from jaxpar.train.loss import LossFn, model_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
@@ -20,17 +21,23 @@ from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.train.state import cast_floats
 from jaxpar.train.zero import StateShardings
 
-LossSum = Callable[[Any, dict], tuple[jax.Array, tuple[jax.Array, dict]]]
+# (params, batch[, layer hooks' state]) -> (loss sum, (weight, sums))
+LossSum = Callable[..., tuple[jax.Array, tuple[jax.Array, dict]]]
 GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]  # (params, batch) -> (loss, sums, grads)
 
 
-def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str) -> LossSum:
-    """(params, batch) -> (loss sum, (weight, sums)) of the model under `loss_fn`."""
+def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
+                hooks: LayerHooks | None = None) -> LossSum:
+    """(params, batch, layer state=None) -> (loss sum, (weight, sums)) of the model under
+    `loss_fn`; with `hooks` and a layer state ({parameter path: its state}), those
+    parameters' hooks run in the model's layer scan (jaxpar.sharding.layer_hooks)."""
 
-    def loss_sum(params, batch):
+    def loss_sum(params, batch, layer_state=None):
         if task == "lm":  # sequences laid out as the context-parallel kernels expect
             batch = lay_out_sequences(batch, layout)
-        return model_loss(nnx.merge(graphdef, params), batch, loss_fn)
+        bound = hooks.bind(params, layer_state) if hooks is not None and layer_state else None
+        with use_layer_hooks(bound):  # bound here, inside any checkpoint: to the arrays the model gets
+            return model_loss(nnx.merge(graphdef, params), batch, loss_fn)
 
     if remat == "none":
         # Outside the layer scan too, a gathered parameter (embedding, head) is gathered
@@ -43,8 +50,8 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
 def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, own_reduction: bool) -> bool:
     """Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
     (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and where
-    the reduction over data is our own (`own_reduction`): qgZ's int8 all-to-all, a
-    compressor (jaxpar.train.compression). Elsewhere each layer's
+    the reduction over data is our own (`own_reduction`): qgZ's int8 all-to-all. (A
+    compressor's gradients are per replica always: jaxpar.train.compressed.) Elsewhere each layer's
     gradient is reduced inside the backward loop, where a GPU can overlap it with the
     layers still to go; so it is under hybrid sharding at ZeRO 2-3 too, summed over the
     replicas layer by layer (`batch_gradients`)."""
@@ -69,7 +76,7 @@ def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any]
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
                     microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any],
-                    quantize_block: int = 0, compressed: bool = False) -> GradFn:
+                    quantize_block: int = 0) -> GradFn:
     """Gradient of (sum of per-example losses over the global batch) / (its weight),
     accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
     the model's other sums over the batch (jaxpar.train.loss).
@@ -80,14 +87,10 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     accumulator; under qgZ, `quantize_block` > 0, by an int8 all-to-all). Without
     accumulation there is no gradient buffer to keep whole: ZeRO-1 reduce-scatters straight
     to the optimizer's shards, like ZeRO-2.
-
-    `compressed`: the gradients are returned per replica ([data, ...], unreduced over data,
-    accumulated once per step at any ZeRO stage) for a compressor to average
-    (jaxpar.train.compression).
     """
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
-    per_step = replicas and (zero_stage < 2 or compressed)  # reduce over data once per step
+    per_step = replicas and zero_stage < 2  # reduce over data once per step
     # ZeRO 2-3 keep no whole gradient per replica: each layer's is summed over the replicas
     # inside the backward pass (jaxpar.train.replicas), under qgZ by an int8 all-to-all.
     summed = ReplicaSum(quantize_block) if replicas and not per_step else None
@@ -113,10 +116,9 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         else:
             total, (weight, sums), g = accumulate(microbatch, params, split_batch(batch, microbatches, names, layout),
                                                   shardings.grads, per_step, layout.mesh.shape["data"])
-        if not compressed:  # compressed: per replica, for the compressor
-            if per_step:
-                g = reduce(g, shardings.optimizer)
-            g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
+        if per_step:
+            g = reduce(g, shardings.optimizer)
+        g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
         return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
 
     return grads

@@ -43,6 +43,13 @@ def apply_model(model: Any, batch: dict) -> Any:
     return model(batch["inputs"], **extra)
 
 
+def model_outputs(model: Any, batch: dict) -> Any:
+    """What `loss_fn` scores: the model's outputs, without the aux a model may return beside
+    them (jaxpar.models.moe)."""
+    out = apply_model(model, batch)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss) -> tuple[jax.Array, tuple[jax.Array, dict]]:
     """(objective sum, (weight, sums)): `loss_fn` of the model applied to the batch.
 

@@ -36,9 +36,10 @@ from jaxpar.data.batch import Field, batch_fields, batch_shapes
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, param_names, use_layout
 from jaxpar.sharding.from_config import layout_for
+from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.train.compression import Compressor, make_compressor
 from jaxpar.train.gradients import batch_gradients, loss_sum_fn, replica_reducer, uses_replicas
-from jaxpar.train.loss import LossFn, task_loss
+from jaxpar.train.loss import LossFn, model_outputs, task_loss
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.param_checks import check_params
 from jaxpar.train.pipelined import pipelined_grads, unpipelined
@@ -146,18 +147,23 @@ def build(
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
-    grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn, compressor is not None)
+    remat = getattr(config.model, "remat", "none")
+    if compressor is None:
+        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, remat)
+        grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
+    else:
+        loss_sum, grads_fn, compressor = _compressed(config, layout, graphdef, abstract_params, names, shardings, fields,
+                                                     loss_fn, compressor)
+        program = None
     update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
                        config.parallel.offload_optimizer, config.model)
 
     def reduced(params, batch, compression) -> tuple[jax.Array, dict, Any, Any]:
         """The step's gradient, averaged over data through the compressor if there is one
         (with the compressor's new state)."""
-        loss, sums, grads = grads_fn(params, batch)
         if compressor is None:
-            return loss, sums, grads, None
-        grads, compression = compressor.reduce(grads, compression)
+            return (*grads_fn(params, batch), None)
+        loss, sums, grads, compression = grads_fn(params, batch, compression)
         return loss, sums, jax.lax.with_sharding_constraint(grads, shardings.optimizer), compression
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
@@ -197,18 +203,37 @@ def build(
 
 
 def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, shardings: StateShardings,
-               fields: dict[str, Field], loss_sum, loss_fn: LossFn, compressed: bool):
-    """(the step's gradient function, the pipeline's program or None). `compressed`: the
-    gradients come back per replica, for the compressor."""
+               fields: dict[str, Field], loss_sum, loss_fn: LossFn):
+    """(the step's gradient function, the pipeline's program or None)."""
     parallel, train = config.parallel, config.train
     int8 = parallel.int8_gradients
     reduce = replica_reducer(layout, parallel.quantization_block if int8 else 0)
     names = {k: f.names for k, f in fields.items()}
     if layout.mesh.shape["stage"] > 1:
         return pipelined_grads(config, layout, graphdef, names, lambda g: reduce(g, shardings.optimizer), loss_fn)
-    replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, int8 or compressed)
+    replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, int8)
     return batch_gradients(loss_sum, layout, shardings, names, train.microbatches, parallel.zero_stage, replicas,
-                           reduce, parallel.quantization_block if int8 else 0, compressed), None
+                           reduce, parallel.quantization_block if int8 else 0), None
+
+
+def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
+                shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, compressor: Compressor):
+    """(the loss, the compressed step's gradient function, the compressor knowing which
+    parameters it averages layer by layer): those the model's layer scan runs once, where
+    the loss's weight can be read off the batch before the backward pass
+    (jaxpar.train.compressed)."""
+    paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
+             for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))[0]}
+    hooks = layer_hooks(compressor, paths)
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"), hooks)
+    batch = {k: jax.ShapeDtypeStruct(s, fields[k].dtype) for k, s in batch_shapes(fields, config.train.global_batch).items()}
+    outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, batch)
+    weight_of = weight_of_batch(loss_fn, outputs, batch)
+    per_layer = hooked_paths(loss_sum, hooks, abstract_params, batch) if weight_of is not None else frozenset()
+    compressor = dataclasses.replace(compressor, per_layer=per_layer)
+    field_names = {k: f.names for k, f in fields.items()}
+    return loss_sum, compressed_gradients(loss_sum, layout, shardings, field_names, config.train.microbatches,
+                                          compressor, weight_of), compressor
 
 
 def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:
