@@ -58,7 +58,7 @@ REMAT = "remat"  # the config's `remat` names a jaxpar.nn policy the model appli
 CAPABILITIES = {
     SEQUENCE: "sequence parallelism (parallel.sequence_parallel) shards its sequence",
     ATTENTION: "context parallelism (mesh.context) and the attention kernels (parallel.attention)",
-    PROJECTIONS: "collective matmul (parallel.collective_matmul)",
+    PROJECTIONS: "collective matmul (parallel.collective_matmul) and FP8 matmuls (train.matmul_dtype=fp8)",
     EXPERTS: "expert parallelism (mesh.expert)",
     STAGES: "pipeline stages (mesh.stage)",
     REMAT: "rematerialisation policies (model.remat)",

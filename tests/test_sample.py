@@ -190,7 +190,7 @@ def large_tokenizer(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("args, message", [
     (["{missing}", "--prompt", "the"], "CHECKPOINT='{missing}' is not a directory"),
-    (["{empty}", "--prompt", "the"], "has no checkpoint; it holds steps none"),
+    (["{empty}", "--prompt", "the"], "holds no checkpoint; give the checkpoint.dir of a run that saved some"),
     (["{ckpt}", "--prompt", "the", "--step", "7"], "has no checkpoint for step 7; it holds steps [3]"),
     (["{ckpt}", "--prompt", "the", "--tokenizer", "{missing}"], "--tokenizer='{missing}' is not a file"),
     (["{ckpt}", "--prompt", "the", "--tokenizer", "{checkpoint_file}"], "is not a readable tokenizer.json"),

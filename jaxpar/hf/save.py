@@ -8,6 +8,8 @@ export cut short leaves nothing half-written behind.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import pathlib
@@ -24,6 +26,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.hf.load import check_format
 from jaxpar.hf.safetensors import INDEX, NAMES, Planned, file_names, plan_files, write_file
 from jaxpar.hf.weights import Weight
+from jaxpar.pipeline.stages import relaid_layers
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 # Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
@@ -88,8 +91,11 @@ def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
 def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
     """Every Hugging Face tensor, each with a function gathering its slab to the hosts."""
     master = trainer.master_params(state)
-    if trainer.pipeline is not None:  # layers back in model order (a copy only under a pipeline)
-        master = jax.jit(trainer.model_order, out_shardings=jax.tree.map(lambda x: x.sharding, master))(master)
+    stages, chunks = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
+    if trainer.pipeline is not None and chunks > 1:  # interleaved: layers back in model order, stages swapping chunks
+        shardings = jax.tree.map(lambda x: x.sharding, master)
+        relaid = functools.partial(relaid_layers, shardings=shardings, p=stages, v=chunks, to="model")
+        master = jax.jit(relaid, out_shardings=shardings)(master)
     leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
     replicated = NamedSharding(trainer.mesh, P())
     tensors = []

@@ -226,9 +226,11 @@ def saved_config(directory: str | pathlib.Path, step: int | None = None) -> Conf
         steps = checkpoints.all_steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen is None or chosen not in steps:
+            if not steps:
+                raise ConfigError(f"checkpoint.dir={str(directory)!r} holds no checkpoint; give the checkpoint.dir of "
+                                  "a run that saved some (checkpoint.every=N saves every N steps, and the run's end)")
             which = "" if step is None else f" for step {step}"
-            raise ConfigError(f"checkpoint.dir={str(directory)!r} has no checkpoint{which}; "
-                              f"it holds steps {steps or 'none'}")
+            raise ConfigError(f"checkpoint.dir={str(directory)!r} has no checkpoint{which}; it holds steps {steps}")
         meta = checkpoints.meta(chosen)
     finally:
         checkpoints.close()
