@@ -147,14 +147,12 @@ def build(
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
-    remat = getattr(config.model, "remat", "none")
     if compressor is None:
-        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, remat)
+        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
         grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
-    else:
-        loss_sum, grads_fn, compressor = _compressed(config, layout, graphdef, abstract_params, names, shardings, fields,
-                                                     loss_fn, compressor)
-        program = None
+    else:  # compression is refused in pipeline stages: no program
+        program, (loss_sum, grads_fn, compressor) = None, _compressed(
+            config, layout, graphdef, abstract_params, names, shardings, fields, loss_fn, compressor)
     update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
                        config.parallel.offload_optimizer, config.model)
 
