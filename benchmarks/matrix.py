@@ -9,7 +9,8 @@ compared with the single-device run of the same recipe and shape.
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
 
-  data: data, zero1, zero2, zero3 (parallel.zero_stage; ZeRO acts over data and fsdp)
+  data: data, zero1, zero2, zero3 (parallel.zero_stage; ZeRO acts over data and fsdp),
+        topk (parallel.gradient_compression=topk at fraction 1, lossless; mesh.hosts.data=2)
   fsdp: fsdp          tensor: tensor, tensor+sp (parallel.sequence_parallel)
   context: ring, ulysses, allgather (parallel.context_impl)       expert: expert
   stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline_schedule)
@@ -76,6 +77,9 @@ PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 STRATEGIES = (
     Strategy("data", "data"),
     *(Strategy(f"zero{k}", "data", (f"parallel.zero_stage={k}",)) for k in (1, 2, 3)),
+    # gradient compression at its lossless setting (every entry): each data replica a host of
+    # its own, the layer stack compressed layer by layer inside the backward pass
+    Strategy("topk", "data", ("mesh.hosts.data=2", "parallel.gradient_compression=topk", "parallel.topk_fraction=1")),
     Strategy("fsdp", "fsdp"),
     Strategy("tensor", "tensor"),
     Strategy("tensor+sp", "tensor", ("parallel.sequence_parallel=true",)),
