@@ -13,6 +13,13 @@ The environment says where the processes are, so the same `jaxpar train` runs al
   coordinator on the step's first node, at `JAXPAR_COORDINATOR_PORT` or a port derived from
   the job and step ids. Each process drives the devices it sees, so bind GPUs with SLURM
   (`--ntasks-per-node=1`, or `--gpus-per-task=1`).
+
+On CPUs the collectives of several processes run over gloo, whose all-reduce sums in a ring
+and whose reduce-scatter halves and doubles, while one process alone sums in XLA's
+in-process collectives, in rank order. Any reduction over two devices is the same either way
+(a + b = b + a), but one over more may differ in the last bits. `JAXPAR_CPU_COLLECTIVES=gloo`
+makes a process running alone use gloo too, joined to a cluster of one on loopback: it then
+computes every layout bitwise as a run of several processes with the same devices does.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from collections.abc import Mapping
 from jaxpar.errors import ConfigError
 
 EXPLICIT = ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID")
+CPU_COLLECTIVES = "JAXPAR_CPU_COLLECTIVES"  # "gloo": one process alone runs gloo's collectives too
+ALONE = "127.0.0.1:0"  # the coordinator of a cluster of one: loopback, a free port chosen on joining
 SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 LOST_PEER_EXIT = 3  # the exit status of a process that stops because another was lost
 
@@ -43,7 +52,9 @@ class Cluster:
 
 
 def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
-    """The cluster this process belongs to, or None when it runs alone."""
+    """The cluster this process belongs to, or None when it runs alone (with
+    JAXPAR_CPU_COLLECTIVES=gloo: a cluster of one, so that it runs gloo's collectives)."""
+    gloo = _gloo_alone(env)
     given = [k for k in EXPLICIT if env.get(k)]
     if given:
         missing = [k for k in EXPLICIT if k not in given]
@@ -61,7 +72,7 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 local_device_ids=_device_ids(env.get("JAXPAR_LOCAL_DEVICE_IDS", "")),
             )
         )
-        return cluster if cluster.num_processes > 1 else None  # one process: alone
+        return cluster if cluster.num_processes > 1 or gloo else None  # one process: alone
     if all(env.get(k) for k in SLURM) and _int(env, "SLURM_NTASKS") > 1:
         nodes = env.get("SLURM_STEP_NODELIST")
         if not nodes:  # a batch script or salloc shell: only srun starts the tasks that join
@@ -80,7 +91,17 @@ def from_environment(env: Mapping[str, str] = os.environ) -> Cluster | None:
                 source="SLURM",
             )
         )
-    return None
+    return Cluster(ALONE, 1, 0, bind=ALONE, source=CPU_COLLECTIVES) if gloo else None
+
+
+def _gloo_alone(env: Mapping[str, str]) -> bool:
+    value = env.get(CPU_COLLECTIVES, "")
+    if value not in ("", "gloo"):
+        raise ConfigError(
+            f"{CPU_COLLECTIVES}={value!r} is not a CPU collectives implementation jaxpar runs; use gloo "
+            "(one process computes as several do, bitwise) or leave it unset (XLA's in-process collectives)"
+        )
+    return value == "gloo"
 
 
 def slurm_port(job_id: str, step_id: str = "0") -> int:
@@ -140,10 +161,22 @@ def _device_ids(text: str) -> tuple[int, ...] | None:
 def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> None:
     """Connect this process to the others (before JAX starts its backends). Collectives
     across processes run over NCCL on GPUs and gloo on CPUs. JAX's own heartbeat is the
-    backstop, at twice the watchdog's timeout, for a process too stuck to run its watchdog."""
+    backstop, at twice the watchdog's timeout, for a process too stuck to run its watchdog.
+    A cluster of one (JAXPAR_CPU_COLLECTIVES=gloo) listens on a free loopback port and keeps
+    SIGTERM as a process alone has it: JAX's preemption service would take it, and there is
+    no other process to agree on a step with."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cluster.num_processes == 1:
+        jax.config.update("jax_enable_preemption_service", False)
+    if cluster.coordinator == ALONE:
+        from jaxpar.launch import reserved_port
+
+        with reserved_port("127.0.0.1") as port:  # held until the coordinator binds it too
+            address = f"127.0.0.1:{port}"
+            return join(dataclasses.replace(cluster, coordinator=address, bind=address), heartbeat_timeout_s,
+                        join_timeout_s)
     jax.distributed.initialize(
         coordinator_address=cluster.coordinator,
         num_processes=cluster.num_processes,

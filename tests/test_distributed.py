@@ -1,6 +1,7 @@
 """Several processes (jaxpar.distributed, jaxpar.launch): finding the cluster in the
 environment, the watchdog, and real runs of 2 processes x 4 CPU devices over gloo."""
 
+import contextlib
 import json
 import os
 import signal
@@ -25,6 +26,20 @@ def test_explicit_variables_name_the_cluster():
     assert from_environment(env) == Cluster("10.0.0.1:1234", 4, 2, None, (0, 1), "JAXPAR_*")
     assert from_environment({}) is None  # alone
     assert from_environment({**env, "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}) is None  # one: alone
+
+
+def test_cpu_collectives_gloo_makes_a_process_alone_a_cluster_of_one():
+    """JAXPAR_CPU_COLLECTIVES=gloo: one process joins a cluster of one (loopback, its port
+    chosen on joining), so its collectives are gloo's, as with several processes; an explicit
+    count of one keeps the coordinator given; any other value is refused by name."""
+    gloo = {"JAXPAR_CPU_COLLECTIVES": "gloo"}
+    assert from_environment(gloo) == Cluster("127.0.0.1:0", 1, 0, "127.0.0.1:0", None, "JAXPAR_CPU_COLLECTIVES")
+    one = {"JAXPAR_COORDINATOR": "10.0.0.1:1234", "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}
+    assert from_environment({**one, **gloo}) == Cluster("10.0.0.1:1234", 1, 0)
+    assert from_environment({**one, "JAXPAR_NUM_PROCESSES": "2", **gloo}).num_processes == 2  # several: gloo anyway
+    assert from_environment({"JAXPAR_CPU_COLLECTIVES": ""}) is None
+    with pytest.raises(ConfigError, match="JAXPAR_CPU_COLLECTIVES='mpi' is not .* use gloo"):
+        from_environment({"JAXPAR_CPU_COLLECTIVES": "mpi"})
 
 
 @pytest.mark.parametrize("env, message", [
@@ -378,22 +393,35 @@ def _freeze_one_and_watch(launched, metrics, timeout):
     assert launched.returncode == 128 + signal.SIGKILL  # the cause: process 1, not process 0's echo of it
 
 
-def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
-    """Two processes joined by hand (the JAXPAR_* variables) each read half the batch from
-    the token file; the global batch they assemble is the one a single process reads."""
+@contextlib.contextmanager
+def _joined_by_hand(*args):
+    """Two processes of tests/multiprocess_rows.py with `args` ({i}: the process index),
+    joined by hand (the JAXPAR_* variables, the port reserved as the launcher does), running
+    while the block runs; on leaving it, both have ended, successfully (else the assertion
+    shows their stderr)."""
     from jaxpar.launch import reserved_port
 
-    tokens = tmp_path / "tokens.npy"
-    np.save(tokens, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
-    probe = os.path.join(os.path.dirname(__file__), "multiprocess_rows.py")
+    script = os.path.join(os.path.dirname(__file__), "multiprocess_rows.py")
     with reserved_port("127.0.0.1") as port:  # held until process 0's coordinator binds it too
         env = {**os.environ, "JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_COORDINATOR_BIND": f"127.0.0.1:{port}",
                "JAXPAR_NUM_PROCESSES": "2"}
-        procs = [subprocess.Popen([sys.executable, probe, str(tokens), str(tmp_path / f"report{i}.json")],
+        procs = [subprocess.Popen([sys.executable, script, *[a.format(i=i) for a in args]],
                                   env={**env, "JAXPAR_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i in range(2)]
-        outs = [p.communicate(timeout=300) for p in procs]
+        try:
+            yield procs
+        finally:
+            outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+
+
+def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
+    """Two processes joined by hand each read half the batch from the token file; the global
+    batch they assemble is the one a single process reads."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
+    with _joined_by_hand("rows", str(tokens), str(tmp_path / "report{i}.json")):
+        pass
     reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(2)]
     assert [r["read_rows"] for r in reports] == [[[0, 8]], [[8, 16]]]
 
@@ -406,15 +434,36 @@ def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
         np.testing.assert_array_equal(np.asarray(r["inputs"]), want)
 
 
+def test_two_processes_train_bitwise_as_one_where_every_reduction_has_two_members(tmp_path):
+    """Two processes of 4 devices train data=2 x fsdp=2 x tensor=2 and fsdp=2 x context=2
+    (ring) x tensor=2, whose reductions all have 2 members (tests/multiprocess_rows.py), and
+    this process of 8 does the same meanwhile, with XLA's in-process collectives: the losses
+    and final parameters are equal to the byte. (A layout with wider reductions, data=4 x
+    tensor=2: test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bitwise.)"""
+    import multiprocess_rows as probe
+
+    with _joined_by_hand("layouts", str(tmp_path / "report{i}.json")):
+        here = {name: probe.train(overrides) for name, overrides in probe.LAYOUTS.items()}
+    reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(2)]
+    assert reports[0] == reports[1] == {name: losses for name, (losses, _) in here.items()}
+    two = np.load(tmp_path / "report0.json.npz")
+    assert sorted(two.files) == sorted(f"{name}/{path}" for name, (_, params) in here.items() for path in params)
+    for name, (_, params) in here.items():
+        for path, value in params.items():  # bytes, not values: -0.0 and 0.0 differ too
+            assert value.dtype == np.float32 and value.tobytes() == two[f"{name}/{path}"].tobytes(), (name, path)
+
+
 def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bitwise(tmp_path):
-    """data=2 x fsdp=2 x tensor=2, the data axis across 2 processes of 4 devices. SIGTERM to
-    the launcher reaches both; JAX's preemption service picks one step for both, they save
-    it and exit 143; the same command resumes. Every loss and gradient norm equals those of
-    one process of 8 devices running uninterrupted, bitwise."""
+    """data=4 x tensor=2, the data axis across 2 processes of 4 devices. SIGTERM to the
+    launcher reaches both; JAX's preemption service picks one step for both, they save it
+    and exit 143; the same command resumes. Every loss and gradient norm equals those of one
+    process of 8 devices running uninterrupted with JAXPAR_CPU_COLLECTIVES=gloo, bitwise:
+    the gradients are summed over 4 devices, in gloo's ring order in both (XLA's in-process
+    all-reduce, in rank order, differs in the last bits; docs/distributed.md)."""
     import re
 
     ckpt, metrics, alone = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "alone.jsonl"
-    layout = TINY + ["train.steps=30", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    layout = TINY + ["train.steps=30", "mesh.data=4", "mesh.tensor=2"]
     command = ("launch", "--nproc", "2", "--cpu-devices-per-proc", "4", "--",
                "train", "llama", "--no-progress", "--metrics-file", str(metrics), *_sets(layout + [f"checkpoint.dir={ckpt}"]))
     launched = _cli(*command)
@@ -432,8 +481,11 @@ def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bit
     assert resumed.returncode == 0, err[-3000:]
     assert "[Gloo]" not in out + err and "peer ranks" not in out + err  # Gloo's chatter, left out by the launcher
     assert f"resumed from step {saved}" in out and "on 8 cpu devices in 2 processes" in out
-    one = _cli("train", "llama", "--no-progress", "--metrics-file", str(alone), *_sets(layout))
-    assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
+    one = _cli("train", "llama", "--no-progress", "--metrics-file", str(alone), *_sets(layout),
+               env={**os.environ, "JAXPAR_CPU_COLLECTIVES": "gloo"})
+    out, err = one.communicate(timeout=600)
+    assert one.returncode == 0, err[-3000:]
+    assert "on 8 cpu devices |" in out  # one process: a cluster of one, not announced as several
     two = _rows(metrics)
     assert [r["step"] for r in two] == list(range(30))
     assert [(r["loss"], r["grad_norm"]) for r in two] == [(r["loss"], r["grad_norm"]) for r in _rows(alone)]
