@@ -1,13 +1,14 @@
 """Run by tests/test_distributed.py as one of two processes of 4 CPU devices (JAXPAR_*
-variables set), to write REPORT (JSON) from what it sees. Files, not stdout: gloo prints there.
+variables set): `multiprocess_rows.py TOKENS REPORT`. Join, then
 
-  multiprocess_rows.py rows TOKENS REPORT: build a trainer on data=4 x tensor=2 and record
-      the batch rows this process reads from the token file and the whole global batch
-      gathered back (to compare with a single process reading every row);
-  multiprocess_rows.py layouts REPORT: train each of LAYOUTS for STEPS steps on the default
-      synthetic data and record the losses; process 0 also writes the final float32
-      parameters to REPORT.npz, by layout and path (to compare bitwise with one process of
-      8, where `train` runs too).
+- build a trainer on data=4 x tensor=2 and record the batch rows this process reads from
+  the token file and the whole global batch gathered back (to compare with a single
+  process reading every row);
+- train each of LAYOUTS for STEPS steps on the default synthetic data and record the losses
+  (to compare bitwise with one process of 8 devices, where `train` runs too).
+
+Each process writes REPORT (JSON); process 0 also REPORT.npz, the final float32 parameters
+by layout and path. Files, not stdout: gloo prints there.
 """
 
 import json
@@ -18,9 +19,8 @@ STEPS = 2
 # Layouts whose every reduction (all-reduce, reduce-scatter) has 2 members: bitwise the same
 # sum whatever the implementation (a + b = b + a), so equal to one process with XLA's
 # in-process collectives. With more members see docs/distributed.md.
-LAYOUTS = {
+LAYOUTS = {  # each costs a compile in every process; fsdp=2 x context=2 (ring) x tensor=2 passed too
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    "fsdp2_ring2_tensor2": ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
 }
 
 
@@ -57,7 +57,7 @@ def train(overrides: list[str]) -> tuple[list[float], dict]:
                     for path, leaf in jax.tree_util.tree_flatten_with_path(master)[0]}
 
 
-def main(what: str, *paths: str) -> None:
+def main(tokens: str, report_path: str) -> None:
     from jaxpar import distributed
     from jaxpar.mesh import force_cpu_devices
 
@@ -68,28 +68,24 @@ def main(what: str, *paths: str) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    if what == "rows":
-        from jaxpar.config import apply_overrides
-        from jaxpar.data.sources import make_source
-        from jaxpar.train import build
+    from jaxpar.config import apply_overrides
+    from jaxpar.data.sources import make_source
+    from jaxpar.train import build
 
-        tokens, report_path = paths
-        overrides = ["mesh.data=4", "mesh.tensor=2", "data.source=tokens", f"data.path={tokens}"]
-        source = make_source(build(apply_overrides(config(), overrides)))
-        read = []
-        local = source.local
-        source.local = lambda step, rows: read.append([rows.start, rows.stop]) or local(step, rows)
-        batch = source(3)
-        whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
-        report = {"process": jax.process_index(), "read_rows": read, "inputs": np.asarray(whole).tolist()}
-    else:
-        (report_path,) = paths
-        report, params = {}, {}
-        for name, overrides in LAYOUTS.items():
-            report[name], trained = train(overrides)
-            params.update({f"{name}/{path}": value for path, value in trained.items()})
-        if jax.process_index() == 0:
-            np.savez(report_path + ".npz", **params)
+    rows = ["mesh.data=4", "mesh.tensor=2", "data.source=tokens", f"data.path={tokens}"]
+    source = make_source(build(apply_overrides(config(), rows)))
+    read = []
+    local = source.local
+    source.local = lambda step, rows: read.append([rows.start, rows.stop]) or local(step, rows)
+    batch = source(3)
+    whole = multihost_utils.process_allgather(batch["inputs"], tiled=True)
+    report = {"process": jax.process_index(), "read_rows": read, "inputs": np.asarray(whole).tolist(), "losses": {}}
+    params = {}
+    for name, overrides in LAYOUTS.items():
+        report["losses"][name], trained = train(overrides)
+        params.update({f"{name}/{path}": value for path, value in trained.items()})
+    if jax.process_index() == 0:
+        np.savez(report_path + ".npz", **params)
     pathlib.Path(report_path).write_text(json.dumps(report))
 
 

@@ -1,7 +1,6 @@
 """Several processes (jaxpar.distributed, jaxpar.launch): finding the cluster in the
 environment, the watchdog, and real runs of 2 processes x 4 CPU devices over gloo."""
 
-import contextlib
 import json
 import os
 import signal
@@ -393,35 +392,32 @@ def _freeze_one_and_watch(launched, metrics, timeout):
     assert launched.returncode == 128 + signal.SIGKILL  # the cause: process 1, not process 0's echo of it
 
 
-@contextlib.contextmanager
-def _joined_by_hand(*args):
-    """Two processes of tests/multiprocess_rows.py with `args` ({i}: the process index),
-    joined by hand (the JAXPAR_* variables, the port reserved as the launcher does), running
-    while the block runs; on leaving it, both have ended, successfully (else the assertion
-    shows their stderr)."""
+def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
+    """Two processes of 4 devices joined by hand (the JAXPAR_* variables, the port reserved as
+    the launcher does) each read half the batch from the token file; the global batch they
+    assemble is the one a single process reads. Then they train data=2 x fsdp=2 x tensor=2,
+    whose reductions all have 2 members (tests/multiprocess_rows.py), and this process of 8
+    does the same meanwhile, with XLA's in-process collectives: losses and final parameters
+    are equal to the byte. (A layout with wider reductions, data=4 x tensor=2:
+    test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bitwise.)"""
     from jaxpar.launch import reserved_port
 
+    import multiprocess_rows as probe
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
     script = os.path.join(os.path.dirname(__file__), "multiprocess_rows.py")
     with reserved_port("127.0.0.1") as port:  # held until process 0's coordinator binds it too
         env = {**os.environ, "JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_COORDINATOR_BIND": f"127.0.0.1:{port}",
                "JAXPAR_NUM_PROCESSES": "2"}
-        procs = [subprocess.Popen([sys.executable, script, *[a.format(i=i) for a in args]],
+        procs = [subprocess.Popen([sys.executable, script, str(tokens), str(tmp_path / f"report{i}.json")],
                                   env={**env, "JAXPAR_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i in range(2)]
         try:
-            yield procs
+            here = {name: probe.train(overrides) for name, overrides in probe.LAYOUTS.items()}
         finally:
             outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-
-
-def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
-    """Two processes joined by hand each read half the batch from the token file; the global
-    batch they assemble is the one a single process reads."""
-    tokens = tmp_path / "tokens.npy"
-    np.save(tokens, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
-    with _joined_by_hand("rows", str(tokens), str(tmp_path / "report{i}.json")):
-        pass
     reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(2)]
     assert [r["read_rows"] for r in reports] == [[[0, 8]], [[8, 16]]]
 
@@ -433,19 +429,7 @@ def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
     for r in reports:
         np.testing.assert_array_equal(np.asarray(r["inputs"]), want)
 
-
-def test_two_processes_train_bitwise_as_one_where_every_reduction_has_two_members(tmp_path):
-    """Two processes of 4 devices train data=2 x fsdp=2 x tensor=2 and fsdp=2 x context=2
-    (ring) x tensor=2, whose reductions all have 2 members (tests/multiprocess_rows.py), and
-    this process of 8 does the same meanwhile, with XLA's in-process collectives: the losses
-    and final parameters are equal to the byte. (A layout with wider reductions, data=4 x
-    tensor=2: test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bitwise.)"""
-    import multiprocess_rows as probe
-
-    with _joined_by_hand("layouts", str(tmp_path / "report{i}.json")):
-        here = {name: probe.train(overrides) for name, overrides in probe.LAYOUTS.items()}
-    reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(2)]
-    assert reports[0] == reports[1] == {name: losses for name, (losses, _) in here.items()}
+    assert reports[0]["losses"] == reports[1]["losses"] == {name: losses for name, (losses, _) in here.items()}
     two = np.load(tmp_path / "report0.json.npz")
     assert sorted(two.files) == sorted(f"{name}/{path}" for name, (_, params) in here.items() for path in params)
     for name, (_, params) in here.items():
