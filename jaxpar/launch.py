@@ -56,6 +56,9 @@ TEARDOWN = re.compile(r"Terminating process because the JAX distributed service|
 CONTINUED = re.compile(r"^(Additional GRPC error information|:[A-Z_]+:|=== Source Location Trace: ===|\S+\.(cc|h):\d+$|"
                        r"\. This is only expected|$)")  # the rest of such a message
 FRAMES = re.compile(r"^(\*\*\* Check failure stack trace: \*\*\*$|\s+@\s+0x)")  # a C++ fatal error's stack
+# A C++ log message's start after other text on one line: C++ writes straight to the file
+# descriptor, between a Python line and its newline when their timing is unlucky.
+MID_LINE_LOG = re.compile(r"[^\s][IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")
 # A watchdog's word that another process failed or went: the launcher names that process itself.
 ECHO = re.compile(r"^jaxpar: process \d+: (process \d+ of \d+ stopped on an error|lost the coordinator)")
 
@@ -314,6 +317,10 @@ class Relay:
         stream.close()
 
     def _line(self, process: int, line: str, stream, out, prefix: str, dropping: list[bool]) -> None:
+        inside = MID_LINE_LOG.search(line)
+        if inside and not self.verbose:  # a C++ log written between a Python line and its newline: two lines
+            self._line(process, line[:inside.start() + 1], stream, out, prefix, dropping)
+            return self._line(process, line[inside.start() + 1:], stream, out, prefix, dropping)
         if self.verbose or not (self._chatter(line, dropping) or self._repeated(process, line)):
             self._write(out, prefix + line + "\n", stream, ended=True)
 

@@ -168,7 +168,8 @@ def test_the_relay_leaves_out_library_chatter_and_repeats_but_never_a_process_s_
         bar = "\r 50%|█ | 1/2".encode()  # cut inside a character, and drawn before its line ends
         zero = Chunks(gloo.encode() + b"loss 6.08 ", b"-> 6.11\n" + bar[:8], bar[8:], "\r100%|██| 2/2\n".encode(),
                       error.encode() + b"\n")
-        return {0: zero, 1: own + echo, 2: error + "\n" + TEARDOWN}
+        # process 3's error line met a C++ log in mid-line (C++ wrote between the text and its newline)
+        return {0: zero, 1: own + echo, 2: error + "\n" + TEARDOWN, 3: error + TEARDOWN}
 
     zero = (given := outputs())[0]
     out, err = _relayed(given)
@@ -180,8 +181,10 @@ def test_the_relay_leaves_out_library_chatter_and_repeats_but_never_a_process_s_
         "[process 1] F1124 11:00:00.000000 1 spmd_partitioner.cc:9] Check failed: shard_count > 0",
         "jaxpar launch: process 0 exited with status 2"]
     out, err = _relayed(outputs(), verbose=True)  # jaxpar launch --verbose: everything
-    assert out.count("[Gloo]") == 2 and err.count(error) == 1 and "stopping this process too" in err
+    assert out.count("[Gloo]") == 2 and err.count(error) == 2 and "stopping this process too" in err
     assert TEARDOWN.splitlines()[-1] in err and "Terminating process" in err
+    alone = _relayed({3: error + TEARDOWN})[1]  # its error kept (the first to say it), the log left out
+    assert alone.splitlines() == [f"[process 3] {error}", "jaxpar launch: process 0 exited with status 2"]
 
 
 # ------------------------------------------------------------------ the watchdog
