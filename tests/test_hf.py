@@ -154,6 +154,9 @@ def test_a_missing_shard_or_tensor_and_unknown_tensors_are_named(tmp_path):
         prepare_import(hf_trainer(folder), folder)
     with pytest.raises(ConfigError, match=r"has no config.json"):
         model_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")  # JSON, but not a config
+    with pytest.raises(ConfigError, match=r"holds a JSON list, not an object of the model's settings"):
+        model_config(tmp_path)
     truncated = _copy("mixtral", tmp_path)
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])  # a download cut short

@@ -17,11 +17,15 @@ def read_config(folder: pathlib.Path) -> dict:
         raise ConfigError(f"{str(folder)!r} is not a folder; give the folder of a Hugging Face checkpoint "
                           "(config.json and *.safetensors)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{str(folder)!r} has no config.json; give the folder of a Hugging Face checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{str(path)!r} is not readable JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{str(path)!r} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object of the model's settings; "
+                          "the checkpoint's config.json is damaged")
+    return config
 
 
 def architecture(hf: dict, folder: Any) -> str:
