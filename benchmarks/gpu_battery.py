@@ -6,9 +6,14 @@
                  on a CPU device as `jaxpar plan` compiles its candidates), beside the
                  measured step of mfu_bf16
   3. cudnn       benchmarks/gpu_checks.py --only cudnn: cuDNN attention against the reference
-  4. overlap     benchmarks/overlap.py: overlapped share of collective bytes, compiler.preset
-                 none against overlap, for the mock 8-GPU topology
-  5. gpu_checks  benchmarks/gpu_checks.py --only pallas,grouped,offload
+  4. gpu_checks  benchmarks/gpu_checks.py --only pallas,grouped,offload
+  5. profile     benchmarks/profile_step.py: mfu_bf16's step traced, its top costs by
+                 instruction and by kind (GEMM, attention, fusions)
+  6. overlap     benchmarks/overlap.py: overlapped share of collective bytes, compiler.preset
+                 none against overlap, compiled deviceless for 8 H100s (benchmarks/targets/);
+                 last, as it runs nothing on the GPU. (The mock 8-GPU topology on the one GPU,
+                 jax_mock_gpu_topology=1x8x1, did not finish compiling in 240 s on an H200 with
+                 jax 0.11.2, twice.)
 
   python benchmarks/gpu_battery.py [--out benchmarks/results/gpu_battery.json]
   python benchmarks/gpu_battery.py --cpu-only      # the CPU part (automatic without a GPU)
@@ -65,8 +70,10 @@ def sections(gpu: bool) -> list[Section]:
         # the planner compiles for CPU devices whatever the machine has
         Section("plan", [__file__, "--section", "plan"], 150, env=(("JAX_PLATFORMS", "cpu"),)),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
-        Section("overlap", ["benchmarks/overlap.py", "--collective-matmul", "none"], 240),
         Section("gpu_checks", [checks, "--only", "pallas,grouped,offload"], 300, gpu_only=True),
+        Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
+        Section("overlap", ["benchmarks/overlap.py", "--collective-matmul", "none",
+                            *(["--target", "benchmarks/targets/h100.pbtxt"] if gpu else [])], 240),
     ]
 
 
@@ -230,6 +237,10 @@ def summarize(done: dict, gpu: bool) -> dict:
                        "grouped_error": worst(checks.get("grouped", []), "_error"),
                        "offload_losses_agree": offload_agrees(checks.get("offload", [])),
                        "offload_loss_difference": offload_difference(checks.get("offload", []))}
+    prof = result(done, "profile")
+    s["profile"] = {"busy_s": prof.get("device_busy_s_per_step"),
+                    "by_kind": {k: v["share"] for k, v in list(prof.get("by_kind", {}).items())[:4]},
+                    "top": [(t["name"], t["kind"], t["share"]) for t in prof.get("top", [])[:3]]}
     return s
 
 
@@ -317,6 +328,8 @@ def render(done: dict, s: dict, setup: dict) -> str:
         f"gpu_checks        pallas out error {fmt(g['pallas_out_error'], '.1e')}, grouped error"
         f" {fmt(g['grouped_error'], '.1e')}, offload losses agree {fmt(g['offload_losses_agree'], '')}"
         f" (worst relative difference {fmt(g['offload_loss_difference'], '.1e')})",
+        f"profile           device busy {fmt(s['profile']['busy_s'], '.3f')} s a step: "
+        + (", ".join(f"{k} {v:.0%}" for k, v in s["profile"]["by_kind"].items()) or "-"),
     ]
     return "\n".join(lines)
 

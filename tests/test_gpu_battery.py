@@ -77,3 +77,25 @@ def test_a_failed_section_leaves_the_rest():
     s = battery.summarize(done, gpu=True)
     assert s["targets"]["mfu"]["verdict"] == "n/a (not measured)" and s["fp8_over_bf16"] is None
     assert s["cudnn"]["cases"] == 2 and "boom" in battery.render(done, s, {"platform": "gpu", "gpu": True})
+
+
+def test_a_profile_is_classed_by_instruction_and_kernel_name():
+    spec = importlib.util.spec_from_file_location("jaxpar_benchmarks_profile_step", ROOT / "benchmarks" / "profile_step.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    hlo = """ENTRY %main {
+  %gemm_fusion_dot.23 = bf16[8,2048]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion_dot.23.comp
+  ROOT %loop_add_fusion = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_add
+}"""
+    names = prof.instructions(hlo)
+    assert set(names) == {"gemm_fusion_dot.23", "loop_add_fusion"}
+    # nanoseconds over 2 traced steps: XLA's kernels carry their instruction's name ('.' -> '_'),
+    # cuBLAS's and cuDNN's are classed by their own
+    total = {"gemm_fusion_dot_23": 6e6, "loop_add_fusion": 2e6, "nvjet_sm90_tst_128x160": 8e6,
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 2e6, "memcpy128": 2e6}
+    doc = prof.summarize(total, names, steps=2, top=3)
+    assert abs(doc["device_busy_s_per_step"] - 0.010) < 1e-12 and doc["events_timed"] == 5
+    assert {k: round(v["s"], 6) for k, v in doc["by_kind"].items()} == {
+        "matmul": 0.007, "fusion (kLoop)": 0.001, "attention (cuDNN)": 0.001, "copy": 0.001}
+    assert [t["name"] for t in doc["top"]] == ["nvjet_sm90_tst_128x160", "gemm_fusion_dot_23", "loop_add_fusion"]
+    assert doc["top"][1]["hlo"].startswith("%gemm_fusion_dot.23") and doc["top"][0]["hlo"] == ""
