@@ -17,7 +17,7 @@ import functools
 import os
 import shutil
 import tempfile
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -99,8 +99,7 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
 
     trainer = build(config, devices)
     source = make_source(trainer)
-    # placed as the state holds them, so the donated buffers are the state's own
-    state = trainer.start_from(jax.device_put(initial_weights(config), trainer.master_params(trainer.state_shardings)))
+    state = initial_state(trainer)
     losses, grads = [], None
     for i in range(steps):  # one compile: the step that also returns its gradients
         state, metrics, step_grads = trainer.step_and_grads(state, source(i))
@@ -108,6 +107,14 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
         losses.append(float(metrics["loss"]))
     scalars = {k: float(v) for k, v in jax.device_get(metrics).items() if getattr(v, "ndim", 0) == 0}
     return Run(losses, grads, trainer.model_order(jax.device_get(trainer.master_params(state))), scalars)
+
+
+def initial_state(trainer) -> Any:
+    """`trainer.init()`'s state without compiling its random draws: the model's initial
+    weights (initial_weights) placed as the state holds them, so the step's donated buffers
+    are the state's own."""
+    weights = jax.device_put(initial_weights(trainer.config), trainer.master_params(trainer.state_shardings))
+    return trainer.start_from(weights)
 
 
 def initial_weights(config: Config) -> dict:

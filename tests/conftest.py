@@ -56,7 +56,7 @@ SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whol
     "test_context_training.py::test_context_parallel_training_equals_single_device[ring]": "context: ring",
     "test_context_training.py::test_context_parallel_training_equals_single_device[ulysses]": "context: Ulysses",
     "test_moe_training.py::test_dropless_routing_equals_single_device[expert4_tensor2]": "expert parallel",
-    "test_pipeline.py::test_pipelined_training_equals_single_device[1f1b_four_stages_dp_zero1]": "pipeline, 1F1B",
+    "test_pipeline.py::test_pipelined_training_equals_single_device[1f1b_dp_tp_sp_zero1_collective_matmul]": "pipeline, 1F1B",
     "test_pipeline.py::test_executor_equals_reference[interleaved-2-4-2]": "pipeline, interleaved",
     "test_pipeline.py::test_executor_equals_reference[zb-h1-4-5-1]": "pipeline, zero bubble",
     "test_collective_matmul.py::test_equals_whole_array_matmul[bidirectional-row-4]": "collective matmul",

@@ -24,10 +24,10 @@ def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-# bfloat16: fp32 master weights saved too; fp8: its scales are taken afresh each step, so
-# nothing of FP8's is saved, and resuming must still repeat the losses
-@pytest.mark.parametrize("compute_dtype, matmul_dtype", [("float32", "compute"), ("bfloat16", "compute"),
-                                                         ("bfloat16", "fp8")])
+# bfloat16 (with FP8 matmuls): fp32 master weights saved beside the bf16 compute; FP8's
+# scales are taken afresh each step, so nothing of FP8's is saved, and resuming must still
+# repeat the losses
+@pytest.mark.parametrize("compute_dtype, matmul_dtype", [("float32", "compute"), ("bfloat16", "fp8")])
 def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path, compute_dtype, matmul_dtype):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=4",
                                           f"train.compute_dtype={compute_dtype}", f"train.matmul_dtype={matmul_dtype}"])
@@ -227,7 +227,7 @@ def _killed_at_step(kill_point, metrics, ckpt):
 
 
 def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
-    """SIGKILL after two steps drawn at random (seeded), and inside a save (the process kills
+    """SIGKILL after a step drawn at random (seeded), and inside a save (the process kills
     itself between orbax writing the arrays and the rename that commits them); the resumed
     run really resumes (it says from which step) and its losses equal the uninterrupted
     run's at every step."""
@@ -241,7 +241,7 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
     want = {r["step"]: r["loss"] for r in _rows(reference)}
     assert sorted(want) == list(range(8))
 
-    for kill_point in (*random.Random(0).sample(range(1, 7), 2), "inside the save of step 3"):
+    for kill_point in (random.Random(0).randrange(1, 7), "inside the save of step 3"):
         ckpt, metrics = tmp_path / f"ckpt-{kill_point}", tmp_path / f"run-{kill_point}.jsonl"
         if isinstance(kill_point, int):
             _killed_at_step(kill_point, metrics, ckpt)

@@ -19,6 +19,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
 from jaxpar.train.evaluation import held_out_loss
 from jaxpar.train.inference import forward, unsharded_model
+from jaxpar.testing import initial_state
 
 
 def read_events(file) -> list:
@@ -59,7 +60,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     assert all(isinstance(r["time"], float) and abs(r["time"] - rows[0]["time"]) < 600 for r in rows)
 
     # The same held-out loss by hand: two steps, then trainer.evaluate over the held-out batches.
-    state, source = trainer.init(), make_source(trainer)
+    state, source = initial_state(trainer), make_source(trainer)
     for step in range(2):
         state, _ = trainer.step(state, source(step))
     assert held_out_loss(trainer, state.params) == on[1]["eval_loss"]
@@ -126,7 +127,7 @@ def test_user_eval_data(tiny_llama):
     local = lambda step: {k: np.asarray(v) for k, v in source(step).items()}  # noqa: E731
     held = [local(100), local(101)]
     history = run(trainer, progress=False, data=local, eval_data=iter(held + [None]))  # only the first two are read
-    state = trainer.init()
+    state = initial_state(trainer)
     for step in range(2):
         state, _ = trainer.step(state, source(step))
     assert history[-1]["eval_loss"] == held_out_loss(trainer, state.params, lambda i: source(100 + i), 2)
@@ -200,7 +201,7 @@ def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
     config = apply_overrides(tiny_llama, ["model.num_layers=4", "train.microbatches=4"])
     flat = build(config, jax.devices()[:1])
     inputs = np.asarray(make_source(flat)(0)["inputs"])
-    want = np.asarray(forward(flat)(flat.init().params, {"inputs": inputs}))
+    want = np.asarray(forward(flat)(initial_state(flat).params, {"inputs": inputs}))
     assert want.shape == (16, 16, 128)
     layouts = {
         "interleaved pipeline": ["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved",
@@ -208,7 +209,7 @@ def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
         "zigzag context": ["mesh.data=2", "mesh.context=4"],  # the sequence is permuted inside
     }
     trainers = {name: build(apply_overrides(config, layout)) for name, layout in layouts.items()}
-    states = {name: trainer.init() for name, trainer in trainers.items()}
+    states = {name: initial_state(trainer) for name, trainer in trainers.items()}
     for name, trainer in trainers.items():
         got = forward(trainer)(states[name].params, {"inputs": inputs, "targets": inputs})  # other fields are ignored
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)

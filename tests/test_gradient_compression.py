@@ -20,7 +20,7 @@ from jaxpar.data.sources import make_source
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import inspect_step
 from jaxpar.inspect.explain import explain, render
-from jaxpar.testing import check, compare, run_layout, tree_error
+from jaxpar.testing import check, compare, initial_state, run_layout, tree_error
 from jaxpar.train import build
 from jaxpar.train.checkpoint import Checkpoints, CompressionRestarted
 from jaxpar.train.loop import run
@@ -57,7 +57,7 @@ def test_error_feedback_applied_plus_residual_is_every_true_gradient(tiny_llama)
     layout = apply_overrides(tiny_llama, LAYOUTS["hsdp_tp_sp_zero1"])
     plain = build(layout)
     trainer = build(apply_overrides(layout, ["parallel.gradient_compression=powersgd", "parallel.powersgd_rank=1"]))
-    source, state = make_source(trainer), trainer.init()
+    source, state = make_source(trainer), initial_state(trainer)
     applied = true = None
     add = lambda a, b: b if a is None else jax.tree.map(jnp.add, a, b)  # noqa: E731
     for step in range(3):
@@ -113,8 +113,9 @@ def test_resuming_repeats_the_losses_and_a_new_compression_starts_afresh(tiny_ll
         "parallel.gradient_compression=powersgd", "parallel.powersgd_rank=2", "train.steps=4"])
     whole = run(build(config), progress=False)
     saving = apply_overrides(config, [f"checkpoint.dir={tmp_path}", "checkpoint.every=1"])
-    first = run(build(saving), steps=2, progress=False)  # "killed" after step 2
-    rest = run(build(saving), progress=False)
+    trainer = build(saving)  # each run resumes from the checkpoint folder, as a new process would
+    first = run(trainer, steps=2, progress=False)  # "killed" after step 2
+    rest = run(trainer, progress=False)
     assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]  # bitwise: residuals and factors saved
     other = build(apply_overrides(saving, ["parallel.gradient_compression=topk"]))
     with warnings.catch_warnings(record=True) as caught:
@@ -153,7 +154,7 @@ def test_a_loss_weighed_by_its_outputs_is_averaged_after_the_backward_pass(tiny_
     trainer = build(apply_overrides(config, ["parallel.gradient_compression=topk", "parallel.topk_fraction=1"]),
                     loss_fn=confident_tokens)
     assert trainer.compressor.per_layer == frozenset()
-    state = plain.init()
+    state = initial_state(plain)
     batch = make_source(plain)(0)
     (loss, grads), (want_loss, want) = trainer.grads(state.params, batch), plain.grads(state.params, batch)
     assert abs(float(loss) - float(want_loss)) <= 1e-6 and tree_error(jax.device_get(grads), jax.device_get(want)) <= 1e-5

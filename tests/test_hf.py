@@ -19,6 +19,7 @@ from jaxpar.hf import export, model_config, prepare_import
 from jaxpar.hf.safetensors import Planned, open_tensor, tensor_index, write_file
 from jaxpar.train import build
 from jaxpar.train.inference import forward
+from jaxpar.testing import initial_state
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 PIPELINE = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]
@@ -179,7 +180,7 @@ def test_refusals_of_what_the_format_cannot_hold(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ConfigError, match=r"is a folder that holds files already"):
-        export(trainer, trainer.init(), tmp_path / "full")
+        export(trainer, initial_state(trainer), tmp_path / "full")
 
 
 def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
@@ -195,7 +196,7 @@ def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
                                                                      "train.microbatches=4", "parallel.pipeline_chunks=2",
                                                                      "parallel.pipeline_schedule=interleaved"])):
         trainer = build(apply_overrides(config, sets))
-        export(trainer, trainer.init(), tmp_path / name)
+        export(trainer, initial_state(trainer), tmp_path / name)
         written[name] = _tensors(tmp_path / name)
     assert written["plain"].keys() == written["interleaved"].keys() and len(written["plain"]) > 4
     for key, value in written["plain"].items():

@@ -20,7 +20,10 @@ _spec.loader.exec_module(matrix)
 # The cells most likely to abort in XLA's partitioner: a pipeline's shard_map around fsdp
 # gathers and tensor collectives, a context kernel nested inside pipeline stages, expert
 # all-to-alls beside tensor and fsdp, and ZeRO-3 gathers under sequence parallelism.
-COMPILED = ("1f1b x fsdp x tensor+sp", "interleaved x ring x tensor+sp", "fsdp x expert x tensor", "zero3 x tensor+sp")
+# Left to other tests: zero3 x tensor+sp (tests/test_zero.py trains ZeRO-3 over data x
+# tensor+sp against one device) and 1f1b x fsdp x tensor+sp (tests/test_pipeline.py trains
+# stage x fsdp x tensor at the llama recipe's shape, where the partitioner once aborted).
+COMPILED = ("interleaved x ring x tensor+sp", "fsdp x expert x tensor")
 TIMEOUT_S = 120  # per cell
 
 # One interpreter imports JAX and jaxpar once (no backend started), then forks a child per

@@ -177,22 +177,21 @@ def deep_llama() -> Config:
 
 SP = "parallel.sequence_parallel=true"
 LAYOUTS = {
-    "1f1b_dp_tp_sp_zero1": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP, "parallel.zero_stage=1"],
-    "gpipe_dp": ["mesh.stage=4", "mesh.data=2", "parallel.pipeline_schedule=gpipe"],
+    # ZeRO-1 and the collective matmul inside the stages in one layout: its hops are
+    # all-to-all swaps there (1F1B over four stages: the tied-embeddings test below)
+    "1f1b_dp_tp_sp_zero1_collective_matmul": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP, "parallel.zero_stage=1",
+                                              "parallel.collective_matmul=bidirectional"],
+    "gpipe_four_stages_dp_zero1": ["mesh.stage=4", "mesh.data=2", "parallel.pipeline_schedule=gpipe",
+                                   "parallel.zero_stage=1"],
     "interleaved_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved",
                             "parallel.pipeline_chunks=2"],
     "zb_h1_dp_fsdp_zero1": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline_schedule=zb-h1",
                             "parallel.zero_stage=1"],
-    "1f1b_four_stages_dp_zero1": ["mesh.stage=4", "mesh.data=2", "parallel.zero_stage=1"],
-    # context parallel inside the stages (PP x CP x TP): the ring's hops are all-to-all swaps there
+    # context parallel inside the stages (PP x CP x TP): the ring's hops are all-to-all swaps
+    # there (all-gather context in zero-bubble stages: benchmarks/matrix.py's zb-h1 x allgather)
     "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
     "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context_impl=ulysses",
                                "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"],
-    # collective matmul inside the stages: its hops are all-to-all swaps there too
-    "1f1b_dp_tp_sp_collective_matmul": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP,
-                                        "parallel.collective_matmul=bidirectional"],
-    "zb_h1_allgather_fsdp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather",
-                             "parallel.pipeline_schedule=zb-h1"],
 }
 
 
@@ -290,15 +289,14 @@ MOE = MoEConfig(vocab_size=128, embed=32, num_layers=4, num_heads=4, num_kv_head
                 bias_update_rate=1e-3)
 
 
-@pytest.mark.parametrize("routing,overrides", [
-    ("capacity", ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2"]),
-    ("dropless", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=zb-h1"]),
-])
-def test_moe_in_stages_equals_single_device(deep_llama, reference, routing, overrides):
+def test_moe_in_stages_equals_single_device(deep_llama, reference):
     """MoE layers inside the stages: each chunk's load-balancing and z losses join the
     objective where the chunk runs, and its expert counts come back per layer (the bias
     balancing, on here, reads them): losses, gradients, parameters and the step's MoE
-    metrics equal one device (fp32, 1e-5)."""
+    metrics equal one device (fp32, 1e-5). Dropless routing under zero bubble, whose split
+    backward computes the experts' weight gradients apart; the stages do nothing routing-
+    specific (capacity routing's layouts: tests/test_moe_training.py)."""
+    routing, overrides = "dropless", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=zb-h1"]
     config = dataclasses.replace(deep_llama, model=dataclasses.replace(MOE, routing=routing))
     ref, run = reference(config), run_layout(apply_overrides(config, overrides))
     check(compare(run, ref), RTOL, where=f"moe {routing}")

@@ -49,16 +49,16 @@ def test_roofline_is_the_stated_arithmetic(tiny_llama):
 
 
 def test_plan_compiles_the_best_layouts_and_its_overrides_train(tiny_llama):
-    """A tiny Llama on 8 devices as 2 hosts of 4: the fastest estimates are compiled, the
-    best fits and its --set list trains."""
+    """A tiny Llama on 8 devices as 2 hosts of 4: the fastest estimate is compiled, fits,
+    and its --set list trains (several compiled, one aborting: the next test)."""
     import jax
 
     from jaxpar.train import build
     from jaxpar.train.loop import run
 
     planned, facts = plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
-                          compile_top=2, progress=False)
-    assert facts["compiled"] == 2 and facts["candidates"] > 20
+                          compile_top=1, progress=False)
+    assert facts["compiled"] == 1 and facts["candidates"] > 20
     best = planned[0]
     assert best.compiled and 0 < best.memory <= facts["budget_bytes"]
     assert 0 < best.prediction["mfu"] < 1

@@ -23,6 +23,7 @@ from jaxpar.train.checkpoint import saved_config
 from jaxpar.train.inference import unsharded_model
 from jaxpar.train.loop import run
 from jaxpar.train.sample import choose, generate
+from jaxpar.testing import initial_state
 
 PROMPT = [5, 17, 3, 99, 42]
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "llama_tied"  # a tiny Llama in Hugging Face's format
@@ -41,7 +42,7 @@ def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama
     layouts = {"tensor4": ["mesh.tensor=4"],  # data=2 x tensor=4: vocab-parallel head, batch rows 2
                "fsdp2_tensor2_sp": ["mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]}
     trainers = {name: build(apply_overrides(tiny_llama, layout)) for name, layout in layouts.items()}
-    states = {name: trainer.init() for name, trainer in trainers.items()}  # random weights, the same in each
+    states = {name: initial_state(trainer) for name, trainer in trainers.items()}  # random weights, the same in each
     want = _greedy_on_one_device(unsharded_model(trainers["tensor4"], states["tensor4"]), PROMPT, 6)
     for name, trainer in trainers.items():
         assert generate(trainer, states[name].params, PROMPT, 6) == want, name
@@ -59,7 +60,7 @@ def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llam
     from jaxpar.units import byte_size
 
     piped = build(apply_overrides(tiny_llama, ["mesh.stage=2", "train.microbatches=2"]))
-    params = piped.init().params
+    params = initial_state(piped).params
     whole = sum(x.nbytes for x in jax.tree.leaves(params))
     resting = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
     assert resting < whole
@@ -70,12 +71,12 @@ def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llam
     plain = build(apply_overrides(tiny_llama, ["mesh.data=8"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error", StagesGathered)  # none without stages
-        assert generate(plain, plain.init().params, PROMPT, 3) == piped_tokens
+        assert generate(plain, initial_state(plain).params, PROMPT, 3) == piped_tokens
 
 
 def test_top_k_one_is_greedy_and_draws_are_reproducible(tiny_llama):
     trainer = build(apply_overrides(tiny_llama, ["mesh.tensor=4"]))
-    params = trainer.init().params
+    params = initial_state(trainer).params
     greedy = generate(trainer, params, PROMPT, 6)
     assert generate(trainer, params, PROMPT, 6, temperature=1.0, top_k=1, seed=3) == greedy
     drawn = {seed: generate(trainer, params, PROMPT, 6, temperature=1.0, seed=seed) for seed in (0, 0, 1)}

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.data.sources import make_source
-from jaxpar.testing import check, compare, reference_run, run_layout, single_device, tree_error
+from jaxpar.testing import check, compare, initial_state, reference_run, run_layout, single_device, tree_error
 from jaxpar.train import build
 
 
@@ -24,7 +24,7 @@ def test_loss_is_normalised_by_tokens_not_microbatches(tiny_llama):
     weights = np.ones(batch["weights"].shape, np.float32)
     weights[0::2, 4:] = 0.0  # microbatch 0 (rows 0, 2, 4, ...) keeps a quarter of its tokens
     batch["weights"] = jax.device_put(weights, whole.batch_shardings["weights"])
-    params = whole.init().params
+    params = initial_state(whole).params
     loss_a, grads_a = whole.grads(params, batch)
     loss_b, grads_b = split.grads(params, batch)
     assert abs(float(loss_a) - float(loss_b)) <= 1e-6 * abs(float(loss_a))
@@ -39,7 +39,7 @@ def test_any_optax_transformation(tiny_llama, make_tx):
 
     def run(cfg, devices):
         trainer = build(cfg, devices, tx=make_tx())
-        source, state = make_source(trainer), trainer.init()
+        source, state = make_source(trainer), initial_state(trainer)
         for i in range(3):
             state, _ = trainer.step(state, source(i))
         return jax.device_get(trainer.master_params(state))
@@ -100,7 +100,7 @@ def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, m
     from jaxpar.errors import TrainingStopped
 
     trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4"]))
-    state = trainer.init()
+    state = initial_state(trainer)
     before = jax.device_get(state.params)
     before_opt = jax.device_get(state.opt_state)
     after, metrics = trainer.step(state, _poisoned(trainer, 0)(0))

@@ -17,7 +17,7 @@ import pytest
 from jaxpar import recipes
 from jaxpar.config import TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
-from jaxpar.testing import check, compare, run_layout
+from jaxpar.testing import check, compare, initial_state, run_layout
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -98,7 +98,7 @@ def test_own_loss_reaches_both_paths(tiny_llama):
 
     def loss_and_grads(config, loss_fn=task_loss):
         trainer = build(config, jax.devices()[:1] if config.mesh.stage == 1 else None, loss_fn=loss_fn)
-        loss, grads = trainer.grads(trainer.init().params, make_source(trainer)(0))
+        loss, grads = trainer.grads(initial_state(trainer).params, make_source(trainer)(0))
         return float(loss), jax.device_get(trainer.model_order(grads))
 
     plain = apply_overrides(tiny_llama, ["mesh.data=1"])

@@ -27,7 +27,7 @@ from jaxpar.kernels.quantized import (
     quantized_reduce_scatter,
     quantized_reduce_scatter_reference,
 )
-from jaxpar.testing import check, compare, run_layout, single_device, tree_error
+from jaxpar.testing import check, compare, initial_state, run_layout, single_device, tree_error
 from jaxpar.train import build
 from jaxpar.train.trainer import OffloadIsANoOp
 
@@ -117,7 +117,7 @@ def test_qwz_equals_single_device_on_the_rounded_weights(tiny_llama):
     the rounded weights is the qwZ gradient (straight-through), to 1e-5."""
     config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3", "parallel.quantized_weights=true"])
     trainer = build(config)
-    params = trainer.init().params
+    params = initial_state(trainer).params
     batch = make_source(trainer)(0)
     loss, grads = trainer.grads(params, batch)
     one, devices = single_device(tiny_llama)
