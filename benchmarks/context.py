@@ -181,7 +181,7 @@ def balance_row(impl: str, layout: str, n: int, s: int = 2048, heads: int = 8, h
     from jax.sharding import PartitionSpec as P
 
     from jaxpar.kernels.attention import ContextSpec, Masking, executed_tiles
-    from jaxpar.kernels.attention.blocks import tile
+    from jaxpar.kernels.attention.tiles import tile
     from jaxpar.kernels.attention.order import chunk_length
 
     mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))

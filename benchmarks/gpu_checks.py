@@ -80,7 +80,7 @@ def pallas_rows(repeats: int) -> list[dict]:
     import jax.numpy as jnp
 
     from jaxpar.kernels.attention import blocks
-    from jaxpar.kernels.attention.blocks import Masking
+    from jaxpar.kernels.attention.tiles import Masking
 
     rows = []
     for s, d, dtype, causal, packed in [

@@ -24,13 +24,15 @@ computes every layout bitwise as a run of several processes with the same device
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from jaxpar.errors import ConfigError
 
@@ -171,7 +173,6 @@ def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> Non
     if cluster.num_processes == 1:
         jax.config.update("jax_enable_preemption_service", False)
     if cluster.coordinator == ALONE:
-        from jaxpar.launch import reserved_port
 
         with reserved_port("127.0.0.1") as port:  # held until the coordinator binds it too
             address = f"127.0.0.1:{port}"
@@ -264,3 +265,18 @@ class Watchdog:
         self.exit(LOST_PEER_EXIT)
 
     exit = staticmethod(os._exit)  # the main thread may be blocked in a collective that never ends
+
+
+@contextlib.contextmanager
+def reserved_port(host: str) -> Iterator[int]:
+    """A free port on `host`, held bound (not listening) until the block ends. A port merely
+    found free can be taken by anyone before process 0's coordinator binds it; held with
+    SO_REUSEPORT, only another SO_REUSEPORT socket of this user can bind it too, and the
+    coordinator's gRPC server is one. Connections reach only listening sockets, so holding
+    it takes none of the coordinator's."""
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, 0))
+        yield s.getsockname()[1]

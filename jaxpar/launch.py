@@ -23,19 +23,16 @@ cause), or 0.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
-from jaxpar.distributed import LOST_PEER_EXIT
+from jaxpar.distributed import LOST_PEER_EXIT, reserved_port
 from jaxpar.errors import ConfigError
 from jaxpar.logs import ABSL
 
@@ -61,21 +58,6 @@ FRAMES = re.compile(r"^(\*\*\* Check failure stack trace: \*\*\*$|\s+@\s+0x)")  
 MID_LINE_LOG = re.compile(r"[^\s][IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")
 # A watchdog's word that another process failed or went: the launcher names that process itself.
 ECHO = re.compile(r"^jaxpar: process \d+: (process \d+ of \d+ stopped on an error|lost the coordinator)")
-
-
-@contextlib.contextmanager
-def reserved_port(host: str) -> Iterator[int]:
-    """A free port on `host`, held bound (not listening) until the block ends. A port merely
-    found free can be taken by anyone before process 0's coordinator binds it; held with
-    SO_REUSEPORT, only another SO_REUSEPORT socket of this user can bind it too, and the
-    coordinator's gRPC server is one. Connections reach only listening sockets, so holding
-    it takes none of the coordinator's."""
-    host = host.strip("[]")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        if hasattr(socket, "SO_REUSEPORT"):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((host, 0))
-        yield s.getsockname()[1]
 
 
 def follow_launcher(env=os.environ) -> None:

@@ -91,7 +91,7 @@ def test_a_reserved_port_is_refused_to_others_and_open_to_the_coordinator():
     coordinator's server) can, and listen."""
     import socket
 
-    from jaxpar.launch import reserved_port
+    from jaxpar.distributed import reserved_port
 
     with reserved_port("127.0.0.1") as port:
         with socket.socket() as other, pytest.raises(OSError):
@@ -403,7 +403,7 @@ def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
     does the same meanwhile, with XLA's in-process collectives: losses and final parameters
     are equal to the byte. (A layout with wider reductions, data=4 x tensor=2:
     test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bitwise.)"""
-    from jaxpar.launch import reserved_port
+    from jaxpar.distributed import reserved_port
 
     import multiprocess_rows as probe
 

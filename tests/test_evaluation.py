@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import apply_overrides
-from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens, held_out_batches, split_tokens
+from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens, held_out_batches
+from jaxpar.data.order import split_tokens
 from jaxpar.data.sources import TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run

@@ -1,7 +1,8 @@
-"""Every public module imports on its own, and installing jaxpar claims no top-level import
-name but its own (the shipped models/ and recipes/ folders install as jaxpar.models and
-jaxpar.recipes)."""
+"""Every public module imports on its own, none imports itself through others, and
+installing jaxpar claims no top-level import name but its own (the shipped models/ and
+recipes/ folders install as jaxpar.models and jaxpar.recipes)."""
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -61,3 +62,65 @@ def test_the_install_lists_every_package_and_claims_only_jaxpar():
                for package, folder in FOLDERS.items() for p in folder.rglob("__init__.py")}
     assert set(PYPROJECT["packages"]) == on_disk
     assert all(p == "jaxpar" or p.startswith("jaxpar.") for p in PYPROJECT["packages"])
+
+
+def imports_of(name: str, path: pathlib.Path, names: set[str]) -> set[str]:
+    """The jaxpar modules `name` imports, at its top or inside a function (a lazy import
+    that closes a circle still ties the two modules together)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package up
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                package = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{package}.{base}".rstrip(".")
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in names else base)
+    return (found & names) - {name}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+# The commands still import each other; issue 33 moves them into one package.
+KNOWN_CIRCLES = [["jaxpar.cli", "jaxpar.hf.command", "jaxpar.sample_command"]]
+
+
+def test_no_module_imports_itself_through_others():
+    paths = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            paths[".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    graph = {name: imports_of(name, path, set(paths)) for name, path in paths.items()}
+    assert "jaxpar.data.order" in graph["jaxpar.data.sources"]  # the parse sees imports
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles(graph) == KNOWN_CIRCLES

@@ -8,7 +8,8 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.inspect.report import Memory, StepReport
-from jaxpar.plan import MODELS, Hardware, plan, render, roofline
+from jaxpar.plan import MODELS, Hardware, plan, render
+from jaxpar.plan.step_time import roofline
 from jaxpar.plan.layouts import Layout, candidates, estimate
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.attention import ATTENTION_KERNELS, CONTEXT_IMPLS, SEQUENCE_LAYOUTS
-from jaxpar.kernels.attention.blocks import tile
+from jaxpar.kernels.attention.tiles import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors

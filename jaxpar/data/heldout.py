@@ -9,8 +9,8 @@ the held-out losses of a run compare with each other. Where they come from:
     drawn apart from every training batch (the same language or teacher, other samples).
   - a token file or text (data.source=tokens or text): the last data.eval_fraction share of
     its token stream is held out. Training rows are drawn only from the part before it
-    (`split_tokens`, applied by jaxpar.data.sources.TokenFile), held-out rows only from the
-    part after: no token of the held-out part is ever trained on. With data.order=windows
+    (jaxpar.data.order.split_tokens, applied by jaxpar.data.sources.TokenFile), held-out
+    rows only from the part after: no token of the held-out part is ever trained on. With data.order=windows
     held-out windows are drawn as training windows are, at step HELD_OUT_STEP + i; with
     data.order=epochs held-out batch i holds the held-out part's rows i * B to (i + 1) * B - 1
     in stream order, wrapping round (jaxpar.data.order.Epochs, unshuffled). With
@@ -26,7 +26,6 @@ import itertools
 from typing import Callable
 
 import jax
-import numpy as np
 
 from jaxpar.data.order import Epochs, Windows
 from jaxpar.data.sources import TokenFile, TokenRows, make_source
@@ -35,26 +34,6 @@ from jaxpar.errors import ConfigError
 
 HELD_OUT_STEP = 1 << 62  # held-out batch i is a synthetic source's batch at this step + i
 HeldOut = Callable[[int], dict[str, jax.Array]]  # i -> held-out global batch i
-
-
-def split_tokens(tokens: np.ndarray, fraction: float, seq_len: int, path: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(training part, held-out part) of a file's tokens: the last `fraction` of them,
-    rounded down, held out; fraction 0 holds nothing out. Each part that is used holds a
-    window of seq_len + 1 tokens and one start position more (seq_len + 2 tokens)."""
-    n = len(tokens)
-    if not fraction:
-        return tokens, tokens[n:]
-    held = int(n * fraction)
-    need = seq_len + 2
-    if held < need or n - held < need:
-        low, high = need / n, 1 - need / n
-        works = (f"use {low:.3g} to {high:.3g}" if low <= high
-                 else f"the file is too short to split; give more than {2 * need} tokens")
-        raise ConfigError(
-            f"data.eval_fraction={fraction} splits data.path={path!r}, {n} tokens, into {n - held} to train on and "
-            f"{held} held out; each part needs train.seq_len + 2 = {need}: {works}"
-        )
-    return tokens[: n - held], tokens[n - held :]
 
 
 class HeldOutTokens(TokenRows):

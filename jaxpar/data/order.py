@@ -1,6 +1,8 @@
-"""Where in a token stream the rows of a batch start (data.order). Each is a pure function of
-(seed, step) and of the global rows asked for, so a process builds only its own rows and a
-run resumed at any step, on any number of processes, sees the batches of an uninterrupted one.
+"""Where in a token stream the rows of a batch start (data.order), and where the stream
+splits into its training and held-out parts (`split_tokens`, data.eval_fraction). Each start
+is a pure function of (seed, step) and of the global rows asked for, so a process builds
+only its own rows and a run resumed at any step, on any number of processes, sees the
+batches of an uninterrupted one.
 
   - windows: seq_len + 1 tokens at positions drawn uniformly from (seed, step), 0 to
     n_tokens - seq_len - 1 (the last window ends on the last token); rows may overlap and
@@ -15,6 +17,8 @@ run resumed at any step, on any number of processes, sees the batches of an unin
 from __future__ import annotations
 
 import numpy as np
+
+from jaxpar.errors import ConfigError
 
 ORDERS = ("windows", "epochs")
 # The epochs' permutations are seeded with (seed, epoch, EPOCH_STREAM): a stream of their own,
@@ -69,3 +73,23 @@ class Epochs:
 def row_order(order: str, n_tokens: int, seq_len: int, batch: int, seed: int) -> Windows | Epochs:
     """The training rows' placement for data.order=`order` (checked by the config rules)."""
     return Windows(n_tokens, seq_len, batch, seed) if order == "windows" else Epochs(n_tokens, seq_len, batch, seed)
+
+
+def split_tokens(tokens: np.ndarray, fraction: float, seq_len: int, path: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(training part, held-out part) of a file's tokens: the last `fraction` of them,
+    rounded down, held out; fraction 0 holds nothing out. Each part that is used holds a
+    window of seq_len + 1 tokens and one start position more (seq_len + 2 tokens)."""
+    n = len(tokens)
+    if not fraction:
+        return tokens, tokens[n:]
+    held = int(n * fraction)
+    need = seq_len + 2
+    if held < need or n - held < need:
+        low, high = need / n, 1 - need / n
+        works = (f"use {low:.3g} to {high:.3g}" if low <= high
+                 else f"the file is too short to split; give more than {2 * need} tokens")
+        raise ConfigError(
+            f"data.eval_fraction={fraction} splits data.path={path!r}, {n} tokens, into {n - held} to train on and "
+            f"{held} held out; each part needs train.seq_len + 2 = {need}: {works}"
+        )
+    return tokens[: n - held], tokens[n - held :]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import local_rows, to_global
-from jaxpar.data.order import Epochs, Windows, row_order
+from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
 
@@ -83,8 +83,6 @@ class TokenFile(TokenRows):
         if len(tokens) < seq + 2:
             raise ConfigError(f"data.path={cfg.path!r} holds {len(tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
         check_ids(tokens, trainer.config.model.vocab_size, cfg.path)
-        from jaxpar.data.heldout import split_tokens  # lazily: heldout builds on this module
-
         training, self.held_out = split_tokens(tokens, cfg.eval_fraction, seq, cfg.path)
         super().__init__(trainer, training, row_order(cfg.order, len(training), seq, batch, trainer.config.train.seed))
 

@@ -78,7 +78,7 @@ class ContextAttention:
     impl        ring | ulysses | allgather
     seq_layout  zigzag | contiguous: the order the trainer lays each sequence out in
     block       query and key tile length of the blockwise kernels
-    kernel      jax | pallas: the block forward (jaxpar.kernels.attention.blocks.Masking)
+    kernel      jax | pallas: the block forward (jaxpar.kernels.attention.tiles.Masking)
     """
 
     impl: str = "ring"

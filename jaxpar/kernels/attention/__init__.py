@@ -1,7 +1,7 @@
 """Attention kernels: blockwise (one device) and context parallel (ring, Ulysses, all-gather)."""
 
-from jaxpar.kernels.attention.blocks import KERNELS as ATTENTION_KERNELS
-from jaxpar.kernels.attention.blocks import Masking
+from jaxpar.kernels.attention.tiles import KERNELS as ATTENTION_KERNELS
+from jaxpar.kernels.attention.tiles import Masking
 from jaxpar.kernels.attention.context import KERNELS as CONTEXT_IMPLS
 from jaxpar.kernels.attention.context import ContextSpec, context_attention, executed_tiles
 from jaxpar.kernels.attention.flash import flash_attention

@@ -15,47 +15,10 @@ Shapes (G kv heads, R query heads per kv head):
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -jnp.inf
-
-
-KERNELS = ("jax", "pallas", "pallas_interpret")
-
-
-@dataclasses.dataclass(frozen=True)
-class Masking:
-    """What a query may see (keys at or before it when causal, and in its segment), the
-    tile lengths, and which block forward runs: "jax" (this module, everywhere), "pallas"
-    (one fused Triton kernel, GPUs) or "pallas_interpret" (the same kernel in the Pallas
-    interpreter; jaxpar.kernels.attention.pallas)."""
-
-    causal: bool = True
-    block_q: int = 512
-    block_kv: int = 512
-    kernel: str = "jax"
-
-    def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ValueError(f"attention kernel {self.kernel!r}; use one of {', '.join(KERNELS)}")
-        if min(self.block_q, self.block_kv) < 1:
-            raise ValueError(f"attention tiles must hold at least one token, not {self.block_q} x {self.block_kv}")
-
-
-def tile(n: int, block: int) -> int:
-    """The largest divisor of n not above `block`: tiles never straddle the sequence end."""
-    best = 1
-    for d in range(1, int(math.isqrt(n)) + 1):
-        if n % d == 0:
-            for c in (d, n // d):
-                if best < c <= block:
-                    best = c
-    return best
-
+from jaxpar.kernels.attention.tiles import NEG_INF, Masking, tile
 
 def _tiles(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Split `axis` into [n_tiles, size] and move the tile index to the front."""
@@ -72,15 +35,6 @@ def _untile(x: jax.Array, axis: int) -> jax.Array:
 def _needed(q_index: jax.Array, kv_index: jax.Array, causal: bool) -> jax.Array:
     """Whether a (query tile, key tile) pair has any visible pair under the causal mask."""
     return jnp.min(kv_index) <= jnp.max(q_index) if causal else jnp.bool_(True)
-
-
-def needed_tiles(q_index: jax.Array, kv_index: jax.Array, bq: int, bk: int, causal: bool) -> jax.Array:
-    """How many (query tile, key tile) pairs the causal skip lets through."""
-    if not causal:
-        return jnp.int32((q_index.shape[0] // bq) * (kv_index.shape[0] // bk))
-    q_last = q_index.reshape(-1, bq).max(1)
-    kv_first = kv_index.reshape(-1, bk).min(1)
-    return jnp.sum(kv_first[None, :] <= q_last[:, None]).astype(jnp.int32)
 
 
 def _mask(q_index, kv_index, q_segment, kv_segment, causal: bool) -> jax.Array:

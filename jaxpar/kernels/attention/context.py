@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.attention import allgather, ring, ulysses
-from jaxpar.kernels.attention.blocks import Masking, tile
+from jaxpar.kernels.attention.tiles import Masking, tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.mesh import mesh_here
 

@@ -9,7 +9,7 @@ from functools import partial
 import jax
 
 from jaxpar.kernels.attention import blocks
-from jaxpar.kernels.attention.blocks import Masking
+from jaxpar.kernels.attention.tiles import Masking
 
 
 def grouped(q_BSHK: jax.Array, kv_heads: int) -> jax.Array:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.attention.blocks import NEG_INF, Masking, needed_tiles, tile
+from jaxpar.kernels.attention.tiles import NEG_INF, Masking, needed_tiles, tile
 
 TRITON_MAX_TILE = 128  # a program's score tile stays in registers / shared memory
 

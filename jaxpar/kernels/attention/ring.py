@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxpar.kernels.attention import blocks
 from jaxpar.kernels.attention.flash import grouped
 from jaxpar.kernels.attention.order import local_index
+from jaxpar.kernels.attention.tiles import NEG_INF
 from jaxpar.kernels.hops import send
 
 
@@ -63,7 +64,7 @@ def forward(q, k, v, segment, ctx):
 
     init = (
         jnp.zeros(qg.shape, jnp.float32),
-        jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), blocks.NEG_INF, jnp.float32),
+        jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), NEG_INF, jnp.float32),
         jnp.int32(0),
     )
     o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx)

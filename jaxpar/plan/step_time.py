@@ -1,0 +1,41 @@
+"""The planner's step time on a GPU it has never seen: a roofline over a compiled step's
+FLOPs, its HBM traffic and its collectives (jaxpar.plan ranks layouts by it; each layout's
+child process, jaxpar.plan.compile_one, computes it)."""
+
+from __future__ import annotations
+
+from jaxpar.pipeline.schedule import published_bubble
+from jaxpar.plan.presets import Hardware
+
+MODEL_AXES = {"tensor", "context", "expert"}
+
+
+def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
+    """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
+    `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline bubble), plus
+    the collective time the overlap does not hide. Collectives across hosts run at the
+    per-device network speed, the rest at NVLink's. The CPU backend widens bf16 collectives
+    of activations to f32; on GPUs they stay bf16, so such bytes count half. (HBM traffic
+    comes from formulas: the CPU compiler's own count reflects its weaker fusion.)"""
+    peak = hw.peak_tflops * 1e12
+    compute = report.flops / (peak * hw.matmul_efficiency)
+    memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
+    widened = config.train.compute_dtype == "bfloat16"
+    data_s = model_s = 0.0
+    for c in report.collectives:
+        size = c.bytes_per_step * (0.5 if widened and c.dtype == "f32" and MODEL_AXES & set(c.axes) else 1.0)
+        seconds = size / ((hw.inter_host_gb_per_s if c.crosses_hosts else hw.intra_host_gb_per_s) * 1e9)
+        if MODEL_AXES & set(c.axes) or "stage" in c.axes:
+            model_s += seconds
+        else:
+            data_s += seconds
+    parallel = config.parallel
+    bubble = published_bubble(parallel.pipeline_schedule, report.mesh.get("stage", 1), config.train.microbatches,
+                              parallel.pipeline_chunks)
+    exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
+    step = max(compute, memory) / (1 - bubble) + exposed
+    tokens = config.train.global_batch * config.train.seq_len
+    model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
+    return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
+            "exposed_comm_s": exposed, "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
+            "mfu": model_flops / (peak * step)}
