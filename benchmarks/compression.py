@@ -169,7 +169,7 @@ BATTERY = "benchmarks/results/gpu_battery_h200_jax0.11.2.json"
 
 def losses(steps: int) -> dict[str, list[float]]:
     """Each method's training losses on the fine-tune (section 3)."""
-    from jaxpar.cli import resolve_config
+    from jaxpar.commands.common import resolve_config
     from jaxpar.train.loop import run
 
     curves = {}

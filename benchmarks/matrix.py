@@ -19,7 +19,7 @@ Cells with `expert` use the moe recipe, the others the llama recipe, each with i
 shape, seq_len and global batch; every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
-replaced: jaxpar.cli.resolve_config). Overrides a cell needs to be legal at all are listed
+replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
 in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
 model.routing=dropless), and the reference runs with them too.
 
@@ -175,7 +175,7 @@ def jaxpar_command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("jaxpar")
-    return [found] if found else [sys.executable, "-c", "import sys; from jaxpar.cli import main; sys.exit(main())"]
+    return [found] if found else [sys.executable, "-c", "import sys; from jaxpar.commands import main; sys.exit(main())"]
 
 
 def train_argv(recipe: str, devices: int, overrides: list[str]) -> list[str]:

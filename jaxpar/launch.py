@@ -1,7 +1,7 @@
 """`jaxpar launch --nproc N [--cpu-devices-per-proc K] -- train RECIPE ...`: N local processes
 joined through jax.distributed, for tests and single-node runs.
 
-Each child is `python -m jaxpar.cli train ...` with the JAXPAR_* variables that
+Each child is `python -m jaxpar.commands train ...` with the JAXPAR_* variables that
 jaxpar.distributed reads; the coordinator listens on loopback unless `--bind` says
 otherwise. Every child's output comes through this launcher (Relay): process 0's as it
 would write alone, the others' lines prefixed with their index. Unless `--verbose`, the
@@ -89,7 +89,7 @@ def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> 
                           "e.g. jaxpar launch --nproc 2 -- train llama")
     if any(arg == "--cpu-devices" or arg.startswith("--cpu-devices=") for arg in command):
         raise ConfigError("--cpu-devices inside a launched command; give --cpu-devices-per-proc to jaxpar launch instead")
-    return [sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(cpu_devices_per_proc)]
+    return [sys.executable, "-m", "jaxpar.commands", *command, "--cpu-devices", str(cpu_devices_per_proc)]
 
 
 def launch(nproc: int, command: list[str], cpu_devices_per_proc: int, bind: str = "127.0.0.1", grace_s: float = 180.0,

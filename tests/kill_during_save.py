@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpoint.py in place of `python -m jaxpar.cli`, with the same
+"""Run by tests/test_checkpoint.py in place of `python -m jaxpar.commands`, with the same
 arguments: `jaxpar train`, except that the process SIGKILLs itself inside the save of step
 $JAXPAR_TEST_KILL_AT_SAVE, after orbax has written every array into the save's temporary
 directory and before the rename that would commit it. A kill during a save, every time,
@@ -10,7 +10,7 @@ import sys
 
 from orbax.checkpoint._src.path import atomicity
 
-from jaxpar.cli import main
+from jaxpar.commands import main
 
 KILL_AT = os.environ["JAXPAR_TEST_KILL_AT_SAVE"]
 commit = atomicity.AtomicRenameTemporaryPath.finalize  # fails here, loudly, if orbax moves it

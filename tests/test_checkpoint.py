@@ -123,7 +123,7 @@ def test_interleaved_checkpoints_move_no_whole_layer_stack():
     are point to point (no all-gather that it might choose unasked)."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    from jaxpar.cli import resolve_config
+    from jaxpar.commands.common import resolve_config
     from jaxpar.inspect.findings import captured_stderr
     from jaxpar.train.checkpoint import reorder_layers
 
@@ -192,7 +192,7 @@ def _train_process(metrics, ckpt=None, kill_at_save=None):
     import sys
 
     sets = TINY + ([f"checkpoint.dir={ckpt}", "checkpoint.every=1"] if ckpt else [])
-    entry, env = ["-m", "jaxpar.cli"], dict(os.environ)
+    entry, env = ["-m", "jaxpar.commands"], dict(os.environ)
     if kill_at_save is not None:
         entry, env["JAXPAR_TEST_KILL_AT_SAVE"] = [os.path.join(os.path.dirname(__file__), "kill_during_save.py")], str(kill_at_save)
     cmd = [sys.executable, *entry, "train", "llama", "--no-progress", "--metrics-file", str(metrics)]

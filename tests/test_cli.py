@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from jaxpar.cli import main, resolve_config
+from jaxpar.commands import main
+from jaxpar.commands.common import resolve_config
 
 
 def test_mesh_overrides_replace_the_recipe_layout():
@@ -72,9 +73,9 @@ def test_png_paths_are_checked_before_compile(tmp_path, capsys):
 
 def test_jaxpar_warnings_print_as_one_line():
     """The CLI prints jaxpar's warnings without Python's file and source line; others as usual."""
-    from jaxpar.cli import _one_line_warning
+    from jaxpar.commands.common import one_line_warning
     from jaxpar.train.checkpoint import UnreadableCheckpoint
 
-    assert _one_line_warning("step 2 cannot be read", UnreadableCheckpoint, "loop.py", 57) == (
+    assert one_line_warning("step 2 cannot be read", UnreadableCheckpoint, "loop.py", 57) == (
         "jaxpar: warning: step 2 cannot be read\n")
-    assert "loop.py:57" in _one_line_warning("other", UserWarning, "loop.py", 57)
+    assert "loop.py:57" in one_line_warning("other", UserWarning, "loop.py", 57)

@@ -324,7 +324,7 @@ TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "trai
 
 
 def _cli(*args, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "jaxpar.commands", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -533,6 +533,6 @@ def _alive(pid: int) -> bool:
 def test_bad_distributed_settings_are_refused_before_joining():
     """No coordinator is listening: the run must be refused by the rule, not wait to join."""
     env = {**os.environ, "JAXPAR_COORDINATOR": "127.0.0.1:9", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1"}
-    proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "llama", "--set", "distributed.heartbeat_timeout_s=0"],
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.commands", "train", "llama", "--set", "distributed.heartbeat_timeout_s=0"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "distributed.heartbeat_timeout_s=0 must be a positive number" in proc.stderr

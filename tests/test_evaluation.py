@@ -221,7 +221,7 @@ def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
 
 
 def test_cli_tensorboard_path_is_checked_before_compile(tmp_path, capsys):
-    from jaxpar.cli import main
+    from jaxpar.commands import main
 
     pytest.importorskip("tensorboardX")
     (tmp_path / "file").write_text("not a folder")

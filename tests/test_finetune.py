@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from jaxpar.cli import main
+from jaxpar.commands import main
 from jaxpar.hf import model_config, prepare_import
 from jaxpar.train import build
 from jaxpar.train.checkpoint import Checkpoints, saved_config
@@ -46,7 +46,7 @@ def test_a_hugging_face_llama_is_fine_tuned_on_text_exported_reimported_and_samp
     monkeypatch.chdir(tmp_path)  # the tokenizer the run recorded is found from here too
     assert main(["export", str(ckpt), str(out)]) == 0
     assert "exported step 12" in capsys.readouterr().out
-    launched = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--cpu-devices-per-proc", "4",
+    launched = subprocess.run([sys.executable, "-m", "jaxpar.commands", "launch", "--nproc", "2", "--cpu-devices-per-proc", "4",
                                "--", "export", str(ckpt), str(tmp_path / "by_two")], capture_output=True, text=True, timeout=600)
     assert launched.returncode == 0, launched.stderr[-3000:]  # two processes gather, process 0 writes: the same bytes
     assert sorted(p.name for p in (tmp_path / "by_two").iterdir()) == sorted(p.name for p in out.iterdir())

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.cli import main
+from jaxpar.commands import main
 from jaxpar.config import apply_overrides
 from jaxpar.inspect import captured_stderr, inspect_step, parse_findings
 from jaxpar.inspect.buffers import Buffer, parameter_shaped, temporaries

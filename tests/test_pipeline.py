@@ -327,7 +327,7 @@ def test_explain_accounts_for_the_stages(deep_llama):
 
 
 def test_explain_png_needs_stages(capsys):
-    from jaxpar.cli import main
+    from jaxpar.commands import main
 
     assert main(["explain", "llama", "--png", "x.png", "--set", "mesh.data=8"]) == 2
     assert "mesh.stage=1" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def test_an_order_that_waits_on_itself_is_reported():
 
 
 def test_schedule_command_prints_the_timeline_and_writes_a_png(tmp_path, capsys):
-    from jaxpar.cli import main
+    from jaxpar.commands import main
 
     png = tmp_path / "zb.png"
     assert main(["schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--png", str(png)]) == 0

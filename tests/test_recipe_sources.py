@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from jaxpar import recipes
-from jaxpar.cli import main
+from jaxpar.commands import main
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.plan import resolve_model

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpar.checks import base_config
 from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
-from jaxpar.sample_command import main
+from jaxpar.commands import main as jaxpar_main
 from jaxpar.train import build
 from jaxpar.train.checkpoint import saved_config
 from jaxpar.train.inference import unsharded_model
@@ -28,6 +28,11 @@ from jaxpar.testing import initial_state
 PROMPT = [5, 17, 3, 99, 42]
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "llama_tied"  # a tiny Llama in Hugging Face's format
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "to", "big", "red", "house", "and", "then", "slept"]
+
+
+def main(argv: list[str]) -> int:
+    """`jaxpar sample ARGV`."""
+    return jaxpar_main(["sample", *argv])
 
 
 def _greedy_on_one_device(model, prompt: list[int], new: int) -> list[int]:
@@ -236,7 +241,7 @@ def test_a_relative_tokenizer_path_of_an_older_run_is_one_line_naming_the_folder
     before it recorded paths absolute); sample and export run from elsewhere name the path
     and the folder it was resolved against, before building or restoring anything."""
     from jaxpar import train
-    from jaxpar.cli import main as cli_main
+    from jaxpar.commands import main as cli_main
 
     old, trained_in, elsewhere = tmp_path / "old", tmp_path / "trained_in", tmp_path / "elsewhere"
     shutil.copytree(checkpoint_dir[0], old)

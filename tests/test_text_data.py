@@ -22,7 +22,7 @@ from jaxpar.data import text
 from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens
 from jaxpar.data.order import Epochs
 from jaxpar.data.sources import TextSource, TokenFile, make_source
-from jaxpar.data.tokenize_command import main as tokenize_main
+from jaxpar.commands import main as tokenize_main
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
 
@@ -328,7 +328,7 @@ def test_held_out_loss_on_text(tiny_llama, corpus):
 # ------------------------------------------------------------------ killed, resumed on two processes
 
 def _cli(*args):
-    return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "jaxpar.commands", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

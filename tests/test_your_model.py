@@ -138,7 +138,7 @@ def test_own_data_keeps_the_loop(tiny_llama, tmp_path):
 def test_explain_accounts_for_a_user_model_on_a_pipeline(capsys):
     """`jaxpar explain` compiles and measures a model without our decoders' fields; the
     formulas that need them say so instead of failing."""
-    from jaxpar.cli import main
+    from jaxpar.commands import main
 
     code = main(["explain", str(EXAMPLES / "gpt2.py"), "--set", "mesh.stage=2", "--set", "mesh.data=2", "--set",
                  "mesh.tensor=2", "--set", "train.microbatches=4", "--set", "train.seq_len=32"])

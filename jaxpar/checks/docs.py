@@ -39,7 +39,7 @@ LATER = (
         "than train",
     ),
     (
-        "the command line (`jaxpar.cli`, `recipes`, `jaxpar.config.apply_overrides`)",
+        "the command line (`jaxpar.commands`, `recipes`, `jaxpar.config.apply_overrides`)",
         "unknown recipes and keys, unparsable values, bad flags",
     ),
 )

@@ -1,7 +1,7 @@
 """Text in: documents from .txt, .jsonl and .parquet files, a Hugging Face tokenizer.json,
 and one stream of token ids with data.eos_id after each document, so that packing keeps the
 documents' boundaries (jaxpar.data.sources._lm_rows). data.source=text tokenizes here when
-the run starts; `jaxpar tokenize` (jaxpar.data.tokenize_command) writes the same ids to a
+the run starts; `jaxpar tokenize` (jaxpar.commands.tokenize) writes the same ids to a
 token file once, in parallel.
 
 Every bad input is refused with one line naming the setting, its value and what would work,

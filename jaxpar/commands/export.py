@@ -10,9 +10,10 @@ model's own, and the tokenizer's files (data.tokenizer) are copied beside the we
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 
+from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, distributed_settings, hf_checkpoint,
+                                    in_cluster, recorded_file, recorded_in)
 from jaxpar.errors import ConfigError
 
 
@@ -24,10 +25,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="float32", help="float32 (default: the weights as trained), bfloat16 or float16")
     export.add_argument("--max-shard-gb", type=float, default=5.0, metavar="G",
                         help="largest safetensors file in GB (default 5, as transformers writes)")
-    export.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a saved config field, e.g. --set mesh.fsdp=8 to restore onto another layout")
-    export.add_argument("--cpu-devices", type=int, default=8, metavar="N",
-                        help="virtual CPU devices when no accelerator is present (default 8)")
+    add_overrides(export, "mesh.fsdp=8 to restore onto another layout")
+    add_cpu_devices(export)
     return export
 
 
@@ -36,8 +35,7 @@ def run(args) -> int:
 
     if args.max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb={args.max_shard_gb} must be positive; e.g. 5")
-    if args.cpu_devices < 1:
-        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+    check_cpu_devices(args)
     folder = hf_checkpoint(args.checkpoint)
     if folder is not None:
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is a Hugging Face checkpoint already (config.json and "
@@ -47,7 +45,6 @@ def run(args) -> int:
     from jaxpar.hf.save import check_target
 
     check_target(args.out, "OUT")  # before anything is restored or gathered
-    from jaxpar.cli import distributed_settings, in_cluster
     from jaxpar.config import Config
 
     # Alone, or one of several processes (jaxpar launch --nproc N -- export ...): every one
@@ -87,35 +84,6 @@ def _export(args) -> int:
               f"file{'s' if len(files) > 1 else ''}, {size / 2**20:.1f} MiB {args.dtype}")
     return 0
 
-
-def hf_checkpoint(path: str) -> str | None:
-    """The folder `path` names where it is a Hugging Face checkpoint (hf:FOLDER, or a folder
-    holding config.json and safetensors files) rather than a run's checkpoint.dir, else None."""
-    folder = pathlib.Path(path.removeprefix("hf:"))
-    if path.startswith("hf:") or ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
-        return str(folder)
-    return None
-
-
-def recorded_file(value: str, field: str, recorded_in: str | None, instead: str) -> None:
-    """Refuse, in one line, a path the run recorded in `recorded_in` (None: given with --set)
-    that is not a file here. A relative one (as jaxpar recorded them before it made them
-    absolute) is resolved against the current folder, which the message names."""
-    path = pathlib.Path(value)
-    if path.is_file():
-        return
-    if recorded_in is None:
-        raise ConfigError(f"{field}={value!r} (given with --set) is not a file; give {instead}")
-    where = f"{field}={value!r} (as the run recorded it in {recorded_in!r})"
-    if not path.is_absolute():
-        raise ConfigError(f"{where} is a relative path, not found from this folder, {os.getcwd()!r}; run from the "
-                          f"folder the run was trained in, or give {instead}")
-    raise ConfigError(f"{where} is not a file; give {instead}")
-
-
-def recorded_in(args, field: str) -> str | None:
-    """The checkpoint a saved config field's value comes from, or None where --set gives it."""
-    return None if any(o.startswith(field + "=") for o in args.overrides) else args.checkpoint
 
 
 def _base_config(config) -> dict:

@@ -18,7 +18,6 @@ import os
 import pathlib
 import shutil
 import signal
-import sys
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -51,16 +50,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`jaxpar tokenize ...` without the rest of the CLI: errors print as one line (status 2)."""
-    parser = argparse.ArgumentParser(prog="jaxpar")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        return run(parser.parse_args(argv))
-    except ConfigError as e:
-        print(f"jaxpar: error: {e}", file=sys.stderr)
-        return 2
 
 
 def run(args) -> int:
@@ -185,7 +174,3 @@ def _write_atomically(path: pathlib.Path, write) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":  # python -m jaxpar.data.tokenize_command tokenize PATH ...
-    sys.exit(main())

@@ -17,6 +17,8 @@ import dataclasses
 import math
 import pathlib
 
+from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, hf_checkpoint, recorded_file,
+                                    recorded_in)
 from jaxpar.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
@@ -42,22 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw only among the K likeliest tokens (default 0: all)")
     parser.add_argument("--seed", type=int, default=0, help="the random draws' seed (default 0)")
     parser.add_argument("--step", type=int, metavar="STEP", help="the checkpoint step (default: the newest)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a saved config field, e.g. --set mesh.tensor=4 (repeatable)")
-    parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
-                        help="virtual CPU devices when no accelerator is present (default 8)")
+    add_overrides(parser, "mesh.tensor=4")
+    add_cpu_devices(parser)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`jaxpar sample` on its own (argv without the word `sample`)."""
-    from jaxpar.cli import report_error
-
-    parser = argparse.ArgumentParser(prog="jaxpar sample", description="Continue a prompt with a trained checkpoint.")
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except ConfigError as e:
-        return report_error(e)
 
 
 def run(args) -> int:
@@ -143,9 +132,7 @@ def _check_arguments(args) -> None:
         raise ConfigError(f"--top-k={args.top_k}; use 0 for the whole vocabulary, or a positive count such as 40")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
-    if args.cpu_devices < 1:
-        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
-    from jaxpar.hf.command import hf_checkpoint
+    check_cpu_devices(args)
 
     folder = hf_checkpoint(args.checkpoint)
     if args.checkpoint.startswith("hf:"):
@@ -167,7 +154,6 @@ def _load_tokenizer(args, data, model_vocab: int | None):
     (jaxpar.data.text: truncation and padding off, data.eos_id one of its ids); its
     vocabulary may not exceed the model's."""
     from jaxpar.data.text import CONFIG_NAMES, TextSpec, load_tokenizer
-    from jaxpar.hf.command import recorded_file, recorded_in
 
     given = args.tokenizer
     if given is None and not data.tokenizer:

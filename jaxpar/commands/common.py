@@ -1,0 +1,150 @@
+"""What the commands share: the arguments every run-like command takes (a recipe's --set
+overrides, --cpu-devices), the config a recipe and its overrides make, one-line errors and
+warnings, and running a command as one process of several (jaxpar.distributed). Paths a
+run records for `sample` and `export` to read back are checked here too."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import warnings
+
+from jaxpar.errors import ConfigError, JaxparWarning, TrainingStopped
+
+PREEMPTED_EXIT = 143  # as if SIGTERM had ended the process: schedulers requeue on it
+RECIPE_HELP = ("a shipped recipe (see `jaxpar recipes`), a path to a .py file defining recipe() -> Config "
+               "(path.py:function names another), or package.module[:function] importable from here")
+# Paths `jaxpar sample` and `jaxpar export` read from a run's checkpoint, from any folder.
+RECORDED_PATHS = (("data", "tokenizer"), ("checkpoint", "init_from"))
+
+
+def add_overrides(parser, example: str) -> None:
+    """--set KEY=VALUE (repeatable), into args.overrides."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config field, e.g. --set {example} (repeatable)")
+
+
+def add_cpu_devices(parser) -> None:
+    """--cpu-devices N, into args.cpu_devices (checked by check_cpu_devices)."""
+    parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
+                        help="virtual CPU devices when no accelerator is present (default 8)")
+
+
+def check_cpu_devices(args) -> None:
+    if args.cpu_devices < 1:
+        raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
+
+
+def resolve_config(recipe: str, overrides: list[str], num_devices: int):
+    """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
+    naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
+    single device every layout collapses to the single-device run. The paths a checkpoint
+    records for `sample` and `export` to read back are made absolute (RECORDED_PATHS)."""
+    from jaxpar import recipes
+    from jaxpar.config import with_overrides
+
+    return with_absolute_paths(with_overrides(recipes.load(recipe), overrides, num_devices))
+
+
+def with_absolute_paths(config):
+    """`config` with each of RECORDED_PATHS that is set made absolute, against the current folder."""
+    import dataclasses
+    import pathlib
+
+    for section, field in RECORDED_PATHS:
+        part = getattr(config, section)
+        value = getattr(part, field)
+        if value and not pathlib.Path(value).is_absolute():
+            absolute = str(pathlib.Path(value).absolute())
+            config = dataclasses.replace(config, **{section: dataclasses.replace(part, **{field: absolute})})
+    return config
+
+
+def one_line_warning(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:
+    """jaxpar's own warnings as one line; everyone else's as Python formats them."""
+    if issubclass(category, JaxparWarning):
+        return f"jaxpar: warning: {message}\n"
+    return _python(message, category, filename, lineno, line)
+
+
+def report_error(e: Exception) -> int:
+    """Print the one-line message of an error jaxpar expects, and return the exit status."""
+    if isinstance(e, ConfigError):
+        print(f"jaxpar: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(e, TrainingStopped):
+        print(f"jaxpar: training stopped: {e}", file=sys.stderr)
+        return 1
+    import traceback
+
+    traceback.print_exception(e)
+    return 1
+
+
+def in_cluster(body, settings) -> int:
+    """body() alone, or, when the environment names a cluster (jaxpar.distributed), as one of
+    its processes: joined first with `settings()` (a DistributedConfig, checked before it is
+    used), watched by the heartbeat, and ended without JAX's shutdown barrier on an error
+    (the other processes are not coming to it)."""
+    from jaxpar import distributed
+
+    cluster = distributed.from_environment()
+    if cluster is None:
+        return body()
+    from jaxpar.launch import follow_launcher
+
+    follow_launcher()  # started by `jaxpar launch`: stop when it dies
+    config = settings()
+    distributed.join(cluster, config.heartbeat_timeout_s, config.join_timeout_s)
+    watchdog = distributed.Watchdog(config.heartbeat_timeout_s).start()
+    try:
+        code = body()
+    except BaseException as e:
+        watchdog.stop(f"{type(e).__name__}: {e}")
+        code = report_error(e) if isinstance(e, Exception) else 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not through JAX's shutdown barrier: the other processes are not coming to it
+    watchdog.stop()
+    return code
+
+
+def distributed_settings(config, overrides: list[str]):
+    """`config`'s distributed.* settings with the overrides that name them, checked."""
+    from jaxpar.checks import by_id
+    from jaxpar.config import apply_overrides
+
+    config = apply_overrides(config, [o for o in overrides if o.startswith("distributed.")])
+    by_id("distributed-timeouts-positive").check(config, None)
+    return config.distributed
+
+
+def hf_checkpoint(path: str) -> str | None:
+    """The folder `path` names where it is a Hugging Face checkpoint (hf:FOLDER, or a folder
+    holding config.json and safetensors files) rather than a run's checkpoint.dir, else None."""
+    folder = pathlib.Path(path.removeprefix("hf:"))
+    if path.startswith("hf:") or ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
+        return str(folder)
+    return None
+
+
+def recorded_file(value: str, field: str, recorded_in: str | None, instead: str) -> None:
+    """Refuse, in one line, a path the run recorded in `recorded_in` (None: given with --set)
+    that is not a file here. A relative one (as jaxpar recorded them before it made them
+    absolute) is resolved against the current folder, which the message names."""
+    path = pathlib.Path(value)
+    if path.is_file():
+        return
+    if recorded_in is None:
+        raise ConfigError(f"{field}={value!r} (given with --set) is not a file; give {instead}")
+    where = f"{field}={value!r} (as the run recorded it in {recorded_in!r})"
+    if not path.is_absolute():
+        raise ConfigError(f"{where} is a relative path, not found from this folder, {os.getcwd()!r}; run from the "
+                          f"folder the run was trained in, or give {instead}")
+    raise ConfigError(f"{where} is not a file; give {instead}")
+
+
+def recorded_in(args, field: str) -> str | None:
+    """The checkpoint a saved config field's value comes from, or None where --set gives it."""
+    return None if any(o.startswith(field + "=") for o in args.overrides) else args.checkpoint

@@ -1,0 +1,61 @@
+"""`jaxpar explain RECIPE`: compile a recipe's step on abstract inputs and account for its
+memory, FLOPs and traffic against the formulas (jaxpar.inspect.explain)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from jaxpar.commands.common import RECIPE_HELP, add_overrides, resolve_config
+from jaxpar.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    explain = sub.add_parser("explain", help="compile a recipe's step and account for its memory and traffic")
+    explain.add_argument("recipe", help=RECIPE_HELP)
+    add_overrides(explain, "parallel.zero_stage=3")
+    explain.add_argument("--devices", type=int, metavar="N",
+                         help="compile for N virtual CPU devices (up to 512); default: the accelerators present, "
+                         "else 8 CPU devices as `train` uses")
+    explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    explain.add_argument("--png", metavar="PATH", help="with mesh.stage > 1: also draw the pipeline schedule as a PNG")
+
+
+def run(args) -> int:
+    """Nothing runs and nothing is allocated: the step is lowered on abstract inputs."""
+    from jaxpar.mesh import force_cpu_devices
+
+    if args.devices is not None:
+        if not 1 <= args.devices <= 512:
+            raise ConfigError(f"--devices={args.devices}; use 1 to 512 virtual CPU devices")
+        os.environ["JAX_PLATFORMS"] = "cpu"  # must precede JAX's backend start
+    # Without --devices, 8 as `train` uses: only the CPU backend reads it; accelerators win.
+    force_cpu_devices(8 if args.devices is None else args.devices)
+    import json
+
+    import jax
+
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain as explain_step
+    from jaxpar.inspect.explain import render
+    from jaxpar.train import build
+
+    if args.png:
+        from jaxpar.train.metrics import prepare_file
+
+        prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
+    devices = jax.devices()
+    trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
+    if args.png and trainer.pipeline is None:
+        raise ConfigError("--png draws the pipeline schedule, but mesh.stage=1; set mesh.stage>1")
+    doc = explain_step(trainer, inspect_step(trainer))
+    print(json.dumps(doc, indent=1) if args.json else render(doc))
+    if args.png:
+        from jaxpar.pipeline import build_schedule
+        from jaxpar.pipeline.picture import save_png
+
+        parallel, t = trainer.config.parallel, trainer.pipeline.timeline
+        timeline = build_schedule(parallel.pipeline_schedule, t.p, t.m, t.v)
+        title = f"{args.recipe}: {parallel.pipeline_schedule}, p={t.p}, m={t.m}, v={t.v}"
+        print(f"wrote {save_png(timeline, args.png, title)}", file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,63 @@
+"""`jaxpar plan --model NAME --devices N --hbm-gb G`: rank layouts for a cluster we do not
+have (jaxpar.plan)."""
+
+from __future__ import annotations
+
+import os
+
+from jaxpar.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="rank layouts for a cluster by compiled memory and a roofline step time")
+    plan.add_argument("--model", required=True, metavar="NAME",
+                      help="llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, or a recipe as `train` takes it: "
+                      "a shipped name, a path to a .py file, or package.module[:function]")
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="GPUs in the cluster (compiled for as CPU devices)")
+    plan.add_argument("--hbm-gb", type=float, required=True, metavar="G", help="memory per GPU in GiB, e.g. 80")
+    plan.add_argument("--hosts", type=int, metavar="H", help="hosts (default: N / 8, 8 GPUs per host)")
+    plan.add_argument("--seq-len", type=int, metavar="S", help="tokens per sequence (default: the recipe's, else 4096)")
+    plan.add_argument("--global-batch", type=int, metavar="B", help="sequences per step (default: N)")
+    plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile the K fastest estimates (default 4)")
+    plan.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
+                      help="seconds each layout's compile may take before it is stopped and marked failed (default 600)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args) -> int:
+    """Compiles on `--devices` virtual CPU devices: nothing runs, nothing is allocated."""
+    from jaxpar.mesh import force_cpu_devices
+
+    for flag, value in (("--devices", args.devices), ("--hbm-gb", args.hbm_gb), ("--compile-top", args.compile_top),
+                        ("--hosts", args.hosts), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
+                        ("--compile-timeout", args.compile_timeout)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}={value} must be positive")
+    if args.devices > 4096:
+        raise ConfigError(f"--devices={args.devices}; plan for at most 4096 devices")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts its backends
+    force_cpu_devices(args.devices)
+    import dataclasses
+    import json
+
+    import jax
+
+    from jaxpar.plan import plan as make_plan
+    from jaxpar.plan import render, resolve_model
+
+    model, recipe = resolve_model(args.model)
+    seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
+    hosts = args.hosts or max(1, args.devices // 8)
+    from jaxpar.units import params
+
+    planned, facts = make_plan(model, jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
+                               args.compile_top, progress=not args.json, compile_timeout_s=args.compile_timeout)
+    if args.json:
+        rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
+                 "prediction": p.prediction, "refused": p.refused, "failed": p.failed} for p in planned]
+        print(json.dumps({**facts, "hardware": dataclasses.asdict(facts["hardware"]), "ranked": rows}, indent=1))
+    else:
+        print(f"{args.model}: {type(model).__name__} {params(model.param_count())} params | {args.devices} devices "
+              f"on {hosts} hosts | batch {args.global_batch or args.devices} x seq {seq_len} | bf16")
+        print(render(planned, facts, args.hbm_gb))
+    return 0

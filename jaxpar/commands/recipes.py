@@ -1,0 +1,16 @@
+"""`jaxpar recipes`: list the shipped recipes and the other forms a recipe takes."""
+
+from __future__ import annotations
+
+
+
+def add_parser(sub) -> None:
+    sub.add_parser("recipes", help="list the shipped recipes")
+
+
+def run(args) -> int:
+    from jaxpar import recipes
+
+    print("\n".join(recipes.names()))
+    print(f"(or {recipes.FORMS}, e.g. jaxpar train ./my_recipe.py or jaxpar train my_recipes.small:recipe)")
+    return 0

@@ -1,0 +1,91 @@
+"""`jaxpar train RECIPE [--set key=value ...]`: train a recipe, alone or as one process of
+several (jaxpar launch, SLURM). Device set-up comes first: JAX reads the CPU device count
+once, when its backends start."""
+
+from __future__ import annotations
+
+import sys
+
+from jaxpar.commands.common import (PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides, check_cpu_devices,
+                                    distributed_settings, in_cluster, resolve_config)
+from jaxpar.errors import Preempted
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="train a recipe")
+    train.add_argument("recipe", help=RECIPE_HELP)
+    add_overrides(train, "mesh.fsdp=2")
+    add_cpu_devices(train)
+    train.add_argument("--metrics-file", metavar="PATH", help="write one JSON object per step")
+    train.add_argument("--tensorboard", metavar="DIR",
+                       help="also write each step's metrics as TensorBoard scalars into DIR "
+                       "(pip install 'jaxpar[tensorboard]')")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--print-config", action="store_true", help="print every config key and exit")
+
+
+def run(args) -> int:
+    """Alone, or one of several processes when the environment names a cluster
+    (jaxpar.distributed): then every process runs this same function, and process 0 alone
+    prints, shows progress and writes the metrics file."""
+    check_cpu_devices(args)
+    from jaxpar.mesh import force_cpu_devices
+
+    force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+    return in_cluster(lambda: _train(args), lambda: _distributed_settings(args))
+
+
+def _distributed_settings(args):
+    from jaxpar import recipes
+
+    return distributed_settings(recipes.load(args.recipe), args.overrides)
+
+
+def _train(args) -> int:
+    import jax
+
+    from jaxpar.config import flatten
+    from jaxpar.mesh import describe
+    from jaxpar.train import build
+    from jaxpar.train.loop import run
+
+    devices = jax.devices()
+    config = resolve_config(args.recipe, args.overrides, len(devices))
+    leader = jax.process_index() == 0
+    if args.print_config:
+        if leader:
+            print("\n".join(f"{key}={value}" for key, value in flatten(config).items()))
+        return 0
+    trainer = build(config, devices)  # validates before anything compiles
+    from jaxpar.model import ATTENTION, supports
+
+    model = config.model
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    matmul = trainer.layout.collective_matmul
+    # Which attention an unsharded sequence runs (a sharded one runs parallel.context_impl).
+    has_attention = supports(model, ATTENTION) and trainer.mesh.shape["context"] == 1
+    if leader:
+        print(
+            f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
+            f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
+            f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+            f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
+            f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
+            f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
+            f"compute {config.train.compute_dtype}"
+            f"{', fp8 matmuls' if config.train.matmul_dtype == 'fp8' else ''} | "
+            f"batch {config.train.global_batch} x {config.train.microbatches} microbatches",
+            flush=True,
+        )
+    try:
+        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=leader and not args.no_progress,
+                      tensorboard_dir=args.tensorboard if leader else None)
+    except Preempted as e:  # every process stops at the same step: not a failure of one
+        if leader:
+            print(f"jaxpar: {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    if history and leader:
+        first, last = history[0], history[-1]
+        held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps{held_out}")
+    return 0
