@@ -50,7 +50,6 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
 def with_absolute_paths(config):
     """`config` with each of RECORDED_PATHS that is set made absolute, against the current folder."""
     import dataclasses
-    import pathlib
 
     for section, field in RECORDED_PATHS:
         part = getattr(config, section)
@@ -148,3 +147,15 @@ def recorded_file(value: str, field: str, recorded_in: str | None, instead: str)
 def recorded_in(args, field: str) -> str | None:
     """The checkpoint a saved config field's value comes from, or None where --set gives it."""
     return None if any(o.startswith(field + "=") for o in args.overrides) else args.checkpoint
+
+
+def restore(trainer, checkpoint: str, step: int | None):
+    """(state, step): a run's checkpoint at `step` (None: the newest) restored onto `trainer`,
+    read synchronously and closed after, as `sample` and `export` read one."""
+    from jaxpar.train.checkpoint import Checkpoints
+
+    checkpoints = Checkpoints.open(checkpoint, async_save=False)
+    try:
+        return checkpoints.restore(trainer, step)
+    finally:
+        checkpoints.close()

@@ -13,7 +13,7 @@ import argparse
 import pathlib
 
 from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, distributed_settings, hf_checkpoint,
-                                    in_cluster, recorded_file, recorded_in)
+                                    in_cluster, recorded_file, recorded_in, restore)
 from jaxpar.errors import ConfigError
 
 
@@ -60,7 +60,7 @@ def _export(args) -> int:
     from jaxpar.hf.load import check_format
     from jaxpar.hf.save import DTYPES
     from jaxpar.train import build
-    from jaxpar.train.checkpoint import Checkpoints, saved_config
+    from jaxpar.train.checkpoint import saved_config
 
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype={args.dtype}; export as one of {', '.join(DTYPES)}")
@@ -71,11 +71,7 @@ def _export(args) -> int:
     check_format(config.model)
     config.model.to_hf()  # what the format cannot hold is refused before anything is restored
     trainer = build(config)
-    checkpoints = Checkpoints.open(args.checkpoint, async_save=False)
-    try:
-        state, step = checkpoints.restore(trainer, args.step)
-    finally:
-        checkpoints.close()
+    state, step = restore(trainer, args.checkpoint, args.step)
     files = export(trainer, state, args.out, args.dtype, int(args.max_shard_gb * 1e9),
                    base_config=_base_config(config), tokenizer=config.data.tokenizer or None)
     if jax.process_index() == 0:
@@ -83,7 +79,6 @@ def _export(args) -> int:
         print(f"exported step {step} of {args.checkpoint} to {args.out}: {len(files)} safetensors "
               f"file{'s' if len(files) > 1 else ''}, {size / 2**20:.1f} MiB {args.dtype}")
     return 0
-
 
 
 def _base_config(config) -> dict:

@@ -18,7 +18,7 @@ import math
 import pathlib
 
 from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, hf_checkpoint, recorded_file,
-                                    recorded_in)
+                                    recorded_in, restore)
 from jaxpar.errors import ConfigError
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
@@ -26,12 +26,7 @@ BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split ov
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `sample` on the CLI's subparsers."""
-    sample = subparsers.add_parser("sample", help="continue a prompt with a trained checkpoint")
-    add_arguments(sample)
-    return sample
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("sample", help="continue a prompt with a trained checkpoint")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a run's checkpoint.dir, or hf:FOLDER for a Hugging Face checkpoint's weights as published")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
@@ -46,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, metavar="STEP", help="the checkpoint step (default: the newest)")
     add_overrides(parser, "mesh.tensor=4")
     add_cpu_devices(parser)
-
+    return parser
 
 
 def run(args) -> int:
@@ -90,13 +85,7 @@ def run(args) -> int:
 
 def _run_weights(trainer, args) -> tuple:
     """(params, 'step N'): the run's checkpoint at --step, else its newest, restored onto the trainer."""
-    from jaxpar.train.checkpoint import Checkpoints
-
-    checkpoints = Checkpoints.open(args.checkpoint, async_save=False)
-    try:
-        state, step = checkpoints.restore(trainer, args.step)
-    finally:
-        checkpoints.close()
+    state, step = restore(trainer, args.checkpoint, args.step)
     return state.params, f"step {step}"
 
 
