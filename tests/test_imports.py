@@ -1,5 +1,5 @@
-"""Every public module imports on its own, none imports itself through others, and
-installing jaxpar claims no top-level import name but its own (the shipped models/ and
+"""Every public module imports on its own, none imports itself through others or from a
+layer above its own (docs/architecture.md), and installing jaxpar claims no top-level import name but its own (the shipped models/ and
 recipes/ folders install as jaxpar.models and jaxpar.recipes)."""
 
 import ast
@@ -112,13 +112,56 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 
-def test_no_module_imports_itself_through_others():
+# The layers, from the top down (docs/architecture.md): a module imports from its own layer
+# or those below. The most specific prefix places a module; "jaxpar" alone is the package's
+# __init__ (the public names).
+LAYERS = [
+    ("commands", ["jaxpar.commands"]),
+    ("planner", ["jaxpar.plan"]),
+    ("public names", ["jaxpar", "jaxpar.testing", "jaxpar.inspect"]),
+    ("trainer", ["jaxpar.train"]),
+    ("checks", ["jaxpar.checks"]),
+    ("configs", ["jaxpar.config", "jaxpar.recipes", "jaxpar.hf.recipe"]),
+    ("models", ["jaxpar.models", "jaxpar.hf", "jaxpar.nn"]),
+    ("sharding", ["jaxpar.sharding"]),
+    ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed"]),
+    ("base", ["jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
+              "jaxpar.xla_options"]),
+]
+# Imports that still run upward, each with its reason; the test fails if one disappears too,
+# so this list stays true.
+KNOWN_UPWARD = {
+    ("jaxpar.checks.training", "jaxpar.train.optim"),  # the optimizers' names
+    ("jaxpar.checks.training", "jaxpar.train.profile"),  # the profile window's parser
+}
+
+
+def layer_of(module: str) -> int:
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or (prefix != "jaxpar" and module.startswith(prefix + "."))]
+    assert found, f"{module} is in no layer of LAYERS: add it"
+    return max(found)[1]
+
+
+def import_graph() -> dict[str, set[str]]:
     paths = {}
     for package, folder in FOLDERS.items():
         for path in sorted(folder.rglob("*.py")):
             parts = path.relative_to(folder).with_suffix("").parts
             paths[".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
-    graph = {name: imports_of(name, path, set(paths)) for name, path in paths.items()}
+    return {name: imports_of(name, path, set(paths)) for name, path in paths.items()}
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph()
     assert "jaxpar.data.order" in graph["jaxpar.data.sources"]  # the parse sees imports
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles(graph) == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    graph = import_graph()
+    upward = {(a, b) for a, targets in graph.items() for b in targets if layer_of(b) < layer_of(a)}
+    assert layer_of("jaxpar.hf.recipe") < layer_of("jaxpar.hf.load") < layer_of("jaxpar.kernels.quantized")
+    assert upward == KNOWN_UPWARD, "\n".join(
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})" for a, b in sorted(upward ^ KNOWN_UPWARD))

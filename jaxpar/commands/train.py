@@ -61,7 +61,7 @@ def _train(args) -> int:
 
     model = config.model
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    matmul = trainer.layout.collective_matmul
+    matmul = trainer.layout.projections.collective
     # Which attention an unsharded sequence runs (a sharded one runs parallel.context_impl).
     has_attention = supports(model, ATTENTION) and trainer.mesh.shape["context"] == 1
     if leader:

@@ -20,7 +20,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.pipeline.executor import STAGE, Stages, no_report, to_model_order, to_pipeline_order
-from jaxpar.train.loss import LossFn
 
 LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
 
@@ -181,7 +180,7 @@ def _on_device(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return x if sharding.memory_kind in (None, "device") else jax.device_put(x, sharding.with_memory_kind("device"))
 
 
-def model_stages(graphdef: nnx.GraphDef, loss_fn: LossFn) -> Stages:
+def model_stages(graphdef: nnx.GraphDef, loss_fn: Callable[[Any, dict], tuple]) -> Stages:
     """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
     stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`, with the report of the
     layers (an empty one where `apply_layers` returns x alone, not (x, report))."""

@@ -88,9 +88,25 @@ class ContextAttention:
 
 
 @dataclasses.dataclass(frozen=True)
+class Projections:
+    """How the projections (jaxpar.sharding.projections) multiply.
+
+    collective  none | ring | bidirectional: the tensor-parallel projections' sequence
+                all-gather and reduce-scatter run as one shard_map collective matmul
+                (jaxpar.kernels.collective_matmul) whose ring steps overlap the matmuls
+    dtype       compute | fp8: the dtype they multiply in (train.matmul_dtype)
+    """
+
+    collective: str = "none"
+    dtype: str = "compute"
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh, the rules that place logical names on it, how parameters are gathered, and
-    how attention runs over a sharded sequence.
+    """A mesh, the rules that place logical names on it, and one spec for each strategy
+    that changes how the step computes: how parameters are gathered (`params`), how
+    attention runs over a sharded sequence (`context`) and over a whole one
+    (`attention`), how projections multiply (`projections`), how experts exchange rows.
 
     expert_exchange: how dropless MoE routing moves rows (jaxpar.kernels.experts.exchange).
     replica_axis: set inside the per-replica vmap (jaxpar.train.replicas), whose mapped
@@ -99,10 +115,7 @@ class Layout:
     replicas where `compute_value` gathers it (`sum_over_replicas`), so inside the layer
     scan one layer at a time, rather than held whole per replica until the backward ends
     (None: held per replica).
-    collective_matmul: none | ring | bidirectional; how the tensor-parallel projections run
-    their sequence all-gather and reduce-scatter (jaxpar.sharding.projections).
     attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
-    matmul_dtype: compute | fp8; the dtype the projections multiply in (train.matmul_dtype).
     """
 
     mesh: Mesh
@@ -112,9 +125,8 @@ class Layout:
     expert_exchange: str = "padded"
     replica_axis: str | None = None
     replica_sum: ReplicaSum | None = None
-    collective_matmul: str = "none"
+    projections: Projections = Projections()
     attention: str = "reference"
-    matmul_dtype: str = "compute"
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))
@@ -269,12 +281,12 @@ def param_names(abstract_state: nnx.State) -> dict:
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = _Names(logical_names(variable))
+        node[path[-1]] = ParamNames(logical_names(variable))
     return out
 
 
 @dataclasses.dataclass(frozen=True)
-class _Names:
+class ParamNames:
     """A leaf holding a tuple of names (tuples themselves are pytree nodes)."""
 
     names: tuple[str | None, ...]
@@ -289,12 +301,12 @@ def shardings_for(tree_names: Any, shapes: Any, layout: Layout, kind: str = "sto
     ConfigError naming the array, the dimension and the sizes that would work.
     """
 
-    def one(path, names: _Names, shape) -> NamedSharding:
+    def one(path, names: ParamNames, shape) -> NamedSharding:
         spec = layout.rules.spec(names.names, kind)
         check_divisible(jax.tree_util.keystr(path), shape.shape, names.names, spec, layout.mesh, where)
         return NamedSharding(layout.mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(one, tree_names, shapes, is_leaf=lambda x: isinstance(x, _Names))
+    return jax.tree_util.tree_map_with_path(one, tree_names, shapes, is_leaf=lambda x: isinstance(x, ParamNames))
 
 
 def check_divisible(

@@ -9,7 +9,7 @@ Under sequence parallelism the sequence is sharded over `tensor` outside these p
 ("norm_seq"), so the column projection's input is all-gathered first and the row projection's
 partial sums are reduce-scattered after. By default the partitioner places those collectives
 from the sharding constraints, and they run before and after the matmul. With
-`Layout.collective_matmul` set ("ring" or "bidirectional"), the pair runs instead as one
+`Layout.projections.collective` set ("ring" or "bidirectional"), the pair runs instead as one
 shard_map collective matmul (jaxpar.kernels.collective_matmul), whose ring steps overlap the
 transfers with partial matmuls. A column projection with several weights (QKV, gate/up)
 gathers its input once.
@@ -67,7 +67,7 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
         _expect(spec[:2] == gathered[:2] and spec[2] == AXIS and not any(spec[3:]), names, spec,
                 "batch and sequence as the gathered input, the first feature dimension over tensor, no other")
     _expect_scattered(x_spec, gathered)
-    bidirectional, hop = layout.collective_matmul == "bidirectional", hop_here()
+    bidirectional, hop = layout.projections.collective == "bidirectional", hop_here()
 
     def body(x, *ws):
         flat = [w.reshape(w.shape[0], -1) for w in ws]  # [D, F/n, ...] -> [D, F/n * ...]
@@ -97,7 +97,7 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names, low_precision: bool
     _expect(y_spec[:2] == gathered[:2] and y_spec[2] == AXIS and not any(y_spec[3:]), in_names, y_spec,
             "batch and sequence as the gathered layout, the first feature dimension over tensor, no other")
     _expect_scattered(out_spec, gathered)
-    bidirectional, hop = layout.collective_matmul == "bidirectional", hop_here()
+    bidirectional, hop = layout.projections.collective == "bidirectional", hop_here()
 
     def body(y, w):
         flat_y = y.reshape(*y.shape[:2], -1)
@@ -116,7 +116,7 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names, low_precision: bool
 def _tensordot(layout: Layout | None, low_precision: bool):
     """(x, w, axes) -> x . w in the layout's matmul dtype (the checks refuse FP8 with the
     collective matmul, whose ring steps multiply chunks)."""
-    if low_precision and layout is not None and layout.matmul_dtype == "fp8":
+    if low_precision and layout is not None and layout.projections.dtype == "fp8":
         return fp8_tensordot
     return lambda x, w, axes: jnp.tensordot(x, w, axes=axes)
 
@@ -124,7 +124,7 @@ def _tensordot(layout: Layout | None, low_precision: bool):
 def _collective(layout: Layout | None) -> bool:
     """Collective matmul is on and there is a ring to run it on (the config checks refuse
     mesh.tensor=1 with it; a caller's own Layout may still have it)."""
-    return layout is not None and layout.collective_matmul != "none" and layout.mesh.shape[AXIS] > 1
+    return layout is not None and layout.projections.collective != "none" and layout.mesh.shape[AXIS] > 1
 
 
 def _spec(layout: Layout, names: Names) -> P:

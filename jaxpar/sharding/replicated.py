@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import jax
 
 from jaxpar.errors import ConfigError, JaxparWarning
+from jaxpar.sharding.annotate import ParamNames
 
 POLICIES = ("warn", "error", "allow")
 ACTIVATION_NAMES = ("batch", "seq", "norm_seq")  # their axes shard activations, not parameters
@@ -69,7 +70,7 @@ def replicated_params(names: Any, shapes: Any, layout: Any) -> list[Replicated]:
     axes = sharding_axes(layout.rules.table("storage"), layout.mesh.shape)
     if not axes:
         return []
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))
     out = []
     for (path, leaf), shape in zip(leaves, treedef.flatten_up_to(shapes)):
         entry = _check_one(path_text(path), tuple(leaf.names), tuple(shape.shape), layout, axes)

@@ -39,6 +39,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split, powersgd_cross_host_floats,
                                         powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
 from jaxpar.kernels.quantized import entries
+from jaxpar.sharding.annotate import ParamNames
 from jaxpar.train.replicas import AXIS, without_data
 
 BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
@@ -211,7 +212,7 @@ def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any,
     method = parallel.gradient_compression
     if method not in COMPRESSED:
         return None
-    flat_names, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))
+    flat_names, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))
     flat_shapes, flat_shardings = jax.tree.leaves(shapes), jax.tree.leaves(grad_shardings)
     blocks = {}
     for (path, n), shape, sharding in zip(flat_names, flat_shapes, flat_shardings):

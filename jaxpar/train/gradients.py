@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.kernels.quantized import quantized_reduce_scatter
 from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
-from jaxpar.sharding.annotate import ReplicaSum
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
 from jaxpar.train.loss import LossFn, model_loss
 from jaxpar.train.microbatches import split_batch
-from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data, without_data
+from jaxpar.train.reduction import GradReduction, sum_replicas
+from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data
 from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.train.state import cast_floats
 from jaxpar.train.zero import StateShardings
@@ -47,53 +46,27 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
     return loss_sum
 
 
-def uses_replicas(mesh_shape: dict, microbatches: int, zero_stage: int, own_reduction: bool) -> bool:
-    """Per-replica gradients (jaxpar.train.replicas) where they pay: under hybrid sharding
-    (reduce inside the host first), to accumulate ZeRO 0-1 microbatches unreduced, and where
-    the reduction over data is our own (`own_reduction`): qgZ's int8 all-to-all. (A
-    compressor's gradients are per replica always: jaxpar.train.compressed.) Elsewhere each layer's
-    gradient is reduced inside the backward loop, where a GPU can overlap it with the
-    layers still to go; so it is under hybrid sharding at ZeRO 2-3 too, summed over the
-    replicas layer by layer (`batch_gradients`)."""
-    return mesh_shape["data"] > 1 and (
-        mesh_shape["fsdp"] > 1 or (microbatches > 1 and zero_stage < 2) or own_reduction
-    )
-
-
-def replica_reducer(layout: Layout, quantized_block: int) -> Callable[[Any, Any], Any]:
-    """(per-replica gradients [data, ...], target shardings) -> their sum, sharded as the
-    target: an int8 all-to-all under qgZ (`quantized_block` > 0) where the target shards
-    over data, else the partitioner's reduction."""
-
-    def one(g, sharding):
-        source = without_data(sharding).spec
-        if quantized_block and source != sharding.spec:
-            return quantized_reduce_scatter(g, layout.mesh, "data", source, sharding.spec, quantized_block)
-        return jax.lax.with_sharding_constraint(g.sum(0), sharding)
-
-    return lambda grads, target: jax.tree.map(one, grads, target)
-
-
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
-                    microbatches: int, zero_stage: int, replicas: bool, reduce: Callable[[Any, Any], Any],
-                    quantize_block: int = 0) -> GradFn:
+                    microbatches: int, reduction: GradReduction) -> GradFn:
     """Gradient of (sum of per-example losses over the global batch) / (its weight),
     accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
     the model's other sums over the batch (jaxpar.train.loss).
 
-    Per-replica gradients are reduced over fsdp inside the replica, then over data: once per
-    step at ZeRO 0-1 (microbatches accumulate unreduced; by `reduce`), layer by layer inside
-    each microbatch's backward pass at ZeRO 2-3 (reduce-scattered into the sharded
-    accumulator; under qgZ, `quantize_block` > 0, by an int8 all-to-all). Without
-    accumulation there is no gradient buffer to keep whole: ZeRO-1 reduce-scatters straight
-    to the optimizer's shards, like ZeRO-2.
+    Summed over the replicas as `reduction` says (jaxpar.train.reduction; not "compressed",
+    which jaxpar.train.compressed computes): per-replica gradients are reduced over fsdp
+    inside the replica, then over data once per step ("step": microbatches accumulate
+    unreduced) or layer by layer inside each microbatch's backward pass ("layers":
+    reduce-scattered into the sharded accumulator). Without accumulation there is no
+    gradient buffer to keep whole: ZeRO-1 reduce-scatters straight to the optimizer's
+    shards, like ZeRO-2.
     """
+    if reduction.when == "compressed":
+        raise ValueError("a compressed reduction's gradient is jaxpar.train.compressed's, not batch_gradients'")
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
-    per_step = replicas and zero_stage < 2  # reduce over data once per step
-    # ZeRO 2-3 keep no whole gradient per replica: each layer's is summed over the replicas
-    # inside the backward pass (jaxpar.train.replicas), under qgZ by an int8 all-to-all.
-    summed = ReplicaSum(quantize_block) if replicas and not per_step else None
+    replicas, per_step = reduction.per_replica, reduction.when == "step"
+    summed = reduction.replica_sum()  # "layers": summed over the replicas inside the backward pass
+    reduce = sum_replicas(reduction, layout)
 
     def microbatch(params, mb):
         """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is [data, ...]

@@ -9,7 +9,7 @@ import jax
 
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes
-from jaxpar.sharding import Layout
+from jaxpar.sharding import Layout, ParamNames
 from jaxpar.sharding.replicated import replicated_params, report_replicated
 
 
@@ -33,4 +33,4 @@ def check_quantized_gathers(names: Any, shapes: Any, layout: Layout) -> None:
                 "order parallel.storage_rules so the compute axes come first"
             ) from None
 
-    jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: hasattr(x, "names"))
+    jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: isinstance(x, ParamNames))

@@ -1,10 +1,11 @@
 """Sharded init and the one jitted train step, composed from their parts:
 
-  config --checks--> sizes --layout_for--> Layout (jaxpar.sharding.from_config)
+  config --checks--> sizes --layout_for--> Layout (jaxpar.train.layout)
          --the model's abstract parameters--> shardings of params, grads, optimizer state
          (jaxpar.train.zero, jaxpar.train.state)
-         --> gradients (jaxpar.train.gradients, or the pipeline's: jaxpar.train.pipelined)
-         --> averaged over data by a compressor, if one is asked for (jaxpar.train.compression)
+         --> gradients, summed over data as the GradReduction says (jaxpar.train.reduction):
+             jaxpar.train.gradients, the pipeline's (jaxpar.train.pipelined) or a
+             compressor's (jaxpar.train.compressed)
          --> the update (jaxpar.train.update) --> jax.jit at the edge, here.
 
 `build(config) -> Trainer`; nothing is allocated until `init()` runs:
@@ -34,15 +35,16 @@ from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import Field, batch_fields, batch_shapes
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
-from jaxpar.sharding import Layout, param_names, use_layout
-from jaxpar.sharding.from_config import layout_for
+from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
+from jaxpar.train.layout import layout_for
 from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.train.compression import Compressor, make_compressor
-from jaxpar.train.gradients import batch_gradients, loss_sum_fn, replica_reducer, uses_replicas
+from jaxpar.train.gradients import batch_gradients, loss_sum_fn
 from jaxpar.train.loss import LossFn, model_outputs, task_loss
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.param_checks import check_params
 from jaxpar.train.pipelined import pipelined_grads, unpipelined
+from jaxpar.train.reduction import GradReduction, grad_reduction, sum_replicas
 from jaxpar.train.state import TrainState, initial_state, place_state
 from jaxpar.train.update import update_fn
 from jaxpar.train.zero import StateShardings, state_shardings
@@ -79,13 +81,17 @@ class Trainer:
     # (its arguments donated).
     start_from: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
-    # parallel.gradient_compression's compressor (jaxpar.train.compression), None without one
-    compressor: Compressor | None = None
+    reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.train.reduction)
     init_compression: Any = None  # () -> the compression state's start, in its shardings
 
     @property
     def mesh(self):
         return self.layout.mesh
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """parallel.gradient_compression's compressor (jaxpar.train.compression), None without one."""
+        return self.reduction.compressor
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: for AOT lowering without allocating anything."""
@@ -131,6 +137,7 @@ def build(
     tx = _train_params_only(tx, abstract)
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
     compressor = make_compressor(config.parallel, names, abstract_params, shardings.grads, layout.mesh, config.train.seed)
+    reduction = grad_reduction(config, layout.mesh.shape, compressor)
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
                             compressor.shardings() if compressor else None)
@@ -147,30 +154,19 @@ def build(
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
-    if compressor is None:
-        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
-        grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
-    else:  # compression is refused in pipeline stages: no program
-        program, (loss_sum, grads_fn, compressor) = None, _compressed(
-            config, layout, graphdef, abstract_params, names, shardings, fields, loss_fn, compressor)
+    loss_sum, grads_fn, program, reduction = _gradients(config, layout, graphdef, abstract_params, names, shardings,
+                                                        fields, loss_fn, reduction)
+    compressor = reduction.compressor
     update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
                        config.parallel.offload_optimizer, config.model)
 
-    def reduced(params, batch, compression) -> tuple[jax.Array, dict, Any, Any]:
-        """The step's gradient, averaged over data through the compressor if there is one
-        (with the compressor's new state)."""
-        if compressor is None:
-            return (*grads_fn(params, batch), None)
-        loss, sums, grads, compression = grads_fn(params, batch, compression)
-        return loss, sums, jax.lax.with_sharding_constraint(grads, shardings.optimizer), compression
-
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
-        loss, sums, grads, compression = reduced(state.params, batch, state.compression)
+        loss, sums, grads, compression = grads_fn(state.params, batch, state.compression)
         return (*update(state, loss, sums, grads, compression), grads)
 
     def grads(params, batch) -> tuple[jax.Array, Any]:
         """Under compression, from a fresh compression state (no residuals yet)."""
-        loss, _, g, _ = reduced(params, batch, compressor.init() if compressor else None)
+        loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None)
         return loss, g
 
     def evaluate(params, batch) -> tuple[jax.Array, jax.Array]:
@@ -195,43 +191,56 @@ def build(
         pipeline=program,
         start_from=jax.jit(start_from, out_shardings=placement.resting, donate_argnums=0),
         compiler_options=options,
-        compressor=compressor,
+        reduction=reduction,
         init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,
     )
 
 
-def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, shardings: StateShardings,
-               fields: dict[str, Field], loss_sum, loss_fn: LossFn):
-    """(the step's gradient function, the pipeline's program or None)."""
-    parallel, train = config.parallel, config.train
-    int8 = parallel.int8_gradients
-    reduce = replica_reducer(layout, parallel.quantization_block if int8 else 0)
-    names = {k: f.names for k, f in fields.items()}
+def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
+               shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, reduction: GradReduction):
+    """(the loss sum, the step's gradient: (params, batch, compression state) -> (loss,
+    sums, gradient in the optimizer's sharding, the new compression state), the pipeline's
+    program or None, `reduction` (its compressor knowing which parameters it averages layer
+    by layer)). One branch a reduction (jaxpar.train.reduction)."""
+    field_names = {k: f.names for k, f in fields.items()}
+    if reduction.when == "compressed":  # refused in pipeline stages: no program
+        loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, fields,
+                                                 loss_fn, reduction)
+        return loss_sum, grads, None, reduction
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
     if layout.mesh.shape["stage"] > 1:
-        return pipelined_grads(config, layout, graphdef, names, lambda g: reduce(g, shardings.optimizer), loss_fn)
-    replicas = uses_replicas(layout.mesh.shape, train.microbatches, parallel.zero_stage, int8)
-    return batch_gradients(loss_sum, layout, shardings, names, train.microbatches, parallel.zero_stage, replicas,
-                           reduce, parallel.quantization_block if int8 else 0), None
+        reduce = sum_replicas(reduction, layout)
+        grads, program = pipelined_grads(config, layout, graphdef, field_names,
+                                         lambda g: reduce(g, shardings.optimizer), loss_fn)
+    else:
+        grads = batch_gradients(loss_sum, layout, shardings, field_names, config.train.microbatches, reduction)
+        program = None
+    return loss_sum, lambda params, batch, compression: (*grads(params, batch), compression), program, reduction
 
 
 def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
-                shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, compressor: Compressor):
-    """(the loss, the compressed step's gradient function, the compressor knowing which
-    parameters it averages layer by layer): those the model's layer scan runs once, where
-    the loss's weight can be read off the batch before the backward pass
+                shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, reduction: GradReduction):
+    """(the loss, the compressed step's gradient function, the reduction whose compressor
+    knows which parameters it averages layer by layer): those the model's layer scan runs
+    once, where the loss's weight can be read off the batch before the backward pass
     (jaxpar.train.compressed)."""
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
-             for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))[0]}
-    hooks = layer_hooks(compressor, paths)
+             for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
+    hooks = layer_hooks(reduction.compressor, paths)
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"), hooks)
     batch = {k: jax.ShapeDtypeStruct(s, fields[k].dtype) for k, s in batch_shapes(fields, config.train.global_batch).items()}
     outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, batch)
     weight_of = weight_of_batch(loss_fn, outputs, batch)
     per_layer = hooked_paths(loss_sum, hooks, abstract_params, batch) if weight_of is not None else frozenset()
-    compressor = dataclasses.replace(compressor, per_layer=per_layer)
-    field_names = {k: f.names for k, f in fields.items()}
-    return loss_sum, compressed_gradients(loss_sum, layout, shardings, field_names, config.train.microbatches,
-                                          compressor, weight_of), compressor
+    compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
+    averaged = compressed_gradients(loss_sum, layout, shardings, {k: f.names for k, f in fields.items()},
+                                    config.train.microbatches, compressor, weight_of)
+
+    def grads(params, batch, compression):
+        loss, sums, g, compression = averaged(params, batch, compression)
+        return loss, sums, jax.lax.with_sharding_constraint(g, shardings.optimizer), compression
+
+    return loss_sum, grads, dataclasses.replace(reduction, compressor=compressor)
 
 
 def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:

@@ -25,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxpar.sharding import Layout, shardings_for
-from jaxpar.sharding.annotate import _Names, add_axes
+from jaxpar.sharding.annotate import ParamNames, add_axes
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -45,10 +45,10 @@ def state_shardings(names: Any, shapes: Any, layout: Layout, stage: int, axes: S
     if not axes:
         return StateShardings(storage, storage, storage)
 
-    def widen(sharding: NamedSharding, names_: _Names, shape) -> NamedSharding:
+    def widen(sharding: NamedSharding, names_: ParamNames, shape) -> NamedSharding:
         return NamedSharding(layout.mesh, add_axes(sharding.spec, shape.shape, names_.names, layout.mesh, axes))
 
-    sharded = jax.tree.map(widen, storage, names, shapes, is_leaf=lambda x: isinstance(x, (_Names, NamedSharding)))
+    sharded = jax.tree.map(widen, storage, names, shapes, is_leaf=lambda x: isinstance(x, (ParamNames, NamedSharding)))
     return StateShardings(
         params=sharded if stage >= 3 else storage,
         grads=sharded if stage >= 2 else storage,

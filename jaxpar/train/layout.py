@@ -8,9 +8,10 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.mesh import make_mesh
 from jaxpar.model import axis_names
-from jaxpar.sharding.annotate import ContextAttention, Layout, ParamGather
+from jaxpar.sharding.annotate import ContextAttention, Layout, ParamGather, Projections
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 
@@ -29,9 +30,8 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         ),
         ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
         expert_exchange=expert_exchange(config, device.platform),
-        collective_matmul=parallel.collective_matmul,
+        projections=Projections(parallel.collective_matmul, config.train.matmul_dtype),
         attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),
-        matmul_dtype=config.train.matmul_dtype,
     )
 
 
@@ -57,8 +57,6 @@ def attention(config: Any, device: jax.Device, context: int = 1, stage: int = 1)
     sharded sequence runs the context-parallel kernels instead, and needs no choice). Not
     inside pipeline stages: cuDNN attention's custom partitioning fails in their shard_map
     (jaxlib 0.12, compiled for H100s)."""
-    from jaxpar.checks.backend import cudnn_attention_problem  # the checks import the sharding package
-
     choice = config.parallel.attention
     if context > 1:
         return "reference"  # unused: the context kernels run (the checks refuse other choices there)
