@@ -96,3 +96,22 @@ def test_offload_warns_on_cpu_and_stays_exact(tiny_llama, reference):
 def test_bad_zero_and_remat_input(tiny_llama, override, message):
     with pytest.raises(ConfigError, match=message):
         build(apply_overrides(tiny_llama, [override]))
+
+
+@pytest.mark.parametrize("mesh,overrides,when,block", [
+    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=3"], "backward", 0),
+    ({"data": 2, "fsdp": 4}, ["parallel.zero_stage=1"], "step", 0),  # hybrid: inside the host first
+    ({"data": 2, "fsdp": 4}, ["parallel.zero_stage=3"], "layers", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=1", "train.microbatches=2"], "step", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=2", "train.microbatches=2"], "backward", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=2", "parallel.quantized_gradients=true"], "layers", 64),
+    ({"data": 4, "fsdp": 1, "stage": 2}, ["parallel.zero_stage=1"], "step", 0),
+])
+def test_the_gradient_reduction_is_chosen_once_from_the_config(tiny_llama, mesh, overrides, when, block):
+    """The table jaxpar.train.reduction documents, read off grad_reduction (no compile)."""
+    from jaxpar.train.reduction import grad_reduction
+
+    config = apply_overrides(tiny_llama, [*overrides, "parallel.quantization_block=64"])
+    found = grad_reduction(config, {"stage": 1, **mesh}, None)
+    assert (found.when, found.int8_block, found.per_replica) == (when, block, when != "backward")
+    assert (found.replica_sum() is not None) == (when == "layers")
