@@ -196,7 +196,7 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
     if hasattr(model, "batch_fields"):
         raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
                           f"({', '.join(batch.fields)}), which jaxpar's data sources do not make; "
-                          "give your batches to jaxpar.train.run(trainer, data=...) (docs/your_model.md)")
+                          "give your batches to jaxpar.train.run(..., data=...) (docs/your_model.md)")
     if model.task == "classify":
         return SyntheticClasses(batch, model.num_classes, seed)
     if config.data.source == "synthetic":

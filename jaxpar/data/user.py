@@ -1,4 +1,4 @@
-"""A user's own batches as a batch source, so `jaxpar.train.run(trainer, data=...)` keeps the
+"""A user's own batches as a batch source, so `jaxpar.train.run(..., data=...)` keeps the
 progress bar, metrics file, checkpoints and preemption handling.
 
 `data` is either
