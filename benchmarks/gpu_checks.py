@@ -182,7 +182,7 @@ def offload_rows(steps: int = 12) -> list[dict]:
         stats = compiled.memory_analysis()
         state = trainer.init()
         kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
-        source = make_source(trainer)
+        source = make_source(trainer.batch, trainer.config)
         losses, times = [], []
         for i in range(steps):
             t0 = time.perf_counter()

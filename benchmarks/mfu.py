@@ -73,7 +73,7 @@ def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warm
     config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    state, source = trainer.init(), make_source(trainer)
+    state, source = trainer.init(), make_source(trainer.batch, trainer.config)
     batches = [source(i) for i in range(2)]
     times, loss = [], None
     for i in range(warmup + steps):

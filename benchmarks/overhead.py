@@ -98,7 +98,7 @@ def hand_written(config, trainer):
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     init = jax.jit(init, out_shardings=state_sh)
-    step = jax.jit(step, in_shardings=(state_sh, trainer.batch_shardings),
+    step = jax.jit(step, in_shardings=(state_sh, trainer.batch.shardings),
                    out_shardings=(state_sh, replicated), donate_argnums=0)
     return init, step
 
@@ -126,7 +126,7 @@ def measure(args) -> dict:
     overrides = args.layout.split() + [f"train.compute_dtype={args.dtype}"]
     config = apply_overrides(recipes.load("llama"), overrides)
     trainer = jaxpar.train.build(config)
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     batches = [source(i) for i in range(4)]  # made once, shared: data generation is not timed
     hand_init, hand_step = hand_written(config, trainer)
 

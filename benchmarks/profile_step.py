@@ -120,7 +120,7 @@ def profile(args) -> dict:
     trainer = build(jaxpar_config(shape, batch, seq, args.remat, 100, args.matmul_dtype), jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     names = instructions(step.as_text())
-    state, source = trainer.init(), make_source(trainer)
+    state, source = trainer.init(), make_source(trainer.batch, trainer.config)
     batches = [source(i) for i in range(2)]
     for i in range(3):
         state, metrics = step(state, batches[i % 2])

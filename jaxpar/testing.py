@@ -98,7 +98,7 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     from jaxpar.train import build
 
     trainer = build(config, devices)
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     state = initial_state(trainer)
     losses, grads = [], None
     for i in range(steps):  # one compile: the step that also returns its gradients

@@ -46,7 +46,7 @@ def train(overrides: list[str]) -> tuple[list[float], dict]:
     from jaxpar.train import build
 
     trainer = build(apply_overrides(config(), overrides))
-    data = make_source(trainer)
+    data = make_source(trainer.batch, trainer.config)
     state = trainer.init()
     losses = []
     for step in range(STEPS):
@@ -73,7 +73,8 @@ def main(tokens: str, report_path: str) -> None:
     from jaxpar.train import build
 
     rows = ["mesh.data=4", "mesh.tensor=2", "data.source=tokens", f"data.path={tokens}"]
-    source = make_source(build(apply_overrides(config(), rows)))
+    trainer = build(apply_overrides(config(), rows))
+    source = make_source(trainer.batch, trainer.config)
     read = []
     local = source.local
     source.local = lambda step, rows: read.append([rows.start, rows.stop]) or local(step, rows)

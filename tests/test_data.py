@@ -1,8 +1,11 @@
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import apply_overrides
-from jaxpar.data.batch import local_rows
+from jaxpar.data.batch import BatchLayout, batch_fields, local_rows
 from jaxpar.data.sources import check_ids, SyntheticTokens, TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
@@ -14,13 +17,26 @@ def trainer(tiny_llama):
 
 
 def test_synthetic_tokens_are_deterministic_shifted_and_sharded(trainer):
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     assert isinstance(source, SyntheticTokens)
     a, b = source(3), source(3)
     np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
     np.testing.assert_array_equal(np.asarray(a["inputs"])[:, 1:], np.asarray(a["targets"])[:, :-1])
-    assert a["inputs"].shape == (16, 16) and a["inputs"].sharding == trainer.batch_shardings["inputs"]
+    assert a["inputs"].shape == (16, 16) and a["inputs"].sharding == trainer.batch.shardings["inputs"]
     assert not np.array_equal(np.asarray(source(4)["inputs"]), np.asarray(a["inputs"]))
+
+
+def test_a_source_needs_only_a_batch_layout_and_the_config(trainer):
+    """No Trainer: a layout made by hand on a 2-device mesh gives the trainer's batches,
+    laid out as it says."""
+    config = trainer.config
+    fields = batch_fields(config.model, config.train.seq_len, config.data.eos_id)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    layout = BatchLayout(fields, config.train.global_batch, {k: NamedSharding(mesh, P("data")) for k in fields})
+    by_hand, built = make_source(layout, config)(3), make_source(trainer.batch, config)(3)
+    assert by_hand["inputs"].sharding == layout.shardings["inputs"] and layout.rows == slice(0, 16)
+    for k, v in built.items():
+        np.testing.assert_array_equal(np.asarray(by_hand[k]), np.asarray(v))
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".bin"])
@@ -29,7 +45,8 @@ def test_token_file_windows(tmp_path, tiny_llama, suffix):
     path = tmp_path / f"tokens{suffix}"
     np.save(path, tokens) if suffix == ".npy" else tokens.tofile(path)
     config = apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}", "data.dtype=uint16"])
-    source = make_source(build(config))
+    trainer = build(config)
+    source = make_source(trainer.batch, trainer.config)
     assert isinstance(source, TokenFile)
     batch = source(0)
     inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
@@ -47,8 +64,8 @@ def test_token_file_windows_reach_the_last_token(tmp_path, tiny_llama):
     path = tmp_path / "short.npy"
     np.save(path, np.arange(2 * n, dtype=np.uint16))  # a token's id is its position: 20 train, 20 held out
     trainer = build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}", "data.eval_fraction=0.5"]))
-    source = make_source(trainer)
-    for part, first_step, first_id in ((source, 0, 0), (HeldOutTokens(trainer, source), HELD_OUT_STEP, n)):
+    source = make_source(trainer.batch, trainer.config)
+    for part, first_step, first_id in ((source, 0, 0), (HeldOutTokens(source), HELD_OUT_STEP, n)):
         rows = [part.local(first_step + i, slice(0, batch)) for i in range(8)]
         starts = np.concatenate([r["inputs"][:, 0] for r in rows])
         assert set(starts.tolist()) == set(range(first_id, first_id + n - seq))
@@ -60,11 +77,13 @@ def test_token_file_windows_reach_the_last_token(tmp_path, tiny_llama):
 
 def test_token_file_errors(tmp_path, tiny_llama):
     with pytest.raises(ConfigError, match="is not a file"):
-        make_source(build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={tmp_path}/none.npy"])))
+        trainer = build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={tmp_path}/none.npy"]))
+        make_source(trainer.batch, trainer.config)
     big = tmp_path / "big.npy"
     np.save(big, np.full(100, 500, np.int32))
     with pytest.raises(ConfigError, match="holds token id 500 .at position 0. but model.vocab_size=128"):
-        make_source(build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={big}"])))
+        trainer = build(apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={big}"]))
+        make_source(trainer.batch, trainer.config)
     late = tmp_path / "late.npy"  # an id out of range far into the file, past any sample of its head
     ids = np.arange(300_000, dtype=np.int32) % 128
     ids[-3] = 128
@@ -75,7 +94,7 @@ def test_token_file_errors(tmp_path, tiny_llama):
 
 def test_local_rows_cover_this_process(trainer):
     # One process holds every row; the per-process slice is what multi-host runs read.
-    assert local_rows(trainer.batch_shardings["inputs"], (16, 16)) == slice(0, 16)
+    assert local_rows(trainer.batch.shardings["inputs"], (16, 16)) == slice(0, 16)
 
 
 def test_packed_documents_get_segments_positions_and_no_cross_document_target(tmp_path, tiny_llama):
@@ -91,9 +110,9 @@ def test_packed_documents_get_segments_positions_and_no_cross_document_target(tm
     np.save(path, np.random.default_rng(0).integers(0, 128, 5000).astype(np.uint16))
     trainer = build(apply_overrides(tiny_llama, ["mesh.data=2", "mesh.context=4", "data.source=tokens",
                                                  f"data.path={path}", "data.eos_id=3"]))
-    batch = make_source(trainer)(0)
+    batch = make_source(trainer.batch, trainer.config)(0)
     assert set(batch) == {"inputs", "targets", "weights", "segment_ids", "positions"}
-    assert batch["segment_ids"].sharding == trainer.batch_shardings["segment_ids"]
+    assert batch["segment_ids"].sharding == trainer.batch.shardings["segment_ids"]
     with pytest.raises(ConfigError, match=r"data.eos_id=128 must be a token id \(0 to model.vocab_size - 1 = 127\)"):
         build(apply_overrides(tiny_llama, ["data.eos_id=128"]))
     from jaxpar.config import Config

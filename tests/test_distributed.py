@@ -427,7 +427,8 @@ def test_each_process_reads_only_its_rows(tmp_path, tiny_llama):
     from jaxpar.config import apply_overrides
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
-    alone = make_source(build(apply_overrides(tiny_llama, ["mesh.data=8", "data.source=tokens", f"data.path={tokens}"])))
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", "data.source=tokens", f"data.path={tokens}"]))
+    alone = make_source(trainer.batch, trainer.config)
     want = np.asarray(alone(3)["inputs"])
     for r in reports:
         np.testing.assert_array_equal(np.asarray(r["inputs"]), want)

@@ -61,11 +61,11 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     assert all(isinstance(r["time"], float) and abs(r["time"] - rows[0]["time"]) < 600 for r in rows)
 
     # The same held-out loss by hand: two steps, then trainer.evaluate over the held-out batches.
-    state, source = initial_state(trainer), make_source(trainer)
+    state, source = initial_state(trainer), make_source(trainer.batch, trainer.config)
     for step in range(2):
         state, _ = trainer.step(state, source(step))
     assert held_out_loss(trainer, state.params) == on[1]["eval_loss"]
-    sums = [jax.device_get(trainer.evaluate(state.params, held_out_batches(trainer)(i))) for i in range(2)]
+    sums = [jax.device_get(trainer.evaluate(state.params, held_out_batches(trainer.batch, trainer.config)(i))) for i in range(2)]
     assert on[1]["eval_loss"] == pytest.approx(sum(s for s, _ in sums) / sum(w for _, w in sums), rel=1e-7)
 
     scalars = read_scalars(tb)
@@ -80,7 +80,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
 
 def test_held_out_synthetic_batches_are_their_own_stream(tiny_llama):
     trainer = build(apply_overrides(tiny_llama, ["train.eval_every=1"]))
-    source, held_out = make_source(trainer), held_out_batches(trainer)
+    source, held_out = make_source(trainer.batch, trainer.config), held_out_batches(trainer.batch, trainer.config)
     first = np.asarray(held_out(0)["inputs"])
     np.testing.assert_array_equal(first, np.asarray(source(HELD_OUT_STEP)["inputs"]))  # the same language
     assert not np.array_equal(first, np.asarray(held_out(1)["inputs"]))
@@ -97,7 +97,8 @@ def test_token_file_holds_out_its_tail_and_trains_on_the_rest(tiny_llama, tmp_pa
     np.save(path, tokens)
     base = apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}"])
     trainer = build(apply_overrides(base, [f"data.eval_fraction={fraction}", "train.eval_every=2"]))
-    training, held = make_source(trainer), HeldOutTokens(trainer)
+    training = make_source(trainer.batch, trainer.config)
+    held = HeldOutTokens(training)
     assert isinstance(training, TokenFile) and len(training.tokens) == 4000 and len(held.tokens) == 1000
     rows = slice(0, 16)
     for step in range(64):  # every training window lies before the split, every held-out one after it
@@ -106,11 +107,12 @@ def test_token_file_holds_out_its_tail_and_trains_on_the_rest(tiny_llama, tmp_pa
     for i in range(16):
         window = held.local(HELD_OUT_STEP + i, rows)
         assert window["inputs"].min() >= 64 and window["targets"].min() >= 64
-    np.testing.assert_array_equal(np.asarray(held_out_batches(trainer)(3)["inputs"]),
+    np.testing.assert_array_equal(np.asarray(held_out_batches(trainer.batch, trainer.config)(3)["inputs"]),
                                   held.local(HELD_OUT_STEP + 3, rows)["inputs"])
 
     # Off, the whole file trains, drawn exactly as before the split existed.
-    whole = make_source(build(base))
+    plain = build(base)
+    whole = make_source(plain.batch, plain.config)
     assert len(whole.tokens) == n and len(whole.held_out) == 0
     starts = np.random.default_rng([0, 5]).integers(0, n - 16, size=16)  # starts 0 to n - seq_len - 1
     np.testing.assert_array_equal(whole.local(5, rows)["inputs"], np.stack([tokens[s : s + 16] for s in starts]))
@@ -119,12 +121,12 @@ def test_token_file_holds_out_its_tail_and_trains_on_the_rest(tiny_llama, tmp_pa
     with pytest.raises(ConfigError, match=too_small):
         split_tokens(tokens, 0.001, 16, str(path))
     with pytest.raises(ConfigError, match="data.eval_fraction=0 holds none"):
-        HeldOutTokens(build(base))
+        HeldOutTokens(whole)
 
 
 def test_user_eval_data(tiny_llama):
     trainer = build(apply_overrides(tiny_llama, ["train.eval_every=2", "train.eval_batches=2", "train.steps=2"]))
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     local = lambda step: {k: np.asarray(v) for k, v in source(step).items()}  # noqa: E731
     held = [local(100), local(101)]
     history = run(trainer, progress=False, data=local, eval_data=iter(held + [None]))  # only the first two are read
@@ -168,7 +170,7 @@ def test_bad_run_inputs_are_refused_before_compile(tiny_llama, tmp_path, name):
         pytest.importorskip("tensorboardX")
     trainer = build(apply_overrides(tiny_llama, overrides))
     (tmp_path / "file").write_text("not a folder")
-    rows = {k: np.asarray(v) for k, v in make_source(trainer)(0).items()}
+    rows = {k: np.asarray(v) for k, v in make_source(trainer.batch, trainer.config)(0).items()}
     with pytest.raises(ConfigError, match=message):
         run(dataclasses.replace(trainer, step=_NoCompile()), progress=False, **arguments(rows, tmp_path))
 
@@ -201,7 +203,7 @@ def test_bad_eval_config_is_refused_before_build(tiny_llama, overrides, rule):
 def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
     config = apply_overrides(tiny_llama, ["model.num_layers=4", "train.microbatches=4"])
     flat = build(config, jax.devices()[:1])
-    inputs = np.asarray(make_source(flat)(0)["inputs"])
+    inputs = np.asarray(make_source(flat.batch, flat.config)(0)["inputs"])
     want = np.asarray(forward(flat)(initial_state(flat).params, {"inputs": inputs}))
     assert want.shape == (16, 16, 128)
     layouts = {

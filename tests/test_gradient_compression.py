@@ -57,7 +57,7 @@ def test_error_feedback_applied_plus_residual_is_every_true_gradient(tiny_llama)
     layout = apply_overrides(tiny_llama, LAYOUTS["hsdp_tp_sp_zero1"])
     plain = build(layout)
     trainer = build(apply_overrides(layout, ["parallel.gradient_compression=powersgd", "parallel.powersgd_rank=1"]))
-    source, state = make_source(trainer), initial_state(trainer)
+    source, state = make_source(trainer.batch, trainer.config), initial_state(trainer)
     applied = true = None
     add = lambda a, b: b if a is None else jax.tree.map(jnp.add, a, b)  # noqa: E731
     for step in range(3):
@@ -155,6 +155,6 @@ def test_a_loss_weighed_by_its_outputs_is_averaged_after_the_backward_pass(tiny_
                     loss_fn=confident_tokens)
     assert trainer.compressor.per_layer == frozenset()
     state = initial_state(plain)
-    batch = make_source(plain)(0)
+    batch = make_source(plain.batch, plain.config)(0)
     (loss, grads), (want_loss, want) = trainer.grads(state.params, batch), plain.grads(state.params, batch)
     assert abs(float(loss) - float(want_loss)) <= 1e-6 and tree_error(jax.device_get(grads), jax.device_get(want)) <= 1e-5

@@ -72,7 +72,7 @@ def test_shared_experts_and_bias_balancing_equal_single_device(tiny_moe, referen
 
 def first_step(config, overrides=()):
     trainer = build(apply_overrides(config, list(overrides)))
-    _, metrics = trainer.step(initial_state(trainer), make_source(trainer)(0))
+    _, metrics = trainer.step(initial_state(trainer), make_source(trainer.batch, trainer.config)(0))
     return {k: float(v) for k, v in metrics.items()}
 
 
@@ -92,7 +92,7 @@ def test_top_1_routing_trains_the_router(tiny_moe):
     config = apply_overrides(tiny_moe, ["model.top_k=1", "model.aux_loss_weight=0", "model.z_loss_weight=0"])
     trainer = build(config)
     state = initial_state(trainer)
-    _, grads = trainer.grads(state.params, make_source(trainer)(0))
+    _, grads = trainer.grads(state.params, make_source(trainer.batch, trainer.config)(0))
     assert float(jnp.abs(grads["layers"]["moe"]["router"]).max()) > 0
 
 

@@ -87,7 +87,7 @@ def test_packed_rows_keep_document_boundaries(tiny_llama, corpus):
     """Every document ends with <|endoftext|>; in each row a new segment starts right after
     it, positions restart there, and its own target (the next document) weighs nothing."""
     trainer = build(_text_config(tiny_llama, corpus, "data.order=epochs"))
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     assert isinstance(source, TextSource)
     np.testing.assert_array_equal(source.tokens, _expected_stream(corpus))
     eos = corpus["eos"]
@@ -103,7 +103,7 @@ def test_packed_rows_keep_document_boundaries(tiny_llama, corpus):
             np.testing.assert_array_equal(positions[1:], np.where(ends, 0, positions[:-1] + 1))
             np.testing.assert_array_equal(rows["weights"][r], np.where(inputs == eos, 0.0, 1.0))
     batch = source(7)  # the global batch, laid out on the devices
-    assert batch["segment_ids"].sharding == trainer.batch_shardings["segment_ids"]
+    assert batch["segment_ids"].sharding == trainer.batch.shardings["segment_ids"]
 
 
 def test_epochs_read_every_row_once_per_epoch_in_an_order_of_the_seed():
@@ -129,7 +129,7 @@ def test_each_process_builds_the_rows_of_the_global_batch(tiny_llama, corpus, or
     """A source asked for rows [lo, hi) (what a process of a multi-process run asks for) makes
     rows lo to hi of the global batch; so does a second source, as another process would."""
     trainer = build(_text_config(tiny_llama, corpus, f"data.order={order}"))
-    first, second = make_source(trainer), make_source(trainer)
+    first, second = make_source(trainer.batch, trainer.config), make_source(trainer.batch, trainer.config)
     for step in (0, 9, 23):
         whole = first.local(step, slice(0, 16))
         for lo, hi in ((0, 8), (8, 16), (4, 12)):
@@ -165,8 +165,10 @@ def test_tokenize_command_writes_what_text_reads(tiny_llama, corpus, tmp_path, c
     assert line == f"jaxpar tokenize: 150 documents, {len(expected)} tokens (uint16) in {tmp_path / 'one.bin'}; " \
                    f"train on it with {sets}"
     # Trained on as the line says, the file gives the rows the text gives.
-    on_file = make_source(build(apply_overrides(tiny_llama, ["mesh.data=8", *sets.replace("--set ", "").split()])))
-    on_text = make_source(build(_text_config(tiny_llama, corpus)))
+    file_trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", *sets.replace("--set ", "").split()]))
+    text_trainer = build(_text_config(tiny_llama, corpus))
+    on_file = make_source(file_trainer.batch, file_trainer.config)
+    on_text = make_source(text_trainer.batch, text_trainer.config)
     assert isinstance(on_file, TokenFile) and not isinstance(on_file, TextSource)
     for field, value in on_text.local(4, slice(0, 16)).items():
         np.testing.assert_array_equal(on_file.local(4, slice(0, 16))[field], value)
@@ -289,7 +291,7 @@ def test_bad_text_input_is_refused_before_compile(tiny_llama, corpus, tmp_path):
     for case, (overrides, message) in _bad_inputs(tmp_path, corpus).items():
         trainer = build(_text_config(tiny_llama, corpus, *overrides))
         with pytest.raises(ConfigError, match=message) as info:
-            make_source(trainer)
+            make_source(trainer.batch, trainer.config)
         assert "\n" not in str(info.value), case
         with pytest.raises(ConfigError, match=message):
             run(dataclasses.replace(trainer, step=_NoCompile()), progress=False)
@@ -311,7 +313,8 @@ def test_held_out_loss_on_text(tiny_llama, corpus):
     config = _text_config(tiny_llama, corpus, "data.order=epochs", "data.eval_fraction=0.2", "train.eval_every=2",
                           "train.eval_batches=2", "model.num_layers=1")
     trainer = build(config)
-    training, held = make_source(trainer), HeldOutTokens(trainer)
+    training = make_source(trainer.batch, trainer.config)
+    held = HeldOutTokens(training)
     stream = _expected_stream(corpus)
     cut = len(stream) - int(len(stream) * 0.2)
     np.testing.assert_array_equal(training.tokens, stream[:cut])

@@ -20,10 +20,10 @@ def test_loss_is_normalised_by_tokens_not_microbatches(tiny_llama):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
     whole = build(config)
     split = build(apply_overrides(config, ["train.microbatches=2"]))
-    batch = make_source(whole)(0)
+    batch = make_source(whole.batch, whole.config)(0)
     weights = np.ones(batch["weights"].shape, np.float32)
     weights[0::2, 4:] = 0.0  # microbatch 0 (rows 0, 2, 4, ...) keeps a quarter of its tokens
-    batch["weights"] = jax.device_put(weights, whole.batch_shardings["weights"])
+    batch["weights"] = jax.device_put(weights, whole.batch.shardings["weights"])
     params = initial_state(whole).params
     loss_a, grads_a = whole.grads(params, batch)
     loss_b, grads_b = split.grads(params, batch)
@@ -39,7 +39,7 @@ def test_any_optax_transformation(tiny_llama, make_tx):
 
     def run(cfg, devices):
         trainer = build(cfg, devices, tx=make_tx())
-        source, state = make_source(trainer), initial_state(trainer)
+        source, state = make_source(trainer.batch, trainer.config), initial_state(trainer)
         for i in range(3):
             state, _ = trainer.step(state, source(i))
         return jax.device_get(trainer.master_params(state))
@@ -78,13 +78,13 @@ def test_no_full_vocabulary_array_on_a_device(tiny_llama, overrides):
 # ------------------------------------------------------------------ non-finite steps
 
 
-def _poisoned(trainer, bad_step):
-    """The trainer's batches, with NaN token weights at `bad_step`."""
+def _poisoned(layout, config, bad_step):
+    """The config's batches, with NaN token weights at `bad_step`."""
     import jax.numpy as jnp
 
     from jaxpar.data.sources import make_source
 
-    source = make_source(trainer)
+    source = make_source(layout, config)
 
     def get(step):
         batch = source(step)
@@ -103,12 +103,12 @@ def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, m
     state = initial_state(trainer)
     before = jax.device_get(state.params)
     before_opt = jax.device_get(state.opt_state)
-    after, metrics = trainer.step(state, _poisoned(trainer, 0)(0))
+    after, metrics = trainer.step(state, _poisoned(trainer.batch, trainer.config, 0)(0))
     assert float(metrics["nonfinite"]) == 1.0 and int(metrics["first_nonfinite_grad"]) == 0
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before)  # not applied
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state), before_opt)
     assert int(after.step) == 0  # nor counted
-    monkeypatch.setattr(loop, "make_source", lambda t: _poisoned(t, 2))
+    monkeypatch.setattr(loop, "make_source", lambda layout, config: _poisoned(layout, config, 2))
     with pytest.raises(TrainingStopped, match=r"step 2: the loss is nan and the first non-finite gradient is \['embedding'\]"):
         loop.run(trainer, progress=False)
 
@@ -117,7 +117,7 @@ def test_skip_policy_goes_on_past_a_nonfinite_step(tiny_llama, monkeypatch):
     import jaxpar.train.loop as loop
 
     config = apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4", "train.on_nonfinite=skip"])
-    monkeypatch.setattr(loop, "make_source", lambda t: _poisoned(t, 1))
+    monkeypatch.setattr(loop, "make_source", lambda layout, config: _poisoned(layout, config, 1))
     history = loop.run(build(config), progress=False)
     assert [r["nonfinite"] for r in history] == [0.0, 1.0, 0.0, 0.0]
     assert all(np.isfinite(r["loss"]) for i, r in enumerate(history) if i != 1)

@@ -98,7 +98,7 @@ def test_own_loss_reaches_both_paths(tiny_llama):
 
     def loss_and_grads(config, loss_fn=task_loss):
         trainer = build(config, jax.devices()[:1] if config.mesh.stage == 1 else None, loss_fn=loss_fn)
-        loss, grads = trainer.grads(initial_state(trainer).params, make_source(trainer)(0))
+        loss, grads = trainer.grads(initial_state(trainer).params, make_source(trainer.batch, trainer.config)(0))
         return float(loss), jax.device_get(trainer.model_order(grads))
 
     plain = apply_overrides(tiny_llama, ["mesh.data=1"])
@@ -121,7 +121,7 @@ def test_own_data_keeps_the_loop(tiny_llama, tmp_path):
     from jaxpar.train import build, run
 
     trainer = build(tiny_llama)
-    source = make_source(trainer)
+    source = make_source(trainer.batch, trainer.config)
     local = lambda step: source.local(step, source.rows)  # noqa: E731  this process's rows (all of them)
     reference = [r["loss"] for r in run(trainer, progress=False)]
     by_step = [r["loss"] for r in run(trainer, progress=False, data=local, metrics_file=str(tmp_path / "m.jsonl"))]

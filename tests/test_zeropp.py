@@ -118,7 +118,7 @@ def test_qwz_equals_single_device_on_the_rounded_weights(tiny_llama):
     config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3", "parallel.quantized_weights=true"])
     trainer = build(config)
     params = initial_state(trainer).params
-    batch = make_source(trainer)(0)
+    batch = make_source(trainer.batch, trainer.config)(0)
     loss, grads = trainer.grads(params, batch)
     one, devices = single_device(tiny_llama)
     plain = build(one, devices)

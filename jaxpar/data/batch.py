@@ -1,4 +1,5 @@
-"""What a batch holds for each task, and how host-local rows become one global array."""
+"""What a batch holds for each task, how it is laid out over the devices (BatchLayout), and
+how host-local rows become one global array."""
 
 from __future__ import annotations
 
@@ -67,6 +68,38 @@ def batch_shapes(fields: dict[str, Field], global_batch: int) -> dict[str, tuple
     return {name: (global_batch, *f.shape) for name, f in fields.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """The global batch a step takes: its fields, its number of examples and each field's
+    sharding. It is all a data source needs of the run (jaxpar.data.sources), so sources
+    and held-out batches are built from it and the config, not from the Trainer."""
+
+    fields: dict[str, Field]
+    global_batch: int
+    shardings: dict[str, NamedSharding]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return batch_shapes(self.fields, self.global_batch)
+
+    @property
+    def rows(self) -> slice:
+        """The global rows this process builds (local_rows): every field's leading dimension
+        is the batch, split alike."""
+        return local_rows(self.shardings["inputs"], self.shapes["inputs"])
+
+    def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """ShapeDtypeStructs with shardings: for lowering the step before any data exists."""
+        shapes = self.shapes
+        return {k: jax.ShapeDtypeStruct(shapes[k], f.dtype, sharding=self.shardings[k]) for k, f in self.fields.items()}
+
+    def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Assemble the global batch from this process's rows (every process calls this)."""
+        shapes = self.shapes
+        return {k: jax.make_array_from_process_local_data(self.shardings[k], np.asarray(v), shapes[k])
+                for k, v in local.items()}
+
+
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
     """The contiguous range of global rows this process's devices hold: with several
     processes, each reads and builds only these rows."""
@@ -81,10 +114,3 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
         )
     lo, hi = bounds[0][0], max(stop for _, stop in bounds)
     return slice(lo, hi)
-
-
-def to_global(local: dict[str, np.ndarray], shardings: dict[str, NamedSharding], shapes: dict) -> dict[str, jax.Array]:
-    """Assemble a global batch from this process's rows (every process calls this)."""
-    return {
-        k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), shapes[k]) for k, v in local.items()
-    }

@@ -23,10 +23,11 @@ the held-out losses of a run compare with each other. Where they come from:
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
+from jaxpar.data.batch import BatchLayout
 from jaxpar.data.order import Epochs, Windows
 from jaxpar.data.sources import TokenFile, TokenRows, make_source
 from jaxpar.data.user import UserBatches, UserData, check_batch
@@ -37,37 +38,37 @@ HeldOut = Callable[[int], dict[str, jax.Array]]  # i -> held-out global batch i
 
 
 class HeldOutTokens(TokenRows):
-    """The held-out part of a token file's or text's stream (of `source`, or of the config's
-    source, opened now), its rows placed as the module docstring says."""
+    """The held-out part of a token file's or text's stream (`source`, the training
+    source), its rows placed as the module docstring says."""
 
-    def __init__(self, trainer, source: TokenFile | None = None):
-        source = make_source(trainer) if source is None else source
-        cfg = trainer.config.data
+    def __init__(self, source: TokenFile):
+        data = source.data
         if not len(source.held_out):
             raise ConfigError(
-                f"data.eval_fraction={cfg.eval_fraction:g} holds none of data.path={cfg.path!r} out of training; "
+                f"data.eval_fraction={data.eval_fraction:g} holds none of data.path={data.path!r} out of training; "
                 "set data.eval_fraction=0.01 (its last 1%)"
             )
-        batch, seq = trainer.batch_shapes["inputs"]
-        n, seed = len(source.held_out), trainer.config.train.seed
-        order = (Windows(n, seq, batch, seed) if isinstance(source.order, Windows)
-                 else Epochs(n, seq, batch, seed, shuffle=False, first_step=HELD_OUT_STEP))
-        super().__init__(trainer, source.held_out, order)
+        rows, seq = source.batch.shapes["inputs"]
+        n, seed = len(source.held_out), source.seed
+        order = (Windows(n, seq, rows, seed) if isinstance(source.order, Windows)
+                 else Epochs(n, seq, rows, seed, shuffle=False, first_step=HELD_OUT_STEP))
+        super().__init__(source.batch, source.held_out, order, data.eos_id)
 
 
-def held_out_batches(trainer, eval_data: UserData | None = None, source=None) -> HeldOut:
-    """i -> held-out global batch i, for 0 <= i < train.eval_batches: from `eval_data` when
-    given (checked now), else from the config's source (see the module docstring): `source`,
-    the run's own when it has opened it (a text corpus is then tokenized once), else opened now."""
+def held_out_batches(batch: BatchLayout, config: Any, eval_data: UserData | None = None, source=None) -> HeldOut:
+    """i -> held-out global batch i, laid out as `batch`, for 0 <= i < train.eval_batches:
+    from `eval_data` when given (checked now), else from the config's source (see the
+    module docstring): `source`, the run's own when it has opened it (a text corpus is then
+    tokenized once), else opened now."""
     if eval_data is not None:
-        return user_held_out(trainer, eval_data, trainer.config.train.eval_batches)
-    source = make_source(trainer) if source is None else source
+        return user_held_out(batch, eval_data, config.train.eval_batches)
+    source = make_source(batch, config) if source is None else source
     if isinstance(source, TokenFile):
-        source = HeldOutTokens(trainer, source)
+        source = HeldOutTokens(source)
     return lambda i: source(HELD_OUT_STEP + i)
 
 
-def user_held_out(trainer, eval_data: UserData, count: int) -> HeldOut:
+def user_held_out(batch: BatchLayout, eval_data: UserData, count: int) -> HeldOut:
     """The user's held-out batches; an iterable's first `count` are kept, and each checked,
     a function's first batch is checked; both before anything compiles."""
     kept = None
@@ -77,11 +78,11 @@ def user_held_out(trainer, eval_data: UserData, count: int) -> HeldOut:
             raise ConfigError(f"eval_data: the iterable holds {len(kept)} batches but train.eval_batches={count}; "
                               f"give at least {count}, or lower train.eval_batches")
         eval_data = kept.__getitem__
-    source = UserBatches(trainer, eval_data)
+    source = UserBatches(batch, eval_data)
     try:
         source.peek(0)
-        for batch in kept or ():
-            check_batch(batch, source.expected, source.rows)
+        for one in kept or ():
+            check_batch(one, source.expected, source.rows)
     except ConfigError as e:  # its messages begin "data: "
         raise ConfigError(f"eval_{e}") from None
     return source

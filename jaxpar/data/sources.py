@@ -1,34 +1,36 @@
 """Batch sources. Each is a pure function of (seed, step): a resumed run sees the same data,
-and every process builds only the rows its devices hold, then joins the global batch."""
+and every process builds only the rows its devices hold, then joins the global batch.
+
+A source takes the batch's layout (jaxpar.data.batch.BatchLayout) and plain values; the
+configs it reads (a jaxpar.config.Config, its DataConfig) are typed Any because
+jaxpar.config sits above this package (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxpar.data.batch import local_rows, to_global
+from jaxpar.data.batch import BatchLayout
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
 
 
 class Source:
-    """Rows [lo, hi) of step `step` as numpy arrays; `__call__` returns the global batch."""
+    """Rows [lo, hi) of step `step` as numpy arrays; `__call__` returns the global batch,
+    laid out as `batch` says (this process builds only its `rows`)."""
 
-    def __init__(self, trainer):
-        self.shardings = trainer.batch_shardings
-        self.shapes = trainer.batch_shapes
-        self.rows = local_rows(self.shardings["inputs"], self.shapes["inputs"])
-        self.seed = trainer.config.train.seed
-        self.eos_id = trainer.config.data.eos_id
+    def __init__(self, batch: BatchLayout):
+        self.batch, self.rows = batch, batch.rows
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def __call__(self, step: int) -> dict[str, jax.Array]:
-        return to_global(self.local(step, self.rows), self.shardings, self.shapes)
+        return self.batch.to_global(self.local(step, self.rows))
 
 
 class SyntheticTokens(Source):
@@ -36,13 +38,13 @@ class SyntheticTokens(Source):
     permutation of the vocabulary) 90% of the time, by a uniform random token otherwise.
     The best achievable loss is about 0.1 * ln(V) + 0.33 nats; a fresh model starts near ln(V)."""
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.vocab = trainer.config.model.vocab_size
-        self.successor = np.random.default_rng([self.seed, 7]).permutation(self.vocab)
+    def __init__(self, batch: BatchLayout, vocab_size: int, seed: int, eos_id: int = -1):
+        super().__init__(batch)
+        self.vocab, self.seed, self.eos_id = vocab_size, seed, eos_id
+        self.successor = np.random.default_rng([seed, 7]).permutation(vocab_size)
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        batch, seq = self.shapes["inputs"]
+        batch, seq = self.batch.shapes["inputs"]
         rng = np.random.default_rng([self.seed, step])
         first = rng.integers(0, self.vocab, size=batch)
         noise = rng.random((batch, seq)) < 0.1
@@ -60,12 +62,12 @@ class TokenRows(Source):
     array), started where `order` places them (jaxpar.data.order). Only this process's rows
     are read."""
 
-    def __init__(self, trainer, tokens: np.ndarray, order: Windows | Epochs):
-        super().__init__(trainer)
-        self.tokens, self.order = tokens, order
+    def __init__(self, batch: BatchLayout, tokens: np.ndarray, order: Windows | Epochs, eos_id: int = -1):
+        super().__init__(batch)
+        self.tokens, self.order, self.eos_id = tokens, order, eos_id
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        seq = self.shapes["inputs"][1]
+        seq = self.batch.shapes["inputs"][1]
         starts = self.order.starts(step, rows)
         tokens = np.stack([np.asarray(self.tokens[s : s + seq + 1]) for s in starts]).astype(np.int32)
         return _lm_rows(tokens, self.eos_id)
@@ -74,21 +76,22 @@ class TokenRows(Source):
 class TokenFile(TokenRows):
     """Rows from a memory-mapped file of token ids (.npy, or a raw .bin of `data.dtype`), in
     data.order. The file's last data.eval_fraction is held out (`held_out`, read by
-    jaxpar.data.heldout); rows are drawn from the part before it."""
+    jaxpar.data.heldout with this source's `data` and `seed`); rows are drawn from the part
+    before it."""
 
-    def __init__(self, trainer):
-        cfg = trainer.config.data
-        batch, seq = trainer.batch_shapes["inputs"]
-        tokens = self.read(trainer)
+    def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
+        self.data, self.seed = data, seed
+        seq = batch.shapes["inputs"][1]
+        tokens = self.read(data, vocab_size)
         if len(tokens) < seq + 2:
-            raise ConfigError(f"data.path={cfg.path!r} holds {len(tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
-        check_ids(tokens, trainer.config.model.vocab_size, cfg.path)
-        training, self.held_out = split_tokens(tokens, cfg.eval_fraction, seq, cfg.path)
-        super().__init__(trainer, training, row_order(cfg.order, len(training), seq, batch, trainer.config.train.seed))
+            raise ConfigError(f"data.path={data.path!r} holds {len(tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
+        check_ids(tokens, vocab_size, data.path)
+        training, self.held_out = split_tokens(tokens, data.eval_fraction, seq, data.path)
+        order = row_order(data.order, len(training), seq, batch.global_batch, seed)
+        super().__init__(batch, training, order, data.eos_id)
 
-    def read(self, trainer) -> np.ndarray:
-        cfg = trainer.config.data
-        return open_tokens(cfg.path, cfg.dtype)
+    def read(self, data: Any, vocab_size: int) -> np.ndarray:
+        return open_tokens(data.path, data.dtype)
 
 
 class TextSource(TokenFile):
@@ -98,22 +101,22 @@ class TextSource(TokenFile):
     corpora of some tens of megabytes; tokenize a bigger one once, in parallel, with
     `jaxpar tokenize` and train on the file it writes (data.source=tokens): the same ids."""
 
-    def read(self, trainer) -> np.ndarray:
-        return tokenize(TextSpec.from_config(trainer.config.data), trainer.config.model.vocab_size)
+    def read(self, data: Any, vocab_size: int) -> np.ndarray:
+        return tokenize(TextSpec.from_config(data), vocab_size)
 
 
 class SyntheticClasses(Source):
     """Gaussian inputs (of any shape per example: features, images) labelled by a fixed
     random linear teacher of the flattened input: learnable to ~100%."""
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        features = int(np.prod(self.shapes["inputs"][1:]))
-        classes = trainer.config.model.num_classes
-        self.teacher = np.random.default_rng([self.seed, 11]).normal(size=(features, classes))
+    def __init__(self, batch: BatchLayout, num_classes: int, seed: int):
+        super().__init__(batch)
+        self.seed = seed
+        features = int(np.prod(batch.shapes["inputs"][1:]))
+        self.teacher = np.random.default_rng([seed, 11]).normal(size=(features, num_classes))
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        shape = self.shapes["inputs"]
+        shape = self.batch.shapes["inputs"]
         x = np.random.default_rng([self.seed, step]).normal(size=shape).astype(np.float32)[rows]
         return {
             "inputs": x,
@@ -186,13 +189,16 @@ def check_ids(tokens: np.ndarray, vocab: int, path: str, chunk: int = 1 << 26) -
                               f"model.vocab_size={vocab}; set model.vocab_size above the largest id, or re-tokenize")
 
 
-def make_source(trainer) -> Source:
-    model = trainer.config.model
+def make_source(batch: BatchLayout, config: Any) -> Source:
+    """The config's source of batches laid out as `batch` (a Trainer's `batch`): its model
+    config gives the task and the vocabulary or classes, train.seed the random streams."""
+    model, seed = config.model, config.train.seed
     if hasattr(model, "batch_fields"):
         raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
-                          f"({', '.join(trainer.batch_fields)}), which jaxpar's data sources do not make; "
-                          "give your batches to jaxpar.train.run(trainer, data=...) (docs/your_model.md)")
+                          f"({', '.join(batch.fields)}), which jaxpar's data sources do not make; "
+                          "give your batches to jaxpar.train.run(..., data=...) (docs/your_model.md)")
     if model.task == "classify":
-        return SyntheticClasses(trainer)
-    sources = {"synthetic": SyntheticTokens, "tokens": TokenFile, "text": TextSource}
-    return sources[trainer.config.data.source](trainer)
+        return SyntheticClasses(batch, model.num_classes, seed)
+    if config.data.source == "synthetic":
+        return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
+    return {"tokens": TokenFile, "text": TextSource}[config.data.source](batch, config.data, model.vocab_size, seed)

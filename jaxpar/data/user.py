@@ -1,4 +1,4 @@
-"""A user's own batches as a batch source, so `jaxpar.train.run(trainer, data=...)` keeps the
+"""A user's own batches as a batch source, so `jaxpar.train.run(..., data=...)` keeps the
 progress bar, metrics file, checkpoints and preemption handling.
 
 `data` is either
@@ -7,7 +7,8 @@ progress bar, metrics file, checkpoints and preemption handling.
   - an iterable of host-local batches: taken in order; a resumed run continues from wherever
     the iterable is (skip the steps already done yourself, or use a function).
 A host-local batch is a dict of numpy arrays holding this process's rows of the global batch
-(all of them with one process): the fields and trailing shapes of `trainer.abstract_batch()`.
+(all of them with one process): the fields and trailing shapes of the run's batch layout
+(jaxpar.data.batch.BatchLayout).
 The first batch is checked against them before the step is compiled.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
-from jaxpar.data.batch import local_rows, to_global
+from jaxpar.data.batch import BatchLayout
 from jaxpar.errors import ConfigError
 
 UserData = Callable[[int], dict] | Iterable[dict]
@@ -27,10 +28,10 @@ UserData = Callable[[int], dict] | Iterable[dict]
 class UserBatches:
     """`source(step)` -> the global batch, from `data` (see the module docstring)."""
 
-    def __init__(self, trainer: Any, data: UserData):
-        self.shardings, self.shapes = trainer.batch_shardings, trainer.batch_shapes
-        self.expected = {k: (tuple(v.shape), v.dtype) for k, v in trainer.abstract_batch().items()}
-        rows = local_rows(self.shardings["inputs"], self.shapes["inputs"])
+    def __init__(self, batch: BatchLayout, data: UserData):
+        self.batch = batch
+        self.expected = {k: (batch.shapes[k], np.dtype(f.dtype)) for k, f in batch.fields.items()}
+        rows = batch.rows
         self.rows = rows.stop - rows.start
         self.by_step = data if callable(data) else None
         self.stream = None if callable(data) else iter(data)
@@ -45,7 +46,7 @@ class UserBatches:
         local = self.first if self.first is not None else self._next(step)
         self.first = None
         rows = {k: np.asarray(local[k], dtype) for k, (_, dtype) in self.expected.items()}
-        return to_global(rows, self.shardings, self.shapes)
+        return self.batch.to_global(rows)
 
     def _next(self, step: int) -> dict:
         if self.by_step is not None:

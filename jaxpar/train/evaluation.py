@@ -35,7 +35,7 @@ def collect(sums: Sums) -> float:
 def held_out_loss(trainer, params: Any, batches: HeldOut | None = None, count: int | None = None) -> float:
     """The loss of `params` (as a TrainState holds them) on `count` held-out batches
     (default train.eval_batches) from `batches` (default the config's, jaxpar.data.heldout)."""
-    batches = held_out_batches(trainer) if batches is None else batches
+    batches = held_out_batches(trainer.batch, trainer.config) if batches is None else batches
     count = trainer.config.train.eval_batches if count is None else count
     return collect(dispatch(trainer.evaluate, params, batches, count))
 
@@ -77,4 +77,5 @@ def open_evaluation(trainer, data: UserData | None = None, eval_data: UserData |
         raise ConfigError(f"train.eval_every={every} evaluates on held-out batches, but run(data=...) trains on your "
                           "own batches and no eval_data was given; give run(..., eval_data=...) in the format of data "
                           "(jaxpar.data.heldout), or set train.eval_every=0")
-    return Evaluation(trainer.evaluate, held_out_batches(trainer, eval_data, source), trainer.config.train.eval_batches, every)
+    batches = held_out_batches(trainer.batch, trainer.config, eval_data, source)
+    return Evaluation(trainer.evaluate, batches, trainer.config.train.eval_batches, every)

@@ -48,9 +48,9 @@ def forward(trainer) -> Callable[[Any, dict], Any]:
     task = trainer.config.model.task
 
     def apply(params: Any, batch: dict) -> Any:
-        batch = {k: v for k, v in batch.items() if k in MODEL_FIELDS and k in trainer.batch_shardings}
-        _check_batch(batch, trainer.batch_shardings)
-        batch = {k: jax.lax.with_sharding_constraint(v, trainer.batch_shardings[k]) for k, v in batch.items()}
+        batch = {k: v for k, v in batch.items() if k in MODEL_FIELDS and k in trainer.batch.shardings}
+        _check_batch(batch, trainer.batch.shardings)
+        batch = {k: jax.lax.with_sharding_constraint(v, trainer.batch.shardings[k]) for k, v in batch.items()}
         params, layout = whole_model(trainer, params)
         with use_layout(layout):
             order = _sequence_order(layout, batch["inputs"].shape[1]) if task == "lm" else None

@@ -45,7 +45,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     steps = cfg.train.steps if steps is None else steps
     ckpt = cfg.checkpoint
     checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save) if ckpt.dir else None
-    source = make_source(trainer) if data is None else UserBatches(trainer, data)
+    source = make_source(trainer.batch, cfg) if data is None else UserBatches(trainer.batch, data)
     if data is not None:  # the first batch is checked before the compile
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
     evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)

@@ -53,7 +53,7 @@ def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, t
     length = _round_up(start + max_new_tokens, sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel))
     tokens = np.zeros((batch_rows(trainer), length), np.int32)
     tokens[:, :start] = prompt_ids
-    tokens = jax.device_put(tokens, trainer.batch_shardings["inputs"])
+    tokens = jax.device_put(tokens, trainer.batch.shardings["inputs"])
     step, key, drawn = next_token_step(trainer), jax.random.key(seed), []
     limit = np.iinfo(np.int32).max if vocab_limit is None else vocab_limit
     settings = (np.float32(temperature), np.int32(top_k), np.int32(limit), key)  # one dtype each: one trace
@@ -123,7 +123,7 @@ def sequence_multiple(mesh_shape: Mapping[str, int], parallel: Any) -> int:
 
 def batch_rows(trainer) -> int:
     """The fewest rows a batch can have: the product of the mesh axes its rows split over."""
-    sharding = trainer.batch_shardings["inputs"]
+    sharding = trainer.batch.shardings["inputs"]
     axes = sharding.spec[0] if len(sharding.spec) else None
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return math.prod(sharding.mesh.shape[a] for a in axes)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
-from jaxpar.data.batch import Field, batch_fields, batch_shapes
+from jaxpar.data.batch import BatchLayout, Field, batch_fields, batch_shapes
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.train.layout import layout_for
@@ -63,9 +63,7 @@ class Trainer:
     param_names: Any
     shardings: StateShardings  # parameter-shaped trees: params, grads, optimizer
     state_shardings: TrainState
-    batch_fields: dict[str, Field]
-    batch_shardings: dict[str, NamedSharding]
-    batch_shapes: dict[str, tuple[int, ...]]
+    batch: BatchLayout  # the step's batch: its fields, shapes and shardings (what data sources take)
     init: Any  # () -> TrainState
     step: Any  # (TrainState, batch) -> (TrainState, metrics)
     grads: Any  # (params, batch) -> (loss, grads)
@@ -99,8 +97,7 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct(self.batch_shapes[k], f.dtype, sharding=self.batch_shardings[k])
-                for k, f in self.batch_fields.items()}
+        return self.batch.abstract()
 
     def master_params(self, state: TrainState) -> Any:
         """The float32 weights, whichever field holds them."""
@@ -142,7 +139,8 @@ def build(
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
                             compressor.shardings() if compressor else None)
     fields = batch_fields(config.model, config.train.seq_len, config.data.eos_id)
-    batch_shardings = {k: layout.sharding(f.names, "compute") for k, f in fields.items()}
+    batch_layout = BatchLayout(fields, config.train.global_batch,
+                               {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
     pipelined = stages > 1
 
@@ -176,11 +174,10 @@ def build(
             total, (weight, _) = loss_sum(params, batch)
         return total, weight
 
-    jit = _jit_at_the_edge(placement.resting, shardings, batch_shardings, options)
+    jit = _jit_at_the_edge(placement.resting, shardings, batch_layout.shardings, options)
     return Trainer(
         config=config, layout=layout, graphdef=graphdef, tx=tx, lr_schedule=lr_schedule, param_names=names,
-        shardings=shardings, state_shardings=placement.resting, batch_fields=fields, batch_shardings=batch_shardings,
-        batch_shapes=batch_shapes(fields, config.train.global_batch),
+        shardings=shardings, state_shardings=placement.resting, batch=batch_layout,
         init=jax.jit(init, out_shardings=placement.resting),
         step=jit["step"](lambda state, batch: step(state, batch)[:2]),
         step_and_grads=jit["step_and_grads"](step),
