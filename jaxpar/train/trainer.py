@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
-from jaxpar.data.batch import BatchLayout, Field, batch_fields, batch_shapes
+from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.train.layout import layout_for
@@ -153,7 +153,7 @@ def build(
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
     loss_sum, grads_fn, program, reduction = _gradients(config, layout, graphdef, abstract_params, names, shardings,
-                                                        fields, loss_fn, reduction)
+                                                        batch_layout, loss_fn, reduction)
     compressor = reduction.compressor
     update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
                        config.parallel.offload_optimizer, config.model)
@@ -194,14 +194,14 @@ def build(
 
 
 def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
-               shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, reduction: GradReduction):
+               shardings: StateShardings, batch: BatchLayout, loss_fn: LossFn, reduction: GradReduction):
     """(the loss sum, the step's gradient: (params, batch, compression state) -> (loss,
     sums, gradient in the optimizer's sharding, the new compression state), the pipeline's
     program or None, `reduction` (its compressor knowing which parameters it averages layer
     by layer)). One branch a reduction (jaxpar.train.reduction)."""
-    field_names = {k: f.names for k, f in fields.items()}
+    field_names = {k: f.names for k, f in batch.fields.items()}
     if reduction.when == "compressed":  # refused in pipeline stages: no program
-        loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, fields,
+        loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
         return loss_sum, grads, None, reduction
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
@@ -216,7 +216,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
 
 
 def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
-                shardings: StateShardings, fields: dict[str, Field], loss_fn: LossFn, reduction: GradReduction):
+                shardings: StateShardings, batch: BatchLayout, loss_fn: LossFn, reduction: GradReduction):
     """(the loss, the compressed step's gradient function, the reduction whose compressor
     knows which parameters it averages layer by layer): those the model's layer scan runs
     once, where the loss's weight can be read off the batch before the backward pass
@@ -225,12 +225,12 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"), hooks)
-    batch = {k: jax.ShapeDtypeStruct(s, fields[k].dtype) for k, s in batch_shapes(fields, config.train.global_batch).items()}
-    outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, batch)
-    weight_of = weight_of_batch(loss_fn, outputs, batch)
-    per_layer = hooked_paths(loss_sum, hooks, abstract_params, batch) if weight_of is not None else frozenset()
+    example = {k: jax.ShapeDtypeStruct(s, batch.fields[k].dtype) for k, s in batch.shapes.items()}
+    outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, example)
+    weight_of = weight_of_batch(loss_fn, outputs, example)
+    per_layer = hooked_paths(loss_sum, hooks, abstract_params, example) if weight_of is not None else frozenset()
     compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
-    averaged = compressed_gradients(loss_sum, layout, shardings, {k: f.names for k, f in fields.items()},
+    averaged = compressed_gradients(loss_sum, layout, shardings, {k: f.names for k, f in batch.fields.items()},
                                     config.train.microbatches, compressor, weight_of)
 
     def grads(params, batch, compression):
