@@ -1,14 +1,18 @@
 """Typed run configuration and dotted overrides. The checks that run before compile are the
 catalogue in jaxpar.checks (`jaxpar.checks.validate`), which reads these classes; this module
-imports nothing of it."""
+imports nothing of it. A choice field's type is a Literal of jaxpar.choices, which holds its
+allowed values."""
 
 from __future__ import annotations
 
 import dataclasses
 import types
 import typing
-from typing import Any, Union
+from typing import Any, Literal, Union
 
+from jaxpar.choices import (Attention, AttentionKernel, CollectiveMatmul, CompilerPreset, ComputeDtype, ContextImpl,
+                            DataOrder, DataSource, ExpertExchange, GradientCompression, MatmulDtype, OnNonfinite,
+                            OnReplicated, Optimizer, PipelineSchedule, SequenceLayout, ZeroStage, check_choice)
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ModelConfig
@@ -27,10 +31,10 @@ class ParallelConfig:
     # Under sequence parallelism, run each column projection's all-gather and each row
     # projection's reduce-scatter as a collective matmul whose ppermute ring steps overlap
     # partial matmuls (jaxpar.sharding.projections): none | ring | bidirectional.
-    collective_matmul: str = "none"
+    collective_matmul: CollectiveMatmul = "none"
     # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
     # 2 + gradients, 3 + parameters (jaxpar.train.zero).
-    zero_stage: int = 0
+    zero_stage: ZeroStage = 0
     # ZeRO++ (arXiv 2306.10209). hpz: at zero_stage=3, keep a secondary parameter shard
     # inside the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
     hpz: bool = False
@@ -44,7 +48,7 @@ class ParallelConfig:
     # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
     # factors of each gradient matrix, warm-started, with error feedback) | topk (the
     # topk_fraction largest entries of each device's block, with error feedback).
-    gradient_compression: str = "none"
+    gradient_compression: GradientCompression = "none"
     powersgd_rank: int = 4
     topk_fraction: float = 0.01
     # fp32 master weights and optimizer state rest in pinned host memory between steps and
@@ -55,24 +59,24 @@ class ParallelConfig:
     # contiguous; longest query/key tile of the blockwise kernels (tiles divide the layout's
     # chunks); the block forward in pure JAX (jax), as one fused Pallas kernel (pallas:
     # Triton, GPUs) or that kernel in the Pallas interpreter (pallas_interpret: for checking).
-    context_impl: str = "ring"
-    context_layout: str = "zigzag"
+    context_impl: ContextImpl = "ring"
+    context_layout: SequenceLayout = "zigzag"
     attention_block: int = 512
-    attention_kernel: str = "jax"
+    attention_kernel: AttentionKernel = "jax"
     # Attention over an unsharded sequence (mesh.context=1): reference (scores materialized,
     # softmax in float32), flash (jaxpar's blockwise kernel, attention_block tiles, the jax
     # block forward), cudnn (cuDNN's fused flash attention: CUDA GPUs of compute capability
     # 8.0 or more, no packed documents, bf16/fp16), or auto (cudnn where it applies, else
     # reference).
-    attention: str = "auto"
+    attention: Attention = "auto"
     # How dropless MoE routing sends each expert device its rows: ragged
     # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
     # or auto (ragged on GPUs, padded elsewhere).
-    expert_exchange: str = "auto"
-    # Pipeline parallelism over mesh.stage (jaxpar.pipeline): the schedule (gpipe | 1f1b |
-    # interleaved | zb-h1), run over train.microbatches microbatches, and the model chunks
-    # (virtual stages) each device holds, more than 1 only for interleaved.
-    pipeline_schedule: str = "1f1b"
+    expert_exchange: ExpertExchange = "auto"
+    # Pipeline parallelism over mesh.stage (jaxpar.pipeline): the schedule, run over
+    # train.microbatches microbatches, and the model chunks (virtual stages) each device
+    # holds, more than 1 only for interleaved.
+    pipeline_schedule: PipelineSchedule = "1f1b"
     pipeline_chunks: int = 1
     # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
     storage_rules: str = ""
@@ -80,7 +84,7 @@ class ParallelConfig:
     # A parameter whose logical names match no rule while a mesh axis that shards
     # parameters is > 1 rests whole on every device: warn (name it and the rule that would
     # shard it), error (refuse the layout), or allow (say nothing).
-    on_replicated: str = "warn"
+    on_replicated: OnReplicated = "warn"
 
     @property
     def int8_gradients(self) -> bool:
@@ -95,17 +99,17 @@ class TrainConfig:
     seq_len: int = 64
     microbatches: int = 1
     seed: int = 0
-    compute_dtype: str = "bfloat16"  # parameters are always stored in float32
+    compute_dtype: ComputeDtype = "bfloat16"  # parameters are always stored in float32
     # compute: matmuls in compute_dtype. fp8: the projections that go through jaxpar's
     # helpers (jaxpar.sharding.projections) multiply in float8, e4m3 forward and e5m2 for
     # gradients, each tensor scaled by its current amax (jaxpar.kernels.fp8); master
     # weights, optimizer state and everything else unchanged.
-    matmul_dtype: str = "compute"
+    matmul_dtype: MatmulDtype = "compute"
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
     # A step whose loss or gradients hold NaN or Inf is not applied (the state stays as it
     # was); then `stop` ends the run naming the step and the first bad gradient, `skip`
     # goes on with the next batch.
-    on_nonfinite: str = "stop"
+    on_nonfinite: OnNonfinite = "stop"
     # Every eval_every steps (0: never) and after the last one, the loss on eval_batches
     # held-out global batches, never trained on (jaxpar.data.heldout): `eval_loss` in the
     # progress bar and the metrics.
@@ -119,7 +123,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"  # adamw | adam | sgd | lion
+    name: Optimizer = "adamw"
     lr: float = 3e-3
     warmup_steps: int = 10
     decay_steps: int = 0  # 0: train.steps
@@ -133,7 +137,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | tokens | text
+    source: DataSource = "synthetic"
     # tokens: a .npy or .bin file of token ids; text: a .txt, .jsonl or .parquet file, a
     # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer.
     path: str = ""
@@ -143,7 +147,7 @@ class DataConfig:
     # tokens and text: how rows are drawn from the token stream. windows: seq_len + 1 tokens
     # at random positions drawn from (seed, step); epochs: the stream cut into consecutive
     # rows, every row once per epoch, in an order shuffled from (seed, epoch).
-    order: str = "windows"
+    order: DataOrder = "windows"
     # Packed documents: the id that ends each document in the token stream (-1: none).
     # Tokens then attend only inside their document, RoPE positions restart at each one,
     # and no token is trained to predict the next document's first token.
@@ -182,7 +186,7 @@ class CompilerConfig:
     # XLA options for the train step (jaxpar.xla_options): auto (overlap on GPUs, none
     # elsewhere) | overlap | none, then `options` on top, 'name=value,...' (e.g.
     # 'xla_gpu_enable_latency_hiding_scheduler=false'); each is checked against the jaxlib.
-    preset: str = "auto"
+    preset: CompilerPreset = "auto"
     options: str = ""
 
 
@@ -204,7 +208,8 @@ class Config:
 
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
     """Apply 'a.b.c=value' strings to a tree of frozen dataclasses, converting each value to
-    the field's type. Unknown keys and unparsable values raise ConfigError."""
+    the field's type. Unknown keys, unparsable values and a choice field's value outside its
+    Literal raise ConfigError."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -242,6 +247,8 @@ def _parse(text: str, hint: Any, key: str) -> Any:
         if text.lower() == "none" and len(args) < len(typing.get_args(hint)):
             return None
         hint = args[0]
+    if typing.get_origin(hint) is Literal:
+        return _parse_choice(text, typing.get_args(hint), key)
     parsers = {bool: _parse_bool, int: int, float: float, str: str}
     if hint not in parsers:
         raise ConfigError(f"{key} cannot be set from the command line (type {hint})")
@@ -250,6 +257,17 @@ def _parse(text: str, hint: Any, key: str) -> Any:
     except ValueError:
         example = {bool: "true", int: "2", float: "0.5"}[hint]
         raise ConfigError(f"{key}={text!r} is not a valid {hint.__name__}; e.g. {key}={example}") from None
+
+
+def _parse_choice(text: str, allowed: tuple, key: str) -> Any:
+    """A choice as its Literal's type (parallel.zero_stage=2 is the int 2), refused with the
+    catalogue's message (jaxpar.choices.check_choice) unless allowed."""
+    try:
+        value = _parse(text, type(allowed[0]), key)
+    except ConfigError:  # not even of the right type: refused below, as typed
+        value = text
+    check_choice(key, value, allowed)
+    return value
 
 
 def _parse_bool(text: str) -> bool:

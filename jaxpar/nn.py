@@ -24,18 +24,19 @@ of every layer and undo the sharding. Every policy saves hpZ's in-host secondary
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.choices import Remat
 from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.kernels.experts.exchange import EXCHANGED_NAME
 from jaxpar.sharding import HPZ_NAME
 from jaxpar.sharding.layer_hooks import take_layer_hooks
 
-REMAT_POLICIES = ("none", "full", "selective", "offload", "dots", "dots_no_batch")
+REMAT_POLICIES = get_args(Remat)
 # The policies that keep nothing named RESIDUALS_NAME or EXCHANGED_NAME: a context-parallel
 # attention kernel runs its forward (ring hops included) again in the backward pass, and the
 # MoE layers their forward all-to-alls.

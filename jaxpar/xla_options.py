@@ -18,7 +18,6 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 
-PRESETS = ("auto", "overlap", "none")  # auto: overlap on GPUs, none elsewhere
 ON = "COLLECTIVE_PIPELINING_MODE_ON"  # `--xla_gpu_pipeline_all_gather=on` as a compiler option
 
 # Older jaxlibs spell the collective pipeliner as booleans.

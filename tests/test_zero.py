@@ -88,8 +88,8 @@ def test_offload_warns_on_cpu_and_stays_exact(tiny_llama, reference):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("parallel.zero_stage=4", "parallel.zero_stage=4; use 0"),
-        ("parallel.zero_stage=-1", "parallel.zero_stage=-1; use 0"),
+        ("parallel.zero_stage=4", "parallel.zero_stage=4; use one of 0, 1, 2, 3"),
+        ("parallel.zero_stage=-1", "parallel.zero_stage=-1; use one of 0, 1, 2, 3"),
         ("model.remat=attention", "model.remat='attention' is not a remat policy; use one of none, full, selective"),
     ],
 )

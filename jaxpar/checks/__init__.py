@@ -12,16 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.checks import backend, devices, layout, model, parallel, training
+from jaxpar.checks import (backend, checkpoint, choices, data, devices, distributed, layout, model, optim, pipeline,
+                           train, zero)
 from jaxpar.checks.rule import BASES, Rule
 from jaxpar.errors import ConfigError
 
 CATALOGUE: tuple[Rule, ...] = (
     *devices.RULES,  # first: it resolves the axis sizes the others read
+    *choices.RULES,  # then every choice field, which the rules across fields take as valid
     *model.RULES,
-    *training.RULES,
+    *train.RULES,
+    *zero.RULES,
+    *optim.RULES,
+    *checkpoint.RULES,
+    *distributed.RULES,
+    *data.RULES,
     *layout.RULES,
-    *parallel.RULES,
+    *pipeline.RULES,
     *backend.RULES,
 )
 

@@ -79,19 +79,6 @@ def ragged_exchange_needs_gpu(config, platform: str) -> None:
 
 
 @rule(
-    "compiler-preset",
-    fields=["compiler.preset"],
-    summary="The XLA option preset is auto (overlap on GPUs), overlap or none.",
-    example=["compiler.preset=fast"],
-)
-def compiler_preset(config, sizes) -> None:
-    from jaxpar.xla_options import PRESETS
-
-    if config.compiler.preset not in PRESETS:
-        raise ConfigError(f"compiler.preset={config.compiler.preset!r}; use one of {', '.join(PRESETS)}")
-
-
-@rule(
     "compiler-options-parse",
     fields=["compiler.options"],
     summary="Compiler options read 'name=value,...'.",

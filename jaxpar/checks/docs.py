@@ -76,9 +76,28 @@ def markdown() -> str:
         for example in rule.examples:
             overrides = " ".join("--set " + o for o in example)
             lines += [f"`{overrides}`", "", "```text", message(rule, example), "```", ""]
+    lines += _choices()
     lines += ["## Checked later", "", "These need more than the config and the device count, so they run where those facts are:", ""]
     lines += [f"- {where}: {what}." for where, what in LATER]
     return "\n".join(lines) + "\n"
+
+
+def _choices() -> list[str]:
+    """The choice fields and their values, as their Literal types give them."""
+    from jaxpar.choices import RULE, choice_fields
+    from jaxpar.config import Config, flatten
+
+    default = flatten(Config())
+    return [
+        "## Choice fields", "",
+        f"The values each choice field takes, from its type in `jaxpar/choices.py`. Rule [`{RULE}`](#{RULE}) "
+        "checks them; `--set` refuses any other value as it parses, with that rule's message.", "",
+        "| field | values | default |",
+        "|---|---|---|",
+        *[f"| `{key}` | {', '.join(f'`{v}`' for v in allowed)} | `{default[key]}` |"
+          for key, allowed in choice_fields(Config).items()],
+        "",
+    ]
 
 
 def message(rule: Rule, example: tuple[str, ...]) -> str:

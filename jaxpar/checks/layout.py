@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
-from jaxpar.kernels.attention import ATTENTION_KERNELS, CONTEXT_IMPLS, SEQUENCE_LAYOUTS
 from jaxpar.kernels.attention.tiles import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
-from jaxpar.sharding.attend import ATTENTIONS
-from jaxpar.sharding.projections import COLLECTIVE_MATMULS, MATMUL_DTYPES
 from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, model_name, supports
 
 RULES: list[Rule] = []
@@ -74,18 +71,6 @@ def sequence_parallel_needs_sequence(config, sizes) -> None:
 
 
 @rule(
-    "collective-matmul",
-    fields=["parallel.collective_matmul"],
-    summary="Collective matmul is none, ring or bidirectional.",
-    example=["parallel.collective_matmul=windowed"],
-)
-def collective_matmul(config, sizes) -> None:
-    value = config.parallel.collective_matmul
-    if value not in COLLECTIVE_MATMULS:
-        raise ConfigError(f"parallel.collective_matmul={value!r}; use one of {', '.join(COLLECTIVE_MATMULS)}")
-
-
-@rule(
     "collective-matmul-needs-sequence-parallel",
     fields=["parallel.collective_matmul", "parallel.sequence_parallel", "mesh.tensor", "model"],
     summary="Collective matmul passes sequence chunks round mesh.tensor: a model whose projections go through "
@@ -112,16 +97,14 @@ def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
 @rule(
     "matmul-dtype",
     fields=["train.matmul_dtype", "parallel.collective_matmul", "mesh.stage", "model"],
-    summary="train.matmul_dtype is compute or fp8; fp8 runs the projections a model sends through jaxpar's "
-    "helpers (capability 'projections'), not inside the collective matmul's ring, and not in pipeline stages.",
-    example=["train.matmul_dtype=int8"],
-    also=[["train.matmul_dtype=fp8", "parallel.collective_matmul=ring", "parallel.sequence_parallel=true",
-           "mesh.tensor=2"], ["train.matmul_dtype=fp8", "mesh.stage=2", "train.microbatches=2"]],
+    summary="train.matmul_dtype=fp8 runs the projections a model sends through jaxpar's helpers (capability "
+    "'projections'), not inside the collective matmul's ring, and not in pipeline stages.",
+    example=["train.matmul_dtype=fp8", "parallel.collective_matmul=ring", "parallel.sequence_parallel=true",
+             "mesh.tensor=2"],
+    also=[["train.matmul_dtype=fp8", "mesh.stage=2", "train.microbatches=2"]],
 )
 def matmul_dtype(config, sizes) -> None:
     value = config.train.matmul_dtype
-    if value not in MATMUL_DTYPES:
-        raise ConfigError(f"train.matmul_dtype={value!r}; use one of {', '.join(MATMUL_DTYPES)}")
     if value == "compute":
         return
     if not supports(config.model, PROJECTIONS):  # nothing would run in FP8
@@ -143,15 +126,12 @@ def matmul_dtype(config, sizes) -> None:
 @rule(
     "attention",
     fields=["parallel.attention", "mesh.context"],
-    summary="Attention over an unsharded sequence is auto, reference, flash or cudnn; with mesh.context > 1 the "
-    "context-parallel kernels run instead, so it stays auto.",
-    example=["parallel.attention=sdpa"],
-    also=[["mesh.context=2", "parallel.attention=flash"]],
+    summary="parallel.attention picks the attention of an unsharded sequence, in a model that routes attention "
+    "through jaxpar's helper; with mesh.context > 1 the context-parallel kernels run instead, so it stays auto.",
+    example=["mesh.context=2", "parallel.attention=flash"],
 )
 def attention(config, sizes) -> None:
     value = config.parallel.attention
-    if value not in ATTENTIONS:
-        raise ConfigError(f"parallel.attention={value!r}; use one of {', '.join(ATTENTIONS)}")
     if value != "auto" and not supports(config.model, ATTENTION):
         raise lacks(config.model, ATTENTION, f"parallel.attention={value}", "set parallel.attention=auto")
     if value != "auto" and sizes["context"] > 1:
@@ -159,30 +139,6 @@ def attention(config, sizes) -> None:
             f"parallel.attention={value} with mesh.context={sizes['context']}: a sharded sequence runs the "
             "context-parallel kernels (parallel.context_impl, attention_kernel); set parallel.attention=auto"
         )
-
-
-@rule(
-    "context-impl",
-    fields=["parallel.context_impl"],
-    summary="Context-parallel attention is ring, ulysses or allgather.",
-    example=["parallel.context_impl=flash"],
-)
-def context_impl(config, sizes) -> None:
-    impl = config.parallel.context_impl
-    if impl not in CONTEXT_IMPLS:
-        raise ConfigError(f"parallel.context_impl={impl!r}; use one of {', '.join(CONTEXT_IMPLS)}")
-
-
-@rule(
-    "context-layout",
-    fields=["parallel.context_layout"],
-    summary="The sequence is laid out over mesh.context zigzag or contiguous.",
-    example=["parallel.context_layout=striped"],
-)
-def context_layout(config, sizes) -> None:
-    layout = config.parallel.context_layout
-    if layout not in SEQUENCE_LAYOUTS:
-        raise ConfigError(f"parallel.context_layout={layout!r}; use one of {', '.join(SEQUENCE_LAYOUTS)}")
 
 
 @rule(
@@ -195,18 +151,6 @@ def attention_block_positive(config, sizes) -> None:
     block = config.parallel.attention_block
     if block < 1:
         raise ConfigError(f"parallel.attention_block={block} must be a positive tile length; e.g. 512")
-
-
-@rule(
-    "attention-kernel",
-    fields=["parallel.attention_kernel"],
-    summary="The block kernel is jax, pallas or pallas_interpret.",
-    example=["parallel.attention_kernel=cuda"],
-)
-def attention_kernel(config, sizes) -> None:
-    kernel = config.parallel.attention_kernel
-    if kernel not in ATTENTION_KERNELS:
-        raise ConfigError(f"parallel.attention_kernel={kernel!r}; use one of {', '.join(ATTENTION_KERNELS)}")
 
 
 @rule(

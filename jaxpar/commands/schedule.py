@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import get_args
+
+from jaxpar.choices import PipelineSchedule
 
 
 def add_parser(sub) -> None:
     schedule = sub.add_parser("schedule", help="draw a pipeline schedule and measure its bubble")
-    schedule.add_argument("name", help="gpipe, 1f1b, interleaved or zb-h1")
+    schedule.add_argument("name", help=", ".join(get_args(PipelineSchedule)))
     schedule.add_argument("--stages", type=int, default=4, metavar="P", help="pipeline stages (default 4)")
     schedule.add_argument("--microbatches", type=int, default=8, metavar="M", help="microbatches (default 8)")
     schedule.add_argument("--chunks", type=int, default=1, metavar="V", help="virtual stages per device (interleaved)")

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                        help="also write each step's metrics as TensorBoard scalars into DIR "
                        "(pip install 'jaxpar[tensorboard]')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--print-config", action="store_true", help="print every config key and exit")
+    train.add_argument("--print-config", action="store_true", help="print every config key (and a choice's values) and exit")
 
 
 def run(args) -> int:
@@ -41,10 +41,19 @@ def _distributed_settings(args):
     return distributed_settings(recipes.load(args.recipe), args.overrides)
 
 
+def _listing(config) -> str:
+    """Every key=value of `config`, a choice field's allowed values beside it."""
+    from jaxpar.choices import choice_fields
+    from jaxpar.config import flatten
+
+    choices = choice_fields(config)
+    return "\n".join(f"{key}={value}" + (f"  # {' | '.join(map(str, choices[key]))}" if key in choices else "")
+                     for key, value in flatten(config).items())
+
+
 def _train(args) -> int:
     import jax
 
-    from jaxpar.config import flatten
     from jaxpar.mesh import describe
     from jaxpar.train import build
     from jaxpar.train.loop import run
@@ -54,7 +63,7 @@ def _train(args) -> int:
     leader = jax.process_index() == 0
     if args.print_config:
         if leader:
-            print("\n".join(f"{key}={value}" for key, value in flatten(config).items()))
+            print(_listing(config))
         return 0
     trainer = build(config, devices)  # validates before anything compiles
     from jaxpar.model import ATTENTION, supports

@@ -20,7 +20,6 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 
-ORDERS = ("windows", "epochs")
 # The epochs' permutations are seeded with (seed, epoch, EPOCH_STREAM): a stream of their own,
 # apart from the windows' (seed, step) and the held-out (seed, i, 2**30) streams.
 EPOCH_STREAM = 1 << 29

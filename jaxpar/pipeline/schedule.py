@@ -26,9 +26,11 @@ p stages (devices), m microbatches, v chunks per device (v = 1 but for interleav
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, get_args
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+from jaxpar.choices import PipelineSchedule
+
+SCHEDULES = get_args(PipelineSchedule)
 DURATION = {"F": 1, "B": 2, "W": 1}  # time steps; B is 1 when a W follows it (split backward)
 
 

@@ -18,11 +18,10 @@ from jaxpar.sharding.annotate import (
 from jaxpar.sharding.attend import attend, context_spec, sequence_degree
 from jaxpar.sharding.embedding import lookup
 from jaxpar.sharding.experts import run_experts, top_k_indices
-from jaxpar.sharding.projections import COLLECTIVE_MATMULS, column_project, row_project
+from jaxpar.sharding.projections import column_project, row_project
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 
 __all__ = [
-    "COLLECTIVE_MATMULS",
     "column_project",
     "lookup",
     "row_project",

@@ -21,7 +21,6 @@ from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout
 
-ATTENTIONS = ("auto", "reference", "flash", "cudnn")  # parallel.attention; auto is resolved by the trainer
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 

@@ -38,8 +38,6 @@ from jaxpar.kernels.quantized import entries
 from jaxpar.mesh import mesh_here
 from jaxpar.sharding.annotate import Layout, active_layout, constrain
 
-COLLECTIVE_MATMULS = ("none", "ring", "bidirectional")
-MATMUL_DTYPES = ("compute", "fp8")  # train.matmul_dtype
 AXIS = "tensor"
 GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
 SCATTERED = ("batch", "norm_seq", "embed")  # where sequence parallelism keeps it

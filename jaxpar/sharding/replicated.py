@@ -26,14 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import jax
 
+from jaxpar.choices import OnReplicated
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.sharding.annotate import ParamNames
 
-POLICIES = ("warn", "error", "allow")
+POLICIES = get_args(OnReplicated)
 ACTIVATION_NAMES = ("batch", "seq", "norm_seq")  # their axes shard activations, not parameters
 STACKED = "layers"  # the scanned layer stack: a vector per layer is still a vector
 SUGGESTED_AXES = ("fsdp", "tensor", "expert")  # storage-only sharding is safe on these, in this order
@@ -168,6 +169,6 @@ def report_replicated(entries: Sequence[Replicated], policy: str) -> None:
 
 
 def check_policy(policy: str) -> None:
-    """parallel.on_replicated names one of POLICIES (the catalogue's rule, and the function above)."""
+    """`policy` is one of POLICIES: report_replicated's own check (the catalogue checks the config's field)."""
     if policy not in POLICIES:
         raise ConfigError(f"parallel.on_replicated={policy!r} is not a policy; use {', '.join(POLICIES)}")

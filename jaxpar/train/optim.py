@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import optax
 
-OPTIMIZERS = {
+OPTIMIZERS = {  # one per jaxpar.choices.Optimizer (optim.name)
     "adamw": lambda lr, c: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
     "adam": lambda lr, c: optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps),
     "lion": lambda lr, c: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),

@@ -27,8 +27,6 @@ from jax.sharding import NamedSharding
 from jaxpar.sharding import Layout, shardings_for
 from jaxpar.sharding.annotate import ParamNames, add_axes
 
-ZERO_STAGES = (0, 1, 2, 3)
-
 
 @dataclasses.dataclass(frozen=True)
 class StateShardings:

@@ -1,19 +1,14 @@
 """Attention kernels: blockwise (one device) and context parallel (ring, Ulysses, all-gather)."""
 
-from jaxpar.kernels.attention.tiles import KERNELS as ATTENTION_KERNELS
 from jaxpar.kernels.attention.tiles import Masking
-from jaxpar.kernels.attention.context import KERNELS as CONTEXT_IMPLS
 from jaxpar.kernels.attention.context import ContextSpec, context_attention, executed_tiles
 from jaxpar.kernels.attention.flash import flash_attention
-from jaxpar.kernels.attention.order import SEQUENCE_LAYOUTS, local_index, sequence_order, unpermute
+from jaxpar.kernels.attention.order import local_index, sequence_order, unpermute
 from jaxpar.kernels.attention.reference import reference_attention
 
 __all__ = [
-    "ATTENTION_KERNELS",
-    "CONTEXT_IMPLS",
     "ContextSpec",
     "Masking",
-    "SEQUENCE_LAYOUTS",
     "context_attention",
     "executed_tiles",
     "flash_attention",

@@ -33,7 +33,7 @@ from jaxpar.kernels.attention.tiles import Masking, tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.mesh import mesh_here
 
-KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}
+KERNELS = {"ring": ring, "ulysses": ulysses, "allgather": allgather}  # one per jaxpar.choices.ContextImpl
 RESIDUALS_NAME = "context_attention"  # what the backward pass reads: q, k, v, segments, o, lse
 
 

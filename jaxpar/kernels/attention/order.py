@@ -12,11 +12,13 @@ they hold when masking.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
+from jaxpar.choices import SequenceLayout
 
 
 def sequence_order(layout: str, n: int, s: int) -> np.ndarray:
@@ -26,7 +28,7 @@ def sequence_order(layout: str, n: int, s: int) -> np.ndarray:
     if layout == "zigzag":
         chunks = np.arange(s).reshape(2 * n, s // (2 * n))
         return np.concatenate([np.concatenate([chunks[r], chunks[2 * n - 1 - r]]) for r in range(n)])
-    raise ValueError(f"sequence layout {layout!r}; use one of {', '.join(SEQUENCE_LAYOUTS)}")
+    raise ValueError(f"sequence layout {layout!r}; use one of {', '.join(get_args(SequenceLayout))}")
 
 
 def chunk_length(layout: str, n: int, s: int) -> int:

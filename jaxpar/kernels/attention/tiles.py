@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 
+from jaxpar.choices import AttentionKernel
+
 NEG_INF = -jnp.inf
-
-
-KERNELS = ("jax", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Masking:
     kernel: str = "jax"
 
     def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ValueError(f"attention kernel {self.kernel!r}; use one of {', '.join(KERNELS)}")
+        if self.kernel not in get_args(AttentionKernel):
+            raise ValueError(f"attention kernel {self.kernel!r}; use one of {', '.join(get_args(AttentionKernel))}")
         if min(self.block_q, self.block_kv) < 1:
             raise ValueError(f"attention tiles must hold at least one token, not {self.block_q} x {self.block_kv}")
 

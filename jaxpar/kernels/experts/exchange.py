@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Callable
+from typing import Callable, get_args
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.choices import ExpertExchange, Routing
 from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
 
-ROUTINGS = ("capacity", "dropless")
-EXCHANGES = ("padded", "ragged", "ragged_emulated")
+ROUTINGS = get_args(Routing)
+# The config's exchanges with auto resolved (jaxpar.sharding.from_config), and the emulated
+# ragged one, which tests run where ragged_all_to_all is missing.
+EXCHANGES = (*(e for e in get_args(ExpertExchange) if e != "auto"), "ragged_emulated")
 EXCHANGED_NAME = "expert_exchange"  # the all-to-all outputs, for remat policies to keep
 
 

@@ -1,42 +1,18 @@
-"""Expert parallelism, then pipeline parallelism over mesh.stage."""
+"""Pipeline parallelism over mesh.stage: its options, the layers and microbatches it splits, and what does
+not run inside its stages yet."""
 
 from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
+from jaxpar.config import ParallelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
-from jaxpar.pipeline.schedule import SCHEDULES
 from jaxpar.model import STAGES, lacks, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
 
-EXPERT_EXCHANGES = ("auto", "padded", "ragged")
 PIPELINE_OPTIONS = ("pipeline_schedule", "pipeline_chunks")
-
-
-@rule(
-    "expert-exchange",
-    fields=["parallel.expert_exchange"],
-    summary="Dropless routing exchanges rows ragged, padded, or auto (ragged on GPUs).",
-    example=["parallel.expert_exchange=nccl"],
-)
-def expert_exchange(config, sizes) -> None:
-    exchange = config.parallel.expert_exchange
-    if exchange not in EXPERT_EXCHANGES:
-        raise ConfigError(f"parallel.expert_exchange={exchange!r}; use one of {', '.join(EXPERT_EXCHANGES)}")
-
-
-@rule(
-    "pipeline-schedule",
-    fields=["parallel.pipeline_schedule"],
-    summary="The pipeline schedule is gpipe, 1f1b, interleaved or zb-h1.",
-    example=["parallel.pipeline_schedule=zigzag"],
-)
-def pipeline_schedule(config, sizes) -> None:
-    name = config.parallel.pipeline_schedule
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallel.pipeline_schedule={name!r}; use one of {', '.join(SCHEDULES)}")
 
 
 @rule(
@@ -77,8 +53,6 @@ def pipeline_chunks_need_interleaved(config, sizes) -> None:
 def pipeline_options_need_stages(config, sizes) -> None:
     if sizes["stage"] > 1:
         return
-    from jaxpar.config import ParallelConfig  # lazily: jaxpar.config calls into this package
-
     parallel, default = config.parallel, ParallelConfig()
     for field in PIPELINE_OPTIONS:
         if getattr(parallel, field) != getattr(default, field):

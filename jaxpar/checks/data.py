@@ -1,0 +1,163 @@
+"""The data section: where batches come from, packed documents, and the held-out part of a token file."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+# data.source -> what its data.path names, for those that read one
+FILE_SOURCES = {
+    "tokens": "a .npy or .bin file of token ids",
+    "text": "a .txt, .jsonl or .parquet file, a folder of them, or a glob",
+}
+
+
+@rule(
+    "file-data-needs-language-model",
+    fields=["data.source", "model"],
+    summary="A token file or text feeds a language model (model.task=lm).",
+    example=["data.source=tokens", "data.path=tokens.npy"],
+    base="mlp",
+)
+def file_data_needs_language_model(config, sizes) -> None:
+    source = config.data.source
+    if source in FILE_SOURCES and config.model.task != "lm":  # else the synthetic classes would train, silently
+        raise ConfigError(f"data.source={source} holds tokens for a language model, but model.task="
+                          f"{config.model.task!r}; use data.source=synthetic, or give your batches to "
+                          "jaxpar.train.run(trainer, data=...)")
+
+
+@rule(
+    "tokens-need-path",
+    fields=["data.source", "data.path"],
+    summary="data.source=tokens or text reads what data.path names; data.path needs one of them.",
+    example=["data.source=tokens"],
+    also=[["data.path=tokens.npy"], ["data.source=text", "data.tokenizer=tokenizer.json"]],
+)
+def tokens_need_path(config, sizes) -> None:
+    source, path = config.data.source, config.data.path
+    if source in FILE_SOURCES and not path:
+        raise ConfigError(f"data.source={source} needs data.path, {FILE_SOURCES[source]}")
+    if source not in FILE_SOURCES and path:  # else the file would be ignored, silently
+        raise ConfigError(f"data.path={path!r} is read only with data.source=tokens or text, but "
+                          f"data.source={source!r}; set data.source=tokens (token ids) or text, or drop data.path")
+
+
+@rule(
+    "text-needs-tokenizer",
+    fields=["data.source", "data.tokenizer"],
+    summary="data.source=text is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` and "
+    "`jaxpar export` also read, with any source).",
+    example=["data.source=text", "data.path=corpus.jsonl"],
+)
+def text_needs_tokenizer(config, sizes) -> None:
+    if config.data.source == "text" and not config.data.tokenizer:
+        raise ConfigError("data.source=text needs data.tokenizer, a Hugging Face tokenizer.json "
+                          "(the one beside the model's weights)")
+
+
+@rule(
+    "text-field-named",
+    fields=["data.text_field"],
+    summary="data.text_field names the JSONL key or Parquet column that holds each document.",
+    example=["data.text_field="],
+)
+def text_field_named(config, sizes) -> None:
+    if not config.data.text_field:
+        raise ConfigError("data.text_field='' names no key; set it to the JSONL key or Parquet column that holds "
+                          "each document's text, e.g. data.text_field=text")
+
+
+@rule(
+    "data-order",
+    fields=["data.order", "data.source"],
+    summary="data.order=epochs goes through a token file or text once per epoch, so it needs one (windows, at "
+    "random positions, suit any source).",
+    example=["data.order=epochs"],
+)
+def data_order(config, sizes) -> None:
+    order, source = config.data.order, config.data.source
+    if order == "epochs" and source not in FILE_SOURCES:  # a synthetic stream has no rows to go through
+        raise ConfigError(f"data.order=epochs goes through a token file or text once per epoch, but "
+                          f"data.source={source!r} is endless; set data.source=tokens or text, or data.order=windows")
+
+
+@rule(
+    "eos-needs-language-model",
+    fields=["data.eos_id", "model"],
+    summary="Packed documents (data.eos_id) are for language models only.",
+    example=["data.eos_id=0"],
+    base="mlp",
+)
+def eos_needs_language_model(config, sizes) -> None:
+    eos = config.data.eos_id
+    if eos != -1 and config.model.task != "lm":
+        raise ConfigError(
+            f"data.eos_id={eos} packs documents of a language model, but model.task={config.model.task!r}; use -1"
+        )
+
+
+@rule(
+    "eos-in-vocabulary",
+    fields=["data.eos_id", "model.vocab_size"],
+    summary="data.eos_id is a token id of the model's vocabulary, or -1 for unpacked rows.",
+    example=["data.eos_id=128"],
+)
+def eos_in_vocabulary(config, sizes) -> None:
+    eos = config.data.eos_id
+    if eos != -1 and not 0 <= eos < config.model.vocab_size:
+        raise ConfigError(
+            f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
+            "or -1 for unpacked rows"
+        )
+
+
+@rule(
+    "eval-fraction-range",
+    fields=["data.eval_fraction"],
+    summary="The held-out share of a token file is a fraction below 1, or 0 for none.",
+    example=["data.eval_fraction=1.5"],
+    also=[["data.eval_fraction=-0.1"]],
+)
+def eval_fraction_range(config, sizes) -> None:
+    fraction = config.data.eval_fraction
+    if not 0 <= fraction < 1:
+        raise ConfigError(
+            f"data.eval_fraction={fraction} must be in (0, 1), the share of the token file held out "
+            "(e.g. 0.01: its last 1%), or 0 to train on all of it"
+        )
+
+
+@rule(
+    "eval-fraction-needs-token-file",
+    fields=["data.eval_fraction", "data.source"],
+    summary="data.eval_fraction splits a token file or text; synthetic sources hold out a random stream of their own.",
+    example=["data.eval_fraction=0.1"],
+)
+def eval_fraction_needs_token_file(config, sizes) -> None:
+    fraction = config.data.eval_fraction
+    if fraction and (config.data.source not in FILE_SOURCES or config.model.task != "lm"):
+        raise ConfigError(
+            f"data.eval_fraction={fraction} holds out the end of a token file or text, but data.source="
+            f"{config.data.source} (model.task={config.model.task!r}) draws held-out batches from a random stream "
+            "of its own; leave data.eval_fraction=0, or set data.source=tokens or text"
+        )
+
+
+@rule(
+    "token-eval-needs-held-out-part",
+    fields=["train.eval_every", "data.eval_fraction"],
+    summary="Evaluating a model trained on a token file or text needs a held-out part of it, data.eval_fraction > 0.",
+    example=["train.eval_every=10", "data.source=tokens", "data.path=tokens.npy"],
+    also=[["train.eval_every=10", "data.source=text", "data.path=corpus.jsonl", "data.tokenizer=tokenizer.json"]],
+)
+def token_eval_needs_held_out_part(config, sizes) -> None:
+    every, data = config.train.eval_every, config.data
+    if every and data.source in FILE_SOURCES and config.model.task == "lm" and not data.eval_fraction:
+        raise ConfigError(
+            f"train.eval_every={every} evaluates on held-out batches, but data.eval_fraction=0 holds none of "
+            f"data.path={data.path!r} out of training; set data.eval_fraction=0.01 (its last 1%)"
+        )

@@ -1,0 +1,74 @@
+"""The choice fields' allowed values, each defined once as a `Literal` type.
+
+jaxpar.config annotates its fields with these; `--set` parses a choice to its Literal's type
+and refuses any other value (jaxpar.config.apply_overrides), the catalogue's `choice-values`
+rule checks every choice field of a config built any other way (jaxpar.checks.choices), and
+docs/config_checks.md lists them. The kernels, pipeline and sharding modules read their
+values here (`typing.get_args`) rather than keep a tuple of their own. This module sits at
+the bottom of the package: it imports nothing of jaxpar but its errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from jaxpar.errors import ConfigError
+
+# parallel
+CollectiveMatmul = Literal["none", "ring", "bidirectional"]
+ZeroStage = Literal[0, 1, 2, 3]
+GradientCompression = Literal["none", "int8", "powersgd", "topk"]
+ContextImpl = Literal["ring", "ulysses", "allgather"]
+SequenceLayout = Literal["zigzag", "contiguous"]
+AttentionKernel = Literal["jax", "pallas", "pallas_interpret"]
+Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per device (jaxpar.sharding.from_config)
+# auto: resolved per platform (jaxpar.sharding.from_config); the kernel's own set,
+# jaxpar.kernels.experts.EXCHANGES, has the resolved ones and an emulated one for tests
+ExpertExchange = Literal["auto", "padded", "ragged"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+OnReplicated = Literal["warn", "error", "allow"]
+# train
+ComputeDtype = Literal["float32", "bfloat16"]
+MatmulDtype = Literal["compute", "fp8"]
+OnNonfinite = Literal["stop", "skip"]
+# optim (the update rules of jaxpar.train.optim)
+Optimizer = Literal["adam", "adamw", "lion", "sgd"]
+# data
+DataSource = Literal["synthetic", "tokens", "text"]
+DataOrder = Literal["windows", "epochs"]
+# compiler
+CompilerPreset = Literal["auto", "overlap", "none"]  # auto: overlap on GPUs, none elsewhere
+# model: the remat policies of jaxpar.nn and the MoE routers of jaxpar.kernels.experts, which the
+# shipped model configs check themselves
+Remat = Literal["none", "full", "selective", "offload", "dots", "dots_no_batch"]
+Routing = Literal["capacity", "dropless"]
+
+RULE = "choice-values"  # the catalogue rule that checks every choice field (jaxpar.checks.choices)
+
+
+def choice_fields(node: Any, prefix: str = "") -> dict[str, tuple]:
+    """{'parallel.zero_stage': (0, 1, 2, 3), ...}: every Literal-typed field under `node`, a
+    dataclass or an instance of one, by dotted key. An instance is walked as it is, so its
+    model's own choice fields count; a class as its annotations say."""
+    cls = node if isinstance(node, type) else type(node)
+    hints = typing.get_type_hints(cls)
+    found: dict[str, tuple] = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        inner = hint if node is cls else getattr(node, field.name)
+        if dataclasses.is_dataclass(inner):
+            found.update(choice_fields(inner, f"{prefix}{field.name}."))
+        elif typing.get_origin(hint) is Literal:
+            found[prefix + field.name] = typing.get_args(hint)
+    return found
+
+
+def check_choice(key: str, value: Any, allowed: tuple) -> None:
+    """Refuse `value` for the choice field `key` unless it is one of `allowed`, of the same
+    type (True is not the stage 1). The error is the catalogue rule's, wherever it is raised."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        error = ConfigError(f"{key}={value!r}; use one of {', '.join(map(str, allowed))}")
+        error.rule = RULE
+        raise error
