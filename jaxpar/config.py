@@ -298,3 +298,18 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + f.name] = value
     return out
+
+
+def parse_steps(spec: str) -> tuple[int, int] | None:
+    """train.profile_steps: "START:STOP" -> (START, STOP); "" -> None. ConfigError on anything else."""
+    if not spec:
+        return None
+    start, sep, stop = spec.partition(":")
+    try:
+        window = int(start), int(stop)
+    except ValueError:
+        window = None
+    if not sep or window is None or not 0 <= window[0] < window[1]:
+        raise ConfigError(f"train.profile_steps={spec!r}; give START:STOP with 0 <= START < STOP, e.g. 5:8 to trace "
+                          "steps 5, 6 and 7 (counted from 0), or leave it empty")
+    return window

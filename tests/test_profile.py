@@ -7,7 +7,7 @@ import pytest
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
 from jaxpar.train.loop import run
-from jaxpar.train.profile import parse_steps
+from jaxpar.config import parse_steps
 
 
 def test_trace_of_the_chosen_steps(tiny_llama, tmp_path, capsys):

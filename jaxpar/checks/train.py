@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
+from jaxpar.config import parse_steps
 from jaxpar.errors import ConfigError
 
 RULES: list[Rule] = []
@@ -47,8 +48,6 @@ def train_seed_and_peak(config, sizes) -> None:
     also=[["train.profile_steps=5"], ["train.steps=10", "train.profile_steps=5:20"]],
 )
 def profile_steps(config, sizes) -> None:
-    from jaxpar.train.profile import parse_steps
-
     window = parse_steps(config.train.profile_steps)
     if window is not None and window[1] > config.train.steps:
         raise ConfigError(f"train.profile_steps={config.train.profile_steps} ends after the run's last step "
