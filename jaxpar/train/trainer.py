@@ -33,6 +33,7 @@ from jaxpar.errors import JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import Field, batch_fields, batch_shapes
+from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, param_names, use_layout
 from jaxpar.sharding.from_config import layout_for
@@ -148,7 +149,7 @@ def build(
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
     if compressor is None:
-        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
+        loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"))
         grads_fn, program = _gradients(config, layout, graphdef, shardings, fields, loss_sum, loss_fn)
     else:  # compression is refused in pipeline stages: no program
         program, (loss_sum, grads_fn, compressor) = None, _compressed(
@@ -223,7 +224,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: hasattr(x, "names"))[0]}
     hooks = layer_hooks(compressor, paths)
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"), hooks)
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"), hooks)
     batch = {k: jax.ShapeDtypeStruct(s, fields[k].dtype) for k, s in batch_shapes(fields, config.train.global_batch).items()}
     outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, batch)
     weight_of = weight_of_batch(loss_fn, outputs, batch)
@@ -281,6 +282,6 @@ class OffloadIsANoOp(JaxparWarning):
 
 def offload_requests(config: Config) -> dict[str, bool]:
     return {
-        "model.remat=offload": getattr(config.model, "remat", "none") == "offload",
+        "model.remat=offload": declared(config.model, "remat") == "offload",
         "parallel.offload_optimizer": config.parallel.offload_optimizer,
     }
