@@ -4,10 +4,11 @@ tied or untied embeddings, layers stacked and scanned.
 A family shaped like it (Qwen3, Mixtral, ...) subclasses `LlamaConfig` and sets the parts
 that differ: `qk_norm` (an RMSNorm over each query and key head, before RoPE: Qwen3, Gemma 3),
 `qkv_bias` (biases on the query, key and value projections: Qwen2), `activation` (the gated
-MLP's: SwiGLU's silu, GeGLU's tanh-approximated gelu), and `block(rngs)` for a layer of its
-own (models/moe.py swaps the MLP for experts). Its Hugging Face format and presets come
-from the same helpers (`llama_from_hf(cls, hf, **fields)`, `llama_to_hf`, `attention_weights`)
-and one `jaxpar.families.register` call.
+MLP's: SwiGLU's silu, GeGLU's tanh-approximated gelu); a part of its own through
+`attention_module(rngs)` or `mlp_module(rngs)` (DeepSeek's latent attention), or a whole
+layer through `block(rngs)` (models/moe.py swaps the MLP for experts). Its Hugging Face
+format and presets come from the same helpers (`llama_from_hf(cls, hf, **fields)`,
+`llama_to_hf`, `attention_weights`) and one `jaxpar.families.register` call.
 
 Every parameter and key activation carries logical axis names; no collective appears here.
 Sharded shapes under the default rules (storage):
@@ -134,6 +135,16 @@ class LlamaConfig:
         """One decoder layer (models.moe swaps the MLP for experts)."""
         return Block(self, rngs=rngs)
 
+    def attention_module(self, rngs: nnx.Rngs) -> nnx.Module:
+        """A layer's attention, called as (x, positions, segment_ids): a family with another
+        kind (DeepSeek's latent attention) returns its own, and counts it in
+        attention_param_count."""
+        return Attention(self, rngs=rngs)
+
+    def mlp_module(self, rngs: nnx.Rngs) -> nnx.Module:
+        """A layer's MLP, called as (x)."""
+        return MLP(self, rngs=rngs)
+
     def param_count(self, include_embedding: bool = True) -> int:
         d, f, v = self.embed, self.mlp, self.vocab_size
         per_layer = self.attention_param_count() + 3 * d * f + 2 * d
@@ -258,9 +269,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = cfg.attention_module(rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = cfg.mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")

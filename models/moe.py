@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm,
+from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Llama, LlamaConfig, RMSNorm,
                                  attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
@@ -197,11 +197,11 @@ class MoE(nnx.Module):
 class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = cfg.attention_module(rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
         self.moe = MoE(cfg, rngs=rngs)
         if cfg.shared_experts:
-            self.shared = MLP(dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp), rngs=rngs)
+            self.shared = dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp).mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, dict]:
         x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
