@@ -13,7 +13,8 @@ Required (`ModelConfig`):
   flops_per_token(seq_len)   training FLOPs per token (per example for classify), for MFU.
 
 Optional: every member below is declared here (`MEMBERS`, with the value a model without
-it gets) and read through `declared(model, name)`, never by hasattr/getattr on the config
+it gets) and read through `declared(model, name)` (`has(model, name)`: whether the model
+declares it), never by hasattr/getattr on the config
 or by testing its class; `declared` refuses a name not listed, so a typo cannot read a
 default.
   capabilities   a frozenset of the names below: what the model routes through jaxpar's
