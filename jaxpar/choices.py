@@ -40,10 +40,12 @@ DataSource = Literal["synthetic", "tokens", "text"]
 DataOrder = Literal["windows", "epochs"]
 # compiler
 CompilerPreset = Literal["auto", "overlap", "none"]  # auto: overlap on GPUs, none elsewhere
-# model: the remat policies of jaxpar.nn and the MoE routers of jaxpar.kernels.experts, which the
-# shipped model configs check themselves
+# model (the shipped configs type their fields with these): the remat policies of jaxpar.nn,
+# the MoE routers of jaxpar.kernels.experts, the gated MLP's activation by its Hugging Face
+# `hidden_act` name (models/llama.py)
 Remat = Literal["none", "full", "selective", "offload", "dots", "dots_no_batch"]
 Routing = Literal["capacity", "dropless"]
+Activation = Literal["silu", "gelu_pytorch_tanh"]
 
 RULE = "choice-values"  # the catalogue rule that checks every choice field (jaxpar.checks.choices)
 

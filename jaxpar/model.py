@@ -12,8 +12,11 @@ Required (`ModelConfig`):
   param_count()              parameters, for the report and the planner.
   flops_per_token(seq_len)   training FLOPs per token (per example for classify), for MFU.
 
-Optional, each read by asking (`capabilities`, `axis_names`, `mesh_divides`, `check_model`),
-never by testing the class:
+Optional: every member below is declared here (`MEMBERS`, with the value a model without
+it gets) and read through `declared(model, name)` (`has(model, name)`: whether the model
+declares it), never by hasattr/getattr on the config
+or by testing its class; `declared` refuses a name not listed, so a typo cannot read a
+default.
   capabilities   a frozenset of the names below: what the model routes through jaxpar's
                  helpers, and so which strategies apply to it. A layout that needs a
                  capability the model lacks is refused before compile.
@@ -34,8 +37,28 @@ never by testing the class:
                  recompute by them; default vocab_size x embed where the config has them).
   layer_param_count()  one repeated layer's parameters (the XLA overlap preset's combine
                  thresholds; default param_count() / num_layers).
+  update(params, counts)  the model's own change to its float32 weights after each optimizer
+                 step, from the step's summed `counts` (MoE's bias balancing).
+  summarise(counts)  {metric name: scalar} from the step's summed `counts` (MoE's load).
+  Hugging Face's format (jaxpar.hf; all four of the first, or none):
+  hf_architectures  the config.json `architectures` it reads and writes ("LlamaForCausalLM",).
+  from_hf(hf)    a classmethod: config.json's dict -> the config.
+  to_hf()        the config as config.json's dict.
+  hf_weights()   {parameter path: jaxpar.hf.Weight}.
+  hf_ignored()   checkpoint tensors the import may leave unread (a tied model's lm_head).
+  hf_training_fields  fields free to differ from the checkpoint's config (remat, routing).
+Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
+  embed, num_layers, num_heads, num_kv_heads, head_dim, mlp, tie_embeddings  a decoder's
+                 shape: the planner's cost model (jaxpar.plan, which needs all but
+                 tie_embeddings) and `jaxpar explain`'s traffic formulas read them.
+  num_experts    routed experts (0 without): the planner's expert layouts, explain's
+                 all-to-all formula.
+  remat          the name of the jaxpar.nn remat policy the model applies ("none" without).
+
+A model family (a config class with its Hugging Face architectures, planner presets and
+recipes) registers once with `jaxpar.families.register`.
 """
 
 from __future__ import annotations
@@ -103,8 +126,41 @@ class PipelineStages(Protocol):
     def output(self, x: Any) -> Any: ...
 
 
+# The optional members (module docstring), each with what a model without it gets.
+MEMBERS: dict[str, Any] = {
+    "capabilities": frozenset(), "axis_names": None, "mesh_divides": None, "check": None,
+    "sequence_length": None, "input_shape": None, "batch_fields": None, "head_param_count": None,
+    "layer_param_count": None, "update": None, "summarise": None,
+    "hf_architectures": (), "from_hf": None, "to_hf": None, "hf_weights": None, "hf_ignored": None,
+    "hf_training_fields": (),
+    "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
+    "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
+    "num_experts": 0, "remat": "none",
+}
+HF_FORMAT = ("hf_architectures", "from_hf", "to_hf", "hf_weights")  # declared together, or none of them
+_DEFAULT = object()
+
+
+def declared(model: Any, member: str, default: Any = _DEFAULT) -> Any:
+    """The model's `member` (an optional member of the contract: `MEMBERS`), or `default`
+    (else the contract's) when it does not declare it. A name the contract does not list
+    is refused: every optional member is read here, and a misspelt one cannot read a default."""
+    if member not in MEMBERS:
+        raise KeyError(f"{member!r} is no optional member of the model contract; declare it in jaxpar.model.MEMBERS "
+                       f"(and the module docstring), or use one of {', '.join(MEMBERS)}")
+    value = getattr(model, member, None)
+    if value is not None:
+        return value
+    return MEMBERS[member] if default is _DEFAULT else default
+
+
+def has(model: Any, member: str) -> bool:
+    """Whether the model declares `member` (one of `MEMBERS`)."""
+    return declared(model, member, None) is not None
+
+
 def capabilities(model: Any) -> frozenset[str]:
-    return frozenset(getattr(model, "capabilities", ()))
+    return frozenset(declared(model, "capabilities"))
 
 
 def supports(model: Any, capability: str) -> bool:
@@ -124,11 +180,11 @@ def lacks(model: Any, capability: str, setting: str, instead: str) -> ConfigErro
 
 
 def axis_names(model: Any) -> dict[str, str]:
-    return dict(getattr(model, "axis_names", {}) or {})
+    return dict(declared(model, "axis_names", {}))
 
 
 def mesh_divides(model: Any) -> dict[str, tuple[str, ...]]:
-    return {axis: tuple(fields) for axis, fields in (getattr(model, "mesh_divides", {}) or {}).items()}
+    return {axis: tuple(fields) for axis, fields in declared(model, "mesh_divides", {}).items()}
 
 
 def check_model(model: Any, sizes: Mapping[str, int]) -> None:
@@ -142,11 +198,12 @@ def check_model(model: Any, sizes: Mapping[str, int]) -> None:
     unknown = sorted(capabilities(model) - set(CAPABILITIES))
     if unknown:
         raise ConfigError(f"model {model_name(model)} declares unknown capabilities {unknown}; use {sorted(CAPABILITIES)}")
-    if hasattr(model, "check"):
+    if has(model, "check"):
         model.check(dict(sizes))
 
 
 __all__ = [
-    "ATTENTION", "CAPABILITIES", "EXPERTS", "PROJECTIONS", "REMAT", "SEQUENCE", "STAGES", "ModelConfig",
-    "PipelineStages", "axis_names", "capabilities", "check_model", "lacks", "mesh_divides", "supports",
+    "ATTENTION", "CAPABILITIES", "EXPERTS", "HF_FORMAT", "MEMBERS", "PROJECTIONS", "REMAT", "SEQUENCE", "STAGES",
+    "ModelConfig", "PipelineStages", "axis_names", "capabilities", "check_model", "declared", "has", "lacks",
+    "mesh_divides", "supports",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, get_args
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -91,6 +92,12 @@ def layer_policy(remat: str) -> Callable:
             offload_dst="pinned_host",
         )
     raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int) -> nnx.Param:
+    """A float32 weight drawn from N(0, 1 / fan_in), annotated with its logical axis `names`."""
+    init = nnx.initializers.normal(stddev=fan_in**-0.5)
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:

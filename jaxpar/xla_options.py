@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.model import declared, has
 
 ON = "COLLECTIVE_PIPELINING_MODE_ON"  # `--xla_gpu_pipeline_all_gather=on` as a compiler option
 
@@ -73,9 +74,9 @@ def _value(text: str) -> Any:
 def layer_params(model) -> int:
     """Parameters of one layer of the stack: the model's `layer_param_count()` if it says,
     else an even share of all (the whole model when it has no stack)."""
-    if hasattr(model, "layer_param_count"):
+    if has(model, "layer_param_count"):
         return model.layer_param_count()
-    layers = getattr(model, "num_layers", 0)
+    layers = declared(model, "num_layers", 0)
     return model.param_count() // layers if layers else model.param_count()
 
 

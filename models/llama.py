@@ -1,6 +1,15 @@
 """Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP,
 tied or untied embeddings, layers stacked and scanned.
 
+A family shaped like it (Qwen3, Mixtral, ...) subclasses `LlamaConfig` and sets the parts
+that differ: `qk_norm` (an RMSNorm over each query and key head, before RoPE: Qwen3, Gemma 3),
+`qkv_bias` (biases on the query, key and value projections: Qwen2), `activation` (the gated
+MLP's: SwiGLU's silu, GeGLU's tanh-approximated gelu); a part of its own through
+`attention_module(rngs)` or `mlp_module(rngs)` (DeepSeek's latent attention), or a whole
+layer through `block(rngs)` (models/moe.py swaps the MLP for experts). Its Hugging Face
+format and presets come from the same helpers (`llama_from_hf(cls, hf, **fields)`,
+`llama_to_hf`, `attention_weights`) and one `jaxpar.families.register` call.
+
 Every parameter and key activation carries logical axis names; no collective appears here.
 Sharded shapes under the default rules (storage):
   embedding  E[V@tensor, D@fsdp]         wq  [D@fsdp, H@tensor, K]   wo [H@tensor, K, D@fsdp]
@@ -20,12 +29,14 @@ from flax import nnx
 
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.choices import Activation, Remat
 from jaxpar.errors import ConfigError
+from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.weights import Weight
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
-from jaxpar.nn import REMAT_POLICIES, scan_layers, stack_layers
+from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, lookup, row_project
 from jaxpar.sharding.projections import GATHERED, SCATTERED
 
@@ -34,6 +45,8 @@ HIDDEN = GATHERED  # ("batch", "seq", "embed"): inputs of column-parallel matmul
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 MLP_NAMES = ("batch", "seq", "mlp")
+# The gated MLP's activation (`activation`), by its Hugging Face `hidden_act` name.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +70,11 @@ class LlamaConfig:
     # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale);
     # Hugging Face's Llama does not scale them, and its importer sets this False.
     scale_tied_logits: bool = True
-    remat: str = "none"  # none | full | selective | offload | dots | dots_no_batch (jaxpar.nn)
+    remat: Remat = "none"  # the layers' policy (jaxpar.nn)
+    # Parts a family swaps (the module docstring): Llama has none of the first two, and silu.
+    qk_norm: bool = False  # an RMSNorm (head_dim wide) over each query and key head, before RoPE
+    qkv_bias: bool = False  # biases on the query, key and value projections
+    activation: Activation = "silu"  # the gated MLP's (ACTIVATIONS)
 
     # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
     # and the fields each mesh axis splits.
@@ -74,8 +91,6 @@ class LlamaConfig:
                               f"use one of {divisors(self.num_heads)}")
         if self.head_dim >= 1 and self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE; use {self.head_dim + 1}")
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"model.remat={self.remat!r} is not a remat policy; use one of {', '.join(REMAT_POLICIES)}")
         for field in self.SIZES:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
@@ -102,6 +117,7 @@ class LlamaConfig:
         return llama_from_hf(cls, hf)
 
     def to_hf(self) -> dict:
+        refuse_parts(self, "LlamaForCausalLM", qk_norm=False, qkv_bias=False)
         return llama_to_hf(self, "LlamaForCausalLM", "llama")
 
     def hf_weights(self) -> dict:
@@ -115,11 +131,26 @@ class LlamaConfig:
         """One decoder layer (models.moe swaps the MLP for experts)."""
         return Block(self, rngs=rngs)
 
+    def attention_module(self, rngs: nnx.Rngs) -> nnx.Module:
+        """A layer's attention, called as (x, positions, segment_ids): a family with another
+        kind (DeepSeek's latent attention) returns its own, and counts it in
+        attention_param_count."""
+        return Attention(self, rngs=rngs)
+
+    def mlp_module(self, rngs: nnx.Rngs) -> nnx.Module:
+        """A layer's MLP, called as (x)."""
+        return MLP(self, rngs=rngs)
+
     def param_count(self, include_embedding: bool = True) -> int:
-        d, h, kv, k, f, v = self.embed, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp, self.vocab_size
-        per_layer = d * k * (2 * h + 2 * kv) + 3 * d * f + 2 * d
+        d, f, v = self.embed, self.mlp, self.vocab_size
+        per_layer = self.attention_param_count() + 3 * d * f + 2 * d
         embedding = v * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
+
+    def attention_param_count(self) -> int:
+        """One layer's attention: the projections, their biases and the q/k norms."""
+        d, h, kv, k = self.embed, self.num_heads, self.num_kv_heads, self.head_dim
+        return d * k * (2 * h + 2 * kv) + (h + 2 * kv) * k * self.qkv_bias + 2 * k * self.qk_norm
 
     def layer_param_count(self) -> int:
         """One decoder layer's parameters (jaxpar.xla_options sizes its combine thresholds by it)."""
@@ -133,14 +164,12 @@ class LlamaConfig:
         return 6 * matmul_params + attention
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int) -> nnx.Param:
-    init = nnx.initializers.normal(stddev=fan_in**-0.5)
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
-
-
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
-        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(rngs.params(), (dim,)))
+    """x / rms(x) x scale over the last axis, of logical name `name` (the model's width; a
+    q/k norm's is head_dim)."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, name: str = "embed"):
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (name,))(rngs.params(), (dim,)))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -179,14 +208,24 @@ def rope(x: jax.Array, positions: jax.Array, cfg: LlamaConfig) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention; column-parallel QKV, row-parallel output."""
+    """Grouped-query causal self-attention; column-parallel QKV, row-parallel output. With
+    cfg.qkv_bias, biases on q, k, v; with cfg.qk_norm, an RMSNorm over each q and k head
+    before RoPE (one scale for all heads, as in Qwen3)."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, h, kv, k = cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), d)
-        self.wk = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
-        self.wv = _param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
-        self.wo = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), h * k)
+        self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), d)
+        self.wk = param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
+        self.wv = param(rngs, (d, kv, k), ("embed", "kv_heads", "head_dim"), d)
+        self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), h * k)
+        if cfg.qkv_bias:  # zeros drawn from no key: the other weights stay as they were
+            zeros = nnx.initializers.zeros
+            self.bq = nnx.Param(nnx.with_partitioning(zeros, ("heads", "head_dim"))(None, (h, k), jnp.float32))
+            self.bk = nnx.Param(nnx.with_partitioning(zeros, ("kv_heads", "head_dim"))(None, (kv, k), jnp.float32))
+            self.bv = nnx.Param(nnx.with_partitioning(zeros, ("kv_heads", "head_dim"))(None, (kv, k), jnp.float32))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(k, cfg.norm_eps, rngs=rngs, name="head_dim")
+            self.k_norm = RMSNorm(k, cfg.norm_eps, rngs=rngs, name="head_dim")
         self.cfg = cfg
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -194,6 +233,10 @@ class Attention(nnx.Module):
         # Column-parallel (SP: the sequence is all-gathered on the way in, once for all three).
         weights = [compute_value(self.wq), compute_value(self.wk), compute_value(self.wv)]
         q, k, v = column_project(x_BSD, weights, [Q_NAMES, KV_NAMES, KV_NAMES])
+        if cfg.qkv_bias:
+            q, k, v = (t + compute_value(b).astype(t.dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
         o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
@@ -202,27 +245,29 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: column-parallel gate and up projections, row-parallel down projection."""
+    """Gated MLP (SwiGLU; GeGLU with cfg.activation="gelu_pytorch_tanh"): column-parallel gate
+    and up projections, row-parallel down projection."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, f = cfg.embed, cfg.mlp
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), d)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), d)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), f)
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), d)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), d)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), f)
+        self.activation = cfg.activation
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         gate, up = column_project(x_BSD, [compute_value(self.w_gate), compute_value(self.w_up)], [MLP_NAMES] * 2)
         gate, up = checkpoint_name(gate, "mlp_hidden"), checkpoint_name(up, "mlp_hidden")
-        h_BSF = constrain(jax.nn.silu(gate) * up, MLP_NAMES)
+        h_BSF = constrain(ACTIVATIONS[self.activation](gate) * up, MLP_NAMES)
         return row_project(h_BSF, compute_value(self.w_down), MLP_NAMES)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = cfg.attention_module(rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = cfg.mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
@@ -240,7 +285,7 @@ class Llama(nnx.Module):
         self.layers = stack_layers(lambda r: cfg.block(r), cfg.num_layers, rngs)
         self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
+            self.head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
 
     def __call__(self, tokens_BS: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits[B, S, V@tensor] for token ids[B, S].
@@ -294,14 +339,18 @@ class Llama(nnx.Module):
 
 def llama_from_hf(cls, hf: dict, **extra):
     """The config of a Hugging Face Llama (2, 3, 3.1, 3.2) or a model shaped like it."""
-    refuse_unless(hf, attention_bias=False, mlp_bias=False, hidden_act="silu")
+    refuse_unless(hf, attention_bias=False, mlp_bias=False)
+    activation = hf.get("hidden_act", "silu")
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"config.json has hidden_act={activation!r}; jaxpar's gated MLP computes "
+                          f"{', '.join(ACTIVATIONS)}")
     rope = rope_settings(hf)
     if rope["rope_type"] not in ("default", "llama3"):
         raise ConfigError(f"config.json has RoPE scaling of type {rope['rope_type']!r}; jaxpar's Llama computes "
                           "'default' (none) and 'llama3'")
     heads, embed = value(hf, "num_attention_heads"), value(hf, "hidden_size")
     scaled, tied = rope["rope_type"] == "llama3", bool(hf.get("tie_word_embeddings", False))
-    return cls(
+    fields = dict(
         vocab_size=value(hf, "vocab_size"), embed=embed, num_layers=value(hf, "num_hidden_layers"), num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or embed // heads,
         mlp=value(hf, "intermediate_size"), rope_theta=float(rope["rope_theta"]),
@@ -311,11 +360,24 @@ def llama_from_hf(cls, hf: dict, **extra):
         rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
         scale_tied_logits=not tied,  # Hugging Face never scales a tied head (untied, the field is unused)
-        **extra,
+        activation=activation,
     )
+    return cls(**{**fields, **extra})
+
+
+def refuse_parts(cfg: LlamaConfig, architecture: str, **held) -> None:
+    """Refuse to write a model whose parts `architecture` cannot hold (`held`: {field: the
+    one value its format has}, e.g. qk_norm=False)."""
+    for field, want in held.items():
+        if getattr(cfg, field) != want:
+            raise ConfigError(f"model.{field}={getattr(cfg, field)!r}: {architecture}'s format holds only "
+                              f"model.{field}={want!r}; export a family whose format has it, or train with "
+                              f"model.{field}={want!r}")
 
 
 def llama_to_hf(cfg: LlamaConfig, architecture: str, model_type: str) -> dict:
+    """Llama's config.json keys, for `architecture`; the q/k norms and q/k/v biases are the
+    family's to write (Llama has neither)."""
     if cfg.tie_embeddings and cfg.scale_tied_logits:
         raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
                           "Hugging Face's Llama does not; export a model trained with model.scale_tied_logits=false")
@@ -323,7 +385,7 @@ def llama_to_hf(cfg: LlamaConfig, architecture: str, model_type: str) -> dict:
         "architectures": [architecture], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp,
-        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "hidden_act": cfg.activation, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
     }
     if cfg.rope_scaling_factor != 1:
@@ -347,6 +409,12 @@ def attention_weights(cfg: LlamaConfig) -> dict[str, Weight]:
         "layers.mlp_norm.scale": Weight(layer + "post_attention_layernorm.weight"),
         "final_norm.scale": Weight("model.norm.weight"),
     }
+    if cfg.qk_norm:
+        weights["layers.attn.q_norm.scale"] = Weight(layer + "self_attn.q_norm.weight")
+        weights["layers.attn.k_norm.scale"] = Weight(layer + "self_attn.k_norm.weight")
+    if cfg.qkv_bias:
+        for ours, theirs, heads in (("bq", "q", h), ("bk", "k", kv), ("bv", "v", kv)):
+            weights[f"layers.attn.{ours}"] = Weight(layer + f"self_attn.{theirs}_proj.bias", (heads, k), None, (heads * k,))
     if not cfg.tie_embeddings:
         weights["head"] = Weight("lm_head.weight", order=(1, 0))
     return weights
@@ -358,3 +426,14 @@ def llama_hf_weights(cfg: LlamaConfig) -> dict[str, Weight]:
             "layers.mlp.w_up": Weight(layer + "up_proj.weight", order=(1, 0)),
             "layers.mlp.w_down": Weight(layer + "down_proj.weight", order=(1, 0))}
 
+
+
+register(Family("llama", LlamaConfig, presets={
+    # Llama 3 (Grattafiori et al. 2024, table 3): 128K vocabulary, GQA with 8 KV heads.
+    "llama3-8b": LlamaConfig(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                             head_dim=128, mlp=14336),
+    "llama3-70b": LlamaConfig(vocab_size=128256, embed=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              head_dim=128, mlp=28672),
+    "llama3-405b": LlamaConfig(vocab_size=128256, embed=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                               head_dim=128, mlp=53248),
+}))

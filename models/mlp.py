@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.families import Family, register
 from jaxpar.sharding import compute_value, constrain
 
 
@@ -61,3 +62,6 @@ class MLP(nnx.Module):
         h = jax.nn.relu(h @ compute_value(self.w2) + compute_value(self.b2))
         h = constrain(h, ("batch", "embed2"))
         return constrain(h @ compute_value(self.w3) + compute_value(self.b3), ("batch", "classes")).astype(jnp.float32)
+
+
+register(Family("mlp", MLPConfig))

@@ -23,6 +23,7 @@ this one / layers):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import (HIDDEN, MLP, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, _param, attention_weights,
-                                 llama_from_hf, llama_to_hf)
+from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Llama, LlamaConfig, RMSNorm,
+                                 attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
+from jaxpar.choices import Routing
 from jaxpar.errors import ConfigError
-from jaxpar.kernels.experts import ROUTINGS, grouped_matmul
+from jaxpar.families import Family, register
+from jaxpar.kernels.experts import grouped_matmul
 from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
+from jaxpar.nn import param
 from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
@@ -45,7 +49,7 @@ class MoEConfig(LlamaConfig):
 
     num_experts: int = 8
     top_k: int = 2
-    routing: str = "capacity"  # capacity (drop past capacity_factor) | dropless
+    routing: Routing = "capacity"  # capacity (drop past capacity_factor) | dropless
     capacity_factor: float = 1.25
     renormalize: bool = True  # gates of the k chosen experts sum to one (k > 1; top-1 keeps p)
     shared_experts: int = 0
@@ -64,8 +68,6 @@ class MoEConfig(LlamaConfig):
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
                               f"e.g. model.top_k={min(2, self.num_experts)}")
-        if self.routing not in ROUTINGS:
-            raise ConfigError(f"model.routing={self.routing!r} is not a router option; use one of {', '.join(ROUTINGS)}")
         if not self.capacity_factor > 0:
             raise ConfigError(f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 is each expert's balanced "
                               "share); e.g. 1.25, or model.routing=dropless to drop nothing")
@@ -98,9 +100,10 @@ class MoEConfig(LlamaConfig):
 
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
         """All parameters, or those one token uses (`active`: k experts of E)."""
-        d, h, kv, k, f, v = self.embed, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp, self.vocab_size
+        d, f, v = self.embed, self.mlp, self.vocab_size
         experts = self.top_k if active else self.num_experts
-        per_layer = d * k * (2 * h + 2 * kv) + d * self.num_experts + 3 * d * f * (experts + self.shared_experts) + 2 * d
+        per_layer = (self.attention_param_count() + d * self.num_experts + 3 * d * f * (experts + self.shared_experts)
+                     + 2 * d)
         embedding = v * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
 
@@ -132,18 +135,18 @@ class RouterBias(nnx.Variable):
     """Set by the balancing rule (MoEConfig.update), never by gradients: not an nnx.Param."""
 
 
-def expert_ffn(weights, x, group_sizes=None):
-    """SwiGLU of every expert: x [E, C, D] (one buffer per expert), or x [M, D] grouped by
-    expert with `group_sizes` [E] (a ragged matmul; rows past the groups give zeros)."""
+def expert_ffn(weights, x, group_sizes=None, activation=jax.nn.silu):
+    """The gated MLP (SwiGLU) of every expert: x [E, C, D] (one buffer per expert), or x [M, D]
+    grouped by expert with `group_sizes` [E] (a ragged matmul; rows past the groups give zeros)."""
     w_gate, w_up, w_down = weights
     if group_sizes is None:
         gate = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_gate), "mlp_hidden")
         up = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_up), "mlp_hidden")
-        h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        h = checkpoint_name(activation(gate) * up, "mlp_hidden")
         return jnp.einsum("ecf,efd->ecd", h, w_down)
     gate = checkpoint_name(grouped_matmul(x, w_gate, group_sizes), "mlp_hidden")
     up = checkpoint_name(grouped_matmul(x, w_up, group_sizes), "mlp_hidden")
-    h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    h = checkpoint_name(activation(gate) * up, "mlp_hidden")
     return grouped_matmul(h, w_down, group_sizes)
 
 
@@ -152,10 +155,10 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         d, e, f = cfg.embed, cfg.num_experts, cfg.mlp
-        self.router = _param(rngs, (d, e), ("embed", None), d)
-        self.w_gate = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
-        self.w_up = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
-        self.w_down = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), f)
+        self.router = param(rngs, (d, e), ("embed", None), d)
+        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
+        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
+        self.w_down = param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), f)
         if cfg.bias_update_rate:
             # Zeros drawn from no key, so turning balancing on leaves every other initial weight as it was.
             self.router_bias = RouterBias(nnx.with_partitioning(nnx.initializers.zeros, (None,))(None, (e,)))
@@ -175,7 +178,8 @@ class MoE(nnx.Module):
         if cfg.renormalize and cfg.top_k > 1:  # at k = 1 it would make every gate 1: no gradient to the router
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         y, kept = run_experts(
-            x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down), expert_ffn, cfg.routing, cfg.capacity_factor
+            x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down),
+            functools.partial(expert_ffn, activation=ACTIVATIONS[cfg.activation]), cfg.routing, cfg.capacity_factor
         )
         chosen = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.int32).sum(axis=2)  # [B, S, E]
         share = jnp.mean(chosen, axis=1, dtype=jnp.float32) / cfg.top_k  # f per sequence [B, E]
@@ -192,11 +196,11 @@ class MoE(nnx.Module):
 class MoEBlock(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = cfg.attention_module(rngs)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
         self.moe = MoE(cfg, rngs=rngs)
         if cfg.shared_experts:
-            self.shared = MLP(dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp), rngs=rngs)
+            self.shared = dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp).mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, dict]:
         x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
@@ -273,6 +277,7 @@ def mixtral_to_hf(cfg: MoEConfig) -> dict:
         raise ConfigError("Mixtral's format has no shared experts and renormalises its top-k >= 2 gates; this model has "
                           f"model.shared_experts={cfg.shared_experts}, model.renormalize={cfg.renormalize}, "
                           f"model.top_k={cfg.top_k}, which it cannot hold")
+    refuse_parts(cfg, "MixtralForCausalLM", qk_norm=False, qkv_bias=False)
     hf = llama_to_hf(cfg, "MixtralForCausalLM", "mixtral")
     for key in ("attention_bias", "mlp_bias"):
         hf.pop(key)
@@ -297,3 +302,12 @@ def mixtral_hf_weights(cfg: MoEConfig) -> dict[str, Weight]:
     if cfg.bias_update_rate:
         weights["layers.moe.router_bias"] = Weight(None)
     return weights
+
+
+register(Family("mixtral", MoEConfig, presets={
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token. Capacity
+    # routing: its compiled FLOPs are those a GPU runs (the dropless grouped matmul compiles
+    # densely on CPU, every expert for every token).
+    "mixtral-8x7b": MoEConfig(vocab_size=32000, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              head_dim=128, mlp=14336, num_experts=8, top_k=2, routing="capacity"),
+}))

@@ -7,7 +7,10 @@
 - an importable module, `package.module:function` or `package.module` (function `recipe`),
   searched on sys.path with the current directory added, as `python -m` does;
 - `hf:FOLDER`, a Hugging Face checkpoint to fine-tune (jaxpar.hf.recipe): its model, weights,
-  tokenizer and end-of-text id.
+  tokenizer and end-of-text id;
+- a name a registered model family gives (jaxpar.families): one of its recipes, or one of its
+  presets (`llama3-8b`, see `presets()`), which runs that model with jaxpar's defaults for
+  the rest (change them with --set).
 
 A file is imported once per process under a name derived from its resolved path, registered
 in sys.modules (so dataclasses and pickling inside it work), with its own folder at the front
@@ -27,10 +30,12 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
+from jaxpar import families
 from jaxpar.errors import ConfigError
 
 DEFAULT_FUNCTION = "recipe"
-FORMS = "a path to a .py file defining recipe(), package.module:function, or hf:FOLDER (a Hugging Face checkpoint)"
+FORMS = ("a model preset (jaxpar recipes lists them), a path to a .py file defining recipe(), package.module:function, "
+         "or hf:FOLDER (a Hugging Face checkpoint)")
 _MODULE_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
 
 
@@ -42,12 +47,28 @@ def names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__))
 
 
+def presets() -> list[str]:
+    """The model families' presets, each a recipe of that model with jaxpar's defaults."""
+    return list(families.presets())
+
+
 def load(spec: str):
     """The Config that `spec`'s recipe function returns (see the module docstring)."""
     if spec.startswith("hf:"):
         from jaxpar.hf.recipe import recipe
 
         return recipe(spec[3:])
+    if spec not in names():
+        named = families.recipes()
+        if spec in named:
+            if callable(named[spec]):
+                return _call(None, named[spec], f"recipe {spec!r}")
+            return load(named[spec])
+        model = families.presets().get(spec)
+        if model is not None:
+            from jaxpar.config import Config
+
+            return Config(model=model)
     module, function, where = _module_for(spec)
     return _call(module, function, where)
 
@@ -120,10 +141,11 @@ def _import_module(name: str, spec: str) -> ModuleType:
         raise ConfigError(f"module {name} failed to import: {_describe(e)}") from e
 
 
-def _call(module: ModuleType, function: str, where: str):
+def _call(module: ModuleType | None, function, where: str):
+    """`module.function()` (or `function()`, given the function), checked to be a Config."""
     from jaxpar.config import Config
 
-    fn = getattr(module, function, None)
+    fn = function if callable(function) else getattr(module, function, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items()
                        if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__)
@@ -132,9 +154,9 @@ def _call(module: ModuleType, function: str, where: str):
     try:
         config = fn()
     except Exception as e:
-        raise ConfigError(f"{where}: {function}() raised {_describe(e)}") from e
+        raise ConfigError(f"{where}: {getattr(fn, '__name__', function)}() raised {_describe(e)}") from e
     if not isinstance(config, Config):
-        raise ConfigError(f"{where}: {function}() returned {type(config).__module__}.{type(config).__qualname__}, "
+        raise ConfigError(f"{where}: {getattr(fn, '__name__', function)}() returned {type(config).__module__}.{type(config).__qualname__}, "
                           "not a jaxpar.config.Config; return Config(model=..., train=...)")
     return config
 

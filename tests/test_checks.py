@@ -64,7 +64,7 @@ MODEL_EXAMPLES = [
     ("moe", ["model.rope_theta=-1"], "model-contract", "model.rope_theta=-1.0 must be positive"),
     ("llama", ["model.norm_eps=0"], "model-contract", "model.norm_eps=0.0 must be positive"),
     ("moe", ["model.top_k=5"], "model-contract", "model.top_k=5"),
-    ("moe", ["model.routing=random"], "model-contract", "model.routing='random'"),
+    ("moe", ["model.routing=random"], "choice-values", "model.routing='random'"),
     ("moe", ["model.capacity_factor=0"], "model-contract", "model.capacity_factor=0"),
     ("moe", ["model.aux_loss_weight=-1"], "model-contract", "model.aux_loss_weight=-1"),
     ("moe", ["mesh.context=2"], "model-contract", "model.routing=capacity"),

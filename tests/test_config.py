@@ -56,7 +56,7 @@ def llama(**model):
         (llama(), ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true", "train.seq_len=18", "model.num_heads=4", "model.num_kv_heads=4"], r"train.seq_len=18 is not divisible by context x tensor = 4"),
         (llama(), ["train.compute_dtype=float16"], r"train.compute_dtype='float16'; use one of float32, bfloat16"),
         (llama(), ["optim.name=adagrad"], r"optim.name='adagrad'; use one of adam, adamw, lion, sgd"),
-        (llama(remat="some"), [], r"model.remat='some' is not a remat policy"),
+        (llama(remat="some"), [], r"model.remat='some'; use one of none, full"),
         (llama(), ["parallel.storage_rules=embed=gpu"], r"unknown mesh axis 'gpu'"),
         (llama(), ["data.source=tokens"], r"data.source=tokens needs data.path"),
         (Config(mesh=MeshConfig(data=-1, tensor=3)), [], r"mesh.data=-1 cannot fill 8 devices"),

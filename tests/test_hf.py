@@ -4,10 +4,13 @@ made (tests/golden/make.py says how): logits under several layouts equal transfo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import pathlib
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from jaxpar.config import Config, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.hf import export, model_config, prepare_import
 from jaxpar.hf.safetensors import Planned, open_tensor, tensor_index, write_file
+from jaxpar.models.llama import LlamaConfig, llama_from_hf, llama_to_hf
 from jaxpar.train import build
 from jaxpar.train.inference import forward
 from jaxpar.testing import initial_state
@@ -187,8 +191,6 @@ def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
     """Stages holding strided chunks (stage 2 x chunks 2) swap them back into model order
     by collective permutes (jaxpar.pipeline.stages.relaid_layers) before the export: the
     files equal those of the same weights exported unpipelined, bit for bit."""
-    from jaxpar.models.llama import LlamaConfig
-
     config = Config(model=LlamaConfig(vocab_size=128, embed=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                                       mlp=64), train=TrainConfig(global_batch=8, seq_len=16, compute_dtype="float32"))
     written = {}
@@ -201,3 +203,80 @@ def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
     assert written["plain"].keys() == written["interleaved"].keys() and len(written["plain"]) > 4
     for key, value in written["plain"].items():
         assert value.tobytes() == written["interleaved"][key].tobytes(), key
+
+
+@dataclasses.dataclass(frozen=True)
+class QKNormed(LlamaConfig):
+    """A family with QK-norm (Qwen3's attention) written as one would add it: Llama's parts
+    with `qk_norm` on, its own architecture name, and one register call (in the test)."""
+
+    qk_norm: bool = True
+    hf_architectures = ("QKNormedForCausalLM",)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "QKNormed":
+        return llama_from_hf(cls, hf, qk_norm=True)
+
+    def to_hf(self) -> dict:
+        return llama_to_hf(self, "QKNormedForCausalLM", "qk_normed")
+
+
+def test_a_family_with_qk_norm_registers_once_builds_and_round_trips(tmp_path, monkeypatch):
+    """One register call fills the Hugging Face table (import and export by architecture)
+    and the planner's presets; the q/k norms are parameters of their own, exported and
+    imported with the rest, and normalise q and k (scaling wq and wk leaves the logits)."""
+    from jaxpar import families
+    from jaxpar.plan import MODELS
+
+    families.families()  # the shipped families, registered before the test's (restored after it)
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    tiny = QKNormed(vocab_size=64, embed=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp=64)
+    families.register(families.Family("qk-normed", QKNormed, presets={"qk-normed-tiny": tiny}))
+    assert MODELS["qk-normed-tiny"] is tiny and "llama3-8b" in MODELS
+
+    trainer = build(Config(model=tiny, train=TrainConfig(global_batch=2, seq_len=8, compute_dtype="float32")),
+                    jax.devices()[:1])
+    state = initial_state(trainer)
+    shapes = {jax.tree_util.keystr(k, simple=True, separator="."): v.shape
+              for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    assert shapes["layers.attn.q_norm.scale"] == shapes["layers.attn.k_norm.scale"] == (2, 8)
+    assert sum(math.prod(s) for s in shapes.values()) == tiny.param_count()
+    assert set(shapes) == set(tiny.hf_weights())
+
+    export(trainer, state, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["QKNormedForCausalLM"]
+    assert model_config(tmp_path / "out") == tiny
+    imported = prepare_import(trainer, tmp_path / "out")()
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(imported.params), jax.device_get(state.params))
+
+    tokens = {"inputs": np.arange(16, dtype=np.int32).reshape(2, 8) % 64}
+    run = forward(trainer)
+    before = np.asarray(run(state.params, tokens))
+    attn = state.params["layers"]["attn"]
+
+    def with_attn(**changed):
+        return {**state.params, "layers": {**state.params["layers"], "attn": {**attn, **changed}}}
+
+    scaled = np.asarray(run(with_attn(wq=attn["wq"] * 3, wk=attn["wk"] * 0.5), tokens))
+    np.testing.assert_allclose(scaled, before, rtol=1e-4, atol=1e-5)
+    doubled = np.asarray(run(with_attn(q_norm={"scale": attn["q_norm"]["scale"] * 2}), tokens))
+    assert np.abs(doubled - before).max() > 1e-3
+
+
+@pytest.mark.parametrize("parts", [dict(qkv_bias=True), dict(qk_norm=True, qkv_bias=True, activation="gelu_pytorch_tanh")])
+def test_the_swappable_parts_are_counted_and_mapped(parts):
+    """q/k/v biases and q/k norms are parameters param_count counts and hf_weights maps;
+    Llama's own format, which has neither, refuses to write them."""
+    from flax import nnx
+
+    cfg = LlamaConfig(vocab_size=64, embed=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp=64, **parts)
+    with nnx.use_eager_sharding(False):
+        state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cfg.build(nnx.Rngs(0))), nnx.Param))
+    shapes = {jax.tree_util.keystr(k, simple=True, separator="."): v.shape
+              for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert shapes["layers.attn.bq"] == (2, 4, 8) and shapes["layers.attn.bk"] == shapes["layers.attn.bv"] == (2, 2, 8)
+    assert sum(math.prod(s) for s in shapes.values()) == cfg.param_count()
+    assert set(shapes) == set(cfg.hf_weights())
+    assert llama_to_hf(cfg, "X", "x")["hidden_act"] == cfg.activation
+    with pytest.raises(ConfigError, match=r"model.(qk_norm|qkv_bias)=True: LlamaForCausalLM.s format holds only model.\1=False"):
+        cfg.to_hf()

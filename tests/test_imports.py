@@ -125,7 +125,7 @@ LAYERS = [
     ("models", ["jaxpar.models", "jaxpar.hf", "jaxpar.nn"]),
     ("sharding", ["jaxpar.sharding"]),
     ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed"]),
-    ("base", ["jaxpar.choices", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
+    ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
               "jaxpar.xla_options"]),
 ]
 # Imports that still run upward, each with its reason (none today); the test fails if one
@@ -162,3 +162,18 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert layer_of("jaxpar.hf.recipe") < layer_of("jaxpar.hf.load") < layer_of("jaxpar.kernels.quantized")
     assert upward == KNOWN_UPWARD, "\n".join(
         f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})" for a, b in sorted(upward ^ KNOWN_UPWARD))
+
+
+def test_no_module_imports_another_s_private_names():
+    """A name starting with one underscore is its module's own: no other module of the
+    package imports it (a helper two modules share is public where it lives)."""
+    found = set()
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FOLDERS:
+                    found |= {(name, f"{node.module}.{a.name}") for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__") and node.module != name}
+    assert found == set(), sorted(found)

@@ -1,4 +1,5 @@
-"""Recipes from anywhere: a shipped name, a path to a .py file, or package.module[:function]."""
+"""Recipes from anywhere: a shipped name, a path to a .py file, package.module[:function], or a
+name a model family registers (a preset, or one of its recipes)."""
 
 import pathlib
 import pickle
@@ -196,6 +197,7 @@ def test_recipes_command_says_paths_work(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:5] == ["llama", "llama_long", "llama_pp", "mlp_dp", "moe"]
+    assert "llama3-8b, llama3-70b" in out[5] and "mixtral-8x7b" in out[5]
     assert "path to a .py file" in out[-1] and "module:function" in out[-1]
 
 
@@ -218,3 +220,26 @@ def test_plan_refuses_a_model_its_cost_model_cannot_read():
     with pytest.raises(ConfigError, match=r"--model='mlp_dp': the planner's cost model is a decoder's .* MLPConfig has no "
                                           r"vocab_size, embed.*jaxpar explain"):
         resolve_model("mlp_dp")
+
+
+def test_a_family_s_presets_and_recipes_load_by_name(monkeypatch):
+    """A preset runs its model with jaxpar's defaults; a family's recipes load by their names."""
+    from jaxpar import families
+    from jaxpar.models.llama import LlamaConfig
+    from jaxpar.plan import MODELS
+
+    config = recipes.load("llama3-8b")
+    assert config.model == MODELS["llama3-8b"] and config.train == Config().train
+    families.families()  # the shipped families, registered before the test's (restored after it)
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+
+    def small() -> Config:
+        return Config(model=LlamaConfig(num_layers=1))
+
+    families.register(families.Family("mine", LlamaConfig, recipes={"mine-small": small,
+                                                                    "mine-llama": "jaxpar.recipes.llama:recipe"}))
+    assert recipes.load("mine-small").model.num_layers == 1
+    assert recipes.load("mine-llama") == recipes.load("llama")
+    families.register(families.Family("mine", LlamaConfig, recipes={"mine-small": lambda: 3}))
+    with pytest.raises(ConfigError, match=r"recipe 'mine-small': <lambda>\(\) returned builtins.int, not a jaxpar.config.Config"):
+        recipes.load("mine-small")

@@ -144,3 +144,25 @@ def test_explain_accounts_for_a_user_model_on_a_pipeline(capsys):
                  "mesh.tensor=2", "--set", "train.microbatches=4", "--set", "train.seq_len=32"])
     out = capsys.readouterr().out
     assert code == 0 and "elements over stage" in out and "no formula: it reads a decoder's embed" in out, out[-2000:]
+
+
+# Left to jaxpar/data's owner (issue 33), to read batch_fields and input_shape through jaxpar.model.declared.
+UNDECLARED_READS_KNOWN: set[str] = set()
+
+
+def test_every_optional_member_is_declared_and_read_through_one_place():
+    """jaxpar.model declares each optional member (MEMBERS, described in its docstring) and
+    `declared` refuses any other name; no module reads one by hasattr / getattr."""
+    import re
+
+    from jaxpar import model
+    from jaxpar.models.llama import LlamaConfig
+
+    assert model.declared(LlamaConfig(), "remat") == "none" and model.declared(object(), "num_experts") == 0
+    with pytest.raises(KeyError, match="'vocab_sise' is no optional member of the model contract"):
+        model.declared(LlamaConfig(), "vocab_sise")
+    assert [m for m in model.MEMBERS if not re.search(rf"\b{m}\b", model.__doc__)] == []
+    root = pathlib.Path(__file__).resolve().parent.parent
+    raw = re.compile(r"(hasattr|getattr)\([\w.]*model\b[^,]*,\s*[\"']")
+    readers = {str(p.relative_to(root)) for p in (root / "jaxpar").rglob("*.py") if raw.search(p.read_text())}
+    assert readers - UNDECLARED_READS_KNOWN == set(), readers

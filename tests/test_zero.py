@@ -90,7 +90,7 @@ def test_offload_warns_on_cpu_and_stays_exact(tiny_llama, reference):
     [
         ("parallel.zero_stage=4", "parallel.zero_stage=4; use one of 0, 1, 2, 3"),
         ("parallel.zero_stage=-1", "parallel.zero_stage=-1; use one of 0, 1, 2, 3"),
-        ("model.remat=attention", "model.remat='attention' is not a remat policy; use one of none, full, selective"),
+        ("model.remat=attention", "model.remat='attention'; use one of none, full, selective"),
     ],
 )
 def test_bad_zero_and_remat_input(tiny_llama, override, message):

@@ -9,7 +9,7 @@ from jaxpar.kernels.attention.tiles import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
-from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, lacks, mesh_divides, model_name, supports
+from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, declared, lacks, mesh_divides, model_name, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -53,7 +53,7 @@ def seq_divides_context_tensor(config, sizes) -> None:
 def sequence_length(config) -> tuple[str, int]:
     """(where it comes from, the length of the model's activations' sequence): the model's
     own `sequence_length` (a ViT's patches) or train.seq_len."""
-    own = getattr(config.model, "sequence_length", None)
+    own = declared(config.model, "sequence_length")
     return ("model.sequence_length", own) if own is not None else ("train.seq_len", config.train.seq_len)
 
 

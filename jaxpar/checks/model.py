@@ -12,15 +12,14 @@ rule = collector(RULES)
 
 @rule(
     "model-contract",
-    fields=["model", "model.num_kv_heads", "model.head_dim", "model.remat", "model.num_layers", "model.num_experts",
-            "model.top_k", "model.routing", "model.capacity_factor", "model.aux_loss_weight", "model.in_features"],
+    fields=["model", "model.num_kv_heads", "model.head_dim", "model.num_layers", "model.num_experts",
+            "model.top_k", "model.capacity_factor", "model.aux_loss_weight", "model.in_features"],
     summary="The model config provides the contract of jaxpar.model (task, build, param_count, flops_per_token; "
-    "known capabilities), and its own `check` passes: for Llama, kv heads divide heads, head_dim is even, "
-    "model.remat names a policy and every size is positive; for MoE also 1 <= top_k <= num_experts, a known "
-    "router, a positive capacity factor, non-negative balancing weights, and capacity routing only on whole "
+    "known capabilities), and its own `check` passes: for Llama, kv heads divide heads, head_dim is even "
+    "and every size is positive; for MoE also 1 <= top_k <= num_experts, a positive capacity factor, non-negative balancing weights, and capacity routing only on whole "
     "sequences (mesh.context=1); for the MLP positive sizes.",
     example=["model.num_kv_heads=3"],
-    also=[["model.head_dim=7"], ["model.remat=some"], ["model.num_layers=0"], ["model.num_kv_heads=0"]],
+    also=[["model.head_dim=7"], ["model.num_layers=0"], ["model.num_kv_heads=0"]],
 )
 def model_contract(config, sizes) -> None:
     check_model(config.model, sizes)

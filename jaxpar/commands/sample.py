@@ -20,6 +20,7 @@ import pathlib
 from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, hf_checkpoint, recorded_file,
                                     recorded_in, restore)
 from jaxpar.errors import ConfigError
+from jaxpar.model import declared
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
 
@@ -67,7 +68,7 @@ def run(args) -> int:
     if run_config.model.task != "lm":
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} holds a {type(run_config.model).__name__} with model.task="
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
-    tokenizer = _load_tokenizer(args, run_config.data, getattr(run_config.model, "vocab_size", None))
+    tokenizer = _load_tokenizer(args, run_config.data, declared(run_config.model, "vocab_size"))
     prompt_ids = _encode(tokenizer, args.prompt)
     config = sampling_config(run_config, len(devices), len(prompt_ids) + args.max_new_tokens)
     trainer = build(config, devices)

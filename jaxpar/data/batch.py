@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
+from jaxpar.model import declared, has
 
 # field -> (its shape per example, dtype): "seq" is (train.seq_len,), "input" the model's
 # input shape, () one value per example. The leading dimension is always the global batch.
@@ -44,7 +45,7 @@ def batch_fields(model: Any, seq_len: int, eos_id: int) -> dict[str, Field]:
     (jaxpar.model), else its task's: lm token rows of seq_len (with packed documents'
     positions and segment ids when `eos_id` >= 0), or classify inputs of the model's
     `input_shape` (default (in_features,)) with one target per example."""
-    if hasattr(model, "batch_fields"):
+    if has(model, "batch_fields"):
         return dict(model.batch_fields(seq_len))
     kind = batch_kind(model.task, eos_id)
     if kind not in FIELDS:
@@ -54,7 +55,7 @@ def batch_fields(model: Any, seq_len: int, eos_id: int) -> dict[str, Field]:
         if shape == "seq":
             return (seq_len,)
         if shape == "input":
-            return tuple(getattr(model, "input_shape", None) or (model.in_features,))
+            return tuple(declared(model, "input_shape") or (model.in_features,))
         return shape
 
     fields = {}

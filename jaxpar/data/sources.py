@@ -17,6 +17,7 @@ from jaxpar.data.batch import BatchLayout
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
+from jaxpar.model import has
 
 
 class Source:
@@ -193,7 +194,7 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
     """The config's source of batches laid out as `batch` (a Trainer's `batch`): its model
     config gives the task and the vocabulary or classes, train.seed the random streams."""
     model, seed = config.model, config.train.seed
-    if hasattr(model, "batch_fields"):
+    if has(model, "batch_fields"):
         raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
                           f"({', '.join(batch.fields)}), which jaxpar's data sources do not make; "
                           "give your batches to jaxpar.train.run(..., data=...) (docs/your_model.md)")

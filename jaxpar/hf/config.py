@@ -9,6 +9,7 @@ import pathlib
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.model import declared
 
 
 def read_config(folder: pathlib.Path) -> dict:
@@ -63,7 +64,7 @@ def rope_settings(hf: dict) -> dict:
 def check_same_model(model: Any, imported: Any, folder: Any) -> None:
     """The run's model config against the one config.json describes: every field must agree
     but those the model names as training choices (`hf_training_fields`: remat, routing)."""
-    free = set(getattr(model, "hf_training_fields", ()))
+    free = set(declared(model, "hf_training_fields"))
     for f in dataclasses.fields(imported):
         ours, theirs = getattr(model, f.name), getattr(imported, f.name)
         if f.name not in free and ours != theirs:

@@ -12,31 +12,29 @@ included (the layers put in pipeline order on the devices, as a fresh state woul
 from __future__ import annotations
 
 import functools
-import importlib
 import pathlib
 from typing import Any, Callable
 
 import jax
 
 from jaxpar.errors import ConfigError
+from jaxpar.families import Family, View, architectures
+from jaxpar.families import register as register_family
 from jaxpar.hf.config import architecture, check_same_model, read_config
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
-from jaxpar.model import model_name
+from jaxpar.model import HF_FORMAT, declared, has, model_name
 
-# Architectures jaxpar's shipped models read; `register` adds a model config of one's own.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "jaxpar.models.llama:LlamaConfig",
-    "MixtralForCausalLM": "jaxpar.models.moe:MoEConfig",
-}
+# The architectures jaxpar reads: the registered model families' (jaxpar.families).
+ARCHITECTURES = View(architectures)
 ALWAYS_IGNORED = ("rotary_emb.inv_freq",)  # buffers older exporters saved; recomputed
 
 
 def register(config_class: type) -> None:
     """Let `model_config` (and the recipe hf:DIR) read checkpoints of `config_class`'s
-    `hf_architectures` with `config_class.from_hf`."""
-    for name in config_class.hf_architectures:
-        ARCHITECTURES[name] = config_class
+    `hf_architectures` with `config_class.from_hf`: a family of its own
+    (jaxpar.families.register, which also takes planner presets and recipes)."""
+    register_family(Family(f"{config_class.__module__}.{config_class.__qualname__}", config_class))
 
 
 def model_config(folder: str | pathlib.Path) -> Any:
@@ -46,16 +44,12 @@ def model_config(folder: str | pathlib.Path) -> Any:
     name = architecture(hf, folder)
     if name not in ARCHITECTURES:
         raise ConfigError(f"{str(folder)!r} holds a {name}; jaxpar reads {', '.join(ARCHITECTURES)} "
-                          "(jaxpar.hf.register adds a model of one's own)")
-    config_class = ARCHITECTURES[name]
-    if isinstance(config_class, str):
-        module, _, attr = config_class.partition(":")
-        config_class = getattr(importlib.import_module(module), attr)
-    return config_class.from_hf(hf)
+                          "(jaxpar.families.register adds a model family of one's own)")
+    return ARCHITECTURES[name].from_hf(hf)
 
 
 def check_format(model: Any) -> None:
-    if not all(hasattr(model, a) for a in ("hf_weights", "from_hf", "to_hf", "hf_architectures")):
+    if not all(has(model, a) for a in HF_FORMAT):
         raise ConfigError(f"model {model_name(model)} declares no Hugging Face format (hf_architectures, from_hf, "
                           "to_hf, hf_weights: see jaxpar.hf); train it from its own initialisation instead")
 
@@ -78,7 +72,7 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     abstract_state = trainer.abstract_state()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_params(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
-    check_tensors(shapes, weights, entries, folder, tuple(getattr(model, "hf_ignored", lambda: ())()))
+    check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
     shardings = jax.tree.leaves(trainer.shardings.optimizer if abstract_state.master is not None
                                 else trainer.shardings.params)
 

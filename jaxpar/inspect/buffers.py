@@ -22,7 +22,7 @@ import math
 import re
 from typing import Iterable, Sequence
 
-from jaxpar.inspect.hlo import _ARRAY, _callees, _close, _nbytes, _parse, _split
+from jaxpar.inspect.hlo import ARRAY, callees, closing, nbytes, parse, split_outside
 
 # Opcodes whose result is no buffer of their own (an alias, a view, or another's buffer).
 _NO_BUFFER = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
@@ -57,7 +57,7 @@ class Buffer:
 
 def temporaries(hlo_text: str) -> list[Buffer]:
     """Every temporary buffer of the program (see the module docstring), largest first."""
-    comps = _parse(hlo_text)
+    comps = parse(hlo_text)
     entry = _entry_name(hlo_text, comps)
     if entry is None:
         return []
@@ -74,14 +74,14 @@ def temporaries(hlo_text: str) -> list[Buffer]:
                 continue
             opcode = ins.opcode
             if opcode == "fusion":
-                callee = next((c for role, c in _callees(ins) if role == "calls"), None)
+                callee = next((c for role, c in callees(ins) if role == "calls"), None)
                 opcode = f"fusion:{fused_roots.get(callee, '?')}"
             op_name = _OP_NAME.search(ins.attrs)
             frame = _FRAME.search(ins.attrs)
             common = dict(opcode=opcode, op_name=op_name.group(1) if op_name else "",
                           source=sources.get(int(frame.group(1)), "") if frame else "")
             for index, shape in _elements(ins.shape):
-                size = _nbytes(shape)
+                size = nbytes(shape)
                 if size:
                     name = ins.name if index is None else f"{ins.name}{{{index}}}"
                     out.append(Buffer(instruction=name, shape=_plain(shape), bytes=size, **common))
@@ -99,7 +99,7 @@ def _running(comps: dict, entry: str) -> list[str]:
     seen, todo = [entry], [entry]
     while todo:
         for ins in comps.get(todo.pop(), []):
-            for role, callee in _callees(ins):
+            for role, callee in callees(ins):
                 run = role in _RUN_ROLES or (role == "to_apply" and ins.opcode == "call")
                 if run and callee in comps and callee not in seen:
                     seen.append(callee)
@@ -111,13 +111,13 @@ def _elements(shape: str) -> list[tuple[int | None, str]]:
     """[(None, shape)] for an array, [(i, element)] for each array of a (flat) tuple."""
     if not shape.startswith("("):
         return [(None, shape)]
-    inner = re.sub(r"/\*.*?\*/", "", shape[1:_close(shape, 0) - 1])
-    return [(i, part.strip()) for i, part in enumerate(_split(inner)) if _ARRAY.match(part.strip())]
+    inner = re.sub(r"/\*.*?\*/", "", shape[1:closing(shape, 0) - 1])
+    return [(i, part.strip()) for i, part in enumerate(split_outside(inner)) if ARRAY.match(part.strip())]
 
 
 def _plain(shape: str) -> str:
     """f32[4,256]{1,0} -> f32[4,256] (the layout is not the reader's business)."""
-    m = _ARRAY.match(shape)
+    m = ARRAY.match(shape)
     return f"{m.group(1)}[{m.group(2)}]" if m else shape
 
 
@@ -157,7 +157,7 @@ def parameter_shaped(shape: str, parameters: Iterable[Sequence[int]], devices: i
     dimensions, in order, whole or split over a divisor of `devices` (so a shard, a layer's
     slice, a gathered copy, a gradient stacked over layers or replicas, a bitcast that
     merged dimensions). Activations carry batch and sequence dimensions no parameter has."""
-    m = _ARRAY.match(shape)
+    m = ARRAY.match(shape)
     if not m:
         return False
     dims = [int(d.lstrip("<=")) for d in m.group(2).split(",") if d]

@@ -17,6 +17,7 @@ from jaxpar.inspect import formulas
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
+from jaxpar.model import declared, has
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
@@ -101,7 +102,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
         f"zero_stage {stage} | {config.train.compute_dtype} | batch {config.train.global_batch} x seq {config.train.seq_len}"
-        f" | {config.train.microbatches} microbatch{'es' if config.train.microbatches > 1 else ''} | remat {getattr(config.model, 'remat', 'none')}",
+        f" | {config.train.microbatches} microbatch{'es' if config.train.microbatches > 1 else ''} | remat {declared(config.model, 'remat')}",
         "params": psi,
         "memory": [_row(n, a, b) for n, a, b in memory_rows],
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
@@ -239,7 +240,7 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     parameters are replicated over it), beside 2Ψ'(c-1)/c."""
     n = mesh.get("context", 1)
     model = config.model
-    if n == 1 or not hasattr(model, "num_kv_heads"):
+    if n == 1 or not has(model, "num_kv_heads"):
         return {}
     impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
     b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
@@ -247,7 +248,7 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
         impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim, n
     )
     forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
-    remat = getattr(model, "remat", "none")
+    remat = declared(model, "remat")
     again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
     formula = model.num_layers * micro * (forward + again + backward)
     kinds = set(per_layer["forward"]) | set(per_layer["backward"])
@@ -268,12 +269,12 @@ def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, 
     when the remat policy runs the layer again) x layers x microbatches. A ragged
     all-to-all is counted by its receive buffer: the worst case, not what routing sends."""
     n, model = mesh.get("expert", 1), config.model
-    if n == 1 or not hasattr(model, "num_experts"):
+    if n == 1 or not declared(model, "num_experts"):
         return {}
     micro, c = config.train.microbatches, mesh.get("context", 1)
     tokens = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * n) // micro * config.train.seq_len // c
     factor = model.capacity_factor if model.routing == "capacity" else 1.0
-    passes = 6 if getattr(model, "remat", "none") in RECOMPUTES_ATTENTION else 4  # full and offload rerun the layer
+    passes = 6 if declared(model, "remat") in RECOMPUTES_ATTENTION else 4  # full and offload rerun the layer
     formula = passes * model.num_layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
     measured = sum(
         c.buffer_bytes * c.trip_count / itemsize(c)
@@ -432,9 +433,9 @@ def head_params(model) -> int:
     """The weights of the output matmul the last pipeline stage runs (a tied head: the
     embedding table): the model's `head_param_count()` (jaxpar.model), else a decoder's
     vocab_size x embed, else 0 (its recompute share then goes with the layers')."""
-    if hasattr(model, "head_param_count"):
+    if has(model, "head_param_count"):
         return model.head_param_count()
-    return getattr(model, "vocab_size", 0) * getattr(model, "embed", 0)
+    return declared(model, "vocab_size", 0) * declared(model, "embed", 0)
 
 
 NO_FORMULA = ("no formula: it reads a decoder's embed, vocab_size and tie_embeddings, which the model config "
@@ -443,7 +444,7 @@ NO_FORMULA = ("no formula: it reads a decoder's embed, vocab_size and tie_embedd
 
 def _decoder_fields(model) -> bool:
     """Whether the pipeline traffic formulas can read the model (our decoders' fields)."""
-    return all(hasattr(model, f) for f in ("embed", "vocab_size", "tie_embeddings"))
+    return all(has(model, f) for f in ("embed", "vocab_size", "tie_embeddings"))
 
 
 def one_hot_lookup_flops(model, layout) -> float:
@@ -453,4 +454,4 @@ def one_hot_lookup_flops(model, layout) -> float:
     decoder's vocab_size and embed (0 for other models)."""
     if not rows_sharded(layout):
         return 0.0
-    return 3 * 2 * getattr(model, "vocab_size", 0) * getattr(model, "embed", 0)
+    return 3 * 2 * declared(model, "vocab_size", 0) * declared(model, "embed", 0)

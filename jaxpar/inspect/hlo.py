@@ -44,7 +44,7 @@ _TRIVIAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "c
 
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?=\(|[a-z][a-z0-9]*\[)(.*)$")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _CALLEE = re.compile(r"(?:^|[\s,])(body|condition|to_apply|calls|true_computation|"
                      r"false_computation)=%?([\w.\-]+)")
 _CALLEE_LIST = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
@@ -101,11 +101,11 @@ def collectives(
     `host_of[p]` is the host of partition p; give it to learn which collectives cross hosts.
     `branch_shares`: see `_executions`.
     """
-    comps = _parse(hlo_text)
+    comps = parse(hlo_text)
     header = re.search(r"num_partitions=(\d+)", hlo_text)
     num_devices = int(header.group(1)) if header else mesh.devices.size
     wrapped = {c for ins in _all(comps) if ins.opcode.startswith("async-")
-               for _, c in _callees(ins)}
+               for _, c in callees(ins)}
     execs = _executions(comps, branch_shares)
     users = _users(comps)
     finishers = {o: ins for ins in _all(comps) if re.search(r"-(done|update)$", ins.opcode)
@@ -122,7 +122,7 @@ def collectives(
             result = (done or spec).shape  # a start's own shape also holds its operands
             groups = _groups(kind, spec.attrs, num_devices)
             n = max(map(len, groups), default=1)
-            v = _nbytes(result) * (n if kind == "reduce-scatter" else 1)
+            v = nbytes(result) * (n if kind == "reduce-scatter" else 1)
             runs, known = execs[comp]
             common = dict(
                 name=ins.name, computation=comp, dtype=_dtype(result), group_size=n, groups=groups,
@@ -157,16 +157,16 @@ def _users(comps: dict[str, list[_Instr]]) -> dict[str, list[tuple[_Instr, int]]
 def _scattered_bytes(ins: _Instr, comps, users, n: int) -> int:
     """Bytes of the all-reduce's result (tuple elements counted apart) that every user only
     slices to 1/n of: reduce-scatter work done as all-reduce plus dynamic-slice."""
-    arrays = _ARRAY.findall(ins.shape)
+    arrays = ARRAY.findall(ins.shape)
     if n <= 1 or not arrays:
         return 0
     if not ins.shape.startswith("("):
-        return _nbytes(ins.shape) if _only_sliced(ins.name, _elements(ins.shape), comps, users, n, 0) else 0
+        return nbytes(ins.shape) if _only_sliced(ins.name, _elements(ins.shape), comps, users, n, 0) else 0
     total = 0
     for gte, _ in users.get(ins.name, []):
         index = re.search(r"index=(\d+)", gte.attrs)
         if gte.opcode == "get-tuple-element" and index and _only_sliced(gte.name, _elements(gte.shape), comps, users, n, 0):
-            total += _nbytes(gte.shape)
+            total += nbytes(gte.shape)
     return total
 
 
@@ -187,7 +187,7 @@ def _only_sliced(name: str, elements: int, comps, users, n: int, depth: int, exi
         elif user.opcode in _SAME_SIZE:
             ok = _only_sliced(user.name, elements, comps, users, n, depth + 1, exit_)
         elif user.opcode == "fusion":
-            callee = next((c for role, c in _callees(user) if role == "calls"), None)
+            callee = next((c for role, c in callees(user) if role == "calls"), None)
             body = comps.get(callee, [])
             param = next((i for i in body if i.opcode == "parameter" and i.operands == (str(j),)), None)
             ok = param is not None and bool(body) and _only_sliced(
@@ -200,7 +200,7 @@ def _only_sliced(name: str, elements: int, comps, users, n: int, depth: int, exi
 
 
 def _elements(shape: str) -> int:
-    return sum(math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape))
+    return sum(math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape))
 
 
 def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tuple[float, bool]:
@@ -213,7 +213,7 @@ def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tu
 def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None]) -> list[tuple[float, bool]]:
     """`matmul_flops` under each of several branch shares (a pipeline's average device and
     each stage's), the program parsed once."""
-    comps = _parse(hlo_text)
+    comps = parse(hlo_text)
     shapes = {ins.name: ins.shape for ins in _all(comps)}
     dots = []  # (computation, FLOPs per run)
     for comp, instrs in comps.items():
@@ -221,7 +221,7 @@ def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None])
             if ins.opcode != "dot":
                 continue
             dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-            lhs = _ARRAY.search(shapes.get(ins.operands[0], ""))
+            lhs = ARRAY.search(shapes.get(ins.operands[0], ""))
             if not dims or not lhs:
                 continue
             lhs_dims = [int(d.lstrip("<=")) for d in lhs.group(2).split(",") if d]
@@ -255,7 +255,7 @@ def summarize(colls: Iterable[Collective]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (-r["bytes_per_step"], r["kind"], r["axes"]))
 
 
-def _parse(text: str) -> dict[str, list[_Instr]]:
+def parse(text: str) -> dict[str, list[_Instr]]:
     """Computation name -> its instructions, in printed order (the run order once scheduled)."""
     comps: dict[str, list[str]] = {}
     current = None
@@ -280,19 +280,19 @@ def _instr(line: str, comp: str) -> _Instr | None:
         return None
     name, rhs = m.groups()
     if rhs.startswith("("):
-        end = _close(rhs, 0)
+        end = closing(rhs, 0)
     else:
         end = re.match(r"[a-z0-9]+\[[^\]]*\](\{[^}]*\})?", rhs).end()
     shape, rest = rhs[:end], rhs[end:].lstrip()
     op = re.match(r"([\w\-]+)\(", rest)
     if not op:
         return None
-    close = _close(rest, op.end() - 1)
-    operands = tuple(a.split()[-1].lstrip("%") for a in _split(rest[op.end():close - 1]) if a.split())
+    close = closing(rest, op.end() - 1)
+    operands = tuple(a.split()[-1].lstrip("%") for a in split_outside(rest[op.end():close - 1]) if a.split())
     return _Instr(name, shape, op.group(1), operands, rest[close:], comp)
 
 
-def _close(s: str, i: int) -> int:
+def closing(s: str, i: int) -> int:
     """Index just past the bracket that closes the one at s[i]."""
     depth = 0
     for j in range(i, len(s)):
@@ -303,7 +303,7 @@ def _close(s: str, i: int) -> int:
     return len(s)
 
 
-def _split(s: str) -> list[str]:
+def split_outside(s: str) -> list[str]:
     """Split at commas that sit outside every bracket."""
     parts, depth, start = [], 0, 0
     for j, ch in enumerate(s):
@@ -319,7 +319,7 @@ def _all(comps: dict[str, list[_Instr]]) -> Iterable[_Instr]:
     return (ins for instrs in comps.values() for ins in instrs)
 
 
-def _callees(ins: _Instr) -> list[tuple[str, str]]:
+def callees(ins: _Instr) -> list[tuple[str, str]]:
     """(role, computation) for every computation this instruction calls."""
     found = [(role, comp) for role, comp in _CALLEE.findall(ins.attrs)]
     for group in _CALLEE_LIST.findall(ins.attrs):
@@ -340,7 +340,7 @@ def _executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | No
     for ins in _all(comps):
         trip = _TRIP.search(ins.attrs)
         n = int(trip.group(1)) if trip else 1
-        called = _callees(ins)
+        called = callees(ins)
         shares = (branch_shares or {}).get(sum(role == "branch" for role, _ in called)) if ins.opcode == "conditional" else None
         branch = 0
         for role, callee in called:
@@ -372,7 +372,7 @@ def _collective_at(ins: _Instr, comps: dict[str, list[_Instr]]) -> tuple[str, _I
     if ins.opcode.endswith("-start") and ins.opcode[:-6] in KINDS:
         return ins.opcode[:-6], ins, True
     if ins.opcode == "async-start":
-        for _, callee in _callees(ins):
+        for _, callee in callees(ins):
             inner = [i for i in comps.get(callee, []) if i.opcode in KINDS]
             if inner:
                 return inner[-1].opcode, inner[-1], True
@@ -423,7 +423,7 @@ def _int_lists(attrs: str, key: str) -> list[tuple[int, ...]]:
     """`key={{0,1},{2,3}}` as [(0, 1), (2, 3)]; [] when absent or empty."""
     if not (m := re.search(rf"(?:^|[\s,]){key}=\{{", attrs)):
         return []
-    text = attrs[m.end() - 1:_close(attrs, m.end() - 1)]
+    text = attrs[m.end() - 1:closing(attrs, m.end() - 1)]
     return [tuple(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,\s]+)\}", text)]
 
 
@@ -465,10 +465,10 @@ def _mesh_groups(axes_text: str, ids_text: str | None, refs_text: str) -> tuple[
     return tuple(tuple(int(x) for x in row) for row in ids[order].reshape(-1, group))
 
 
-def _nbytes(shape: str) -> int:
+def nbytes(shape: str) -> int:
     """Bytes of an array or tuple shape; sub-byte types (s4, f4e2m1fn...) pack and round up."""
     total = 0
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims in ARRAY.findall(shape):
         width = re.search(r"\d+", dtype)  # bf16 -> 16, f8e4m3fn -> 8, c64 -> 64; token -> none
         bits = 8 if dtype == "pred" else int(width.group()) if width else 0
         elements = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)  # `<=8`: dynamic bound
@@ -477,7 +477,7 @@ def _nbytes(shape: str) -> int:
 
 
 def _dtype(shape: str) -> str:
-    first = _ARRAY.search(shape)
+    first = ARRAY.search(shape)
     return first.group(1) if first else ""
 
 

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.model import has
 from jaxpar.plan.layouts import Layout, candidates, estimate
 from jaxpar.plan.presets import MODELS, Hardware
 from jaxpar.units import byte_size, duration
@@ -50,7 +51,7 @@ def resolve_model(name: str):
     except recipes.UnknownRecipe:
         raise ConfigError(f"--model={name!r}; use one of {', '.join(MODELS)}, a recipe ({', '.join(recipes.names())}), "
                           f"or {recipes.FORMS}") from None
-    missing = [f for f in PLANNED_FIELDS if not hasattr(config.model, f)]
+    missing = [f for f in PLANNED_FIELDS if not has(config.model, f)]
     if missing:
         raise ConfigError(f"--model={name!r}: the planner's cost model is a decoder's (it reads model "
                           f"{', '.join(PLANNED_FIELDS)}), and {type(config.model).__name__} has no {', '.join(missing)}; "

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from jaxpar.inspect import formulas
+from jaxpar.model import declared
 from jaxpar.pipeline.schedule import published_bubble
 from jaxpar.plan.presets import Hardware
 
@@ -63,7 +64,7 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     fsdp x data filling the rest; ZeRO over data when there is one; both remat extremes;
     microbatches from 1 (p..4p under a pipeline)."""
     heads, kv = model.num_heads, model.num_kv_heads
-    experts = getattr(model, "num_experts", 0)
+    experts = declared(model, "num_experts")
     out = []
     for tensor in _divisors(devices_per_host):
         if heads % tensor or kv % tensor or model.vocab_size % tensor or model.mlp % tensor:
@@ -96,7 +97,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     bytes over their links, less what overlaps."""
     L = layout
     psi, psi_layers = model.param_count(), model.param_count(include_embedding=False)
-    experts = getattr(model, "num_experts", 0)
+    experts = declared(model, "num_experts")
     routed = 3 * model.embed * model.mlp * experts * model.num_layers / L.stage  # expert weights: also over expert
     psi_local = (psi - psi_layers) + psi_layers / L.stage  # one stage's parameters
     state = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2).total

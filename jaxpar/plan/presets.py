@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.models.llama import LlamaConfig
-from jaxpar.models.moe import MoEConfig
+from jaxpar.families import View, presets
 
-MODELS = {
-    # Llama 3 (Grattafiori et al. 2024, table 3): 128K vocabulary, GQA with 8 KV heads.
-    "llama3-8b": LlamaConfig(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                             head_dim=128, mlp=14336),
-    "llama3-70b": LlamaConfig(vocab_size=128256, embed=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                              head_dim=128, mlp=28672),
-    "llama3-405b": LlamaConfig(vocab_size=128256, embed=16384, num_layers=126, num_heads=128, num_kv_heads=8,
-                               head_dim=128, mlp=53248),
-    # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token. Capacity
-    # routing: its compiled FLOPs are those a GPU runs (the dropless grouped matmul compiles
-    # densely on CPU, every expert for every token).
-    "mixtral-8x7b": MoEConfig(vocab_size=32000, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                              head_dim=128, mlp=14336, num_experts=8, top_k=2, routing="capacity"),
-}
+# The registered model families' presets (jaxpar.families.register; the shipped ones in
+# models/llama.py and models/moe.py).
+MODELS = View(presets)
 
 
 @dataclasses.dataclass(frozen=True)

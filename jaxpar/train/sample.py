@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import ConfigError, JaxparWarning
+from jaxpar.model import declared
 from jaxpar.train.inference import forward
 from jaxpar.train.replicas import without_axis
 from jaxpar.units import byte_size
@@ -140,7 +141,7 @@ def _check_arguments(trainer, prompt_ids: list[int], max_new_tokens: int, temper
                           f"model.task={model.task!r}")
     if not prompt_ids:
         raise ConfigError("prompt_ids=[] is empty; give at least one token to continue")
-    vocab = getattr(model, "vocab_size", None)
+    vocab = declared(model, "vocab_size")
     outside = [t for t in prompt_ids if t < 0 or (vocab is not None and t >= vocab)]
     if outside:
         raise ConfigError(f"prompt_ids hold {outside[0]}, outside model.vocab_size={vocab}; give ids in [0, {vocab})")

@@ -34,6 +34,7 @@ from jaxpar.errors import JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
+from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.train.layout import layout_for
@@ -204,7 +205,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
         return loss_sum, grads, None, reduction
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"))
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"))
     if layout.mesh.shape["stage"] > 1:
         reduce = sum_replicas(reduction, layout)
         grads, program = pipelined_grads(config, layout, graphdef, field_names,
@@ -224,7 +225,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, getattr(config.model, "remat", "none"), hooks)
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"), hooks)
     example = {k: jax.ShapeDtypeStruct(s, batch.fields[k].dtype) for k, s in batch.shapes.items()}
     outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, example)
     weight_of = weight_of_batch(loss_fn, outputs, example)
@@ -287,6 +288,6 @@ class OffloadIsANoOp(JaxparWarning):
 
 def offload_requests(config: Config) -> dict[str, bool]:
     return {
-        "model.remat=offload": getattr(config.model, "remat", "none") == "offload",
+        "model.remat=offload": declared(config.model, "remat") == "offload",
         "parallel.offload_optimizer": config.parallel.offload_optimizer,
     }

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.model import has
 from jaxpar.train.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.train.zero import StateShardings
 
@@ -29,7 +30,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
-        if counts and hasattr(model, "update"):
+        if counts and has(model, "update"):
             master = model.update(master, counts)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
@@ -77,5 +78,5 @@ def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule,
         "first_nonfinite_grad": jnp.where(jnp.all(finite_grads), -1, jnp.argmin(finite_grads)).astype(jnp.float32),
         "nonfinite_grads": jnp.sum(~finite_grads).astype(jnp.float32),
         **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
-        **(model.summarise(counts) if counts and hasattr(model, "summarise") else {}),
+        **(model.summarise(counts) if counts and has(model, "summarise") else {}),
     }
