@@ -23,8 +23,8 @@ GradientCompression = Literal["none", "int8", "powersgd", "topk"]
 ContextImpl = Literal["ring", "ulysses", "allgather"]
 SequenceLayout = Literal["zigzag", "contiguous"]
 AttentionKernel = Literal["jax", "pallas", "pallas_interpret"]
-Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per device (jaxpar.sharding.from_config)
-# auto: resolved per platform (jaxpar.sharding.from_config); the kernel's own set,
+Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per device (jaxpar.train.layout)
+# auto: resolved per platform (jaxpar.train.layout); the kernel's own set,
 # jaxpar.kernels.experts.EXCHANGES, has the resolved ones and an emulated one for tests
 ExpertExchange = Literal["auto", "padded", "ragged"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]

@@ -82,7 +82,7 @@ def test_tables_that_dispatch_on_a_choice_hold_one_entry_per_value():
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_every_expert_exchange_resolves_to_one_the_kernel_runs(platform):
     from jaxpar.kernels.experts import EXCHANGES
-    from jaxpar.sharding.from_config import expert_exchange
+    from jaxpar.train.layout import expert_exchange
 
     for choice in get_args(ExpertExchange):
         assert expert_exchange(apply_overrides(Config(), [f"parallel.expert_exchange={choice}"]), platform) in EXCHANGES
