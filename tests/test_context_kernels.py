@@ -69,9 +69,14 @@ CASES = [
 ]
 
 
+# Each case under three masks that between them take every value of each setting once:
+# causal or not, zigzag or contiguous order, packed documents or none (every pair of
+# settings was run once: 42 compiles for what these 21 find).
+MASKS = [(True, "zigzag", False), (True, "contiguous", True), (False, "zigzag", True)]
+
+
 @pytest.mark.parametrize("impl, sizes, dims, block", CASES, ids=lambda x: str(x))
-@pytest.mark.parametrize("causal, layout", [(True, "zigzag"), (True, "contiguous"), (False, "zigzag")], ids=str)
-@pytest.mark.parametrize("segments", [False, True], ids=["", "packed"])
+@pytest.mark.parametrize("causal, layout, segments", MASKS, ids=str)
 def test_kernel_equals_dot_product_attention(impl, sizes, dims, block, causal, segments, layout):
     mesh = mesh_of(**sizes)
     b, s, h, g, kd = dims

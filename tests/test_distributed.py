@@ -451,7 +451,7 @@ def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bit
     import re
 
     ckpt, metrics, alone = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "alone.jsonl"
-    layout = TINY + ["train.steps=30", "mesh.data=4", "mesh.tensor=2"]
+    layout = TINY + ["train.steps=16", "mesh.data=4", "mesh.tensor=2"]
     command = ("launch", "--nproc", "2", "--cpu-devices-per-proc", "4", "--",
                "train", "llama", "--no-progress", "--metrics-file", str(metrics), *_sets(layout + [f"checkpoint.dir={ckpt}"]))
     launched = _cli(*command)
@@ -463,7 +463,7 @@ def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bit
     _, err = launched.communicate(timeout=300)
     assert launched.returncode == 143, err[-3000:]
     saved = int(re.search(r"preempted after step (\d+): saved step \d+ to", err).group(1))
-    assert 3 <= saved < 30 and "process 1 exited with status 143" in err
+    assert 3 <= saved < 16 and "process 1 exited with status 143" in err
     resumed = _cli(*command)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
@@ -475,7 +475,7 @@ def test_sigterm_saves_at_an_agreed_step_and_two_processes_resumed_equal_one_bit
     assert one.returncode == 0, err[-3000:]
     assert "on 8 cpu devices |" in out  # one process: a cluster of one, not announced as several
     two = _rows(metrics)
-    assert [r["step"] for r in two] == list(range(30))
+    assert [r["step"] for r in two] == list(range(16))
     assert [(r["loss"], r["grad_norm"]) for r in two] == [(r["loss"], r["grad_norm"]) for r in _rows(alone)]
 
 

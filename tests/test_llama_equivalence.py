@@ -20,15 +20,14 @@ SP = "parallel.sequence_parallel=true"
 
 # Each strategy alone, then compositions; a pair that a larger composition below holds
 # (data x fsdp, data x tensor, fsdp x tensor) is left to it, and to benchmarks/matrix.py.
+# Each strategy alone, then data x fsdp x tensor with and without SP, across two hosts and
+# with the collective matmul; tensor without SP, data x tensor + SP and fsdp x tensor + SP
+# are held by those (docs/testing.md).
 LAYOUTS = {
     "dp": ["mesh.data=8"],
     "fsdp": ["mesh.data=1", "mesh.fsdp=8"],
-    "tp": ["mesh.data=1", "mesh.tensor=8"],
     "tp_sp": ["mesh.data=1", "mesh.tensor=8", SP],
-    "dp_tp_sp": ["mesh.data=2", "mesh.tensor=4", SP],
-    "fsdp_tp_sp": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", SP],
     "dp_fsdp_tp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    "dp_fsdp_tp_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP],
     "dp_fsdp_tp_sp_two_hosts": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2"],
     # Collective matmul (jaxpar.sharding.projections): the SP gathers and scatters as ppermute rings.
     "tp_sp_collective_ring": ["mesh.data=1", "mesh.tensor=8", SP, "parallel.collective_matmul=ring"],

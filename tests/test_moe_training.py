@@ -32,7 +32,6 @@ def tiny_moe() -> Config:
 
 LAYOUTS = {
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
-    "expert4_tensor2_sp": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
     "expert2_data2_tensor2_sp_collective_matmul": ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
                                                   "parallel.sequence_parallel=true", "parallel.collective_matmul=ring"],
     "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
