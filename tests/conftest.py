@@ -3,8 +3,14 @@ compilation cache for the run, XLA's CPU backend unoptimised), set before JAX st
 the processes tests start too; tiny models only. After every test: no process it started is
 still running."""
 
+import atexit
+import hashlib
 import os
+import pathlib
+import pickle
+import shutil
 import signal
+import tempfile
 import uuid
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -13,6 +19,14 @@ from jaxpar.testing import fast_compiles, force_cpu_devices  # noqa: E402
 
 fast_compiles()
 force_cpu_devices(8)
+
+# The single-device reference runs of this test run, shared by its xdist workers (the first
+# process makes the folder; the workers it starts inherit it). Never kept from one run to the
+# next: a reference made by other code would compare against the wrong thing.
+REFERENCES = "JAXPAR_TEST_REFERENCES"
+if REFERENCES not in os.environ:
+    os.environ[REFERENCES] = tempfile.mkdtemp(prefix="jaxpar-test-references-")
+    atexit.register(shutil.rmtree, os.environ[REFERENCES], ignore_errors=True)
 
 import pytest  # noqa: E402
 
@@ -34,14 +48,27 @@ def tiny_llama() -> Config:
 def reference():
     """reference(config) -> the single-device Run, computed once per config per session."""
     runs: dict = {}
+    shared = pathlib.Path(os.environ[REFERENCES])
 
     def get(config):
         key = repr(config)
         if key not in runs:
-            runs[key] = reference_run(config)
+            runs[key] = shared_run(shared / f"{hashlib.sha256(key.encode()).hexdigest()}.pkl", config)
         return runs[key]
 
     return get
+
+
+def shared_run(path: pathlib.Path, config):
+    """The reference run of `config`, computed by whichever xdist worker asks first and read
+    by the others from the run's cache (a second worker asking meanwhile computes it too)."""
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    run = reference_run(config)
+    partial = path.with_suffix(f".{os.getpid()}")
+    partial.write_bytes(pickle.dumps(run))
+    partial.rename(path)  # whole or absent
+    return run
 
 
 # ------------------------------------------------------------------ the smoke subset
