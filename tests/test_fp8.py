@@ -85,16 +85,16 @@ def test_fp8_in_the_compiled_step_and_the_head_outside(fp8_llama):
 
 
 def test_fp8_loss_within_one_percent_of_bf16():
-    """On one device: the layouts are the test above's business. Measured: 0.13% apart
-    after 25 steps (the loss from 6.2 to 1.3)."""
+    """On one device: the layouts are the test above's business. Measured: 0.34% apart
+    after 10 steps (the loss from 6.2 to 3.2; 0.07% after 25)."""
     from jaxpar import recipes
 
     losses = {}
     for dtype in ("compute", "fp8"):
         config = apply_overrides(recipes.load("llama"), [
             "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "train.compute_dtype=bfloat16",
-            f"train.matmul_dtype={dtype}", "train.steps=25", "train.global_batch=8", "train.seq_len=32"])
-        losses[dtype] = run_layout(config, jax.devices()[:1], steps=25).losses
+            f"train.matmul_dtype={dtype}", "train.steps=10", "train.global_batch=8", "train.seq_len=32"])
+        losses[dtype] = run_layout(config, jax.devices()[:1], steps=10).losses
     bf16, fp8 = losses["compute"][-1], losses["fp8"][-1]
     assert losses["fp8"][0] > bf16 * 1.2, "the recipe learns (else the comparison says nothing)"
-    assert abs(fp8 - bf16) / bf16 < 0.01, f"fp8 {fp8:.4f} vs bf16 {bf16:.4f} after 25 steps"
+    assert abs(fp8 - bf16) / bf16 < 0.01, f"fp8 {fp8:.4f} vs bf16 {bf16:.4f} after 10 steps"
