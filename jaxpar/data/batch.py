@@ -84,6 +84,11 @@ class BatchLayout:
         return batch_shapes(self.fields, self.global_batch)
 
     @property
+    def names(self) -> dict[str, tuple[str | None, ...]]:
+        """Each field's logical names (microbatch and replica splits read them)."""
+        return {k: f.names for k, f in self.fields.items()}
+
+    @property
     def rows(self) -> slice:
         """The global rows this process builds (local_rows): every field's leading dimension
         is the batch, split alike."""

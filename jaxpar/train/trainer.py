@@ -200,7 +200,6 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     sums, gradient in the optimizer's sharding, the new compression state), the pipeline's
     program or None, `reduction` (its compressor knowing which parameters it averages layer
     by layer)). One branch a reduction (jaxpar.train.reduction)."""
-    field_names = {k: f.names for k, f in batch.fields.items()}
     if reduction.when == "compressed":  # refused in pipeline stages: no program
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
@@ -208,10 +207,10 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"))
     if layout.mesh.shape["stage"] > 1:
         reduce = sum_replicas(reduction, layout)
-        grads, program = pipelined_grads(config, layout, graphdef, field_names,
+        grads, program = pipelined_grads(config, layout, graphdef, batch.names,
                                          lambda g: reduce(g, shardings.optimizer), loss_fn)
     else:
-        grads = batch_gradients(loss_sum, layout, shardings, field_names, config.train.microbatches, reduction)
+        grads = batch_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, reduction)
         program = None
     return loss_sum, lambda params, batch, compression: (*grads(params, batch), compression), program, reduction
 
@@ -231,8 +230,8 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     weight_of = weight_of_batch(loss_fn, outputs, example)
     per_layer = hooked_paths(loss_sum, hooks, abstract_params, example) if weight_of is not None else frozenset()
     compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
-    averaged = compressed_gradients(loss_sum, layout, shardings, {k: f.names for k, f in batch.fields.items()},
-                                    config.train.microbatches, compressor, weight_of)
+    averaged = compressed_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, compressor,
+                                    weight_of)
 
     def grads(params, batch, compression):
         loss, sums, g, compression = averaged(params, batch, compression)
