@@ -1,9 +1,23 @@
+import os
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import AXES, HostSplit, MeshConfig, make_mesh
+from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
+
+
+def test_cpu_devices_get_two_runtime_threads_each_unless_the_user_chose(monkeypatch):
+    """Fewer pool threads than blocked collectives deadlocks XLA's CPU runtime (FSDP x ring
+    aborted on half the runs of a 2-core machine): force_cpu_devices sizes the pool, read
+    when the client starts (this process's was sized by conftest's force_cpu_devices(8))."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        monkeypatch.delenv(name, raising=False)
+    force_cpu_devices(8)  # JAX has started with 8: the size is checked, the pool left as it is
+    assert int(os.environ["PJRT_NPROC"]) >= 16
+    monkeypatch.setenv("PJRT_NPROC", "3")
+    force_cpu_devices(8)
+    assert os.environ["PJRT_NPROC"] == "3"
 
 
 def test_fill_axis_takes_the_rest():
