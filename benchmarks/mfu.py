@@ -125,21 +125,6 @@ def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> d
             "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
-def gemm_operands(hlo: str) -> dict[str, int]:
-    """GEMMs of a compiled GPU program by their operands' types ("f8e4m3fn x f8e5m2": count):
-    XLA's GEMM fusions (Triton) and cuBLAS(Lt) calls, whose FP8 form names itself $f8."""
-    import collections
-    import re
-
-    found = collections.Counter()
-    for params in re.findall(r"^%\S*gemm\S* \(([^)]*)\) ->", hlo, flags=re.M):
-        types = re.findall(r": (\w+)\[", params)
-        floats = [t for t in types if t.startswith(("f8", "bf16", "f16", "f32"))]
-        found[" x ".join(floats[-2:])] += 1  # the two matrices come last; scales before them
-    found["cublas fp8 calls"] = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo))
-    return dict(found)
-
-
 def compile_only(args) -> int:
     """jaxpar's step compiled by XLA's GPU compiler for the GPU a target config describes."""
     import re
@@ -150,6 +135,7 @@ def compile_only(args) -> int:
     import jax
 
     from jaxpar.flops import peak_flops
+    from jaxpar.inspect.hlo import dot_types
     from jaxpar.train import build
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
@@ -160,7 +146,7 @@ def compile_only(args) -> int:
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
     text = compiled.as_text()
     kernels = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
-    gemms = gemm_operands(text)
+    gemms = dot_types(text)  # every dot, inside fusions too, and cuBLAS calls: by the types their multiply reads
     flops = config.model.flops_per_token(args.seq_len) * args.batch * args.seq_len
     peak = peak_flops(device)
     row = {"device": device.device_kind, "attention": trainer.layout.attention, "argument_bytes": memory.argument_size_in_bytes,

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.inspect.hlo import collectives, summarize
+from jaxpar.inspect.hlo import collectives, dot_types, summarize
 
 TWO_HOSTS = [0, 0, 0, 0, 1, 1, 1, 1]
 
@@ -330,3 +330,32 @@ def test_mesh_form_with_device_ids():
     """)
     c = _only(collectives(text, m), "all-reduce")
     assert c.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and c.axes == ("b",)
+
+
+GPU_GEMMS = textwrap.dedent("""\
+    HloModule gemms, entry_computation_layout={(f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0})->bf16[64,16]{1,0}}
+
+    %widened_gemm (p0: f8e4m3fn[64,32], p1: f8e4m3fn[32,16]) -> bf16[64,16] {
+      %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+      %p1 = f8e4m3fn[32,16]{1,0} parameter(1)
+      %c0 = bf16[64,32]{1,0} convert(f8e4m3fn[64,32]{1,0} %p0)
+      %c1 = bf16[32,16]{1,0} convert(f8e4m3fn[32,16]{1,0} %p1)
+      ROOT %dot.1 = bf16[64,16]{1,0} dot(bf16[64,32]{1,0} %c0, bf16[32,16]{1,0} %c1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    }
+
+    ENTRY %main (a: f8e4m3fn[64,32], b: f8e4m3fn[32,16]) -> bf16[64,16] {
+      %a = f8e4m3fn[64,32]{1,0} parameter(0)
+      %b = f8e4m3fn[32,16]{1,0} parameter(1)
+      %one = f32[] constant(1)
+      %gemm_fusion = bf16[64,16]{1,0} fusion(f8e4m3fn[64,32]{1,0} %a, f8e4m3fn[32,16]{1,0} %b), kind=kCustom, calls=%widened_gemm
+      %cublas = (bf16[64,16]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[64,32]{1,0} %a, f8e4m3fn[32,16]{1,0} %b, f32[] %one, f32[] %one), custom_call_target="__cublas$lt$matmul$f8"
+      ROOT %out = bf16[64,16]{1,0} get-tuple-element((bf16[64,16]{1,0}, s8[33554432]{0}) %cublas), index=0
+    }
+    """)
+
+
+def test_gemms_are_counted_by_what_their_multiply_reads():
+    """A GEMM fusion whose parameters are FP8 but which widens them to bf16 before its dot is
+    a bf16 GEMM (counting the fusion's parameter types called it FP8); a cuBLAS FP8 call
+    is FP8 by its matrix operands, its scales left out."""
+    assert dot_types(GPU_GEMMS) == {"bf16 x bf16": 1, "f8e4m3fn x f8e4m3fn": 1}

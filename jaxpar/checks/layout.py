@@ -96,12 +96,11 @@ def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
 
 @rule(
     "matmul-dtype",
-    fields=["train.matmul_dtype", "parallel.collective_matmul", "mesh.stage", "model"],
+    fields=["train.matmul_dtype", "parallel.collective_matmul", "model"],
     summary="train.matmul_dtype=fp8 runs the projections a model sends through jaxpar's helpers (capability "
-    "'projections'), not inside the collective matmul's ring, and not in pipeline stages.",
+    "'projections'), not inside the collective matmul's ring.",
     example=["train.matmul_dtype=fp8", "parallel.collective_matmul=ring", "parallel.sequence_parallel=true",
              "mesh.tensor=2"],
-    also=[["train.matmul_dtype=fp8", "mesh.stage=2", "train.microbatches=2"]],
 )
 def matmul_dtype(config, sizes) -> None:
     value = config.train.matmul_dtype
@@ -117,10 +116,6 @@ def matmul_dtype(config, sizes) -> None:
         raise ConfigError(f"train.matmul_dtype={value} with parallel.collective_matmul="
                           f"{config.parallel.collective_matmul}: the collective matmul's ring multiplies in the "
                           "compute dtype; set parallel.collective_matmul=none for FP8, or train.matmul_dtype=compute")
-    if sizes["stage"] > 1:  # the pipeline's step computes NaN losses (XLA:CPU, jaxlib 0.12), cause not yet found
-        raise ConfigError(f"train.matmul_dtype={value} with mesh.stage={sizes['stage']}: FP8 inside pipeline stages "
-                          "is not supported yet; set mesh.stage=1 (FSDP, TP, context parallelism compose with FP8), "
-                          "or train.matmul_dtype=compute")
 
 
 @rule(

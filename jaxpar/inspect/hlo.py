@@ -240,6 +240,48 @@ def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None])
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One matrix multiply of a program, with the shapes its multiply really reads: a `dot`
+    (inside a fusion too: a fusion that converts FP8 to bf16 before its dot is a bf16 GEMM)
+    or a cuBLAS GEMM call (its first two operands are the matrices; scales follow)."""
+
+    lhs: str  # shape text, e.g. "f8e4m3fn[512,32]{1,0}"
+    rhs: str
+    result: str
+    computation: str
+
+    @property
+    def types(self) -> str:
+        """"lhs x rhs" element types, e.g. "f8e4m3fn x f8e5m2"."""
+        return f"{_dtype(self.lhs)} x {_dtype(self.rhs)}"
+
+    def dims(self) -> set[int]:
+        """Every dimension size either operand has."""
+        return {int(d.lstrip("<=")) for shape in (self.lhs, self.rhs) for _, ds in ARRAY.findall(shape)
+                for d in ds.split(",") if d}
+
+
+_GEMM_CALL = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
+
+
+def dots(hlo_text: str) -> list[Dot]:
+    """Every matrix multiply in an HLO module's text (lowered or compiled), once each."""
+    comps = parse(hlo_text)
+    shapes = {ins.name: ins.shape for ins in _all(comps)}
+    return [Dot(shapes.get(ins.operands[0], ""), shapes.get(ins.operands[1], ""), ins.shape, ins.computation)
+            for ins in _all(comps)
+            if len(ins.operands) >= 2 and (ins.opcode == "dot" or (ins.opcode == "custom-call" and _GEMM_CALL.search(ins.attrs)))]
+
+
+def dot_types(hlo_text: str) -> dict[str, int]:
+    """How many matrix multiplies read each pair of operand types: {"bf16 x bf16": 40, ...}."""
+    counts: dict[str, int] = defaultdict(int)
+    for d in dots(hlo_text):
+        counts[d.types] += 1
+    return dict(sorted(counts.items()))
+
+
 def summarize(colls: Iterable[Collective]) -> list[dict]:
     """Totals per (kind, axes, dtype), largest bytes per step first: where the network time goes."""
     rows: dict[tuple, dict] = {}
