@@ -105,6 +105,10 @@ class TrainConfig:
     # gradients, each tensor scaled by its current amax (jaxpar.kernels.fp8); master
     # weights, optimizer state and everything else unchanged.
     matmul_dtype: MatmulDtype = "compute"
+    # The built-in language-model loss in this many groups of tokens, one group's logits
+    # alive at a time (jaxpar.train.loss.chunked_cross_entropy_sum): the [tokens, vocab]
+    # float32 logits and their gradient shrink by this factor. 1: all logits at once.
+    loss_chunks: int = 1
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
     # A step whose loss or gradients hold NaN or Inf is not applied (the state stays as it
     # was); then `stop` ends the run naming the step and the first bad gradient, `skip`

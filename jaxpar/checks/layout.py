@@ -9,7 +9,8 @@ from jaxpar.kernels.attention.tiles import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
-from jaxpar.model import ATTENTION, PROJECTIONS, SEQUENCE, declared, lacks, mesh_divides, model_name, supports
+from jaxpar.model import (ATTENTION, PROJECTIONS, SEQUENCE, STAGES, declared, lacks, mesh_divides, model_name,
+                          supports)
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -48,6 +49,36 @@ def seq_divides_context_tensor(config, sizes) -> None:
             f"{field}={length} is not divisible by context x tensor = {seq_ways} "
             f"(sequence parallelism shards the sequence); use a multiple of {seq_ways}"
         )
+
+
+@rule(
+    "loss-chunks",
+    fields=["train.loss_chunks", "train.seq_len", "mesh.context", "mesh.tensor", "parallel.sequence_parallel",
+            "model"],
+    summary="train.loss_chunks is 1 or more; above 1 the model is a language model with pipeline stages' members "
+    "(capability 'stages') and no experts, and each chunk's tokens split evenly over the sequence's shards.",
+    example=["train.loss_chunks=0"],
+    also=[["train.loss_chunks=3"], ["train.loss_chunks=16", "mesh.context=2"]],
+)
+def loss_chunks(config, sizes) -> None:
+    chunks, seq = config.train.loss_chunks, config.train.seq_len
+    where = f"train.loss_chunks={chunks}"
+    if chunks < 1:
+        raise ConfigError(f"{where} must be 1 (the whole logits at once) or more (that many groups of tokens)")
+    if chunks == 1:
+        return
+    if config.model.task != "lm" or not supports(config.model, STAGES):
+        raise lacks(config.model, STAGES, where, "set train.loss_chunks=1 (the chunked loss scores output(apply_layers("
+                    "embed(batch))) in pieces: a language model's jaxpar.model.PipelineStages members)")
+    if declared(config.model, "num_experts"):
+        raise ConfigError(f"{where}: the chunked loss does not score the experts' aux losses yet; set "
+                          "train.loss_chunks=1 for a model with experts")
+    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
+    if seq % (chunks * seq_ways):
+        fits = [c for c in divisors(seq // seq_ways) if c > 1] if seq % seq_ways == 0 else []
+        raise ConfigError(f"{where}: a chunk takes one token in every {chunks} of each sequence, so train.seq_len={seq} "
+                          f"must divide by loss_chunks x the sequence's shards (context x tensor under sequence "
+                          f"parallelism = {seq_ways}); use train.loss_chunks in {fits[:8] or [1]}")
 
 
 def sequence_length(config) -> tuple[str, int]:

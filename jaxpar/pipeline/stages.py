@@ -180,10 +180,15 @@ def _on_device(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return x if sharding.memory_kind in (None, "device") else jax.device_put(x, sharding.with_memory_kind("device"))
 
 
-def model_stages(graphdef: nnx.GraphDef, loss_fn: Callable[[Any, dict], tuple]) -> Stages:
+Score = Callable[[Callable[[Any], Any], Any, dict], tuple]  # (output, hidden, microbatch) -> (loss sum, weight)
+
+
+def model_stages(graphdef: nnx.GraphDef, score: Score) -> Stages:
     """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
-    stage by `loss_fn(outputs, microbatch) -> (loss sum, weight)`, with the report of the
-    layers (an empty one where `apply_layers` returns x alone, not (x, report))."""
+    stage by `score(model.output, hidden, microbatch) -> (loss sum, weight)` (the output
+    passed uncalled, so a loss may run it in pieces: jaxpar.train.loss.chunked_task_loss),
+    with the report of the layers (an empty one where `apply_layers` returns x alone, not
+    (x, report))."""
 
     def model(chunk: Any, other: dict):
         return nnx.merge(graphdef, join_layers(chunk, other))
@@ -202,6 +207,6 @@ def model_stages(graphdef: nnx.GraphDef, loss_fn: Callable[[Any, dict], tuple]) 
     def last(chunk, other, x, mb):
         net = model(chunk, other)
         x, report = layers(net, x, mb)
-        return (*loss_fn(net.output(x), mb), report)
+        return (*score(net.output, x, mb), report)
 
     return Stages(first, mid, last, aux=True)

@@ -26,9 +26,9 @@ GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]  # (params, batch) -
 
 
 def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
-                hooks: LayerHooks | None = None) -> LossSum:
+                hooks: LayerHooks | None = None, loss_chunks: int = 1) -> LossSum:
     """(params, batch, layer state=None) -> (loss sum, (weight, sums)) of the model under
-    `loss_fn`; with `hooks` and a layer state ({parameter path: its state}), those
+    `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with `hooks` and a layer state ({parameter path: its state}), those
     parameters' hooks run in the model's layer scan (jaxpar.sharding.layer_hooks)."""
 
     def loss_sum(params, batch, layer_state=None):
@@ -36,7 +36,7 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
             batch = lay_out_sequences(batch, layout)
         bound = hooks.bind(params, layer_state) if hooks is not None and layer_state else None
         with use_layer_hooks(bound):  # bound here, inside any checkpoint: to the arrays the model gets
-            return model_loss(nnx.merge(graphdef, params), batch, loss_fn)
+            return model_loss(nnx.merge(graphdef, params), batch, loss_fn, loss_chunks)
 
     if remat == "none":
         # Outside the layer scan too, a gathered parameter (embedding, head) is gathered

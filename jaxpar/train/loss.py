@@ -8,6 +8,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import ConfigError
+
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of -log softmax(logits)[target] and the sum of weights.
@@ -23,10 +25,52 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
     return jnp.sum((lse - target_logit) * weights), jnp.sum(weights)
 
 
+def chunked_cross_entropy_sum(hidden: jax.Array, project: Callable[[jax.Array], jax.Array], targets: jax.Array,
+                              weights: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
+    """cross_entropy_sum(project(hidden), targets, weights) without the whole logits: the
+    tokens go through `project` (the model's head) and the loss in `chunks` groups, one
+    group's [batch, seq / chunks, vocab] logits alive at a time, forward and backward (the
+    backward recomputes each group's logits from its hidden states).
+
+    hidden [B, S, ...], targets and weights [B, S]. Group j holds tokens j, j + chunks,
+    j + 2 chunks, ... of every row: a strided split of the sequence keeps each device's
+    share of a sharded sequence on that device (S / chunks must still divide by the
+    sequence's shards), and a vocab-sharded head stays vocab-sharded inside each group.
+    Equal to the plain loss up to float32 summation order."""
+    if chunks == 1:
+        return cross_entropy_sum(project(hidden), targets, weights)
+    batch, seq = targets.shape
+    if seq % chunks:
+        raise ValueError(f"chunked_cross_entropy_sum: {chunks} chunks do not divide the sequence of {seq} tokens")
+
+    def split(a: jax.Array) -> jax.Array:  # [B, S, ...] -> [chunks, B, S / chunks, ...]
+        return jnp.moveaxis(a.reshape(batch, seq // chunks, chunks, *a.shape[2:]), 2, 0)
+
+    @jax.checkpoint  # keep each group's inputs for the backward, not its logits
+    def group(total, xs):
+        h, t, w = xs
+        return total + cross_entropy_sum(project(h), t, w)[0], None
+
+    total, _ = jax.lax.scan(group, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(weights)))
+    return total, jnp.sum(weights.astype(jnp.float32))
+
+
 def task_loss(outputs: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
     """The built-in loss of both tasks: cross-entropy of the outputs (logits over the
     vocabulary for lm, over the classes for classify) against `targets`, under `weights`."""
     return cross_entropy_sum(outputs, batch["targets"], batch["weights"])
+
+
+def chunked_task_loss(output: Callable[[jax.Array], jax.Array], hidden: Any, batch: dict,
+                      chunks: int) -> tuple[jax.Array, jax.Array]:
+    """`task_loss` of `output(hidden)`, computed in `chunks` groups of tokens. `hidden` is
+    what a model's layers return (jaxpar.model.PipelineStages.apply_layers): layers that
+    report aux losses return (x, report), which this loss does not score; the config checks
+    refuse train.loss_chunks > 1 for models with experts."""
+    if isinstance(hidden, tuple):
+        raise ConfigError(f"train.loss_chunks={chunks}: the model's apply_layers returns (hidden, report), whose "
+                          "aux losses the chunked loss does not score; set train.loss_chunks=1")
+    return chunked_cross_entropy_sum(hidden, output, batch["targets"], batch["weights"], chunks)
 
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array]]
@@ -50,14 +94,23 @@ def model_outputs(model: Any, batch: dict) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
-def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
+               loss_chunks: int = 1) -> tuple[jax.Array, tuple[jax.Array, dict]]:
     """(objective sum, (weight, sums)): `loss_fn` of the model applied to the batch.
+
+    With `loss_chunks` > 1 (the built-in loss only, of a model with pipeline stages' members,
+    jaxpar.model.PipelineStages, whose layers report nothing): the hidden states of
+    `apply_layers(embed(batch))` are scored through `output` in that many groups of tokens
+    (`chunked_cross_entropy_sum`), never holding the whole logits.
 
     A model may return (outputs, aux) (jaxpar.models.moe): aux["penalty"] [B, S] is added to
     each token's loss under the batch's weights, and `sums` carries, summed over the batch,
     the weighted aux["token_metrics"] and the raw aux["counts"]. Sums add up across
     microbatches and replicas, so the step reports them for the whole batch.
     """
+    if loss_chunks > 1:
+        total, weight = chunked_task_loss(model.output, model.apply_layers(model.embed(batch), batch), batch, loss_chunks)
+        return total, (weight, {})
     out = apply_model(model, batch)
     outputs, aux = out if isinstance(out, tuple) else (out, None)
     total, weight = loss_fn(outputs, batch)

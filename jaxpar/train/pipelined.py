@@ -18,9 +18,9 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
-from jaxpar.pipeline.stages import in_model_order, join_layers, model_stages, split_layers
+from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
-from jaxpar.train.loss import LossFn
+from jaxpar.train.loss import LossFn, chunked_task_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import inner_layout, without_axis
 from jaxpar.train.sequence import lay_out_sequences
@@ -37,7 +37,7 @@ def pipelined_grads(
     the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
     p, m, v = layout.mesh.shape["stage"], config.train.microbatches, config.parallel.pipeline_chunks
     program = compile_schedule(config.parallel.pipeline_schedule, p, m, v)
-    stages = model_stages(graphdef, loss_fn)
+    stages = model_stages(graphdef, stage_score(loss_fn, config.train.loss_chunks))
     # The executor is manual over stage and data: its rules leave data out, and no kernel
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
@@ -69,3 +69,11 @@ def unpipelined(params: Any, layout: Layout, param_shardings: Any, chunks: int) 
     whole = jax.tree.map(lambda s: without_axis(s, "stage"), param_shardings)
     params = jax.lax.with_sharding_constraint(in_model_order(params, stages, chunks), whole)
     return params, dataclasses.replace(layout, rules=layout.rules.with_overrides({"layers": ()}, {"layers": ()}))
+
+
+def stage_score(loss_fn: LossFn, loss_chunks: int) -> Score:
+    """How the last stage scores its hidden states: `loss_fn` of the output, or the built-in
+    loss in `loss_chunks` groups of tokens."""
+    if loss_chunks > 1:
+        return lambda output, hidden, mb: chunked_task_loss(output, hidden, mb, loss_chunks)
+    return lambda output, hidden, mb: loss_fn(output(hidden), mb)

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.errors import JaxparWarning
+from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
@@ -122,6 +122,9 @@ def build(
     options = step_options(config, devices[0].platform)
     warn_if_offload_is_a_no_op(config, devices)
     layout = layout_for(config, devices, sizes)
+    if config.train.loss_chunks > 1 and loss_fn is not task_loss:
+        raise ConfigError(f"train.loss_chunks={config.train.loss_chunks} splits the built-in loss, but build() was "
+                          "given its own loss_fn, which scores whole outputs; set train.loss_chunks=1")
     if tx is None:
         tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
 
@@ -204,7 +207,8 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
         return loss_sum, grads, None, reduction
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"))
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"),
+                           loss_chunks=config.train.loss_chunks)
     if layout.mesh.shape["stage"] > 1:
         reduce = sum_replicas(reduction, layout)
         grads, program = pipelined_grads(config, layout, graphdef, batch.names,
@@ -224,7 +228,8 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"), hooks)
+    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"), hooks,
+                           config.train.loss_chunks)
     example = {k: jax.ShapeDtypeStruct(s, batch.fields[k].dtype) for k, s in batch.shapes.items()}
     outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, example)
     weight_of = weight_of_batch(loss_fn, outputs, example)
