@@ -74,7 +74,7 @@ def shared_run(path: pathlib.Path, config):
 # ------------------------------------------------------------------ the smoke subset
 
 SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whole suite is the net
-    "test_llama_equivalence.py::test_layout_equals_single_device[dp_fsdp_tp_sp_two_hosts]": "data, FSDP, tensor, sequence",
+    "test_llama_equivalence.py::test_layout_equals_single_device[dp_fsdp_tp_sp_two_hosts_loss_chunks]": "data, FSDP, tensor, sequence",
     "test_zero.py::test_zero_stage_equals_single_device[zero3_dp4_tp2_sp]": "ZeRO-3",
     "test_zeropp.py::test_hpz_equals_single_device": "ZeRO++ hpZ",
     "test_zeropp.py::test_quantized_all_gather_equals_reference[source0-target0]": "int8 collectives",

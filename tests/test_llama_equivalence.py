@@ -28,7 +28,9 @@ LAYOUTS = {
     "fsdp": ["mesh.data=1", "mesh.fsdp=8"],
     "tp_sp": ["mesh.data=1", "mesh.tensor=8", SP],
     "dp_fsdp_tp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    "dp_fsdp_tp_sp_two_hosts": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2"],
+    # and the loss in 4 chunks of tokens (train.loss_chunks): against one device's whole logits
+    "dp_fsdp_tp_sp_two_hosts_loss_chunks": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2",
+                                            "train.loss_chunks=4"],
     # Collective matmul (jaxpar.sharding.projections): the SP gathers and scatters as ppermute rings.
     "tp_sp_collective_ring": ["mesh.data=1", "mesh.tensor=8", SP, "parallel.collective_matmul=ring"],
     "dp_fsdp_tp_sp_collective_bidirectional": [

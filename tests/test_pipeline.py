@@ -183,8 +183,9 @@ LAYOUTS = {
                                               "parallel.collective_matmul=bidirectional"],
     "interleaved_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved",
                             "parallel.pipeline_chunks=2"],
-    "zb_h1_dp_fsdp_zero1": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline_schedule=zb-h1",
-                            "parallel.zero_stage=1"],
+    # and the loss in 4 chunks of tokens on the last stage (train.loss_chunks)
+    "zb_h1_dp_fsdp_zero1_loss_chunks": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline_schedule=zb-h1",
+                                        "parallel.zero_stage=1", "train.loss_chunks=4"],
     # context parallel inside the stages (PP x CP x TP): the ring's hops are all-to-all swaps
     # there (all-gather context in zero-bubble stages: benchmarks/matrix.py's zb-h1 x allgather)
     "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
