@@ -50,18 +50,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="measure jaxpar only (no PyTorch side)")
     p.add_argument("--target", help="GpuTargetConfig file: only compile jaxpar's step for that GPU (deviceless; needs "
                    "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
+    p.add_argument("--loss-chunks", type=int, default=1, help="with --target: jaxpar train.loss_chunks (the loss in "
+                   "that many groups of tokens)")
+    p.add_argument("--vocab", type=int, help="with --target: the vocabulary instead of the 0.9B shape's 32000")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process
     return p.parse_args()
 
 
-def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute"):
+def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute",
+                  loss_chunks: int = 1):
     from jaxpar.config import Config, TrainConfig
     from jaxpar.models.llama import LlamaConfig
 
     return Config(model=LlamaConfig(**shape, remat=remat),
                   train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
-                                    matmul_dtype=matmul_dtype))
+                                    matmul_dtype=matmul_dtype, loss_chunks=loss_chunks))
 
 
 def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str) -> dict:
@@ -139,7 +143,8 @@ def compile_only(args) -> int:
     from jaxpar.train import build
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
-    config = jaxpar_config(SHAPE, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype)
+    shape = {**SHAPE, "vocab_size": args.vocab or SHAPE["vocab_size"]}
+    config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks)
     trainer = build(config, [device])
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     memory = compiled.memory_analysis()
@@ -154,7 +159,8 @@ def compile_only(args) -> int:
            "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels, "gemms": gemms,
            "model_flops_per_step": flops, "step_s_at_50_percent_mfu": flops / (0.5 * peak) if peak else None}
     print(f"jaxpar step, Llama {config.model.param_count() / 1e9:.2f}B, batch {args.batch} x seq {args.seq_len}, bf16, "
-          f"remat {args.remat}: compiled (deviceless) for one {device.device_kind}")
+          f"remat {args.remat}, vocab {shape['vocab_size']}, loss in {args.loss_chunks} chunk(s): compiled (deviceless) for one "
+          f"{device.device_kind}")
     print(f"  memory   {used / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.1f}, "
           f"temporaries {memory.temp_size_in_bytes / 2**30:.1f}, outputs {memory.output_size_in_bytes / 2**30:.1f}, "
           f"aliased {memory.alias_size_in_bytes / 2**30:.1f})")
@@ -165,8 +171,9 @@ def compile_only(args) -> int:
               f"({args.batch * args.seq_len / (flops / (0.5 * peak)):,.0f} tokens/s)")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"compile_only": row, "shape": SHAPE, "batch": args.batch, "seq_len": args.seq_len,
-                               "remat": args.remat, "matmul_dtype": args.matmul_dtype, "jax": jax.__version__}, indent=1))
+    out.write_text(json.dumps({"compile_only": row, "shape": shape, "batch": args.batch, "seq_len": args.seq_len,
+                               "remat": args.remat, "matmul_dtype": args.matmul_dtype, "loss_chunks": args.loss_chunks,
+                               "jax": jax.__version__}, indent=1))
     print(f"wrote {out}")
     return 0 if used <= hbm else 1
 
@@ -187,6 +194,8 @@ def main() -> int:
     args = parse_args()
     if args.target and args.tiny:
         raise SystemExit("--target compiles the 0.9B shape for a GPU; --tiny is for CPU runs, drop one")
+    if not args.target and (args.loss_chunks != 1 or args.vocab):
+        raise SystemExit("--loss-chunks and --vocab change the compiled shape only: give --target too")
     args.out = args.out or f"benchmarks/results/{'mfu_compile' if args.target else 'mfu'}.json"
     if args.target:
         return compile_only(args)
