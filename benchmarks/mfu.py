@@ -159,8 +159,8 @@ def compile_only(args) -> int:
            "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels, "gemms": gemms,
            "model_flops_per_step": flops, "step_s_at_50_percent_mfu": flops / (0.5 * peak) if peak else None}
     print(f"jaxpar step, Llama {config.model.param_count() / 1e9:.2f}B, batch {args.batch} x seq {args.seq_len}, bf16, "
-          f"remat {args.remat}, vocab {shape['vocab_size']}, loss in {args.loss_chunks} chunk(s): compiled (deviceless) for one "
-          f"{device.device_kind}")
+          f"remat {args.remat}, vocab {shape['vocab_size']}, loss in {args.loss_chunks} chunk(s): compiled "
+          f"(deviceless) for one {device.device_kind}")
     print(f"  memory   {used / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.1f}, "
           f"temporaries {memory.temp_size_in_bytes / 2**30:.1f}, outputs {memory.output_size_in_bytes / 2**30:.1f}, "
           f"aliased {memory.alias_size_in_bytes / 2**30:.1f})")

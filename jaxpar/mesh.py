@@ -104,7 +104,7 @@ def force_cpu_devices(n: int) -> None:
     peers arrive; with fewer threads than blocked collectives, two devices can wait in
     different all-gathers forever. With the default pool (one thread per core) FSDP x ring
     on 4 devices of a 2-core machine aborted in about half the runs ("Termination timeout
-    for collective permute"), also with 4 threads; with 8, 0 aborts in 15 runs."""
+    for collective permute"), also with 4 threads; with 8, 0 aborts in 21 runs."""
     if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
         os.environ["PJRT_NPROC"] = str(max(2 * n, os.cpu_count() or 1))
     try:

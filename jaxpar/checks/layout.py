@@ -76,8 +76,8 @@ def loss_chunks(config, sizes) -> None:
     seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
     if seq % (chunks * seq_ways):
         fits = [c for c in divisors(seq // seq_ways) if c > 1] if seq % seq_ways == 0 else []
-        raise ConfigError(f"{where}: a chunk takes one token in every {chunks} of each sequence, so train.seq_len={seq} "
-                          f"must divide by loss_chunks x the sequence's shards (context x tensor under sequence "
+        raise ConfigError(f"{where}: a chunk takes one token in every {chunks} of each sequence, so "
+                          f"train.seq_len={seq} must divide by loss_chunks x the sequence's shards (context x tensor under sequence "
                           f"parallelism = {seq_ways}); use train.loss_chunks in {fits[:8] or [1]}")
 
 

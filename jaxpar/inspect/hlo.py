@@ -269,9 +269,11 @@ def dots(hlo_text: str) -> list[Dot]:
     """Every matrix multiply in an HLO module's text (lowered or compiled), once each."""
     comps = parse(hlo_text)
     shapes = {ins.name: ins.shape for ins in _all(comps)}
+    def is_gemm(ins: _Instr) -> bool:
+        return ins.opcode == "dot" or (ins.opcode == "custom-call" and bool(_GEMM_CALL.search(ins.attrs)))
+
     return [Dot(shapes.get(ins.operands[0], ""), shapes.get(ins.operands[1], ""), ins.shape, ins.computation)
-            for ins in _all(comps)
-            if len(ins.operands) >= 2 and (ins.opcode == "dot" or (ins.opcode == "custom-call" and _GEMM_CALL.search(ins.attrs)))]
+            for ins in _all(comps) if len(ins.operands) >= 2 and is_gemm(ins)]
 
 
 def dot_types(hlo_text: str) -> dict[str, int]:

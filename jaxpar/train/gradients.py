@@ -28,8 +28,9 @@ GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]  # (params, batch) -
 def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
                 hooks: LayerHooks | None = None, loss_chunks: int = 1) -> LossSum:
     """(params, batch, layer state=None) -> (loss sum, (weight, sums)) of the model under
-    `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with `hooks` and a layer state ({parameter path: its state}), those
-    parameters' hooks run in the model's layer scan (jaxpar.sharding.layer_hooks)."""
+    `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with
+    `hooks` and a layer state ({parameter path: its state}), those parameters' hooks run in
+    the model's layer scan (jaxpar.sharding.layer_hooks)."""
 
     def loss_sum(params, batch, layer_state=None):
         if task == "lm":  # sequences laid out as the context-parallel kernels expect

@@ -109,7 +109,8 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
     microbatches and replicas, so the step reports them for the whole batch.
     """
     if loss_chunks > 1:
-        total, weight = chunked_task_loss(model.output, model.apply_layers(model.embed(batch), batch), batch, loss_chunks)
+        hidden = model.apply_layers(model.embed(batch), batch)
+        total, weight = chunked_task_loss(model.output, hidden, batch, loss_chunks)
         return total, (weight, {})
     out = apply_model(model, batch)
     outputs, aux = out if isinstance(out, tuple) else (out, None)
