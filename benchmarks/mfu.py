@@ -140,6 +140,7 @@ def compile_only(args) -> int:
 
     from jaxpar.flops import peak_flops
     from jaxpar.inspect.hlo import dot_types
+    from jaxpar.inspect.report import temporary_findings
     from jaxpar.train import build
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
@@ -152,11 +153,13 @@ def compile_only(args) -> int:
     text = compiled.as_text()
     kernels = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
     gemms = dot_types(text)  # every dot, inside fusions too, and cuBLAS calls: by the types their multiply reads
+    oversized = [str(f) for f in temporary_findings(trainer, text)]  # explain's findings, for this GPU's program
     flops = config.model.flops_per_token(args.seq_len) * args.batch * args.seq_len
     peak = peak_flops(device)
     row = {"device": device.device_kind, "attention": trainer.layout.attention, "argument_bytes": memory.argument_size_in_bytes,
            "temp_bytes": memory.temp_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
            "alias_bytes": memory.alias_size_in_bytes, "hbm_bytes": hbm, "custom_calls": kernels, "gemms": gemms,
+           "oversized_temporaries": oversized,
            "model_flops_per_step": flops, "step_s_at_50_percent_mfu": flops / (0.5 * peak) if peak else None}
     print(f"jaxpar step, Llama {config.model.param_count() / 1e9:.2f}B, batch {args.batch} x seq {args.seq_len}, bf16, "
           f"remat {args.remat}, vocab {shape['vocab_size']}, loss in {args.loss_chunks} chunk(s): compiled "
@@ -166,6 +169,8 @@ def compile_only(args) -> int:
           f"aliased {memory.alias_size_in_bytes / 2**30:.1f})")
     print(f"  attention {trainer.layout.attention}; library calls: {', '.join(kernels) or 'none'}")
     print(f"  GEMMs by operand types: {', '.join(f'{k}: {v}' for k, v in sorted(gemms.items()))}")
+    print("  parameter-shaped temporaries larger than a layer:" + "".join(f"\n    {f}" for f in oversized) if oversized
+          else "  parameter-shaped temporaries larger than a layer: none")
     if peak:
         print(f"  {flops / 1e12:.1f} model TFLOP per step: 50% MFU is {flops / (0.5 * peak) * 1e3:.0f} ms a step "
               f"({args.batch * args.seq_len / (flops / (0.5 * peak)):,.0f} tokens/s)")

@@ -162,6 +162,29 @@ ENTRY %main (x: f32[64,32]) -> f32[64,32] {
     assert next(b for b in temporaries(text) if b.instruction == "upd").op_name == "jit(f)/while/body/add"
 
 
+def test_outputs_through_a_multi_output_fusion_are_no_temporaries():
+    """A GPU's update writes each piece of state from one multi-output fusion; the entry
+    returns its elements through get-tuple-element (the sixth operand of a tuple printed
+    after an /*index=5*/ note): outputs, not temporaries. Its element no output reads is one."""
+    text = """HloModule m
+
+%fused (p: f32[64,32]) -> (f32[64,32], f32[64,32], f32[64,32]) {
+  %p = f32[64,32]{1,0} parameter(0)
+  %a = f32[64,32]{1,0} negate(%p)
+  ROOT %t = (f32[64,32]{1,0}, f32[64,32]{1,0}, f32[64,32]{1,0}) tuple(%a, %a, %a)
+}
+
+ENTRY %main (x: f32[64,32]) -> (f32[64,32], f32[64,32], f32[64,32], f32[64,32], f32[64,32], f32[64,32]) {
+  %x = f32[64,32]{1,0} parameter(0)
+  %update = (f32[64,32]{1,0}, f32[64,32]{1,0}, f32[64,32]{1,0}) fusion(%x), kind=kLoop, calls=%fused
+  %first = f32[64,32]{1,0} get-tuple-element(%update), index=0
+  %sixth = f32[64,32]{1,0} get-tuple-element(%update), index=2
+  ROOT %out = (f32[64,32]{1,0}, f32[64,32]{1,0}, f32[64,32]{1,0}, f32[64,32]{1,0}, f32[64,32]{1,0}, /*index=5*/f32[64,32]{1,0}) tuple(%first, %x, %x, %x, %x, /*index=5*/%sixth)
+}
+"""
+    assert [b.instruction for b in temporaries(text)] == ["update{1}"]
+
+
 @pytest.mark.parametrize(
     "shape, expected",
     [

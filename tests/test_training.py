@@ -54,6 +54,42 @@ def test_global_norm_clipping_is_exact_under_sharding(tiny_llama):
     check(compare(run, reference_run(config)), 1e-5, where="clipped")
 
 
+@pytest.mark.parametrize("clip_norm,fused", [(0.01, True), (1e6, True), (0.01, False)])
+def test_the_fused_update_is_optaxs_clip_and_adamw(tiny_llama, clip_norm, fused, monkeypatch):
+    """The step divides, clips, updates and applies in one pass over each gradient
+    (jaxpar.train.update), the non-finite guard a select inside it where the backend fuses
+    multi-output loops (`fused`: a GPU's; forced here on the CPU) or a branch around it. Its
+    new weights and moments equal optax's chain of clip_by_global_norm and adamw applied to
+    the step's own gradient: bit for bit without clipping (1e6), and within float32
+    rounding with it (0.01), where XLA's simplifier folds the two scalar divisions (by the
+    batch's weight, by the norm) into one by their product, one rounding fewer than optax's
+    division of an already divided gradient. A step with a NaN changes nothing."""
+    import jax.numpy as jnp
+
+    import jaxpar.train.trainer
+    from jaxpar.train.optim import make_optimizer
+
+    monkeypatch.setattr(jaxpar.train.trainer, "fuses_multi_output_loops", lambda platform: fused)
+    config = apply_overrides(tiny_llama, [f"optim.clip_norm={clip_norm}", "optim.warmup_steps=0"])
+    trainer = build(config, jax.devices()[:1])
+    source, state = make_source(trainer.batch, trainer.config), initial_state(trainer)
+    master, opt_state = jax.device_get((state.params, state.opt_state))
+    new, metrics, grads = trainer.step_and_grads(state, source(0))
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    updates, (_, want_opt) = jax.jit(tx.update)(grads, (optax.EmptyState(), opt_state), master)
+    got, want = jax.device_get((new.params, new.opt_state)), jax.device_get((optax.apply_updates(master, updates), want_opt))
+    clipped = float(metrics["grad_norm"]) > clip_norm
+    assert clipped == (clip_norm == 0.01)
+    if clipped:
+        assert tree_error(got, want) < 1e-6
+    else:
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    poisoned = {**source(1), "weights": source(1)["weights"] * jnp.nan}
+    after, metrics = trainer.step(new, poisoned)
+    assert float(metrics["nonfinite"]) == 1.0 and int(after.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)), got)
+
+
 def test_bf16_compute_stays_close_to_fp32(tiny_llama):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
     bf16 = run_layout(apply_overrides(config, ["train.compute_dtype=bfloat16"]))

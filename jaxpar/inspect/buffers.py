@@ -62,9 +62,7 @@ def temporaries(hlo_text: str) -> list[Buffer]:
     if entry is None:
         return []
     running = _running(comps, entry)
-    outputs = set(comps[entry][-1].operands) if comps[entry] and comps[entry][-1].opcode == "tuple" else set()
-    if comps[entry] and comps[entry][-1].opcode != "tuple":
-        outputs.add(comps[entry][-1].name)
+    outputs = _outputs(comps[entry])
     sources = _sources(hlo_text)
     fused_roots = {name: instrs[-1].opcode for name, instrs in comps.items() if instrs}
     out = []
@@ -82,10 +80,24 @@ def temporaries(hlo_text: str) -> list[Buffer]:
                           source=sources.get(int(frame.group(1)), "") if frame else "")
             for index, shape in _elements(ins.shape):
                 size = nbytes(shape)
-                if size:
-                    name = ins.name if index is None else f"{ins.name}{{{index}}}"
+                name = ins.name if index is None else f"{ins.name}{{{index}}}"
+                if size and not (comp == entry and name in outputs):
                     out.append(Buffer(instruction=name, shape=_plain(shape), bytes=size, **common))
     return sorted(out, key=lambda b: (-b.bytes, b.instruction))
+
+
+def _outputs(entry: list) -> set[str]:
+    """The entry's outputs: the root, or its tuple's operands; an element of a multi-output
+    fusion that an output reads through get-tuple-element is named `fusion{i}`."""
+    if not entry:
+        return set()
+    root = entry[-1]
+    outputs = set(root.operands) if root.opcode == "tuple" else {root.name}
+    for ins in entry:
+        index = re.search(r"index=(\d+)", ins.attrs)
+        if ins.opcode == "get-tuple-element" and ins.name in outputs and index:
+            outputs.add(f"{ins.operands[0]}{{{index.group(1)}}}")
+    return outputs
 
 
 def _entry_name(text: str, comps: dict) -> str | None:

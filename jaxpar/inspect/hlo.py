@@ -332,7 +332,8 @@ def _instr(line: str, comp: str) -> _Instr | None:
     if not op:
         return None
     close = closing(rest, op.end() - 1)
-    operands = tuple(a.split()[-1].lstrip("%") for a in split_outside(rest[op.end():close - 1]) if a.split())
+    listed = re.sub(r"/\*.*?\*/", " ", rest[op.end():close - 1])  # every fifth operand has an /*index=5*/ note
+    operands = tuple(a.split()[-1].lstrip("%") for a in split_outside(listed) if a.split())
     return _Instr(name, shape, op.group(1), operands, rest[close:], comp)
 
 

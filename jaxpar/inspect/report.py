@@ -140,10 +140,7 @@ def inspect_step(trainer) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
-    compute = trainer.config.train.compute_dtype
-    findings = parse_findings(log) + oversized_temporaries(
-        temporaries(text), layer_params(trainer.config.model), jnp.dtype(compute).itemsize, compute,
-        [x.shape for x in jax.tree.leaves(state.params)], mesh.devices.size, mesh.devices.flat[0].platform)
+    findings = parse_findings(log) + temporary_findings(trainer, text)
     # Under a pipeline the executor's switch branches are weighted by how often the average
     # device (and each stage) runs them.
     program = trainer.pipeline
@@ -162,6 +159,16 @@ def inspect_step(trainer) -> StepReport:
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
     )
+
+
+def temporary_findings(trainer, hlo_text: str) -> list[Finding]:
+    """The parameter-shaped temporaries larger than a layer in `trainer`'s compiled step
+    (its optimised HLO text): jaxpar.inspect.findings.oversized_temporaries."""
+    compute = trainer.config.train.compute_dtype
+    mesh = trainer.mesh
+    return oversized_temporaries(temporaries(hlo_text), layer_params(trainer.config.model), jnp.dtype(compute).itemsize,
+                                 compute, [x.shape for x in jax.tree.leaves(trainer.abstract_state().params)],
+                                 mesh.devices.size, mesh.devices.flat[0].platform)
 
 
 def shard_bytes(tree: Any, memory_kind: str | None = None) -> int:

@@ -32,7 +32,7 @@ from jax.extend import core
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.layer_hooks import Hook, LayerHooks
 from jaxpar.train.compression import Compressor, CompressionState
-from jaxpar.train.gradients import LossSum, accumulate
+from jaxpar.train.gradients import Gradient, LossSum, accumulate
 from jaxpar.train.loss import LossFn
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import AXIS, inner_layout, split_replicas, without_data
@@ -132,7 +132,8 @@ def compressed_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShar
                          microbatches: int, compressor: Compressor,
                          weight_of: Callable[[dict], jax.Array] | None) -> CompressedGradFn:
     """(params, batch, compression state) -> (loss, sums, gradient averaged over data by
-    the compressor and normalised by the batch's weight, the new compression state)."""
+    the compressor and normalised by the batch's weight (a `Gradient` whose divisor is 1),
+    the new compression state)."""
     per_layer = compressor.per_layer if weight_of is not None else frozenset()
     hooked = _replica_grads(loss_sum, layout, shardings.grads, per_layer)
     plain = _replica_grads(loss_sum, layout, shardings.grads, frozenset())
@@ -165,7 +166,7 @@ def compressed_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShar
             weight, g = weight_sum, jax.tree.map(lambda x: x / weight_sum, g)
         done = {p: (x, new_layer_state[p]) for p, x in zip(compressor.blocks, jax.tree.leaves(g)) if p in per_layer}
         means, state = compressor.reduce(g, state, done)
-        return total / weight, {"weight": weight, **sums}, means, state
+        return total / weight, {"weight": weight, **sums}, Gradient(means, jnp.ones((), jnp.float32)), state
 
     return grads
 

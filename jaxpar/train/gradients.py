@@ -1,9 +1,10 @@
 """The step's gradient: the loss of a batch, accumulated over microbatches, reduced over the
-replicas, returned in the optimizer's sharding and normalised by the batch's total weight."""
+replicas, returned in the optimizer's sharding as a sum and the batch's total weight that
+normalises it (`Gradient`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,24 @@ from jaxpar.train.sequence import lay_out_sequences
 from jaxpar.train.state import cast_floats
 from jaxpar.train.zero import StateShardings
 
+
+
+class Gradient(NamedTuple):
+    """The step's gradient, `summed / divisor` (a scalar): the batch's weight, or 1 where the
+    sum is normalised already. The division is left to the optimizer's passes over the
+    gradient (jaxpar.train.update): one for the norm and one for the update, each dividing
+    as it reads, so no divided whole-model copy is ever written."""
+
+    summed: Any
+    divisor: jax.Array
+
+    def value(self) -> Any:
+        return jax.tree.map(lambda g: g / self.divisor, self.summed)
+
+
 # (params, batch[, layer hooks' state]) -> (loss sum, (weight, sums))
 LossSum = Callable[..., tuple[jax.Array, tuple[jax.Array, dict]]]
-GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]  # (params, batch) -> (loss, sums, grads)
+GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Gradient]]  # (params, batch) -> (loss, sums, gradient)
 
 
 def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
@@ -49,9 +65,10 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
                     microbatches: int, reduction: GradReduction) -> GradFn:
-    """Gradient of (sum of per-example losses over the global batch) / (its weight),
-    accumulated over microbatches in float32, in the optimizer's sharding, with the loss and
-    the model's other sums over the batch (jaxpar.train.loss).
+    """Gradient of (sum of per-example losses over the global batch) / (its weight), as
+    that sum's gradient and the weight (`Gradient`), accumulated over microbatches in
+    float32, in the optimizer's sharding, with the loss and the model's other sums over the
+    batch (jaxpar.train.loss).
 
     Summed over the replicas as `reduction` says (jaxpar.train.reduction; not "compressed",
     which jaxpar.train.compressed computes): per-replica gradients are reduced over fsdp
@@ -84,7 +101,7 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
             g = cast_floats(g, jnp.float32)
         return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
-    def grads(params, batch) -> tuple[jax.Array, dict, Any]:
+    def grads(params, batch) -> tuple[jax.Array, dict, Gradient]:
         if microbatches == 1:
             total, (weight, sums), g = microbatch(params, batch)
         else:
@@ -93,7 +110,7 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         if per_step:
             g = reduce(g, shardings.optimizer)
         g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
-        return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda x: x / weight, g)
+        return total / weight, {"weight": weight, **sums}, Gradient(g, weight)
 
     return grads
 

@@ -1,5 +1,6 @@
 """Optimizer from config: a named optax update rule, warmup + cosine schedule, and
-global-norm clipping. Any optax GradientTransformation can be passed to the trainer instead."""
+global-norm clipping (which the trainer applies in its own pass: jaxpar.train.update). Any
+optax GradientTransformation can be passed to the trainer instead."""
 
 from __future__ import annotations
 
@@ -25,9 +26,16 @@ def schedule(optim, steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Clipping (global norm over every shard of every parameter: the squared norms are
-    summed under jit, so sharding cannot change the result) followed by the update rule."""
+def update_rule(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The named update rule on its schedule, without clipping: the trainer clips with the
+    norm its update pass already computed (jaxpar.train.update), optax's arithmetic."""
     lr = schedule(optim, steps)
-    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    return optax.chain(*parts, OPTIMIZERS[optim.name](lr, optim)), lr
+    return OPTIMIZERS[optim.name](lr, optim), lr
+
+
+def make_optimizer(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The config's optimizer as one optax chain, for a step written by hand: clipping
+    (global norm over every shard of every parameter: the squared norms are summed under
+    jit, so sharding cannot change the result), then the update rule."""
+    rule, lr = update_rule(optim, steps)
+    return optax.chain(*([optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []), rule), lr

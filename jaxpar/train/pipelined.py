@@ -20,6 +20,7 @@ from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
+from jaxpar.train.gradients import Gradient
 from jaxpar.train.loss import LossFn, chunked_task_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.replicas import inner_layout, without_axis
@@ -42,7 +43,7 @@ def pipelined_grads(
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
 
-    def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Any]:
+    def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Gradient]:
         layers, other = split_layers(params)
         if config.model.task == "lm":  # sequences laid out as the context-parallel kernels expect
             batch = lay_out_sequences(batch, layout)
@@ -54,7 +55,7 @@ def pipelined_grads(
         # The layers' reports (MoE: "token_metrics" sums, per-layer "counts" in pipeline order,
         # the order the parameters a model's `update` reads are stored in), over the replicas.
         sums = jax.tree.map(lambda a: a.sum(0), {**reports["sums"], **reports["per_layer"]})
-        return total / weight, {"weight": weight, **sums}, jax.tree.map(lambda g: g / weight, summed)
+        return total / weight, {"weight": weight, **sums}, Gradient(summed, weight)
 
     return grads, program
 

@@ -42,12 +42,12 @@ from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_ho
 from jaxpar.train.compression import Compressor, make_compressor
 from jaxpar.train.gradients import batch_gradients, loss_sum_fn
 from jaxpar.train.loss import LossFn, model_outputs, task_loss
-from jaxpar.train.optim import make_optimizer
+from jaxpar.train.optim import update_rule
 from jaxpar.train.param_checks import check_params
 from jaxpar.train.pipelined import pipelined_grads, unpipelined
 from jaxpar.train.reduction import GradReduction, grad_reduction, sum_replicas
 from jaxpar.train.state import TrainState, initial_state, place_state
-from jaxpar.train.update import update_fn
+from jaxpar.train.update import fuses_multi_output_loops, update_fn
 from jaxpar.train.zero import StateShardings, state_shardings
 from jaxpar.xla_options import step_options
 
@@ -125,8 +125,10 @@ def build(
     if config.train.loss_chunks > 1 and loss_fn is not task_loss:
         raise ConfigError(f"train.loss_chunks={config.train.loss_chunks} splits the built-in loss, but build() was "
                           "given its own loss_fn, which scores whole outputs; set train.loss_chunks=1")
+    clip_norm = 0.0  # a tx given here clips as it likes
     if tx is None:
-        tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
+        tx, lr_schedule = update_rule(config.optim, config.train.steps)
+        clip_norm = config.optim.clip_norm
 
     def make_model() -> nnx.Module:
         with nnx.use_eager_sharding(False):  # shardings come from our rules, not from a global mesh
@@ -159,17 +161,18 @@ def build(
     loss_sum, grads_fn, program, reduction = _gradients(config, layout, graphdef, abstract_params, names, shardings,
                                                         batch_layout, loss_fn, reduction)
     compressor = reduction.compressor
-    update = update_fn(tx, lr_schedule, shardings, placement, config.train.compute_dtype,
-                       config.parallel.offload_optimizer, config.model)
+    update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
+                       config.parallel.offload_optimizer, config.model,
+                       fused=fuses_multi_output_loops(devices[0].platform))
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
-        loss, sums, grads, compression = grads_fn(state.params, batch, state.compression)
-        return (*update(state, loss, sums, grads, compression), grads)
+        loss, sums, grad, compression = grads_fn(state.params, batch, state.compression)
+        return (*update(state, loss, sums, grad, compression), grad.value())
 
     def grads(params, batch) -> tuple[jax.Array, Any]:
         """Under compression, from a fresh compression state (no residuals yet)."""
         loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None)
-        return loss, g
+        return loss, g.value()
 
     def evaluate(params, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once."""
@@ -240,7 +243,8 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
 
     def grads(params, batch, compression):
         loss, sums, g, compression = averaged(params, batch, compression)
-        return loss, sums, jax.lax.with_sharding_constraint(g, shardings.optimizer), compression
+        g = g._replace(summed=jax.lax.with_sharding_constraint(g.summed, shardings.optimizer))
+        return loss, sums, g, compression
 
     return loss_sum, grads, dataclasses.replace(reduction, compressor=compressor)
 

@@ -1,5 +1,15 @@
 """The optimizer's half of the step: gradients in, new state and the step's metrics out.
-A step whose loss or gradients hold NaN or Inf is not applied."""
+A step whose loss or gradients hold NaN or Inf is not applied.
+
+The gradient is read twice, never copied: once for its squared norm (which also tells a
+finite step from one that is not), once for the update, where dividing by the batch's
+weight, clipping, the update rule, adding the update to the weights and keeping the old
+state after a non-finite step are one elementwise expression per parameter. A GPU compile
+makes that one multi-output fusion per parameter, which writes each piece of state once
+and no whole-model float32 temporary. XLA:CPU fuses no multi-output loops (each new piece
+of state is a loop of its own), so there the update stays inside a branch
+(`keep_if_finite`).
+"""
 
 from __future__ import annotations
 
@@ -11,24 +21,29 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.model import has
+from jaxpar.train.gradients import Gradient
 from jaxpar.train.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.train.zero import StateShardings
 
-UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, grads, compression=None)
+UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradient, compression=None)
 
 
-def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, shardings: StateShardings,
-              placement: StatePlacement, compute_dtype: Any, offload: bool, model: Any) -> UpdateFn:
-    """(state, loss, sums, grads, compression) -> (new state, metrics). The model may adjust
-    its weights after the optimizer (`update(master, counts)`, e.g. MoE bias balancing) and
-    turn the step's counts into metrics (`summarise(counts)`). `compression`: the gradient
-    compressor's new state (jaxpar.train.compression), kept only with the step."""
+def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, clip_norm: float,
+              shardings: StateShardings, placement: StatePlacement, compute_dtype: Any, offload: bool,
+              model: Any, fused: bool = True) -> UpdateFn:
+    """(state, loss, sums, gradient, compression) -> (new state, metrics). `clip_norm` > 0:
+    the gradient is clipped to that global norm first, with optax.clip_by_global_norm's
+    arithmetic. The model may adjust its weights after the optimizer (`update(master,
+    counts)`, e.g. MoE bias balancing) and turn the step's counts into metrics
+    (`summarise(counts)`). `compression`: the gradient compressor's new state
+    (jaxpar.train.compression), kept only with the step. `fused`: the backend fuses
+    multi-output loops (GPUs; XLA:CPU does not), see `keep_if_finite`."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
-    def apply(state: TrainState, grads: Any, counts: dict, compression: Any) -> TrainState:
+    def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any) -> TrainState:
         # in float32 the parameters are the master weights
         master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
-        updates, opt_state = tx.update(grads, state.opt_state, master)
+        updates, opt_state = tx.update(clipped(grad, norm, clip_norm), state.opt_state, master)
         master = optax.apply_updates(master, updates)
         if counts and has(model, "update"):
             master = model.update(master, counts)
@@ -38,7 +53,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state,
                           compression=compression)
 
-    def update(state: TrainState, loss: jax.Array, sums: dict, grads: Any, compression: Any = None
+    def update(state: TrainState, loss: jax.Array, sums: dict, grad: Gradient, compression: Any = None
                ) -> tuple[TrainState, dict]:
         if offload:  # fetch from host memory for the update
             state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
@@ -46,11 +61,10 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         counts = sums.get("counts", {})
         # A non-finite loss or gradient leaves the state as it was, and the schedule
         # (state.step, the optimizer's count) where the weights are; the loop then stops or
-        # skips (train.on_nonfinite), naming the first bad gradient. A branch, not a select
-        # over the whole state: a finite step pays only for the test. Each gradient's
-        # squared sum is finite exactly when the gradient is (or when it overflows float32,
-        # and then its norm, which clipping divides by, is infinite too).
-        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
+        # skips (train.on_nonfinite), naming the first bad gradient. Each gradient's squared
+        # sum is finite exactly when the gradient is (or when it overflows float32, and then
+        # its norm, which clipping divides by, is infinite too).
+        squares = [jnp.sum(jnp.square((g / grad.divisor).astype(jnp.float32))) for g in jax.tree.leaves(grad.summed)]
         finite_grads = jnp.isfinite(jnp.stack(squares))
         finite = jnp.isfinite(loss) & jnp.all(finite_grads)
         if compression is not None:  # what a compressor left out of the gradients must be finite too
@@ -58,11 +72,40 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
             finite &= jnp.isfinite(sum(jnp.sum(jnp.square(r)) for r in residual))
         else:
             compression = state.compression
-        new = jax.lax.cond(finite, apply, lambda state, *_: state, state, grads, counts, compression)
         grad_norm = jnp.sqrt(sum(squares))
+        new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression), fused)
         return new, step_metrics(loss, sums, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 
     return update
+
+
+def fuses_multi_output_loops(platform: str) -> bool:
+    """Whether XLA's backend for `platform` fuses loops with several outputs (GPUs do;
+    XLA:CPU does not): `update_fn`'s `fused`."""
+    return platform != "cpu"
+
+
+def keep_if_finite(finite: jax.Array, apply: Callable, state: TrainState, args: tuple, fused: bool) -> TrainState:
+    """`apply(state, *args)` if `finite`, else `state`. Fused: a select per element, which a
+    GPU compile folds into the update's one multi-output loop per parameter, where it costs
+    nothing (a conditional's results are buffers of their own, written by separate loops).
+    Not fused (XLA:CPU): a branch, which a finite step pays only for the test, where a
+    select is one more pass over the state (docs/performance.md, framework overhead)."""
+    if fused:
+        return jax.tree.map(lambda new, old: jax.lax.select(finite, new, old), apply(state, *args), state)
+    return jax.lax.cond(finite, apply, lambda state, *_: state, state, *args)
+
+
+def clipped(grad: Gradient, norm: jax.Array, clip_norm: float) -> Any:
+    """The gradient divided by its divisor and, with `clip_norm` > 0, clipped to that global
+    norm (`norm`: the divided gradient's), as optax.clip_by_global_norm computes it: values
+    equal to that transformation's, which the trainer no longer chains (it would read the
+    whole gradient again for a norm this step already has)."""
+    if clip_norm <= 0:
+        return grad.value()
+    within = norm < clip_norm
+    return jax.tree.map(lambda g: jax.lax.select(within, g / grad.divisor, (g / grad.divisor / norm.astype(g.dtype))
+                                                 * clip_norm), grad.summed)
 
 
 def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule, step, model: Any) -> dict:
