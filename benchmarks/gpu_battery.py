@@ -1,4 +1,5 @@
-"""Every GPU measurement in one call (under 10 minutes on one H100), one JSON, one table:
+"""Every GPU measurement in one call (under 8 minutes on one H100, compiles included), one
+JSON, one table, most valuable first:
 
   1. mfu_bf16    benchmarks/mfu.py: the 0.9B Llama, jaxpar and the PyTorch peer, bf16
      mfu_fp8     the same jaxpar side with train.matmul_dtype=fp8 (--matmul-dtype fp8)
@@ -15,14 +16,17 @@
                  jax_mock_gpu_topology=1x8x1, did not finish compiling in 240 s on an H200 with
                  jax 0.11.2, twice.)
 
-  python benchmarks/gpu_battery.py [--out benchmarks/results/gpu_battery.json]
+  python benchmarks/gpu_battery.py [--out benchmarks/results/gpu_battery.json]   # --budget 460 s
+  python benchmarks/gpu_battery.py --quick         # mfu_bf16 (with the peer), mfu_fp8, plan: 240 s
   python benchmarks/gpu_battery.py --cpu-only      # the CPU part (automatic without a GPU)
   python benchmarks/gpu_battery.py --only mfu_bf16,plan --budget 300
 
 Each section runs in a child process of its own (the GPU belongs to one process at a time),
 under a timeout, and records its error, output tail and wall time without stopping the
 others; all sections share --budget seconds, and those the budget cannot reach are recorded
-as not run. Without a GPU the CPU part runs: mfu.py --tiny (bf16 and fp8), the plan
+as not run. A device task's whole GPU time is 15 minutes, start-up included, so the default
+budget leaves room for one call of about 8 minutes; --quick measures fewer steps (10 after 3
+of warm-up) of the three sections that matter most, in about 4. Without a GPU the CPU part runs: mfu.py --tiny (bf16 and fp8), the plan
 prediction and overlap.py on CPU devices (whose collectives are synchronous: 0% overlap by
 construction); the GPU-only sections are recorded as skipped. The targets of issue 23
 (jaxpar MFU >= 0.55, jaxpar / PyTorch >= 1.2, fp8 / bf16 >= 1.3) are judged on a GPU only.
@@ -60,11 +64,16 @@ class Section:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def sections(gpu: bool) -> list[Section]:
+QUICK = ("mfu_bf16", "mfu_fp8", "plan")  # --quick: these, with fewer timed steps
+QUICK_BUDGET_S = 240
+
+
+def sections(gpu: bool, quick: bool = False) -> list[Section]:
     """The battery, most wanted first (a spent budget cuts the last)."""
-    mfu = ["benchmarks/mfu.py", *(["--batch", str(BATCH), "--seq-len", str(SEQ)] if gpu else ["--tiny"])]
+    mfu = ["benchmarks/mfu.py", *(["--batch", str(BATCH), "--seq-len", str(SEQ)] if gpu else ["--tiny"]),
+           *(["--steps", "10", "--warmup", "3"] if quick else [])]
     checks = "benchmarks/gpu_checks.py"
-    return [
+    every = [
         Section("mfu_bf16", mfu, 300),
         Section("mfu_fp8", mfu + ["--matmul-dtype", "fp8", "--no-peer"], 180),
         # the planner compiles for CPU devices whatever the machine has
@@ -75,6 +84,7 @@ def sections(gpu: bool) -> list[Section]:
         Section("overlap", ["benchmarks/overlap.py", "--collective-matmul", "none",
                             *(["--target", "benchmarks/targets/h100.pbtxt"] if gpu else [])], 240),
     ]
+    return [x for x in every if x.name in QUICK] if quick else every
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/gpu_battery.json")
     p.add_argument("--cpu-only", action="store_true", help="run the CPU part even if a GPU is here")
     p.add_argument("--only", metavar="SECTION[,SECTION]", help="run only these sections")
-    p.add_argument("--budget", type=float, default=570, help="seconds for all sections together (default 570)")
+    p.add_argument("--budget", type=float, help="seconds for all sections together (default 460; 240 with --quick)")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer timed steps (about 4 minutes)")
     p.add_argument("--section", choices=["plan"], help=argparse.SUPPRESS)  # one section, in a child process
     return p.parse_args(argv)
 
@@ -342,7 +353,8 @@ def main(argv=None) -> int:
     setup.update(gpu=setup["platform"] == "gpu", python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M"))
     print(f"platform: {setup['platform']} ({setup.get('device') or setup.get('why', '')}); "
           f"{'every section' if setup['gpu'] else 'the CPU part only'}", flush=True)
-    chosen = sections(setup["gpu"])
+    args.budget = args.budget or (QUICK_BUDGET_S if args.quick else 460)
+    chosen = sections(setup["gpu"], args.quick)
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {x.name for x in chosen}
@@ -353,7 +365,8 @@ def main(argv=None) -> int:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="gpu_battery-"))  # children's JSON and logs, kept for reading
     t0 = time.perf_counter()
     done = run_all(chosen, setup["gpu"], args.budget, workdir)
-    setup.update(total_s=round(time.perf_counter() - t0, 1), budget_s=args.budget, logs=str(workdir))
+    setup.update(total_s=round(time.perf_counter() - t0, 1), budget_s=args.budget, quick=args.quick, logs=str(workdir),
+                 section_s={name: row.get("wall_s") for name, row in done.items()})
     summary = summarize(done, setup["gpu"])
     write({"setup": setup, "summary": summary, "sections": done},
           ROOT / args.out if not os.path.isabs(args.out) else pathlib.Path(args.out))

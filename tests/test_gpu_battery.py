@@ -99,3 +99,12 @@ def test_a_profile_is_classed_by_instruction_and_kernel_name():
         "matmul": 0.007, "fusion (kLoop)": 0.001, "attention (cuDNN)": 0.001, "copy": 0.001}
     assert [t["name"] for t in doc["top"]] == ["nvjet_sm90_tst_128x160", "gemm_fusion_dot_23", "loop_add_fusion"]
     assert doc["top"][1]["hlo"].startswith("%gemm_fusion_dot.23") and doc["top"][0]["hlo"] == ""
+
+
+def test_quick_runs_the_three_most_valuable_sections_with_fewer_steps():
+    quick, every = battery.sections(gpu=True, quick=True), battery.sections(gpu=True)
+    assert [x.name for x in quick] == list(battery.QUICK) == [x.name for x in every][:3]
+    for x in quick[:2]:  # mfu_bf16, mfu_fp8
+        at = x.argv.index("--steps")
+        assert x.argv[at:at + 4] == ["--steps", "10", "--warmup", "3"], x.argv
+    assert not any("--steps" in x.argv for x in every)
