@@ -75,7 +75,7 @@ SCHEDULE_MODEL = dict(vocab_size=32000, embed=1024, num_layers=8, num_heads=8, n
 
 def schedule(target: str, out: pathlib.Path) -> None:
     """The deviceless GPU compile (--target): each compressor at ZeRO-0 and -3."""
-    from benchmarks.targets.deviceless import gpu_devices
+    from jaxpar.deviceless import gpu_devices
 
     devices = gpu_devices(target, "1x2x4")  # before anything imports jax
     import jax

@@ -6,6 +6,10 @@ JSON, one table, most valuable first:
   2. plan        the planner's roofline step time for that run (its exact layout, compiled
                  on a CPU device as `jaxpar plan` compiles its candidates), beside the
                  measured step of mfu_bf16
+     predicted   the runs benchmarks/results/predictions.json registered before anyone
+                 measured them (jaxpar.inspect.cost over a deviceless H100 compile), timed
+                 with mfu.py (jaxpar only) unless mfu_bf16 or mfu_fp8 ran them already; the
+                 summary gives each registered prediction's error
   3. cudnn       benchmarks/gpu_checks.py --only cudnn: cuDNN attention against the reference
   4. gpu_checks  benchmarks/gpu_checks.py --only pallas,grouped,offload
   5. profile     benchmarks/profile_step.py: mfu_bf16's step traced, its top costs by
@@ -78,6 +82,7 @@ def sections(gpu: bool, quick: bool = False) -> list[Section]:
         Section("mfu_fp8", mfu + ["--matmul-dtype", "fp8", "--no-peer"], 180),
         # the planner compiles for CPU devices whatever the machine has
         Section("plan", [__file__, "--section", "plan"], 150, env=(("JAX_PLATFORMS", "cpu"),)),
+        Section("predicted", [__file__, "--section", "predicted"], 240, gpu_only=True),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
         Section("gpu_checks", [checks, "--only", "pallas,grouped,offload"], 300, gpu_only=True),
         Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
@@ -94,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", metavar="SECTION[,SECTION]", help="run only these sections")
     p.add_argument("--budget", type=float, help="seconds for all sections together (default 460; 240 with --quick)")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer timed steps (about 4 minutes)")
-    p.add_argument("--section", choices=["plan"], help=argparse.SUPPRESS)  # one section, in a child process
+    p.add_argument("--section", choices=["plan", "predicted"], help=argparse.SUPPRESS)  # one section, in a child
     return p.parse_args(argv)
 
 
@@ -196,6 +201,35 @@ def plan_section(out: str) -> int:
     return 0 if "prediction" in found else 1
 
 
+PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
+# The registered runs the mfu sections time already, by their mfu.py flags.
+TIMED_BY = {("none", "8", "2048", "compute"): ("mfu_bf16", "jaxpar"), ("none", "8", "2048", "fp8"): ("mfu_fp8", "jaxpar")}
+
+
+def flags_key(flags: list[str]) -> tuple[str, ...]:
+    given = dict(zip(flags[::2], flags[1::2]))
+    return tuple(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype"))
+
+
+def predicted_section(out: str) -> int:
+    """Child: each registered run that no mfu section times, timed by mfu.py (jaxpar only,
+    10 steps after 3), one child process each."""
+    registered = json.loads(PREDICTIONS.read_text())["registered"]
+    doc = {}
+    for name, row in registered.items():
+        if flags_key(row["mfu_flags"]) in TIMED_BY:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [sys.executable, "benchmarks/mfu.py", *row["mfu_flags"], "--no-peer", "--steps", "10", "--warmup", "3",
+                    "--out", f"{tmp}/mfu.json"]
+            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+            found = read_json(pathlib.Path(tmp) / "mfu.json") or {}
+        doc[name] = {**found.get("jaxpar", {}), **({} if done.returncode == 0 else {"error": done.stderr[-1500:]})}
+        write(doc, pathlib.Path(out))
+        print(name, json.dumps(doc[name])[:300], flush=True)
+    return 0
+
+
 # ---- the summary: pure functions of the sections' results (tests/test_gpu_battery.py) ----
 
 
@@ -242,6 +276,7 @@ def summarize(done: dict, gpu: bool) -> dict:
         "overlapped_share") for p in ("none", "overlap")}
     s["overlap"]["how"] = overlap.get("how")
     s["plan"] = plan_vs_measured(result(done, "plan").get("prediction", {}), ours.get("step_s"), gpu)
+    s["predictions"] = registered_errors(done, predictions())
     s["cudnn"] = cudnn_summary(result(done, "cudnn").get("cudnn", []))
     checks = result(done, "gpu_checks")
     s["gpu_checks"] = {"pallas_out_error": worst(checks.get("pallas", []), "pallas_out_error"),
@@ -253,6 +288,23 @@ def summarize(done: dict, gpu: bool) -> dict:
                     "by_kind": {k: v["share"] for k, v in list(prof.get("by_kind", {}).items())[:4]},
                     "top": [(t["name"], t["kind"], t["share"]) for t in prof.get("top", [])[:3]]}
     return s
+
+
+def predictions() -> dict:
+    return json.loads(PREDICTIONS.read_text()).get("registered", {}) if PREDICTIONS.exists() else {}
+
+
+def registered_errors(done: dict, registered: dict) -> dict:
+    """Each registered prediction beside the step the battery measured for its run (an mfu
+    section's, or the predicted section's), and its error."""
+    out = {}
+    for name, row in registered.items():
+        section, side = TIMED_BY.get(flags_key(row["mfu_flags"]), ("predicted", None))
+        measured = (result(done, section).get(side) if side else result(done, section).get(name)) or {}
+        step = measured.get("step_s")
+        out[name] = {"predicted_s": row["predicted_s"], "registered_at": row.get("commit"), "measured_s": step,
+                     "error": row["predicted_s"] / step - 1 if step else None}
+    return out
 
 
 def plan_vs_measured(prediction: dict, measured: float | None, gpu: bool) -> dict:
@@ -339,6 +391,8 @@ def render(done: dict, s: dict, setup: dict) -> str:
         f"gpu_checks        pallas out error {fmt(g['pallas_out_error'], '.1e')}, grouped error"
         f" {fmt(g['grouped_error'], '.1e')}, offload losses agree {fmt(g['offload_losses_agree'], '')}"
         f" (worst relative difference {fmt(g['offload_loss_difference'], '.1e')})",
+        "predictions       " + ("; ".join(f"{k} {fmt(v['predicted_s'], '.3f')} s vs {fmt(v['measured_s'], '.3f')}"
+                                       f" ({fmt(v['error'], '+.1%')})" for k, v in s["predictions"].items()) or "-"),
         f"profile           device busy {fmt(s['profile']['busy_s'], '.3f')} s a step: "
         + (", ".join(f"{k} {v:.0%}" for k, v in s["profile"]["by_kind"].items()) or "-"),
     ]
@@ -349,6 +403,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.section == "plan":
         return plan_section(args.out)
+    if args.section == "predicted":
+        return predicted_section(args.out)
     setup = probe(args.cpu_only)
     setup.update(gpu=setup["platform"] == "gpu", python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M"))
     print(f"platform: {setup['platform']} ({setup.get('device') or setup.get('why', '')}); "

@@ -133,7 +133,7 @@ def compile_only(args) -> int:
     """jaxpar's step compiled by XLA's GPU compiler for the GPU a target config describes."""
     import re
 
-    from benchmarks.targets.deviceless import gpu_devices
+    from jaxpar.deviceless import gpu_devices
 
     device = gpu_devices(args.target)[0]
     import jax

@@ -28,7 +28,7 @@ def main() -> int:
     p.add_argument("--out", help="JSON file (default: print only)")
     args = p.parse_args()
     if args.target:
-        from benchmarks.targets.deviceless import gpu_devices
+        from jaxpar.deviceless import gpu_devices
 
         devices = gpu_devices(args.target)[:1]
     import jax

@@ -69,7 +69,7 @@ def report(trainer) -> dict:
 def devices_for(args):
     """The devices to compile for, and how they were found (before anything imports jax)."""
     if args.target:
-        from benchmarks.targets.deviceless import gpu_devices
+        from jaxpar.deviceless import gpu_devices
 
         topology = args.topology or "1x1x8"
         devices = gpu_devices(args.target, topology)

@@ -108,3 +108,17 @@ def test_quick_runs_the_three_most_valuable_sections_with_fewer_steps():
         at = x.argv.index("--steps")
         assert x.argv[at:at + 4] == ["--steps", "10", "--warmup", "3"], x.argv
     assert not any("--steps" in x.argv for x in every)
+
+
+def test_each_registered_prediction_meets_the_step_the_battery_measured():
+    registered = {"fp8_none_b8": {"predicted_s": 0.25, "commit": "abc", "mfu_flags": [
+                      "--remat", "none", "--batch", "8", "--seq-len", "2048", "--matmul-dtype", "fp8"]},
+                  "bf16_full_b8": {"predicted_s": 0.2, "commit": "abc", "mfu_flags": [
+                      "--remat", "full", "--batch", "8", "--seq-len", "2048", "--matmul-dtype", "compute"]},
+                  "bf16_none_seq4096_b4": {"predicted_s": 0.3, "mfu_flags": [
+                      "--remat", "none", "--batch", "4", "--seq-len", "4096", "--matmul-dtype", "compute"]}}
+    done = {**results(), "predicted": {"status": "ok", "result": {"bf16_full_b8": {"step_s": 0.25}}}}
+    errors = battery.registered_errors(done, registered)
+    assert abs(errors["fp8_none_b8"]["error"] - (0.25 / (16384 / 115200) - 1)) < 1e-12  # timed by mfu_fp8
+    assert abs(errors["bf16_full_b8"]["error"] - (0.2 / 0.25 - 1)) < 1e-12
+    assert errors["bf16_none_seq4096_b4"]["error"] is None and errors["fp8_none_b8"]["registered_at"] == "abc"

@@ -126,7 +126,7 @@ LAYERS = [
     ("sharding", ["jaxpar.sharding"]),
     ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed"]),
     ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
-              "jaxpar.xla_options"]),
+              "jaxpar.xla_options", "jaxpar.deviceless"]),
 ]
 # Imports that still run upward, each with its reason (none today); the test fails if one
 # disappears too, so this list stays true.

@@ -15,8 +15,11 @@ def add_parser(sub) -> None:
     explain.add_argument("recipe", help=RECIPE_HELP)
     add_overrides(explain, "parallel.zero_stage=3")
     explain.add_argument("--devices", type=int, metavar="N",
-                         help="compile for N virtual CPU devices (up to 512); default: the accelerators present, "
-                         "else 8 CPU devices as `train` uses")
+                         help="compile for N virtual CPU devices (up to 512), or N GPUs with --target; default: the "
+                         "accelerators present, else 8 CPU devices as `train` uses")
+    explain.add_argument("--target", metavar="FILE",
+                         help="compile for GPUs this GpuTargetConfig describes (benchmarks/targets/h100.pbtxt), "
+                         "without one (needs pip install 'jax[cuda13]'), and predict the step's time on them")
     explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
     explain.add_argument("--png", metavar="PATH", help="with mesh.stage > 1: also draw the pipeline schedule as a PNG")
 
@@ -29,8 +32,12 @@ def run(args) -> int:
         if not 1 <= args.devices <= 512:
             raise ConfigError(f"--devices={args.devices}; use 1 to 512 virtual CPU devices")
         os.environ["JAX_PLATFORMS"] = "cpu"  # must precede JAX's backend start
-    # Without --devices, 8 as `train` uses: only the CPU backend reads it; accelerators win.
-    force_cpu_devices(8 if args.devices is None else args.devices)
+    if args.target:  # deviceless GPUs, one host of them
+        from jaxpar.deviceless import gpu_devices
+
+        devices = gpu_devices(args.target, f"1x1x{args.devices or 1}")
+    else:  # without --devices, 8 as `train` uses: only the CPU backend reads it; accelerators win
+        force_cpu_devices(8 if args.devices is None else args.devices)
     import json
 
     import jax
@@ -44,7 +51,7 @@ def run(args) -> int:
         from jaxpar.train.metrics import prepare_file
 
         prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
-    devices = jax.devices()
+    devices = devices if args.target else jax.devices()
     trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
     if args.png and trainer.pipeline is None:
         raise ConfigError("--png draws the pipeline schedule, but mesh.stage=1; set mesh.stage>1")

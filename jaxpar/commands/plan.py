@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile the K fastest estimates (default 4)")
     plan.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
                       help="seconds each layout's compile may take before it is stopped and marked failed (default 600)")
+    plan.add_argument("--target", metavar="FILE",
+                      help="compile for the GPUs this GpuTargetConfig describes (benchmarks/targets/h100.pbtxt), "
+                      "without them (pip install 'jax[cuda13]'), and rank by their kernels' predicted time "
+                      "(jaxpar.inspect.cost) instead of the roofline")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -36,7 +40,18 @@ def run(args) -> int:
     if args.devices > 4096:
         raise ConfigError(f"--devices={args.devices}; plan for at most 4096 devices")
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts its backends
-    force_cpu_devices(args.devices)
+    hosts = args.hosts or max(1, args.devices // 8)
+    if args.target:
+        from jaxpar.deviceless import gpu_devices
+        from jaxpar.plan.compile_one import TARGET_ENV, TOPOLOGY_ENV
+
+        if args.devices % hosts:
+            raise ConfigError(f"--hosts={hosts} does not divide --devices={args.devices}; use a divisor of it")
+        topology = f"1x{hosts}x{args.devices // hosts}"
+        devices = gpu_devices(args.target, topology)
+        os.environ[TARGET_ENV], os.environ[TOPOLOGY_ENV] = args.target, topology  # for the compiling children
+    else:
+        force_cpu_devices(args.devices)
     import dataclasses
     import json
 
@@ -47,10 +62,9 @@ def run(args) -> int:
 
     model, recipe = resolve_model(args.model)
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
-    hosts = args.hosts or max(1, args.devices // 8)
     from jaxpar.units import params
 
-    planned, facts = make_plan(model, jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
+    planned, facts = make_plan(model, devices if args.target else jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
                                args.compile_top, progress=not args.json, compile_timeout_s=args.compile_timeout)
     if args.json:
         rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,

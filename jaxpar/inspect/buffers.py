@@ -58,10 +58,10 @@ class Buffer:
 def temporaries(hlo_text: str) -> list[Buffer]:
     """Every temporary buffer of the program (see the module docstring), largest first."""
     comps = parse(hlo_text)
-    entry = _entry_name(hlo_text, comps)
+    entry = entry_name(hlo_text, comps)
     if entry is None:
         return []
-    running = _running(comps, entry)
+    running = running_computations(comps, entry)
     outputs = _outputs(comps[entry])
     sources = _sources(hlo_text)
     fused_roots = {name: instrs[-1].opcode for name, instrs in comps.items() if instrs}
@@ -100,12 +100,12 @@ def _outputs(entry: list) -> set[str]:
     return outputs
 
 
-def _entry_name(text: str, comps: dict) -> str | None:
+def entry_name(text: str, comps: dict) -> str | None:
     m = re.search(r"^\s*ENTRY\s+%?([\w.\-]+)", text, re.M)
     return m.group(1) if m and m.group(1) in comps else None
 
 
-def _running(comps: dict, entry: str) -> list[str]:
+def running_computations(comps: dict, entry: str) -> list[str]:
     """The entry and every computation control flow runs from it (not fusions' or
     reductions' bodies, which define no buffers of their own)."""
     seen, todo = [entry], [entry]

@@ -131,6 +131,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "cross_host_bytes": report.cross_host_bytes() if report.num_hosts > 1 else None,
         "findings": [str(f) for f in report.findings],
         "compile_seconds": report.compile_seconds,
+        "predicted": report.predicted,
     }
 
 
@@ -416,8 +417,22 @@ def render(doc: dict[str, Any]) -> str:
     lines += ["", "findings:" if doc["findings"] else
               "findings: none (no involuntary rematerialisation, no parameter-shaped temporary larger than a layer)"]
     lines += [f"  {f}" for f in doc["findings"]]
+    if doc.get("predicted"):
+        lines += ["", *_predicted_lines(doc["predicted"])]
     lines.append(f"compiled in {doc['compile_seconds']:.1f} s")
     return "\n".join(lines)
+
+
+def _predicted_lines(predicted: dict[str, Any]) -> list[str]:
+    """The step's time on the GPU it was compiled for (jaxpar.inspect.cost)."""
+    total = predicted["seconds"]
+    kinds = ", ".join(f"{k} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in predicted["by_kind"].items())
+    lines = [f"predicted step on this GPU: {total * 1e3:.1f} ms ({kinds}; {predicted['kernels']:.0f} kernels)",
+             f"  model: {predicted['gpu']} (jaxpar.inspect.cost); the costliest kernels:"]
+    for k in predicted["top"][:5]:
+        lines.append(f"  {k['name']:<40} {k['kind']:<10} {k['runs']:>5g} x {k['seconds'] * 1e6:8.0f} us"
+                     f"  {k['flops'] / 1e9:9.1f} GFLOP  {k['bytes'] / 2**20:9.1f} MiB")
+    return lines
 
 
 def _line(row: dict[str, Any], fmt) -> str:

@@ -99,14 +99,14 @@ def collectives(
     """Every collective in `hlo_text`, in computation and schedule order.
 
     `host_of[p]` is the host of partition p; give it to learn which collectives cross hosts.
-    `branch_shares`: see `_executions`.
+    `branch_shares`: see `executions`.
     """
     comps = parse(hlo_text)
     header = re.search(r"num_partitions=(\d+)", hlo_text)
     num_devices = int(header.group(1)) if header else mesh.devices.size
     wrapped = {c for ins in _all(comps) if ins.opcode.startswith("async-")
                for _, c in callees(ins)}
-    execs = _executions(comps, branch_shares)
+    execs = executions(comps, branch_shares)
     users = _users(comps)
     finishers = {o: ins for ins in _all(comps) if re.search(r"-(done|update)$", ins.opcode)
                  for o in ins.operands}
@@ -206,7 +206,7 @@ def _elements(shape: str) -> int:
 def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tuple[float, bool]:
     """FLOPs of every dot in the program, 2 x result elements x contracted size, times how
     often its computation runs per step (XLA's cost analysis counts a loop body once).
-    Returns (flops, all trip counts known). `branch_shares`: see `_executions`."""
+    Returns (flops, all trip counts known). `branch_shares`: see `executions`."""
     return matmul_flops_each(hlo_text, [branch_shares])[0]
 
 
@@ -229,7 +229,7 @@ def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None])
             dots.append((comp, 2.0 * _elements(ins.shape) * contracted))
     out = []
     for shares in shares_each:
-        execs = _executions(comps, shares)
+        execs = executions(comps, shares)
         total, known = 0.0, True
         for comp, flops in dots:
             runs, comp_known = execs.get(comp, (0, True))
@@ -372,7 +372,7 @@ def callees(ins: _Instr) -> list[tuple[str, str]]:
     return found
 
 
-def _executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | None = None) -> dict[str, tuple[float, bool]]:
+def executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | None = None) -> dict[str, tuple[float, bool]]:
     """Computation -> (runs per step, all trip counts known), for those reachable from a root.
 
     A while body runs n times and its condition n + 1 (n from `known_trip_count`, 1 if absent);

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.inspect.buffers import temporaries
+from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
 from jaxpar.inspect.findings import Finding, captured_stderr, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
@@ -68,6 +69,8 @@ class StepReport:
     compile_seconds: float
     platform: str
     stage_flops: tuple[float, ...] = ()  # pipelines: matmul FLOPs per step on each stage's devices
+    # Compiled for a GPU (one there, or deviceless): the step's time by jaxpar.inspect.cost
+    predicted: dict | None = None
 
     @property
     def num_devices(self) -> int:
@@ -107,6 +110,7 @@ class StepReport:
             "cross_host_bytes": self.cross_host_bytes(),
             "findings": [str(f) for f in self.findings],
             "compile_seconds": self.compile_seconds,
+            "predicted": self.predicted,
         }
 
 
@@ -147,18 +151,28 @@ def inspect_step(trainer) -> StepReport:
     each = [None] if program is None else [program.branch_shares()] + [program.branch_shares(s) for s in range(program.timeline.p)]
     shares = each[0]
     (flops, _), *stage_flops = matmul_flops_each(text, each)
+    colls = collectives(text, mesh, host_of_positions(mesh, num_hosts), shares)
     return StepReport(
         mesh=dict(mesh.shape),
         num_hosts=num_hosts,
         memory=memory,
         flops=flops,
         xla_flops=float(cost.get("flops", 0.0)),
-        collectives=collectives(text, mesh, host_of_positions(mesh, num_hosts), shares),
+        collectives=colls,
         findings=findings,
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
+        predicted=predicted_step(text, colls, mesh.devices.flat[0]),
     )
+
+
+def predicted_step(hlo_text: str, colls: list[Collective], device) -> dict | None:
+    """The step's time by jaxpar.inspect.cost, for a program compiled for a GPU it knows."""
+    gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
+    if gpu is None:
+        return None
+    return {"gpu": gpu.describe(), **step_cost(hlo_text, gpu, exposed_collective_seconds(colls, gpu)).to_json()}
 
 
 def temporary_findings(trainer, hlo_text: str) -> list[Finding]:

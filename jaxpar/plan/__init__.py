@@ -118,8 +118,11 @@ def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, 
 
     # GPUs run cuDNN's fused attention (parallel.attention=auto), which the CPU compiler lacks;
     # jaxpar's blockwise kernel stands in, with memory of the same order (no S x S scores).
-    stand_in = ["parallel.attention=flash"] if planned.layout.context == 1 else []
-    result = compile_in_child(model, planned.overrides + stand_in + ["compiler.preset=none"], devices, seq_len,
+    # Compiled for GPUs (--target), the step is the one they would run.
+    on_cpu = devices[0].platform == "cpu"
+    stand_in = ["parallel.attention=flash", "compiler.preset=none"] if on_cpu else []
+    stand_in = stand_in if planned.layout.context == 1 or not on_cpu else stand_in[1:]
+    result = compile_in_child(model, planned.overrides + stand_in, devices, seq_len,
                               global_batch, hw, planned.estimate["hbm_bytes"], timeout_s)
     planned.refused, planned.failed = result.get("refused", ""), result.get("failed", "")
     planned.memory, planned.prediction = result.get("memory", 0.0), result.get("prediction", {})
@@ -144,15 +147,21 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
             f"{duration(r['compute_s']):>8s} {duration(r['exposed_comm_s']):>8s} {r['bubble']:6.1%} {duration(r['step_s']):>8s} "
             f"{r['tokens_per_s_per_device']:9,.0f} {r['mfu']:6.1%}"
         )
-    lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "
-              "comm*: collective time not hidden by overlap; step: max(compute, HBM) / (1 - bubble) + comm*"]
+    how = next((p.prediction["how"] for p in planned if "how" in p.prediction), None)
+    if how:  # --target: compiled for the GPUs themselves
+        lines += ["", "memory: compiled per device for the GPU (arguments + outputs + temporaries - donated); step: "
+                  "each kernel of the compiled program at max(FLOPs / rate, bytes / bandwidth), loops by their trips, "
+                  "+ comm* (collectives not overlapped), jaxpar.inspect.cost; compute: its GEMMs and attention"]
+    else:
+        lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "
+                  "comm*: collective time not hidden by overlap; step: max(compute, HBM) / (1 - bubble) + comm*"]
     best = next((p for p in planned if p.compiled and p.memory <= budget), None)
     if best is None:
         lines.append("no compiled layout fits: add devices, shorten the sequence, or shrink the batch")
     else:
         lines += ["", f"best: predicted {best.prediction['mfu']:.1%} MFU, {duration(best.prediction['step_s'])} a step",
                   "  --set " + " --set ".join(best.overrides)]
-    lines += ["", "assumptions: " + facts["hardware"].describe()]
+    lines += ["", "assumptions: " + (how.split(": ", 1)[1] if how else facts["hardware"].describe())]
     return "\n".join(lines)
 
 

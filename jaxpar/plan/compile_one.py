@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ import tempfile
 from jaxpar.logs import last_words
 
 COMMAND = [sys.executable, "-m", "jaxpar.plan.compile_one"]  # + REQUEST RESULT
+# `jaxpar plan --target`: the GpuTargetConfig file and topology the parent's devices came
+# from (jaxpar.deviceless), which the child describes again
+TARGET_ENV, TOPOLOGY_ENV = "JAXPAR_PLAN_TARGET", "JAXPAR_PLAN_TOPOLOGY"
 
 
 def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, global_batch: int, hw,
@@ -34,6 +38,7 @@ def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, g
     """{"memory", "prediction"}, {"refused": why the framework refused it}, or
     {"failed": why the child died or was stopped}."""
     setup = {"sys_path": list(sys.path), "platform": devices[0].platform, "device_ids": [d.id for d in devices],
+             "target": os.environ.get(TARGET_ENV), "topology": os.environ.get(TOPOLOGY_ENV),
              "recipe_files": {name: m.__file__ for name, m in list(sys.modules.items())
                               if name.startswith("jaxpar_recipe_") and getattr(m, "__file__", None)}}
     job = {"model": model, "overrides": overrides, "seq_len": seq_len, "global_batch": global_batch, "hw": hw,
@@ -45,7 +50,8 @@ def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, g
             pickle.dump(job, f)
         try:
             done = subprocess.run([*COMMAND, request, result], capture_output=True, text=True, errors="replace",
-                                  timeout=timeout_s, env={**os.environ, "JAX_PLATFORMS": setup["platform"]})
+                                  timeout=timeout_s,
+                                  env={**os.environ, "JAX_PLATFORMS": "cpu" if setup["target"] else setup["platform"]})
         except subprocess.TimeoutExpired:  # run() has killed it
             return {"failed": f"compile took longer than {timeout_s:g} s (--compile-timeout); stopped it"}
         if done.returncode == 0 and os.path.exists(result):
@@ -81,7 +87,23 @@ def compile_layout(model, overrides: list[str], devices: list, seq_len: int, glo
         report = inspect_step(trainer)
     except (ConfigError, ValueError) as e:
         return {"refused": str(e).split("\n")[0]}
+    if report.predicted:  # compiled for a GPU: its kernels' time (jaxpar.inspect.cost)
+        return {"memory": float(report.memory.total), "prediction": compiled_prediction(report, trainer.config)}
     return {"memory": float(report.memory.total), "prediction": roofline(report, trainer.config, hw, hbm_bytes)}
+
+
+def compiled_prediction(report, config) -> dict[str, float]:
+    """The plan's prediction fields from a step compiled for a GPU (report.predicted)."""
+    step = report.predicted["seconds"]
+    tokens = config.train.global_batch * config.train.seq_len
+    model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
+    peak = float(re.search(r"([\d.]+) TFLOP/s bf16", report.predicted["gpu"]).group(1)) * 1e12
+    kinds = report.predicted["by_kind"]
+    return {"step_s": step, "compute_s": kinds.get("gemm", 0.0) + kinds.get("attention", 0.0),
+            "memory_s": kinds.get("memory", 0.0), "exposed_comm_s": kinds.get("collective", 0.0),
+            "bubble": 0.0,  # the pipeline's schedule is inside the compiled program
+            "tokens_per_s_per_device": tokens / report.num_devices / step, "mfu": model_flops / (peak * step),
+            "how": f"compiled for the GPU: {report.predicted['gpu']}"}
 
 
 def main(argv: list[str]) -> int:
@@ -98,9 +120,15 @@ def main(argv: list[str]) -> int:
     from jaxpar.mesh import force_cpu_devices
 
     ids = setup["device_ids"]
-    if setup["platform"] == "cpu":
-        force_cpu_devices(max(ids) + 1)
-    by_id = {d.id: d for d in jax.devices()}
+    if setup["target"]:
+        from jaxpar.deviceless import gpu_devices
+
+        found = gpu_devices(setup["target"], setup["topology"])
+    else:
+        if setup["platform"] == "cpu":
+            force_cpu_devices(max(ids) + 1)
+        found = jax.devices()
+    by_id = {d.id: d for d in found}
     missing = [i for i in ids if i not in by_id]
     if missing:
         print(f"jaxpar plan: this process has no {setup['platform']} devices {missing}", file=sys.stderr)

@@ -1,0 +1,51 @@
+"""Devices to compile for GPUs that are not there: XLA's GPU compiler, from the CUDA plugin
+(pip install 'jax[cuda13]'), targets GPUs described by a GpuTargetConfig file
+(benchmarks/targets/h100.pbtxt) on a machine without one. Nothing can run on these devices;
+programs only compile, and what XLA compiled for the GPU can be read (jaxpar explain
+--target, jaxpar.inspect.cost)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+from jaxpar.errors import ConfigError
+
+
+def gpu_devices(target: str, topology: str = "1x1x1") -> list:
+    """`topology` (slices x hosts x devices) GPUs as the GpuTargetConfig file `target`
+    describes them. Call it before JAX starts a backend (importing JAX is fine): the
+    plugin must register without starting CUDA."""
+    path = pathlib.Path(target)
+    if not path.is_file():
+        raise ConfigError(f"--target={target!r} is not a file; give a GpuTargetConfig file such as "
+                          "benchmarks/targets/h100.pbtxt")
+    text = path.read_text()
+    if not any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+        raise ConfigError(f"--target={target!r} compiles with XLA's GPU compiler, from JAX's CUDA plugin, which is "
+                          "not installed here: pip install 'jax[cuda13]' (no GPU needed)")
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("gpu_devices: call it before JAX starts a backend (jax.devices() and the like)")
+    # The CUDA plugin registers without a GPU only if it neither starts a CUDA backend nor
+    # checks the runtime libraries against a driver that is not there.
+    jax.config.update("jax_platforms", "cpu")
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology=topology).devices
+    except Exception as e:  # no plugin, or a file it cannot parse: one line, before any compile
+        raise ConfigError(f"--target={target!r}: XLA's GPU compiler could not describe it ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}); it needs the CUDA plugin (pip install 'jax[cuda13]', "
+                          "no GPU needed) and a GpuTargetConfig text file") from e
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is not there either
+        return False

@@ -1,0 +1,289 @@
+"""A step's time on a GPU, read off the program XLA compiled for it (deviceless is enough).
+
+Each kernel the program launches (a fusion, a library GEMM or attention call, a copy) costs
+the larger of its FLOPs over the device's rate and its bytes over the memory's bandwidth,
+plus a launch; kernels inside loops count once per trip. What a kernel reads and writes is
+what it touches, not its operands' whole buffers: a fusion that dynamic-slices one layer out
+of a stacked weight reads that layer, and one that dynamic-update-slices a layer into a
+stacked buffer writes that layer in place. Collectives add their bytes over the link's
+bandwidth, less the share the scheduler overlapped with compute (jaxpar.inspect.hlo).
+
+The rates are the device's peaks times efficiencies (`GpuCost`): a large GEMM reaches about
+80% of the dense peak, fused attention less, streaming kernels about 85% of the HBM's
+bandwidth. They are constants of the device, not of a model: docs/performance.md compares
+the predictions with measured steps, and benchmarks/results/predictions.json holds
+predictions registered before their measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import defaultdict
+
+from jaxpar.inspect.buffers import entry_name, running_computations
+from jaxpar.inspect.hlo import ARRAY, callees, closing, executions, nbytes, parse, split_outside
+
+# Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
+# and the second half of an async pair (its start is counted).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "opt-barrier", "add-dependency", "domain", "partition-id", "replica-id", "reshape",
+         "fusion-done", "async-done", "copy-done", "send-done", "recv-done", "all-gather-done", "all-reduce-done",
+         "collective-permute-done", "async-update"}
+_COLLECTIVE = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
+_ATTENTION = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+_SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCost:
+    """What a kernel's time is computed from, per device (defaults: H100 SXM, reference.md)."""
+
+    name: str = "H100 SXM"
+    bf16_tflops: float = 989.0  # dense
+    fp8_tflops: float = 1979.0
+    hbm_gb_per_s: float = 3350.0
+    link_gb_per_s: float = 450.0  # NVLink, per direction
+    inter_host_gb_per_s: float = 50.0  # one 400 Gb/s NIC per GPU
+    gemm_efficiency: float = 0.8
+    attention_efficiency: float = 0.5  # cuDNN's fused flash attention, forward and backward
+    hbm_efficiency: float = 0.85
+    launch_s: float = 3e-6  # per kernel: launch and tail
+
+    @classmethod
+    def of(cls, device_kind: str) -> GpuCost | None:
+        """The constants for a device kind ("NVIDIA H100 80GB HBM3"), None for one unknown."""
+        known = {"H100": cls(), "H200": cls(name="H200", hbm_gb_per_s=4800.0),
+                 "A100": cls(name="A100 SXM", bf16_tflops=312.0, fp8_tflops=312.0, hbm_gb_per_s=2039.0,
+                             link_gb_per_s=300.0)}
+        return next((v for k, v in known.items() if k in device_kind), None)
+
+    def describe(self) -> str:
+        return (f"{self.name}: GEMMs at {self.gemm_efficiency:.0%} of {self.bf16_tflops:g} TFLOP/s bf16 "
+                f"({self.fp8_tflops:g} fp8), fused attention at {self.attention_efficiency:.0%}, HBM at "
+                f"{self.hbm_efficiency:.0%} of {self.hbm_gb_per_s / 1000:g} TB/s, {self.launch_s * 1e6:g} us a kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str  # "gemm", "attention", "memory" (by what bounds it), "collective"
+    runs: float  # per step
+    flops: float  # per run
+    bytes: int  # per run
+    seconds: float  # per run
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    kernels: list[Kernel]
+
+    @property
+    def seconds(self) -> float:
+        return sum(k.seconds * k.runs for k in self.kernels)
+
+    def by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for k in self.kernels:
+            out[k.kind] += k.seconds * k.runs
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def top(self, n: int = 10) -> list[Kernel]:
+        return sorted(self.kernels, key=lambda k: -k.seconds * k.runs)[:n]
+
+    def to_json(self) -> dict:
+        return {"seconds": self.seconds, "by_kind": self.by_kind(),
+                "flops": sum(k.flops * k.runs for k in self.kernels),
+                "bytes": sum(k.bytes * k.runs for k in self.kernels),
+                "kernels": sum(k.runs for k in self.kernels if k.kind != "collective"),
+                "top": [dataclasses.asdict(k) for k in self.top()]}
+
+
+def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: float = 0.0) -> StepCost:
+    """The compiled program's kernels (`hlo_text`: `compiled.as_text()`), each timed on
+    `gpu`; `exposed_collective_s`: the collectives' time not overlapped (single devices: 0)."""
+    comps = parse(hlo_text)
+    shapes = {ins.name: ins.shape for instrs in comps.values() for ins in instrs}
+    runs = executions(comps)
+    flops = _flops_per_computation(comps, shapes)
+    kernels = []
+    for comp in running_computations(comps, entry_name(hlo_text, comps)):
+        n = runs.get(comp, (0, True))[0]
+        for ins in comps[comp]:
+            if ins.opcode in _FREE or ins.opcode.startswith(_COLLECTIVE):
+                continue
+            kernels.append(_kernel(ins, n, comps, shapes, flops, gpu))
+    if exposed_collective_s:
+        kernels.append(Kernel("collectives (exposed)", "collective", 1, 0.0, 0, exposed_collective_s))
+    return StepCost([k for k in kernels if k is not None])
+
+
+def exposed_collective_seconds(collectives, gpu: GpuCost = GpuCost()) -> float:
+    """Seconds a step waits on collectives (jaxpar.inspect.hlo.Collective): those the
+    scheduler did not overlap with compute, their bytes per step over the link (NVLink
+    inside a host, the NIC across hosts); overlapped ones are taken as hidden."""
+    return sum(c.bytes_per_step / ((gpu.inter_host_gb_per_s if c.crosses_hosts else gpu.link_gb_per_s) * 1e9)
+               for c in collectives if not c.overlapped)
+
+
+def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCost) -> Kernel | None:
+    attention = _ATTENTION.search(ins.attrs) if ins.opcode == "custom-call" else None
+    if attention:
+        work, kind = _attention_flops(ins, shapes, attention.group(1)), "attention"
+        rate = gpu.bf16_tflops * 1e12 * gpu.attention_efficiency
+    else:
+        work = _gemm_flops(ins, shapes) if ins.opcode == "custom-call" and _GEMM.search(ins.attrs) else 0.0
+        work += sum(flops.get(c, 0.0) for role, c in callees(ins) if role == "calls")
+        if ins.opcode == "dot":
+            work += _dot_flops(ins, shapes)
+        kind = "gemm" if work else "memory"
+        fp8 = work and _reads_fp8(ins, comps, shapes)
+        rate = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12 * gpu.gemm_efficiency
+    moved = _bytes(ins, comps, shapes)
+    compute_s, memory_s = work / rate if work else 0.0, moved / (gpu.hbm_gb_per_s * 1e9 * gpu.hbm_efficiency)
+    if kind == "gemm" and memory_s > compute_s:
+        kind = "memory"
+    return Kernel(ins.name, kind, runs, work, moved, max(compute_s, memory_s) + gpu.launch_s)
+
+
+def _flops_per_computation(comps, shapes) -> dict[str, float]:
+    """Computation -> the dot FLOPs it runs, nested fusions (a Triton GEMM's) included."""
+    memo: dict[str, float] = {}
+
+    def total(comp: str) -> float:
+        if comp not in memo:
+            memo[comp] = 0.0
+            memo[comp] = sum(_dot_flops(i, shapes) if i.opcode == "dot" else 0.0 for i in comps.get(comp, [])) + sum(
+                total(c) for i in comps.get(comp, []) for role, c in callees(i) if role == "calls")
+        return memo[comp]
+
+    return {c: total(c) for c in comps}
+
+
+def _dims(shape: str) -> list[int]:
+    m = ARRAY.search(shape)
+    return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d] if m else []
+
+
+def _dot_flops(ins, shapes) -> float:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+    if not contracting or not lhs:
+        return 0.0
+    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2.0 * math.prod(_dims(ins.shape)) * k
+
+
+def _gemm_flops(ins, shapes) -> float:
+    """A cuBLAS call: 2 x its result's elements x the contracted size (its backend config's
+    dot dimensions)."""
+    contracting = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
+    lhs = _dims(shapes.get(ins.operands[0], ""))
+    if not contracting or not lhs:
+        return 0.0
+    k = math.prod(lhs[int(d.strip().strip('"'))] for d in contracting.group(1).split(",") if d.strip())
+    result = ARRAY.search(ins.shape)  # a tuple (result, workspace): the first array
+    return 2.0 * math.prod(_dims(result.group(0))) * k if result else 0.0
+
+
+def _attention_flops(ins, shapes, variant: str) -> float:
+    """cuDNN's fused attention: Q [b, s, h, d] and K [b, t, h_kv, d] multiply into [b, h, s, t]
+    scores and back (4 b h s t d FLOPs forward, 2.5x that backward: dQ, dK, dV, dP and the
+    recomputed scores), halved under a causal mask."""
+    q, k = (_dims(shapes.get(o, "")) for o in ins.operands[:2])
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    b, s, h, d = q
+    forward = 4.0 * b * h * s * k[1] * d
+    config = re.search(r'"mask_type"\s*:\s*"(\w+)"', ins.attrs)
+    causal = bool(config) and "CAUSAL" in config.group(1)
+    return forward * (2.5 if "Backward" in variant else 1.0) * (0.5 if causal else 1.0)
+
+
+def _reads_fp8(ins, comps, shapes) -> bool:
+    """Whether the GEMM multiplies 8-bit floats (its own operands, or a dot inside it)."""
+    inside = [i for _, c in callees(ins) for i in comps.get(c, []) if i.opcode == "dot"]
+    operands = [shapes.get(o, "") for i in ([ins] + inside) for o in i.operands[:2]]
+    return any(s.startswith("f8") for s in operands)
+
+
+def _bytes(ins, comps, shapes) -> int:
+    """Bytes the kernel reads and writes (module docstring)."""
+    result = ins.shape
+    if ins.opcode.endswith("-start"):  # ((operands...), result, context): the result is element 1
+        parts = _tuple_parts(ins.shape)
+        result = parts[1] if len(parts) > 1 else ""
+    if ins.opcode == "dynamic-slice" or ins.opcode == "slice":
+        return 2 * nbytes(result)
+    if ins.opcode == "dynamic-update-slice":
+        return 2 * nbytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0
+    body = next((comps.get(c, []) for role, c in callees(ins) if role == "calls"), [])
+    if not body:
+        return nbytes(result) + sum(nbytes(shapes.get(o, "")) for o in ins.operands)
+    params = {int(i.operands[0]): i for i in body if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+    users = defaultdict(list)
+    for i in body:
+        for j, o in enumerate(i.operands):
+            users[o].append((i, j))
+    updated, written = _in_place(body, result)
+    read = 0
+    for index, operand in enumerate(ins.operands):
+        param = params.get(index)
+        if param is None or param.name in updated:
+            continue
+        uses = users.get(param.name, [])
+        if uses and all(u.opcode in _SLICES and j == 0 for u, j in uses):
+            read += sum(nbytes(u.shape) for u, _ in uses)
+        else:
+            read += nbytes(shapes.get(operand, ""))
+    return read + written
+
+
+def _in_place(body: list, result: str) -> tuple[set[str], int]:
+    """(parameters the fusion updates in place, bytes it writes): a root, or root tuple
+    element, that dynamic-update-slices into a parameter writes only its update."""
+    by_name = {i.name: i for i in body}
+    root = body[-1]
+    outputs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    updated, written = set(), 0
+    for out in outputs:
+        if out is None:
+            continue
+        while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:
+            out = by_name[out.operands[0]]
+        target = by_name.get(out.operands[0]) if out.opcode == "dynamic-update-slice" and out.operands else None
+        if target is not None and target.opcode == "parameter":
+            updated.add(target.name)
+            written += nbytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
+        else:
+            written += nbytes(out.shape)
+    if root.opcode != "tuple" and not updated:
+        written = nbytes(result)
+    return updated, written
+
+
+def _tuple_parts(shape: str) -> list[str]:
+    if not shape.startswith("("):
+        return [shape]
+    return [p.strip() for p in split_outside(shape[1:closing(shape, 0) - 1])]
+
+
+def describe(cost: StepCost) -> str:
+    """A few lines: the total, each kind's share, the costliest kernels."""
+    total = cost.seconds
+    lines = [f"predicted step {total * 1e3:.1f} ms: " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in cost.by_kind().items())]
+    for k in cost.top(5):
+        lines.append(f"  {k.name}: {k.kind}, {k.runs:g} x {k.seconds * 1e6:.0f} us "
+                     f"({k.flops / 1e9:.1f} GFLOP, {k.bytes / 2**20:.1f} MiB)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m jaxpar.inspect.cost FILE.hlo: the cost of a dumped program
+    import sys
+
+    print(describe(step_cost(open(sys.argv[1]).read())))
+    print(json.dumps(step_cost(open(sys.argv[1]).read()).by_kind()))

@@ -1,0 +1,112 @@
+"""jaxpar.inspect.cost on a hand-written GPU program, every figure worked out by hand: a layer
+loop of 4 trips whose fusion slices one layer out of a stacked weight, a GEMM inside it, a
+cuDNN attention call, and an update written in place into a stacked buffer."""
+
+import pytest
+
+from jaxpar.inspect.cost import GpuCost, step_cost
+
+HLO = """HloModule m
+
+%gemm_body (p0: bf16[64,128], p1: bf16[4,128,256], i: s32[]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[4,128,256]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %w = bf16[1,128,256]{2,1,0} dynamic-slice(%p1, %i, %z, %z), dynamic_slice_sizes={1,128,256}
+  %w2 = bf16[128,256]{1,0} bitcast(%w)
+  ROOT %d = bf16[64,256]{1,0} dot(%p0, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%store_body (acc: f32[4,64,256], x: bf16[64,256], i: s32[]) -> f32[4,64,256] {
+  %acc = f32[4,64,256]{2,1,0} parameter(0)
+  %x = bf16[64,256]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %c = f32[64,256]{1,0} convert(%x)
+  %c3 = f32[1,64,256]{2,1,0} bitcast(%c)
+  ROOT %u = f32[4,64,256]{2,1,0} dynamic-update-slice(%acc, %c3, %i, %z, %z)
+}
+
+%body (t: (s32[], bf16[64,128], bf16[4,128,256], f32[4,64,256])) -> (s32[], bf16[64,128], bf16[4,128,256], f32[4,64,256]) {
+  %t = (s32[], bf16[64,128]{1,0}, bf16[4,128,256]{2,1,0}, f32[4,64,256]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[64,128]{1,0} get-tuple-element(%t), index=1
+  %ws = bf16[4,128,256]{2,1,0} get-tuple-element(%t), index=2
+  %acc = f32[4,64,256]{2,1,0} get-tuple-element(%t), index=3
+  %g = bf16[64,256]{1,0} fusion(%x, %ws, %i), kind=kCustom, calls=%gemm_body
+  %s = f32[4,64,256]{2,1,0} fusion(%acc, %g, %i), kind=kLoop, calls=%store_body
+  ROOT %r = (s32[], bf16[64,128]{1,0}, bf16[4,128,256]{2,1,0}, f32[4,64,256]{2,1,0}) tuple(%i, %x, %ws, %s)
+}
+
+%cond (t: (s32[], bf16[64,128], bf16[4,128,256], f32[4,64,256])) -> pred[] {
+  %t = (s32[], bf16[64,128]{1,0}, bf16[4,128,256]{2,1,0}, f32[4,64,256]{2,1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[64,128], ws: bf16[4,128,256], acc: f32[4,64,256], q: bf16[2,512,4,64], k: bf16[2,512,2,64], v: bf16[2,512,2,64]) -> (f32[4,64,256], bf16[2,4,512,64]) {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %ws = bf16[4,128,256]{2,1,0} parameter(1)
+  %acc = f32[4,64,256]{2,1,0} parameter(2)
+  %q = bf16[2,512,4,64]{3,2,1,0} parameter(3)
+  %k = bf16[2,512,2,64]{3,2,1,0} parameter(4)
+  %v = bf16[2,512,2,64]{3,2,1,0} parameter(5)
+  %zero = s32[] constant(0)
+  %t = (s32[], bf16[64,128]{1,0}, bf16[4,128,256]{2,1,0}, f32[4,64,256]{2,1,0}) tuple(%zero, %x, %ws, %acc)
+  %w = (s32[], bf16[64,128]{1,0}, bf16[4,128,256]{2,1,0}, f32[4,64,256]{2,1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %out = f32[4,64,256]{2,1,0} get-tuple-element(%w), index=3
+  %a = (bf16[2,4,512,64]{3,1,2,0}, f32[2,4,512]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}}
+  %o = bf16[2,4,512,64]{3,1,2,0} get-tuple-element(%a), index=0
+  ROOT %r = (f32[4,64,256]{2,1,0}, bf16[2,4,512,64]{3,1,2,0}) tuple(%out, %o)
+}
+"""
+
+GPU = GpuCost(bf16_tflops=1.0, hbm_gb_per_s=1000.0, gemm_efficiency=0.5, attention_efficiency=0.25,
+              hbm_efficiency=1.0, launch_s=1e-6)
+
+
+def test_each_kernel_costs_its_own_flops_or_bytes_and_loops_count_their_trips():
+    cost = step_cost(HLO, GPU)
+    kernels = {k.name: k for k in cost.kernels}
+    assert set(kernels) == {"g", "s", "a"}  # views, plumbing, control flow launch nothing
+
+    gemm = kernels["g"]  # one layer's weight read, not the stack: 64x128 + 128x256 in, 64x256 out, bf16
+    assert (gemm.runs, gemm.kind) == (4, "gemm")
+    assert gemm.flops == 2 * 64 * 256 * 128
+    assert gemm.bytes == 2 * (64 * 128 + 128 * 256 + 64 * 256) + 4  # and the s32 index
+    assert gemm.seconds == pytest.approx(max(gemm.flops / 0.5e12, gemm.bytes / 1e12) + 1e-6)
+
+    store = kernels["s"]  # in place: reads the bf16 update, writes one f32 layer; the stack is neither
+    assert (store.runs, store.kind, store.flops) == (4, "memory", 0)
+    assert store.bytes == 2 * 64 * 256 + 4 * 64 * 256 + 4
+    assert store.seconds == pytest.approx(store.bytes / 1e12 + 1e-6)
+
+    attention = kernels["a"]  # causal: half of 4 b h s t d, at 25% of the peak
+    assert attention.kind == "attention" and attention.flops == 0.5 * 4 * 2 * 4 * 512 * 512 * 64
+    assert attention.seconds == pytest.approx(max(attention.flops / 0.25e12, attention.bytes / 1e12) + 1e-6)
+    assert cost.seconds == pytest.approx(4 * gemm.seconds + 4 * store.seconds + attention.seconds)
+
+
+def test_a_target_is_checked_before_anything_compiles(tmp_path):
+    """`--target` (explain, plan) names a GpuTargetConfig file and needs JAX's CUDA plugin
+    (the suite's environment has none): one line each, before any compile."""
+    from jaxpar.deviceless import _installed, gpu_devices
+    from jaxpar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--target='missing.pbtxt' is not a file; give a GpuTargetConfig file"):
+        gpu_devices("missing.pbtxt")
+    if not _installed("jax_plugins.xla_cuda13"):
+        target = tmp_path / "h100.pbtxt"
+        target.write_text("gpu_device_info { }")
+        with pytest.raises(ConfigError, match=r"pip install 'jax\[cuda13\]' \(no GPU needed\)"):
+            gpu_devices(str(target))
+
+
+def test_explain_prints_the_prediction_with_its_costliest_kernels():
+    from jaxpar.inspect.explain import _predicted_lines
+
+    cost = step_cost(HLO, GPU)
+    lines = _predicted_lines({"gpu": GPU.describe(), **cost.to_json()})
+    assert lines[0].startswith(f"predicted step on this GPU: {cost.seconds * 1e3:.1f} ms (attention ")
+    assert "3 kernels" not in lines[0] and "9 kernels" in lines[0]  # 4 + 4 runs in the loop, 1 outside
+    assert lines[2].split()[:2] == ["a", "attention"]  # the costliest first
