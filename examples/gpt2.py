@@ -119,11 +119,10 @@ class Attention(nnx.Module):
         self.bo = zeros((d,), ("dm",))
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        weights = [compute_value(w) for w in (self.wq, self.wk, self.wv)]
-        q, k, v = column_project(x, weights, [HEADS] * 3)
+        q, k, v = column_project(x, [self.wq, self.wk, self.wv], [HEADS] * 3)  # the parameters: gathered there
         q, v = q + compute_value(self.bq), v + compute_value(self.bv)
         o = constrain(attend(q, k, v, segment_ids), HEADS)
-        return row_project(o, compute_value(self.wo), HEADS) + compute_value(self.bo)
+        return row_project(o, self.wo, HEADS) + compute_value(self.bo)
 
 
 class MLP(nnx.Module):
@@ -134,9 +133,9 @@ class MLP(nnx.Module):
         self.b_proj = zeros((cfg.n_embd,), ("dm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        (h,) = column_project(x, [compute_value(self.w_fc)], [FF])
+        (h,) = column_project(x, [self.w_fc], [FF])
         h = constrain(jax.nn.gelu(h + compute_value(self.b_fc), approximate=True), FF)
-        return row_project(h, compute_value(self.w_proj), FF) + compute_value(self.b_proj)
+        return row_project(h, self.w_proj, FF) + compute_value(self.b_proj)
 
 
 class Block(nnx.Module):

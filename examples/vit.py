@@ -112,12 +112,12 @@ class Block(nnx.Module):
         self.w_out = dense(rngs, (f, d), ("mlp", "embed"), f)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = column_project(self.norm_1(x), [compute_value(w) for w in (self.wq, self.wk, self.wv)], [HEADS] * 3)
+        q, k, v = column_project(self.norm_1(x), [self.wq, self.wk, self.wv], [HEADS] * 3)
         o = constrain(attend(q, k, v, causal=False), HEADS)
-        x = x + row_project(o, compute_value(self.wo), HEADS)
-        (h,) = column_project(self.norm_2(x), [compute_value(self.w_in)], [MLP_NAMES])
+        x = x + row_project(o, self.wo, HEADS)
+        (h,) = column_project(self.norm_2(x), [self.w_in], [MLP_NAMES])
         h = constrain(jax.nn.gelu(h + compute_value(self.b_in)), MLP_NAMES)
-        return constrain(x + row_project(h, compute_value(self.w_out), MLP_NAMES), RESIDUAL)
+        return constrain(x + row_project(h, self.w_out, MLP_NAMES), RESIDUAL)
 
 
 class ViT(nnx.Module):

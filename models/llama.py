@@ -231,8 +231,8 @@ class Attention(nnx.Module):
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         # Column-parallel (SP: the sequence is all-gathered on the way in, once for all three).
-        weights = [compute_value(self.wq), compute_value(self.wk), compute_value(self.wv)]
-        q, k, v = column_project(x_BSD, weights, [Q_NAMES, KV_NAMES, KV_NAMES])
+        # The parameters themselves: the projection gathers them (in FP8 where it multiplies in FP8).
+        q, k, v = column_project(x_BSD, [self.wq, self.wk, self.wv], [Q_NAMES, KV_NAMES, KV_NAMES])
         if cfg.qkv_bias:
             q, k, v = (t + compute_value(b).astype(t.dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm:
@@ -241,7 +241,7 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
         o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
         o = constrain(o, Q_NAMES)
-        return row_project(o, compute_value(self.wo), Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce
+        return row_project(o, self.wo, Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce
 
 
 class MLP(nnx.Module):
@@ -256,10 +256,10 @@ class MLP(nnx.Module):
         self.activation = cfg.activation
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        gate, up = column_project(x_BSD, [compute_value(self.w_gate), compute_value(self.w_up)], [MLP_NAMES] * 2)
+        gate, up = column_project(x_BSD, [self.w_gate, self.w_up], [MLP_NAMES] * 2)
         gate, up = checkpoint_name(gate, "mlp_hidden"), checkpoint_name(up, "mlp_hidden")
         h_BSF = constrain(ACTIVATIONS[self.activation](gate) * up, MLP_NAMES)
-        return row_project(h_BSF, compute_value(self.w_down), MLP_NAMES)
+        return row_project(h_BSF, self.w_down, MLP_NAMES)
 
 
 class Block(nnx.Module):

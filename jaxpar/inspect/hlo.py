@@ -73,7 +73,7 @@ class Collective:
     kind: str
     name: str  # the instruction that runs it (the *-start / async-start one when async)
     computation: str
-    dtype: str  # element type of the first array of the result
+    dtype: str  # the element type holding most of the result's bytes (combined collectives mix)
     buffer_bytes: int  # per device: all-gather result, reduce-scatter operand, else result
     group_size: int  # devices per group; collective-permute: largest connected set of pairs
     groups: tuple[tuple[int, ...], ...]  # partition ids; collective-permute: the pairs' sets
@@ -125,7 +125,7 @@ def collectives(
             v = nbytes(result) * (n if kind == "reduce-scatter" else 1)
             runs, known = execs[comp]
             common = dict(
-                name=ins.name, computation=comp, dtype=_dtype(result), group_size=n, groups=groups,
+                name=ins.name, computation=comp, dtype=_main_dtype(result), group_size=n, groups=groups,
                 axes=_axes(groups, mesh), trip_count=runs, trip_count_known=known, is_async=is_async,
                 overlapped=is_async and _overlapped(instrs, i, done),
                 crosses_hosts=None if host_of is None else any(len({host_of[p] for p in g}) > 1 for g in groups),
@@ -519,6 +519,15 @@ def nbytes(shape: str) -> int:
         elements = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)  # `<=8`: dynamic bound
         total += math.ceil(elements * bits / 8)
     return total
+
+
+def _main_dtype(shape: str) -> str:
+    """The element type holding most of a (tuple) shape's bytes: a combined all-gather of
+    FP8 weights and a bf16 norm scale is an FP8 gather."""
+    held: dict[str, int] = defaultdict(int)
+    for dtype, dims in ARRAY.findall(shape):
+        held[dtype] += nbytes(f"{dtype}[{dims}]")
+    return max(held, key=held.get) if held else ""
 
 
 def _dtype(shape: str) -> str:

@@ -25,6 +25,8 @@ float32: the kernel equals it up to float32 rounding.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -82,6 +84,42 @@ def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
         dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim)), sg * sw, x.dtype)
         dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch)), sx * sg, w.dtype)
         return dx, dw
+
+    dot.defvjp(forward, backward)
+    return dot(x, w)
+
+
+def fp8_gathered_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable, rest: Callable) -> jax.Array:
+    """fp8_tensordot(x, gather(w), axes) with `w` quantized where it rests (`rest` pins it
+    there): its shards are gathered as e4m3, one byte an element and one scale, instead of
+    in the compute dtype, in the forward pass and again in the backward pass (the residual
+    is the shard, as ZeRO-3 keeps no gathered weight). The amax is the whole tensor's (a
+    scalar all-reduce), so each gathered byte is the one quantizing the gathered weight
+    gives: the values are fp8_tensordot's on the gathered weight."""
+    batch = x.ndim - axes
+
+    @jax.custom_vjp
+    def dot(x, w):
+        return forward(x, w)[0]
+
+    def forward(x, w):
+        qx, sx = quantize(x, FORWARD)
+        qw, sw = quantize(w, FORWARD)
+        qw = rest(qw)  # quantized where it rests, so the gather moves bytes
+        y = _dot(qx, gather(qw), tuple(range(batch, x.ndim)), tuple(range(axes)), sx * sw, x.dtype)
+        return y, (_bytes(qx), sx, _bytes(qw), sw)
+
+    def backward(residuals, g):
+        bx, sx, bw, sw = residuals
+        qx, qw = _fp8(bx), gather(_fp8(bw))
+        qg, sg = quantize(g, GRADIENT)
+        dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim)), sg * sw, x.dtype)
+        dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch)), sx * sg, w.dtype)
+        # Whole, where the weight was gathered to, as the plain gather's transpose leaves
+        # it: the partitioner then reduces it after the scale. Left free, XLA's GPU compiler
+        # (jax 0.12) split this dot into a windowed reduce-scatter loop whose e4m3 x e5m2
+        # Triton GEMM it could not compile.
+        return dx, rest(dw)
 
     dot.defvjp(forward, backward)
     return dot(x, w)

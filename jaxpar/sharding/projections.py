@@ -14,6 +14,11 @@ shard_map collective matmul (jaxpar.kernels.collective_matmul), whose ring steps
 transfers with partial matmuls. A column projection with several weights (QKV, gate/up)
 gathers its input once.
 
+A weight is either an array the model laid out (`compute_value(param)`) or the parameter
+itself, which the projection gathers: as `compute_value` would, or, when the projection
+multiplies in FP8 and the gather moves FSDP / ZeRO-3 shards, in FP8 (its shards quantized
+where they rest, one byte an element on the wire: jaxpar.kernels.fp8).
+
 With `Layout.matmul_dtype="fp8"` (train.matmul_dtype) the plain path multiplies in FP8
 (jaxpar.kernels.fp8); a projection called with `low_precision=False` (a vocabulary head,
 whose logits feed the softmax) stays in the compute dtype.
@@ -29,14 +34,16 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
-from jaxpar.kernels.fp8 import fp8_tensordot
+from jaxpar.kernels.fp8 import fp8_gathered_tensordot, fp8_tensordot
 from jaxpar.kernels.hops import hop_here
-from jaxpar.kernels.quantized import entries
+from jaxpar.kernels.quantized import entries, gathered_axes
 from jaxpar.mesh import mesh_here
-from jaxpar.sharding.annotate import Layout, active_layout, constrain
+from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, logical_names, sum_over_replicas
 
 AXIS = "tensor"
 GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
@@ -45,11 +52,12 @@ SCATTERED = ("batch", "norm_seq", "embed")  # where sequence parallelism keeps i
 Names = Sequence[str | None]
 
 
-def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Sequence[Names],
+def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array | nnx.Variable], out_names: Sequence[Names],
                    low_precision: bool = True) -> list[jax.Array]:
     """[x @ w laid out as names for w, names in zip(weights, out_names)]; x arrives in the
-    residual layout (SCATTERED) and each w as `compute_value` gives it. `low_precision`:
-    may run in the layout's matmul dtype (FP8)."""
+    residual layout (SCATTERED) and each w as `compute_value` gives it, or as the parameter
+    (gathered here; in FP8 where it multiplies in FP8). `low_precision`: may run in the
+    layout's matmul dtype (FP8)."""
     layout = active_layout()
     if not _collective(layout):
         # SP: the partitioner all-gathers the sequence here. Pinning the scattered layout
@@ -58,6 +66,7 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
         x_BSD = constrain(constrain(x_BSD, SCATTERED), GATHERED)
         dot = _tensordot(layout, low_precision)
         return [constrain(dot(x_BSD, w, 1), names) for w, names in zip(weights, out_names)]
+    weights = [_laid_out(w) for w in weights]
     x_spec = _spec(layout, SCATTERED)
     gathered = _spec(layout, GATHERED)
     out_specs = [_spec(layout, names) for names in out_names]
@@ -81,14 +90,16 @@ def column_project(x_BSD: jax.Array, weights: Sequence[jax.Array], out_names: Se
     return list(sharded(constrain(x_BSD, SCATTERED), *weights))
 
 
-def row_project(y: jax.Array, w: jax.Array, in_names: Names, low_precision: bool = True) -> jax.Array:
+def row_project(y: jax.Array, w: jax.Array | nnx.Variable, in_names: Names, low_precision: bool = True) -> jax.Array:
     """y [B, S, *F] laid out as `in_names` @ w [*F, D] -> [B, S, D] in the residual layout
-    (SCATTERED): summed over `tensor`, and with sequence parallelism scattered over it."""
+    (SCATTERED): summed over `tensor`, and with sequence parallelism scattered over it; w an
+    array or the parameter, as in `column_project`."""
     layout = active_layout()
     features = y.ndim - 2
     if not _collective(layout):
         dot = _tensordot(layout, low_precision)
         return constrain(dot(y, w, features), SCATTERED)  # SP: reduce-scatter, else all-reduce
+    w = _laid_out(w)
     y_spec = _spec(layout, in_names)
     out_spec = _spec(layout, SCATTERED)
     gathered = _spec(layout, GATHERED)
@@ -113,10 +124,48 @@ def row_project(y: jax.Array, w: jax.Array, in_names: Names, low_precision: bool
 
 def _tensordot(layout: Layout | None, low_precision: bool):
     """(x, w, axes) -> x . w in the layout's matmul dtype (the checks refuse FP8 with the
-    collective matmul, whose ring steps multiply chunks)."""
-    if low_precision and layout is not None and layout.projections.dtype == "fp8":
-        return fp8_tensordot
-    return lambda x, w, axes: jnp.tensordot(x, w, axes=axes)
+    collective matmul, whose ring steps multiply chunks); w an array or a parameter."""
+    fp8 = low_precision and layout is not None and layout.projections.dtype == "fp8"
+
+    def dot(x: jax.Array, w, axes: int) -> jax.Array:
+        moves = fp8 and isinstance(w, nnx.Variable) and _fp8_gather(w, layout)
+        if moves:
+            value, gather, rest = moves
+            return fp8_gathered_tensordot(x, value, axes, gather, rest)
+        w = _laid_out(w)
+        return fp8_tensordot(x, w, axes) if fp8 else jnp.tensordot(x, w, axes=axes)
+
+    return dot
+
+
+def _laid_out(w) -> jax.Array:
+    return compute_value(w) if isinstance(w, nnx.Variable) else w
+
+
+def _fp8_gather(param: nnx.Variable, layout: Layout):
+    """(the stored value, gather, rest): the gather from where the parameter rests to where
+    it is computed with, when it moves shards and nothing else sits in it (ZeRO++'s hpZ or
+    int8 gathers take `compute_value`'s way); else None. A gradient summed over the
+    per-replica vmap's replicas is summed here too, as `compute_value` does."""
+    value, names = param[...], logical_names(param)
+    names = names[len(names) - value.ndim:]  # inside the layer scan: one layer's slice
+    if layout.params.hpz or layout.params.quantize_block or not jnp.issubdtype(value.dtype, jnp.floating):
+        return None
+    source, target = layout.param_spec(names, value.shape), layout.rules.spec(names, "compute")
+    if not any(gathered_axes(source, target, value.ndim)):
+        return None
+    if layout.replica_sum:
+        value = sum_over_replicas(value, names, layout)
+    if layout.replica_axis:  # inside the per-replica vmap no constraint may name its axis
+        source = P(*(_without(entry, layout.replica_axis) for entry in entries(source, value.ndim)))
+    mesh = mesh_here(layout.mesh)
+    return (value, lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, target)),
+            lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, source)))
+
+
+def _without(entry: tuple[str, ...], axis: str):
+    kept = tuple(a for a in entry if a != axis)
+    return kept[0] if len(kept) == 1 else kept or None
 
 
 def _collective(layout: Layout | None) -> bool:
