@@ -359,3 +359,19 @@ def test_gemms_are_counted_by_what_their_multiply_reads():
     a bf16 GEMM (counting the fusion's parameter types called it FP8); a cuBLAS FP8 call
     is FP8 by its matrix operands, its scales left out."""
     assert dot_types(GPU_GEMMS) == {"bf16 x bf16": 1, "f8e4m3fn x f8e4m3fn": 1}
+
+
+def test_a_combined_gather_is_typed_by_what_holds_its_bytes(mesh):
+    """XLA combines a layer's gathers into one: FP8 weights with a bf16 norm scale first.
+    The collective is an FP8 gather (the type holding most bytes), not a bf16 one."""
+    text = textwrap.dedent("""\
+        HloModule m
+
+        ENTRY %main (n: bf16[32], w: f8e4m3fn[32,256]) -> (bf16[64], f8e4m3fn[64,256]) {
+          %n = bf16[32]{0} parameter(0)
+          %w = f8e4m3fn[32,256]{1,0} parameter(1)
+          ROOT %ag = (bf16[64]{0}, f8e4m3fn[64,256]{1,0}) all-gather(%n, %w), channel_id=1, replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}, use_global_device_ids=true
+        }
+        """)
+    c = _only(collectives(text, mesh), "all-gather")
+    assert c.dtype == "f8e4m3fn" and c.buffer_bytes == 64 * 2 + 64 * 256
