@@ -28,14 +28,17 @@ def schedule(optim, steps: int) -> optax.Schedule:
 
 def update_rule(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The named update rule on its schedule, without clipping: the trainer clips with the
-    norm its update pass already computed (jaxpar.train.update), optax's arithmetic."""
+    norm its update pass already computed (jaxpar.train.update), optax's arithmetic. Where
+    `make_optimizer`'s chain has the clip, an identity holds its place, so the optimizer
+    state has the chain's tree and checkpoints written with either restore into the other."""
     lr = schedule(optim, steps)
-    return OPTIMIZERS[optim.name](lr, optim), lr
+    return optax.chain(*([optax.identity()] if optim.clip_norm > 0 else []), OPTIMIZERS[optim.name](lr, optim)), lr
 
 
 def make_optimizer(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The config's optimizer as one optax chain, for a step written by hand: clipping
     (global norm over every shard of every parameter: the squared norms are summed under
     jit, so sharding cannot change the result), then the update rule."""
-    rule, lr = update_rule(optim, steps)
-    return optax.chain(*([optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []), rule), lr
+    lr = schedule(optim, steps)
+    clip = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    return optax.chain(*clip, OPTIMIZERS[optim.name](lr, optim)), lr
