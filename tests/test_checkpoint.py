@@ -290,3 +290,12 @@ def test_an_unreadable_latest_step_is_set_aside_for_the_newest_intact_one(tiny_l
         resumed = [r["loss"] for r in run(build(config), steps=4, progress=False)]
     assert resumed == whole[2:], (resumed, whole)
     assert (tmp_path / "4.unreadable").is_dir() and (tmp_path / "4").is_dir()
+    # Readable steps written with another optimizer are not "broken": one line saying so,
+    # and nothing set aside.
+    from jaxpar.config import apply_overrides
+    from jaxpar.errors import ConfigError
+    from jaxpar.train.checkpoint import Checkpoints
+
+    with pytest.raises(ConfigError, match=r"step 4 .* another shape .* optim.name='adamw' .* resume with the optimizer"):
+        Checkpoints.open(tmp_path).restore(build(apply_overrides(config, ["optim.name=sgd"])))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "4.unreadable"]

@@ -162,7 +162,19 @@ class Checkpoints:
         resume_compression = target.compression is not None and meta.get("compression") == compression_signature(trainer)
         if resume_compression:
             items["compression"] = ocp.args.StandardRestore(target.compression)
-        got = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            got = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except ValueError as e:
+            if "tree structures do not match" not in str(e):
+                raise
+            # readable, but its state holds other pieces: another optimizer (optim.name, a
+            # custom tx) wrote it
+            raise ConfigError(
+                f"checkpoint step {step} in {str(self.directory)!r} holds a state of another shape than this run's "
+                f"(its optimizer state most likely: it was written with optim.name={saved.get('optim.name')!r} and "
+                f"optim.clip_norm={saved.get('optim.clip_norm')!r}, or by a custom tx); resume with the optimizer that "
+                "wrote it, or use another checkpoint.dir"
+            ) from e
         restored = got["state"]
         if target.compression is not None:
             if not resume_compression:
