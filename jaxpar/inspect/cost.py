@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 
 from jaxpar.inspect.buffers import entry_name, running_computations
-from jaxpar.inspect.hlo import ARRAY, callees, closing, executions, nbytes, parse, split_outside
+from jaxpar.inspect.hlo import ARRAY, callees, closing, dot_flops, executions, nbytes, parse, split_outside
 
 # Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
 # and the second half of an async pair (its start is counted).
@@ -118,7 +118,7 @@ def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: flo
             kernels.append(_kernel(ins, n, comps, shapes, flops, gpu))
     if exposed_collective_s:
         kernels.append(Kernel("collectives (exposed)", "collective", 1, 0.0, 0, exposed_collective_s))
-    return StepCost([k for k in kernels if k is not None])
+    return StepCost(kernels)
 
 
 def exposed_collective_seconds(collectives, gpu: GpuCost = GpuCost()) -> float:
@@ -129,7 +129,7 @@ def exposed_collective_seconds(collectives, gpu: GpuCost = GpuCost()) -> float:
                for c in collectives if not c.overlapped)
 
 
-def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCost) -> Kernel | None:
+def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCost) -> Kernel:
     attention = _ATTENTION.search(ins.attrs) if ins.opcode == "custom-call" else None
     if attention:
         work, kind = _attention_flops(ins, shapes, attention.group(1)), "attention"
@@ -138,7 +138,7 @@ def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCo
         work = _gemm_flops(ins, shapes) if ins.opcode == "custom-call" and _GEMM.search(ins.attrs) else 0.0
         work += sum(flops.get(c, 0.0) for role, c in callees(ins) if role == "calls")
         if ins.opcode == "dot":
-            work += _dot_flops(ins, shapes)
+            work += dot_flops(ins, shapes)
         kind = "gemm" if work else "memory"
         fp8 = work and _reads_fp8(ins, comps, shapes)
         rate = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12 * gpu.gemm_efficiency
@@ -156,7 +156,7 @@ def _flops_per_computation(comps, shapes) -> dict[str, float]:
     def total(comp: str) -> float:
         if comp not in memo:
             memo[comp] = 0.0
-            memo[comp] = sum(_dot_flops(i, shapes) if i.opcode == "dot" else 0.0 for i in comps.get(comp, [])) + sum(
+            memo[comp] = sum(dot_flops(i, shapes) if i.opcode == "dot" else 0.0 for i in comps.get(comp, [])) + sum(
                 total(c) for i in comps.get(comp, []) for role, c in callees(i) if role == "calls")
         return memo[comp]
 
@@ -166,15 +166,6 @@ def _flops_per_computation(comps, shapes) -> dict[str, float]:
 def _dims(shape: str) -> list[int]:
     m = ARRAY.search(shape)
     return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d] if m else []
-
-
-def _dot_flops(ins, shapes) -> float:
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-    lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-    if not contracting or not lhs:
-        return 0.0
-    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
-    return 2.0 * math.prod(_dims(ins.shape)) * k
 
 
 def _gemm_flops(ins, shapes) -> float:
@@ -228,7 +219,7 @@ def _bytes(ins, comps, shapes) -> int:
     for i in body:
         for j, o in enumerate(i.operands):
             users[o].append((i, j))
-    updated, written = _in_place(body, result)
+    updated, written = _in_place(body)
     read = 0
     for index, operand in enumerate(ins.operands):
         param = params.get(index)
@@ -242,7 +233,7 @@ def _bytes(ins, comps, shapes) -> int:
     return read + written
 
 
-def _in_place(body: list, result: str) -> tuple[set[str], int]:
+def _in_place(body: list) -> tuple[set[str], int]:
     """(parameters the fusion updates in place, bytes it writes): a root, or root tuple
     element, that dynamic-update-slices into a parameter writes only its update."""
     by_name = {i.name: i for i in body}
@@ -260,8 +251,6 @@ def _in_place(body: list, result: str) -> tuple[set[str], int]:
             written += nbytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
         else:
             written += nbytes(out.shape)
-    if root.opcode != "tuple" and not updated:
-        written = nbytes(result)
     return updated, written
 
 
@@ -285,5 +274,6 @@ def describe(cost: StepCost) -> str:
 if __name__ == "__main__":  # python -m jaxpar.inspect.cost FILE.hlo: the cost of a dumped program
     import sys
 
-    print(describe(step_cost(open(sys.argv[1]).read())))
-    print(json.dumps(step_cost(open(sys.argv[1]).read()).by_kind()))
+    cost = step_cost(open(sys.argv[1]).read())
+    print(describe(cost))
+    print(json.dumps(cost.by_kind()))

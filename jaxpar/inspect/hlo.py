@@ -203,6 +203,18 @@ def _elements(shape: str) -> int:
     return sum(math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape))
 
 
+def dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
+    """A `dot`'s FLOPs: 2 x its result's elements x the contracted size (0 if unreadable).
+    `shapes`: instruction name -> its shape text."""
+    dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    lhs = ARRAY.search(shapes.get(ins.operands[0], "")) if ins.operands else None
+    if not dims or not lhs:
+        return 0.0
+    lhs_dims = [int(d.lstrip("<=")) for d in lhs.group(2).split(",") if d]
+    contracted = math.prod(lhs_dims[int(k)] for k in dims.group(1).split(",") if k)
+    return 2.0 * _elements(ins.shape) * contracted
+
+
 def matmul_flops(hlo_text: str, branch_shares: BranchShares | None = None) -> tuple[float, bool]:
     """FLOPs of every dot in the program, 2 x result elements x contracted size, times how
     often its computation runs per step (XLA's cost analysis counts a loop body once).
@@ -215,18 +227,7 @@ def matmul_flops_each(hlo_text: str, shares_each: Sequence[BranchShares | None])
     each stage's), the program parsed once."""
     comps = parse(hlo_text)
     shapes = {ins.name: ins.shape for ins in _all(comps)}
-    dots = []  # (computation, FLOPs per run)
-    for comp, instrs in comps.items():
-        for ins in instrs:
-            if ins.opcode != "dot":
-                continue
-            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-            lhs = ARRAY.search(shapes.get(ins.operands[0], ""))
-            if not dims or not lhs:
-                continue
-            lhs_dims = [int(d.lstrip("<=")) for d in lhs.group(2).split(",") if d]
-            contracted = math.prod(lhs_dims[int(k)] for k in dims.group(1).split(",") if k)
-            dots.append((comp, 2.0 * _elements(ins.shape) * contracted))
+    dots = [(comp, dot_flops(ins, shapes)) for comp, instrs in comps.items() for ins in instrs if ins.opcode == "dot"]
     out = []
     for shares in shares_each:
         execs = executions(comps, shares)

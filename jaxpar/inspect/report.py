@@ -144,7 +144,7 @@ def inspect_step(trainer) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
     )
     text = compiled.as_text()
-    findings = parse_findings(log) + temporary_findings(trainer, text)
+    findings = parse_findings(log) + temporary_findings(trainer, text, state)
     # Under a pipeline the executor's switch branches are weighted by how often the average
     # device (and each stage) runs them.
     program = trainer.pipeline
@@ -172,16 +172,19 @@ def predicted_step(hlo_text: str, colls: list[Collective], device) -> dict | Non
     gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
     if gpu is None:
         return None
-    return {"gpu": gpu.describe(), **step_cost(hlo_text, gpu, exposed_collective_seconds(colls, gpu)).to_json()}
+    return {"gpu": gpu.describe(), "bf16_tflops": gpu.bf16_tflops,
+            **step_cost(hlo_text, gpu, exposed_collective_seconds(colls, gpu)).to_json()}
 
 
-def temporary_findings(trainer, hlo_text: str) -> list[Finding]:
+def temporary_findings(trainer, hlo_text: str, state=None) -> list[Finding]:
     """The parameter-shaped temporaries larger than a layer in `trainer`'s compiled step
-    (its optimised HLO text): jaxpar.inspect.findings.oversized_temporaries."""
+    (its optimised HLO text): jaxpar.inspect.findings.oversized_temporaries. `state`: the
+    trainer's abstract state, if the caller has it already."""
     compute = trainer.config.train.compute_dtype
     mesh = trainer.mesh
+    params = (state or trainer.abstract_state()).params
     return oversized_temporaries(temporaries(hlo_text), layer_params(trainer.config.model), jnp.dtype(compute).itemsize,
-                                 compute, [x.shape for x in jax.tree.leaves(trainer.abstract_state().params)],
+                                 compute, [x.shape for x in jax.tree.leaves(params)],
                                  mesh.devices.size, mesh.devices.flat[0].platform)
 
 

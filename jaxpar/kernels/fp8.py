@@ -62,41 +62,20 @@ def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tu
     return product * scale.astype(dtype)
 
 
-def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
+def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable | None = None,
+                  rest: Callable | None = None) -> jax.Array:
     """jnp.tensordot(x, w, axes) (x's last `axes` dimensions against w's first) in FP8; the
-    result in x's dtype, the gradients in their operands' dtypes."""
-    batch = x.ndim - axes  # x's leading, uncontracted dimensions; the gradient's too
+    result in x's dtype, the gradients in their operands' dtypes.
 
-    @jax.custom_vjp
-    def dot(x, w):
-        return forward(x, w)[0]
-
-    def forward(x, w):
-        qx, sx = quantize(x, FORWARD)
-        qw, sw = quantize(w, FORWARD)
-        y = _dot(qx, qw, tuple(range(batch, x.ndim)), tuple(range(axes)), sx * sw, x.dtype)
-        return y, (_bytes(qx), sx, _bytes(qw), sw)
-
-    def backward(residuals, g):
-        bx, sx, bw, sw = residuals
-        qx, qw = _fp8(bx), _fp8(bw)
-        qg, sg = quantize(g, GRADIENT)
-        dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim)), sg * sw, x.dtype)
-        dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch)), sx * sg, w.dtype)
-        return dx, dw
-
-    dot.defvjp(forward, backward)
-    return dot(x, w)
-
-
-def fp8_gathered_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable, rest: Callable) -> jax.Array:
-    """fp8_tensordot(x, gather(w), axes) with `w` quantized where it rests (`rest` pins it
-    there): its shards are gathered as e4m3, one byte an element and one scale, instead of
-    in the compute dtype, in the forward pass and again in the backward pass (the residual
-    is the shard, as ZeRO-3 keeps no gathered weight). The amax is the whole tensor's (a
+    With `gather` (where `w` is used) and `rest` (where it rests), `w` is quantized where
+    it rests: its shards are gathered as e4m3, one byte an element and one scale, instead
+    of in the compute dtype, in the forward pass and again in the backward pass (the
+    residual is the shard, as ZeRO-3 keeps no gathered weight), and its gradient leaves
+    pinned to the shards, so it is reduce-scattered. The amax is the whole tensor's (a
     scalar all-reduce), so each gathered byte is the one quantizing the gathered weight
-    gives: the values are fp8_tensordot's on the gathered weight."""
-    batch = x.ndim - axes
+    gives: the values are those of this product on the gathered weight."""
+    batch = x.ndim - axes  # x's leading, uncontracted dimensions; the gradient's too
+    gather, rest = gather or (lambda a: a), rest or (lambda a: a)
 
     @jax.custom_vjp
     def dot(x, w):
@@ -105,7 +84,7 @@ def fp8_gathered_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callab
     def forward(x, w):
         qx, sx = quantize(x, FORWARD)
         qw, sw = quantize(w, FORWARD)
-        qw = rest(qw)  # quantized where it rests, so the gather moves bytes
+        qw = rest(qw)  # quantized where it rests, so a gather moves bytes
         y = _dot(qx, gather(qw), tuple(range(batch, x.ndim)), tuple(range(axes)), sx * sw, x.dtype)
         return y, (_bytes(qx), sx, _bytes(qw), sw)
 
@@ -115,10 +94,6 @@ def fp8_gathered_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callab
         qg, sg = quantize(g, GRADIENT)
         dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim)), sg * sw, x.dtype)
         dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch)), sx * sg, w.dtype)
-        # Whole, where the weight was gathered to, as the plain gather's transpose leaves
-        # it: the partitioner then reduces it after the scale. Left free, XLA's GPU compiler
-        # (jax 0.12) split this dot into a windowed reduce-scatter loop whose e4m3 x e5m2
-        # Triton GEMM it could not compile.
         return dx, rest(dw)
 
     dot.defvjp(forward, backward)

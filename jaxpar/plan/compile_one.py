@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -97,7 +96,7 @@ def compiled_prediction(report, config) -> dict[str, float]:
     step = report.predicted["seconds"]
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
-    peak = float(re.search(r"([\d.]+) TFLOP/s bf16", report.predicted["gpu"]).group(1)) * 1e12
+    peak = report.predicted["bf16_tflops"] * 1e12
     kinds = report.predicted["by_kind"]
     return {"step_s": step, "compute_s": kinds.get("gemm", 0.0) + kinds.get("attention", 0.0),
             "memory_s": kinds.get("memory", 0.0), "exposed_comm_s": kinds.get("collective", 0.0),

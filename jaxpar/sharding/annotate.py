@@ -168,19 +168,22 @@ def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
     return tuple(names) if names else (None,) * len(variable.shape)
 
 
+def stored_value(param: nnx.Variable) -> tuple[jax.Array, tuple[str | None, ...]]:
+    """A parameter's value as it rests, and its logical names. Inside `scan_layers` a
+    stacked parameter arrives one layer at a time while its names still include the
+    stacked axis: the leading surplus names are dropped."""
+    value, names = param[...], logical_names(param)
+    return value, names[len(names) - value.ndim :]
+
+
 def compute_value(param: nnx.Variable) -> jax.Array:
     """A parameter's value laid out for use: FSDP shards are gathered here, at the point of
-    use (so inside a scanned layer stack, one layer at a time); tensor shards stay put.
-
-    Inside `scan_layers` a stacked parameter arrives one layer at a time while its names
-    still include the stacked axis: the leading surplus names are dropped.
-    """
-    value = param[...]
-    names = logical_names(param)
+    use (so inside a scanned layer stack, one layer at a time); tensor shards stay put."""
+    value, names = stored_value(param)
     layout = _ACTIVE.get()
     if layout is None:
         return value
-    return gather_param(value, names[len(names) - value.ndim :], layout)
+    return gather_param(value, names, layout)
 
 
 def gather_param(value: jax.Array, names: Sequence[str | None], layout: Layout) -> jax.Array:

@@ -17,7 +17,7 @@ gathers its input once.
 A weight is either an array the model laid out (`compute_value(param)`) or the parameter
 itself, which the projection gathers: as `compute_value` would, or, when the projection
 multiplies in FP8 and the gather moves FSDP / ZeRO-3 shards, in FP8 (its shards quantized
-where they rest, one byte an element on the wire: jaxpar.kernels.fp8).
+where they rest, one byte an element on the wire: jaxpar.kernels.fp8.fp8_tensordot).
 
 With `Layout.matmul_dtype="fp8"` (train.matmul_dtype) the plain path multiplies in FP8
 (jaxpar.kernels.fp8); a projection called with `low_precision=False` (a vocabulary head,
@@ -39,11 +39,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducescatter
-from jaxpar.kernels.fp8 import fp8_gathered_tensordot, fp8_tensordot
+from jaxpar.kernels.fp8 import fp8_tensordot
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries, gathered_axes
 from jaxpar.mesh import mesh_here
-from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, logical_names, sum_over_replicas
+from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, stored_value, sum_over_replicas
 
 AXIS = "tensor"
 GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
@@ -131,7 +131,7 @@ def _tensordot(layout: Layout | None, low_precision: bool):
         moves = fp8 and isinstance(w, nnx.Variable) and _fp8_gather(w, layout)
         if moves:
             value, gather, rest = moves
-            return fp8_gathered_tensordot(x, value, axes, gather, rest)
+            return fp8_tensordot(x, value, axes, gather, rest)
         w = _laid_out(w)
         return fp8_tensordot(x, w, axes) if fp8 else jnp.tensordot(x, w, axes=axes)
 
@@ -147,8 +147,7 @@ def _fp8_gather(param: nnx.Variable, layout: Layout):
     it is computed with, when it moves shards and nothing else sits in it (ZeRO++'s hpZ or
     int8 gathers take `compute_value`'s way); else None. A gradient summed over the
     per-replica vmap's replicas is summed here too, as `compute_value` does."""
-    value, names = param[...], logical_names(param)
-    names = names[len(names) - value.ndim:]  # inside the layer scan: one layer's slice
+    value, names = stored_value(param)
     if layout.params.hpz or layout.params.quantize_block or not jnp.issubdtype(value.dtype, jnp.floating):
         return None
     source, target = layout.param_spec(names, value.shape), layout.rules.spec(names, "compute")
