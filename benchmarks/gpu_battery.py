@@ -10,11 +10,11 @@ JSON, one table, most valuable first:
                  measured them (jaxpar.inspect.cost over a deviceless H100 compile), timed
                  with mfu.py (jaxpar only) unless mfu_bf16 or mfu_fp8 ran them already; the
                  summary gives each registered prediction's error
-  3. cudnn       benchmarks/gpu_checks.py --only cudnn: cuDNN attention against the reference
-  4. gpu_checks  benchmarks/gpu_checks.py --only pallas,grouped,offload
-  5. profile     benchmarks/profile_step.py: mfu_bf16's step traced, its top costs by
+  3. profile     benchmarks/profile_step.py: mfu_bf16's step traced, its top costs by
                  instruction and by kind (GEMM, attention, fusions)
-  6. overlap     benchmarks/overlap.py: overlapped share of collective bytes, compiler.preset
+  4. cudnn       benchmarks/gpu_checks.py --only cudnn: cuDNN attention against the reference
+     gpu_checks  benchmarks/gpu_checks.py --only pallas,grouped,offload
+  5. overlap     benchmarks/overlap.py: overlapped share of collective bytes, compiler.preset
                  none against overlap, compiled deviceless for 8 H100s (benchmarks/targets/);
                  last, as it runs nothing on the GPU. (The mock 8-GPU topology on the one GPU,
                  jax_mock_gpu_topology=1x8x1, did not finish compiling in 240 s on an H200 with
@@ -83,9 +83,9 @@ def sections(gpu: bool, quick: bool = False) -> list[Section]:
         # the planner compiles for CPU devices whatever the machine has
         Section("plan", [__file__, "--section", "plan"], 150, env=(("JAX_PLATFORMS", "cpu"),)),
         Section("predicted", [__file__, "--section", "predicted"], 240, gpu_only=True),
+        Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
         Section("gpu_checks", [checks, "--only", "pallas,grouped,offload"], 300, gpu_only=True),
-        Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
         Section("overlap", ["benchmarks/overlap.py", "--collective-matmul", "none",
                             *(["--target", "benchmarks/targets/h100.pbtxt"] if gpu else [])], 240),
     ]
@@ -203,12 +203,14 @@ def plan_section(out: str) -> int:
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
 # The registered runs the mfu sections time already, by their mfu.py flags.
-TIMED_BY = {("none", "8", "2048", "compute"): ("mfu_bf16", "jaxpar"), ("none", "8", "2048", "fp8"): ("mfu_fp8", "jaxpar")}
+TIMED_BY = {("none", "8", "2048", "compute", False): ("mfu_bf16", "jaxpar"),
+            ("none", "8", "2048", "fp8", False): ("mfu_fp8", "jaxpar")}
 
 
-def flags_key(flags: list[str]) -> tuple[str, ...]:
-    given = dict(zip(flags[::2], flags[1::2]))
-    return tuple(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype"))
+def flags_key(flags: list[str]) -> tuple:
+    """(remat, batch, seq, matmul dtype, unrolled) of mfu.py's flags."""
+    given = {f: flags[i + 1] for i, f in enumerate(flags[:-1]) if f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")}
+    return (*(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")), "--unroll-layers" in flags)
 
 
 def predicted_section(out: str) -> int:

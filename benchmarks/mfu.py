@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--remat", default="none", help="jaxpar model.remat (none | full | dots | ...)")
+    p.add_argument("--unroll-layers", action="store_true", help="jaxpar model.unroll_layers: the layers in line, "
+                   "not a loop")
     p.add_argument("--tiny", action="store_true", help="a toy shape and 2 x 64 tokens (CPU check)")
     p.add_argument("--matmul-dtype", choices=["compute", "fp8"], default="compute",
                    help="jaxpar train.matmul_dtype: compute (bf16) or fp8 projections")
@@ -59,22 +61,23 @@ def parse_args() -> argparse.Namespace:
 
 
 def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute",
-                  loss_chunks: int = 1):
+                  loss_chunks: int = 1, unroll_layers: bool = False):
     from jaxpar.config import Config, TrainConfig
     from jaxpar.models.llama import LlamaConfig
 
-    return Config(model=LlamaConfig(**shape, remat=remat),
+    return Config(model=LlamaConfig(**shape, remat=remat, unroll_layers=unroll_layers),
                   train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
                                     matmul_dtype=matmul_dtype, loss_chunks=loss_chunks))
 
 
-def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str) -> dict:
+def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str,
+                 unroll_layers: bool = False) -> dict:
     import jax
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
 
-    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype)
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, unroll_layers=unroll_layers)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer.batch, trainer.config)
@@ -145,7 +148,8 @@ def compile_only(args) -> int:
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
     shape = {**SHAPE, "vocab_size": args.vocab or SHAPE["vocab_size"]}
-    config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks)
+    config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks,
+                           args.unroll_layers)
     trainer = build(config, [device])
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     memory = compiled.memory_analysis()
@@ -211,7 +215,7 @@ def main() -> int:
     shape = TINY if args.tiny else SHAPE
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
     if args.side:
-        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype)
+        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype, args.unroll_layers)
                if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup))
         print("SIDE " + json.dumps(row))
         return 0
@@ -241,6 +245,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat,
+                               "unroll_layers": args.unroll_layers,
                                "matmul_dtype": args.matmul_dtype, "jax": jax.__version__,
                                "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
     print(f"wrote {out}")

@@ -51,6 +51,7 @@ class GPT2Config:
     n_inner: int = 256
     eps: float = 1e-5
     remat: str = "none"  # a jaxpar.nn policy: none | full | dots | ...
+    unroll_layers: bool = False  # the layers in line rather than a loop (jaxpar.nn.scan_layers)
 
     task = "lm"
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
@@ -173,7 +174,8 @@ class GPT2(nnx.Module):
         return constrain(constrain(x, HIDDEN), RESIDUAL)
 
     def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:
-        return scan_layers(self.layers, x, batch.get("segment_ids"), remat=self.cfg.remat)
+        return scan_layers(self.layers, x, batch.get("segment_ids"), remat=self.cfg.remat,
+                           unroll=self.cfg.unroll_layers)
 
     def output(self, x: jax.Array) -> jax.Array:
         table = compute_value(self.wte)

@@ -112,13 +112,20 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
     return make(rngs)
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none") -> Any:
+def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none", unroll: bool = False) -> Any:
     """Run a stack made by `stack_layers`: x = layer_i(x, *args) for each layer in turn.
 
     Each step sees one layer's parameters, so FSDP gathers (`compute_value`) happen one
     layer at a time, and the remat policy applies per layer. A layer may return (x, report):
     the reports are stacked on a leading layer axis and returned beside x. Hooks the trainer
     bound to the stacked parameters (jaxpar.sharding.layer_hooks) run on each layer's slice.
+
+    `unroll`: the compiled program holds every layer in line instead of one loop body. XLA
+    then keeps each layer's saved activations as buffers of their own rather than copying
+    them into stacks it first fills with zeros (the loop's cost: 0.9B Llama on an H100, in
+    benchmarks/results/predictions.json), at the price of a compile that grows with the
+    depth. A policy's recomputation is then kept from being merged back into the forward
+    pass (`prevent_cse`), so remat saves the memory it does in the loop.
     """
     policy = layer_policy(remat)
     graphdef, stacked = nnx.split(layers)
@@ -131,5 +138,9 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
         out = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))(carry, *args)
         return out if isinstance(out, tuple) else (out, None)
 
-    out, reports = jax.lax.scan(jax.checkpoint(body, policy=policy, prevent_cse=False), x, (leaves, states))
+    # In a loop XLA cannot merge the recomputed forward with the first one, so prevent_cse's
+    # barriers are needed (and paid for) only when unrolled, and only where the policy
+    # recomputes more than layout changes.
+    step = jax.checkpoint(body, policy=policy, prevent_cse=unroll and remat != "none")
+    out, reports = jax.lax.scan(step, x, (leaves, states), unroll=unroll)
     return out if reports is None else (out, reports)

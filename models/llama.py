@@ -71,6 +71,7 @@ class LlamaConfig:
     # Hugging Face's Llama does not scale them, and its importer sets this False.
     scale_tied_logits: bool = True
     remat: Remat = "none"  # the layers' policy (jaxpar.nn)
+    unroll_layers: bool = False  # the layers in line, not a loop (jaxpar.nn.scan_layers): faster, slower to compile
     # Parts a family swaps (the module docstring): Llama has none of the first two, and silu.
     qk_norm: bool = False  # an RMSNorm (head_dim wide) over each query and key head, before RoPE
     qkv_bias: bool = False  # biases on the query, key and value projections
@@ -110,7 +111,7 @@ class LlamaConfig:
 
     # Hugging Face's format (jaxpar.hf asks a model for these; functions at the end of the file).
     hf_architectures = ("LlamaForCausalLM",)
-    hf_training_fields = ("remat",)  # free to differ from the checkpoint's config
+    hf_training_fields = ("remat", "unroll_layers")  # free to differ from the checkpoint's config
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -323,7 +324,8 @@ class Llama(nnx.Module):
     def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(x through every layer in `self.layers`, what each layer reported or None)."""
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat)
+        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat,
+                          unroll=self.cfg.unroll_layers)
         return out if isinstance(out, tuple) else (out, None)
 
     def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:

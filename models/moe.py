@@ -80,7 +80,7 @@ class MoEConfig(LlamaConfig):
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
 
     hf_architectures = ("MixtralForCausalLM",)
-    hf_training_fields = ("remat", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
+    hf_training_fields = ("remat", "unroll_layers", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "MoEConfig":

@@ -116,9 +116,14 @@ def test_each_registered_prediction_meets_the_step_the_battery_measured():
                   "bf16_full_b8": {"predicted_s": 0.2, "commit": "abc", "mfu_flags": [
                       "--remat", "full", "--batch", "8", "--seq-len", "2048", "--matmul-dtype", "compute"]},
                   "bf16_none_seq4096_b4": {"predicted_s": 0.3, "mfu_flags": [
-                      "--remat", "none", "--batch", "4", "--seq-len", "4096", "--matmul-dtype", "compute"]}}
+                      "--remat", "none", "--batch", "4", "--seq-len", "4096", "--matmul-dtype", "compute"]},
+                  # mfu_bf16's flags but unrolled: a run of its own, not mfu_bf16's
+                  "bf16_none_b8_unrolled": {"predicted_s": 0.2, "mfu_flags": [
+                      "--remat", "none", "--batch", "8", "--seq-len", "2048", "--matmul-dtype", "compute",
+                      "--unroll-layers"]}}
     done = {**results(), "predicted": {"status": "ok", "result": {"bf16_full_b8": {"step_s": 0.25}}}}
     errors = battery.registered_errors(done, registered)
     assert abs(errors["fp8_none_b8"]["error"] - (0.25 / (16384 / 115200) - 1)) < 1e-12  # timed by mfu_fp8
     assert abs(errors["bf16_full_b8"]["error"] - (0.2 / 0.25 - 1)) < 1e-12
     assert errors["bf16_none_seq4096_b4"]["error"] is None and errors["fp8_none_b8"]["registered_at"] == "abc"
+    assert errors["bf16_none_b8_unrolled"]["measured_s"] is None

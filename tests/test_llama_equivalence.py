@@ -56,13 +56,14 @@ def test_layout_equals_single_device(mha, reference, name):
 def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
     """Grouped-query attention (4 heads, 2 KV heads), tied embeddings (the head is the
     transposed table, a column projection too), full remat and gradient accumulation over 2
-    microbatches, with the collective matmul's ring, against one device taking the whole
-    batch. (Without the ring too until issue 33: every part of it runs in other layouts.)"""
+    microbatches, with the collective matmul's ring and the layers unrolled
+    (model.unroll_layers), against one device taking the whole batch through the layers'
+    loop. (Without the ring too until issue 33: every part of it runs in other layouts.)"""
     collective_matmul = "ring"
     config = dataclasses.replace(
         tiny_llama,
         model=dataclasses.replace(tiny_llama.model, num_kv_heads=2, tie_embeddings=True, remat="full"),
     )
-    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2"]
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2", "model.unroll_layers=true"]
     run = run_layout(apply_overrides(config, layout + [f"parallel.collective_matmul={collective_matmul}"]))
     check(compare(run, reference(config)), RTOL, where=f"gqa+tied+remat+microbatches, collective_matmul={collective_matmul}")
