@@ -82,7 +82,7 @@ def sections(gpu: bool, quick: bool = False) -> list[Section]:
         Section("mfu_fp8", mfu + ["--matmul-dtype", "fp8", "--no-peer"], 180),
         # the planner compiles for CPU devices whatever the machine has
         Section("plan", [__file__, "--section", "plan"], 150, env=(("JAX_PLATFORMS", "cpu"),)),
-        Section("predicted", [__file__, "--section", "predicted"], 240, gpu_only=True),
+        Section("predicted", [__file__, "--section", "predicted"], 280, gpu_only=True),
         Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
         Section("gpu_checks", [checks, "--only", "pallas,grouped,offload"], 300, gpu_only=True),
