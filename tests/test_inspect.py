@@ -252,3 +252,17 @@ def test_explain_context_traffic_matches_the_formulas(tiny_llama, impl, remat):
     doc = explain(trainer, inspect_step(trainer))
     assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]
     assert abs(doc["context_gradient_traffic"]["ratio"] - 1) < 0.05, doc["context_gradient_traffic"]
+
+
+def test_explain_gives_the_loss_logits_one_device_holds(tiny_llama):
+    """Tokens of a microbatch over the devices outside tensor (and stage), by the vocabulary's
+    tensor share, in float32, over the chunks: 32 x 16 tokens / 2 microbatches / (8 / 2)
+    devices x 128 / 2 of the vocabulary x 4 bytes = 16 KiB, 4 KiB a chunk."""
+    from jaxpar.inspect.explain import loss_logits
+
+    config = apply_overrides(tiny_llama, ["train.global_batch=32", "train.seq_len=16", "train.microbatches=2",
+                                          "model.vocab_size=128", "train.loss_chunks=4"])
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    assert loss_logits(config, mesh, 8) == "float32 logits in 4 chunks of tokens, 4.00 KiB a chunk (16.00 KiB whole)"
+    whole = loss_logits(apply_overrides(config, ["train.loss_chunks=1"]), mesh, 8)
+    assert whole.startswith("whole float32 logits, 16.00 KiB (64 tokens x 64 of the vocabulary)"), whole

@@ -31,7 +31,9 @@ def tiny_moe() -> Config:
 
 
 LAYOUTS = {
-    "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
+    # and the loss in 2 chunks of tokens (train.loss_chunks), the experts' aux losses and
+    # metrics from the layers' report: against one device's whole logits
+    "expert4_data2_loss_chunks": ["mesh.data=2", "mesh.expert=4", "train.loss_chunks=2"],
     "expert2_data2_tensor2_sp_collective_matmul": ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
                                                   "parallel.sequence_parallel=true", "parallel.collective_matmul=ring"],
     "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
@@ -41,7 +43,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_capacity_routing_equals_single_device(tiny_moe, reference, name):
-    check(compare(run_layout(apply_overrides(tiny_moe, LAYOUTS[name])), reference(tiny_moe)), RTOL, where=name)
+    run, ref = run_layout(apply_overrides(tiny_moe, LAYOUTS[name])), reference(tiny_moe)
+    check(compare(run, ref), RTOL, where=name)
+    moe = {k: v for k, v in ref.metrics.items() if k.startswith(("moe_", "expert", "dropped"))}
+    assert moe and all(abs(run.metrics[k] - v) <= RTOL * max(abs(v), 1e-6) for k, v in moe.items()), (name, moe, run.metrics)
 
 
 DROPLESS = {

@@ -56,7 +56,7 @@ def seq_divides_context_tensor(config, sizes) -> None:
     fields=["train.loss_chunks", "train.seq_len", "mesh.context", "mesh.tensor", "parallel.sequence_parallel",
             "model"],
     summary="train.loss_chunks is 1 or more; above 1 the model is a language model with pipeline stages' members "
-    "(capability 'stages') and no experts, and each chunk's tokens split evenly over the sequence's shards.",
+    "(capability 'stages'), and each chunk's tokens split evenly over the sequence's shards.",
     example=["train.loss_chunks=0"],
     also=[["train.loss_chunks=3"], ["train.loss_chunks=16", "mesh.context=2"]],
 )
@@ -70,9 +70,6 @@ def loss_chunks(config, sizes) -> None:
     if config.model.task != "lm" or not supports(config.model, STAGES):
         raise lacks(config.model, STAGES, where, "set train.loss_chunks=1 (the chunked loss scores output(apply_layers("
                     "embed(batch))) in pieces: a language model's jaxpar.model.PipelineStages members)")
-    if declared(config.model, "num_experts"):
-        raise ConfigError(f"{where}: the chunked loss does not score the experts' aux losses yet; set "
-                          "train.loss_chunks=1 for a model with experts")
     seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
     if seq % (chunks * seq_ways):
         fits = [c for c in divisors(seq // seq_ways) if c > 1] if seq % seq_ways == 0 else []

@@ -105,6 +105,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         f" | {config.train.microbatches} microbatch{'es' if config.train.microbatches > 1 else ''} | remat {declared(config.model, 'remat')}",
         "params": psi,
         "memory": [_row(n, a, b) for n, a, b in memory_rows],
+        "logits": loss_logits(config, mesh, report.num_devices),
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
         f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
         + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
@@ -363,6 +364,8 @@ def render(doc: dict[str, Any]) -> str:
     for row in doc["memory"]:
         lines.append(_line(row, _bytes))
     lines.append(f"  formula: {doc['memory_formula']}")
+    if doc.get("logits"):
+        lines.append(f"  the loss: {doc['logits']}")
     lines += ["", f"{'compute and traffic per device per step':<52}{'measured':>12}{'formula':>12}{'ratio':>8}"]
     lines.append(_line(doc["flops"], _count))
     lines.append(_line(doc["gradient_traffic"], _count))
@@ -442,6 +445,22 @@ def _line(row: dict[str, Any], fmt) -> str:
 
 
 _bytes, _count = byte_size, count  # jaxpar.units
+
+
+def loss_logits(config, mesh: dict[str, int], num_devices: int) -> str | None:
+    """A language model's float32 logits alive at once in the built-in loss, per device: the
+    tokens one device scores (a microbatch over the devices outside tensor and stage) by
+    its share of the vocabulary (vocab-parallel over tensor), over train.loss_chunks."""
+    vocab, chunks = declared(config.model, "vocab_size", None), config.train.loss_chunks
+    if config.model.task != "lm" or not vocab:
+        return None
+    tensor, stage = mesh["tensor"], mesh.get("stage", 1)
+    tokens = config.train.global_batch * config.train.seq_len / config.train.microbatches / (num_devices / (tensor * stage))
+    whole = tokens * vocab / tensor * 4
+    if chunks == 1:
+        return (f"whole float32 logits, {byte_size(whole)} ({count(tokens)} tokens x {count(vocab / tensor)} of the "
+                f"vocabulary); train.loss_chunks=N holds 1/N of them at a time")
+    return f"float32 logits in {chunks} chunks of tokens, {byte_size(whole / chunks)} a chunk ({byte_size(whole)} whole)"
 
 
 def head_params(model) -> int:

@@ -8,7 +8,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.errors import ConfigError
 
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,15 +60,11 @@ def task_loss(outputs: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
     return cross_entropy_sum(outputs, batch["targets"], batch["weights"])
 
 
-def chunked_task_loss(output: Callable[[jax.Array], jax.Array], hidden: Any, batch: dict,
+def chunked_task_loss(output: Callable[[jax.Array], jax.Array], hidden: jax.Array, batch: dict,
                       chunks: int) -> tuple[jax.Array, jax.Array]:
-    """`task_loss` of `output(hidden)`, computed in `chunks` groups of tokens. `hidden` is
-    what a model's layers return (jaxpar.model.PipelineStages.apply_layers): layers that
-    report aux losses return (x, report), which this loss does not score; the config checks
-    refuse train.loss_chunks > 1 for models with experts."""
-    if isinstance(hidden, tuple):
-        raise ConfigError(f"train.loss_chunks={chunks}: the model's apply_layers returns (hidden, report), whose "
-                          "aux losses the chunked loss does not score; set train.loss_chunks=1")
+    """`task_loss` of `output(hidden)`, computed in `chunks` groups of tokens; `hidden` is
+    what a model's layers return (jaxpar.model.PipelineStages.apply_layers), its report
+    taken off by the caller."""
     return chunked_cross_entropy_sum(hidden, output, batch["targets"], batch["weights"], chunks)
 
 
@@ -99,9 +94,10 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
     """(objective sum, (weight, sums)): `loss_fn` of the model applied to the batch.
 
     With `loss_chunks` > 1 (the built-in loss only, of a model with pipeline stages' members,
-    jaxpar.model.PipelineStages, whose layers report nothing): the hidden states of
-    `apply_layers(embed(batch))` are scored through `output` in that many groups of tokens
-    (`chunked_cross_entropy_sum`), never holding the whole logits.
+    jaxpar.model.PipelineStages): the hidden states of `apply_layers(embed(batch))` are
+    scored through `output` in that many groups of tokens (`chunked_cross_entropy_sum`),
+    never holding the whole logits; layers that report (x, report) add the report's loss
+    and give its sums, as a pipeline's do (`chunked_model_loss`).
 
     A model may return (outputs, aux) (jaxpar.models.moe): aux["penalty"] [B, S] is added to
     each token's loss under the batch's weights, and `sums` carries, summed over the batch,
@@ -109,9 +105,7 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
     microbatches and replicas, so the step reports them for the whole batch.
     """
     if loss_chunks > 1:
-        hidden = model.apply_layers(model.embed(batch), batch)
-        total, weight = chunked_task_loss(model.output, hidden, batch, loss_chunks)
-        return total, (weight, {})
+        return chunked_model_loss(model, batch, loss_chunks)
     out = apply_model(model, batch)
     outputs, aux = out if isinstance(out, tuple) else (out, None)
     total, weight = loss_fn(outputs, batch)
@@ -124,3 +118,16 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
         "counts": aux["counts"],
     }
     return total, (weight, jax.lax.stop_gradient(sums))
+
+
+def chunked_model_loss(model: Any, batch: dict, chunks: int) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """`model_loss` through the model's pipeline stages' members with the loss in `chunks`
+    groups of tokens. Layers that return (x, report) (jaxpar.model.PipelineStages: MoE) add
+    report["loss"] to the objective, and their report's "sums" and "per_layer" arrays are
+    the step's sums, as the whole-logits path gives them from the model's aux."""
+    hidden = model.apply_layers(model.embed(batch), batch)
+    hidden, report = hidden if isinstance(hidden, tuple) else (hidden, None)
+    total, weight = chunked_task_loss(model.output, hidden, batch, chunks)
+    if report is None:
+        return total, (weight, {})
+    return total + report["loss"], (weight, jax.lax.stop_gradient({**report["sums"], **report["per_layer"]}))
