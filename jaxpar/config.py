@@ -110,6 +110,9 @@ class TrainConfig:
     # float32 logits and their gradient shrink by this factor. 1: all logits at once.
     loss_chunks: int = 1
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
+    # One plain line every log_every steps (and after the last) where no progress bar
+    # shows: output that is not a terminal (SLURM, nohup, a pipe) or --no-progress. 0: none.
+    log_every: int = 10
     # A step whose loss or gradients hold NaN or Inf is not applied (the state stays as it
     # was); then `stop` ends the run naming the step and the first bad gradient, `skip`
     # goes on with the next batch.

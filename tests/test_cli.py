@@ -27,13 +27,18 @@ def test_unknown_recipe(capsys):
 
 def test_train_writes_metrics(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
-    overrides = ["train.steps=3", "model.num_layers=1", "train.seq_len=32"]
+    overrides = ["train.steps=5", "model.num_layers=1", "train.seq_len=32", "train.log_every=2"]
     args = ["train", "llama", "--no-progress", "--metrics-file", str(path)]
     assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"} <= set(rows[0])
-    assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in out
+    # without a bar, a plain line every train.log_every steps and after the last
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"], out
+    assert f"loss {rows[1]['loss']:.4f} | grad_norm {rows[1]['grad_norm']:.3g} | lr " in lines[0], lines[0]
 
 
 def test_print_config(capsys):

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     train.add_argument("--tensorboard", metavar="DIR",
                        help="also write each step's metrics as TensorBoard scalars into DIR "
                        "(pip install 'jaxpar[tensorboard]')")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line every "
+                       "train.log_every steps instead (as when the output is not a terminal)")
     train.add_argument("--print-config", action="store_true", help="print every config key (and a choice's values) and exit")
 
 
@@ -87,7 +88,10 @@ def _train(args) -> int:
             flush=True,
         )
     try:
-        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=leader and not args.no_progress,
+        # A bar only on a terminal: in a file (SLURM, nohup) it would be carriage returns;
+        # there the loop prints a plain line every train.log_every steps instead.
+        bar = leader and not args.no_progress and sys.stderr.isatty()
+        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=bar,
                       tensorboard_dir=args.tensorboard if leader else None)
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:

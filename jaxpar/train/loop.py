@@ -67,7 +67,8 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         state, start = checkpoints.restore(trainer)
     else:
         state = fresh()
-    if progress:
+    lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
+    if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
     if start and jax.process_index() == 0:
         print(f"resumed from step {start} ({ckpt.dir})", flush=True)
@@ -77,7 +78,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     history: list[dict] = []
     writers = open_writers(metrics_file, tensorboard_dir, start)
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-    rows = _Rows(trainer, writers, bar)
+    rows = _Rows(trainer, writers, bar, cfg.train.log_every if lines else 0, steps)
     pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs
 
     # With several processes JAX's preemption service takes SIGTERM: every process learns of
@@ -126,9 +127,10 @@ class _Rows:
     tokens/s and MFU, its held-out loss; then written and shown in the progress bar. A
     non-finite step stops the run here or is counted (train.on_nonfinite)."""
 
-    def __init__(self, trainer: Trainer, writers: Writers, bar: tqdm):
+    def __init__(self, trainer: Trainer, writers: Writers, bar: tqdm, log_every: int, steps: int):
         cfg = trainer.config
         self.trainer, self.writers, self.bar = trainer, writers, bar
+        self.log_every, self.steps = log_every, steps  # a plain line every log_every steps (0: none)
         self.devices = len(trainer.mesh.devices.flatten())
         self.tokens = tokens_per_step(trainer)
         self.flops = cfg.model.flops_per_token(cfg.train.seq_len) * self.tokens
@@ -165,7 +167,28 @@ class _Rows:
             refresh=False,
         )
         self.bar.update(1)
+        if self.log_every and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
+            print(log_line(record, self.steps, self.skipped), flush=True)
         return record
+
+
+def log_line(record: dict, steps: int, skipped: int = 0) -> str:
+    """A step's row as one plain line (the numbers the progress bar shows, and more)."""
+    parts = [f"step {record['step'] + 1}/{steps}", f"loss {record['loss']:.4f}"]
+    if "eval_loss" in record:
+        parts.append(f"eval_loss {record['eval_loss']:.4f}")
+    if "grad_norm" in record:
+        parts.append(f"grad_norm {record['grad_norm']:.3g}")
+    if "learning_rate" in record:
+        parts.append(f"lr {record['learning_rate']:.3g}")
+    parts.append(f"tokens/s {record['tokens_per_s']:,.0f}")
+    if "mfu" in record:
+        parts.append(f"mfu {record['mfu']:.1%}")
+    if "moe_load" in record:
+        parts.append(f"drop {record['moe_dropped']:.1%} load {record['moe_load']:.2f}")
+    if skipped:
+        parts.append(f"skipped {skipped}")
+    return " | ".join(parts)
 
 
 def _nonfinite_message(trainer: Trainer, step: int, values: dict) -> str:
