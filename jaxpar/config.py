@@ -27,6 +27,8 @@ def default_model() -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    # Megatron sequence parallelism: activations outside the matmuls sharded by sequence
+    # over mesh.tensor (all-gather before, reduce-scatter after each tensor-parallel block).
     sequence_parallel: bool = False
     # Under sequence parallelism, run each column projection's all-gather and each row
     # projection's reduce-scatter as a collective matmul whose ppermute ring steps overlap
@@ -94,12 +96,12 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    global_batch: int = 16
-    seq_len: int = 64
-    microbatches: int = 1
-    seed: int = 0
-    compute_dtype: ComputeDtype = "bfloat16"  # parameters are always stored in float32
+    steps: int = 100  # optimizer steps the run ends at (counted from 0, resumed runs included)
+    global_batch: int = 16  # sequences (or examples) per step, over all devices
+    seq_len: int = 64  # tokens per sequence
+    microbatches: int = 1  # gradient accumulation: each step's batch in this many pieces, one after another
+    seed: int = 0  # parameters' initialisation and the data's order
+    compute_dtype: ComputeDtype = "bfloat16"  # activations' and matmuls'; parameters are always stored in float32
     # compute: matmuls in compute_dtype. fp8: the projections that go through jaxpar's
     # helpers (jaxpar.sharding.projections) multiply in float8, e4m3 forward and e5m2 for
     # gradients, each tensor scaled by its current amax (jaxpar.kernels.fp8); master
@@ -130,21 +132,21 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Optimizer = "adamw"
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int = 0  # 0: train.steps
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0  # 0: no clipping
+    name: Optimizer = "adamw"  # the update rule (jaxpar.train.optim)
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    warmup_steps: int = 10  # linear warm-up from 0
+    decay_steps: int = 0  # steps (warm-up included) of the cosine decay to min_lr_ratio x lr; 0: train.steps
+    min_lr_ratio: float = 0.1  # the decayed learning rate as a share of lr
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's denominator floor
+    weight_decay: float = 0.1  # decoupled (adamw, lion), on every parameter
+    clip_norm: float = 1.0  # the gradients' global norm is clipped to this; 0: no clipping
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: DataSource = "synthetic"
+    source: DataSource = "synthetic"  # where batches come from: synthetic (drawn from seed and step), tokens or text (path)
     # tokens: a .npy or .bin file of token ids; text: a .txt, .jsonl or .parquet file, a
     # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer.
     path: str = ""
@@ -170,7 +172,10 @@ class CheckpointConfig:
     # Where checkpoints go ("": none). A run whose directory holds one resumes from the
     # latest, exactly (jaxpar.train.checkpoint).
     dir: str = ""
-    every: int = 0  # steps between saves; 0: only at the end of the run
+    # Steps between saves (0: only at the end). With a dir, at most this many steps are
+    # lost to a crash; saves are asynchronous, so their cost is the device-to-host copy.
+    # Ctrl-C and SIGTERM save at the next step whatever this is (jaxpar.train.stop).
+    every: int = 100
     keep: int = 3  # the newest this many are kept
     async_save: bool = True  # write in the background while training goes on
     # A Hugging Face checkpoint folder (config.json and *.safetensors) whose weights the run

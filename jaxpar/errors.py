@@ -19,11 +19,12 @@ class TrainingStopped(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """The run was told to stop (SIGTERM to a run of several processes) and stopped after
-    `step`, saved to `directory` when checkpoints are on."""
+    """The run was told to stop (SIGTERM, or SIGINT to a run of one process:
+    jaxpar.train.stop) and stopped after `step`, saved to `directory` when checkpoints are on."""
 
-    def __init__(self, step: int, directory: str | None):
-        self.step, self.directory = step, directory
+    def __init__(self, step: int, directory: str | None, signal: str = "SIGTERM"):
+        self.step, self.directory, self.signal = step, directory, signal
         saved = f"saved step {step} to {directory}; run the same command to resume" if directory else (
             "nothing saved (no checkpoint.dir)")
-        super().__init__(f"preempted after step {step}: {saved}")
+        told = "preempted" if signal == "SIGTERM" else f"stopped by {signal}"
+        super().__init__(f"{told} after step {step}: {saved}")

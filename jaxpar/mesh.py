@@ -26,6 +26,8 @@ AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 class HostSplit:
     """Across-host degree of each mesh axis (1: the axis lives inside a host)."""
 
+    # How many hosts each mesh axis spans (1: inside a host). Their product is the host
+    # count; an axis's size divides by it. Simulated on CPU devices as on GPU hosts.
     stage: int = 1
     data: int = 1
     fsdp: int = 1
@@ -45,12 +47,12 @@ class HostSplit:
 class MeshConfig:
     """Axis sizes; one axis may be -1 to take whatever the device count leaves."""
 
-    stage: int = 1
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
-    tensor: int = 1
+    stage: int = 1  # devices a pipeline splits the layers over (parallel.pipeline_schedule)
+    data: int = -1  # replicas of the model, each on its share of the batch (-1: what the others leave)
+    fsdp: int = 1  # devices the parameters, gradients and optimizer state are sharded over (ZeRO-3), batch split too
+    expert: int = 1  # devices a MoE model's experts are split over; the batch too
+    context: int = 1  # devices each sequence is split over (parallel.context_impl)
+    tensor: int = 1  # devices each matmul is split over (Megatron; parallel.sequence_parallel)
     hosts: HostSplit = dataclasses.field(default_factory=HostSplit)
 
     def requested(self) -> dict[str, int]:

@@ -51,22 +51,22 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    vocab_size: int = 256
-    embed: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    mlp: int = 128
-    rope_theta: float = 10_000.0
+    vocab_size: int = 256  # token ids 0 .. vocab_size - 1
+    embed: int = 64  # the residual stream's width
+    num_layers: int = 2  # decoder layers (stacked on the "layers" axis)
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads; num_heads / num_kv_heads query heads share each (GQA)
+    head_dim: int = 16  # width of each head
+    mlp: int = 128  # the gated MLP's hidden width
+    rope_theta: float = 10_000.0  # RoPE's base: wavelengths up to 2 pi theta
     # Llama 3.1+ RoPE frequency scaling (Hugging Face rope_scaling of type "llama3"): long
     # wavelengths slowed by the factor, short ones kept, a smooth blend between (1: none).
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = False  # the head is the embedding table, transposed
     # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale);
     # Hugging Face's Llama does not scale them, and its importer sets this False.
     scale_tied_logits: bool = True

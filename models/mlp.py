@@ -19,9 +19,9 @@ from jaxpar.sharding import compute_value, constrain
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-    in_features: int = 784
-    hidden: int = 512
-    num_classes: int = 10
+    in_features: int = 784  # the input vector's length
+    hidden: int = 512  # both hidden layers' width
+    num_classes: int = 10  # outputs (logits)
 
     task = "classify"  # no sequence and no attention: data, fsdp and tensor layouts only
     axis_names = {"embed2": "embed"}  # the second hidden layer's width shards like the first's

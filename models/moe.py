@@ -47,14 +47,16 @@ from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 class MoEConfig(LlamaConfig):
     """`mlp` is each expert's hidden width (Mixtral's intermediate size)."""
 
-    num_experts: int = 8
-    top_k: int = 2
+    num_experts: int = 8  # routed experts in each layer's MoE block
+    top_k: int = 2  # experts each token is sent to
     routing: Routing = "capacity"  # capacity (drop past capacity_factor) | dropless
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # capacity routing: each expert's slots as a multiple of its balanced share
     renormalize: bool = True  # gates of the k chosen experts sum to one (k > 1; top-1 keeps p)
-    shared_experts: int = 0
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
+    shared_experts: int = 0  # experts every token also goes through (DeepSeekMoE), beside the routed ones
+    aux_loss_weight: float = 0.01  # the load-balancing loss's weight (Switch Transformer); 0: off
+    z_loss_weight: float = 0.001  # the router z-loss's weight (ST-MoE); 0: off
+    # Auxiliary-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by this
+    # much a step against its load; 0: off.
     bias_update_rate: float = 0.0
 
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, STAGES, REMAT})
@@ -80,7 +82,8 @@ class MoEConfig(LlamaConfig):
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
 
     hf_architectures = ("MixtralForCausalLM",)
-    hf_training_fields = ("remat", "unroll_layers", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
+    hf_training_fields = ("remat", "unroll_layers", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+                          "bias_update_rate")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "MoEConfig":

@@ -210,8 +210,9 @@ def _saving(ckpt):
     return ckpt.exists() and any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
 
 
-def _killed_at_step(kill_point, metrics, ckpt):
-    """SIGKILL from outside once `kill_point` steps are logged: wherever the run then is."""
+def _killed_at_step(kill_point, metrics, ckpt, sig=None):
+    """SIGKILL (or `sig`) from outside once `kill_point` steps are logged: wherever the run
+    then is. Returns the process."""
     import os
     import signal
     import time
@@ -222,15 +223,17 @@ def _killed_at_step(kill_point, metrics, ckpt):
         assert proc.poll() is None, f"the run ended before step {kill_point}: {proc.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline, f"no step {kill_point} in 600 s"
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, sig or signal.SIGKILL)
+    proc.wait(timeout=600)
+    return proc
 
 
 def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
-    """SIGKILL after a step drawn at random (seeded), and inside a save (the process kills
-    itself between orbax writing the arrays and the rename that commits them); the resumed
-    run really resumes (it says from which step) and its losses equal the uninterrupted
-    run's at every step."""
+    """SIGKILL after a step drawn at random (seeded), inside a save (the process kills
+    itself between orbax writing the arrays and the rename that commits them), and Ctrl-C
+    (SIGINT: the run saves at the next step boundary and ends in one line, no traceback);
+    the resumed run really resumes (it says from which step) and its losses equal the
+    uninterrupted run's at every step. Run again once finished, it says so without compiling."""
     import random
     import re
     import signal
@@ -241,10 +244,15 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
     want = {r["step"]: r["loss"] for r in _rows(reference)}
     assert sorted(want) == list(range(8))
 
-    for kill_point in (random.Random(0).randrange(1, 7), "inside the save of step 3"):
+    for kill_point in (random.Random(0).randrange(1, 7), "inside the save of step 3", "SIGINT"):
         ckpt, metrics = tmp_path / f"ckpt-{kill_point}", tmp_path / f"run-{kill_point}.jsonl"
         if isinstance(kill_point, int):
             _killed_at_step(kill_point, metrics, ckpt)
+        elif kill_point == "SIGINT":
+            proc = _killed_at_step(2, metrics, ckpt, signal.SIGINT)
+            err = proc.stderr.read()
+            assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+            assert re.search(rf"stopped by SIGINT after step \d: saved step \d to {ckpt}; run the same command", err), err
         else:
             proc = _train_process(metrics, ckpt, kill_at_save=3)
             _, err = proc.communicate(timeout=600)
@@ -259,6 +267,10 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
         assert [r["step"] for r in rows] == list(range(8)), kill_point  # the lost run's extra rows replaced
         for r in rows:
             assert r["loss"] == want[r["step"]], (kill_point, r["step"])
+    again = _train_process(metrics, ckpt)
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0 and "already holds step 8 of train.steps=8: nothing to do" in out, (out, err[-2000:])
+    assert "compiled" not in out + err
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):

@@ -2,6 +2,7 @@
 `build` before anything is compiled."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -65,3 +66,46 @@ def llama(**model):
 def test_bad_config_raises_before_compile(config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         build(apply_overrides(config, overrides))
+
+
+@pytest.mark.parametrize("name", ["llama", "moe", "mlp_dp"])
+def test_every_key_says_what_it_means_and_the_toml_form_reads_back(name, tmp_path):
+    """Each field's meaning is the comment beside it (or above its run of fields), so a field
+    added without one fails here; `--print-config --as-toml` is read back by `--config` to
+    the same config, choices and all."""
+    from jaxpar import recipes
+    from jaxpar.config_text import field_docs, read_toml, to_toml
+
+    config = apply_overrides(recipes.load(name), ["train.compute_dtype=float32", "checkpoint.dir=runs/a \"b\"",
+                                                  "optim.lr=0.00025"])
+    docs = field_docs(config)
+    assert [k for k in flatten(config) if k not in docs] == []
+    assert docs["train.steps"].startswith("optimizer steps") and "RMSNorm" not in docs.get("model.tie_embeddings", "")
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(config))
+    assert apply_overrides(recipes.load(name), read_toml(str(path))) == config
+    if name == "llama":  # a run of fields under one comment: the TOML says it once
+        assert path.read_text().count("Llama 3.1+ RoPE frequency scaling") == 1
+
+
+def test_config_files_and_print_config_on_the_command_line(tmp_path, capsys):
+    from jaxpar.commands import main
+
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nsteps = 7\nlog_every = 3\n\n[mesh.hosts]\ndata = 1\n")
+    # the file's keys first, --set on top, wherever --config stands
+    assert main(["train", "llama", "--set", "train.steps=5", "--config", str(path), "--print-config", "train."]) == 0
+    out = capsys.readouterr().out
+    assert "train.steps=5  # optimizer steps" in out and "train.log_every=3" in out and "mesh." not in out
+    assert main(["train", "llama", "--print-config", "--as-toml"]) == 0
+    assert "[mesh.hosts]\n# How many hosts" in capsys.readouterr().out
+    for text, message in (("[train\n", r"is not TOML: .*line 1"), ("[train]\nstpes = 3\n", "unknown key 'train.stpes'"),
+                          ("[train]\nsteps = [1, 2]\n", r"train.steps = \[1, 2\] is a list; config values are")):
+        path.write_text(text)
+        assert main(["train", "llama", "--config", str(path)]) == 2
+        assert re.search(message, capsys.readouterr().err)
+    assert main(["train", "llama", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "none.toml: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("jaxpar ")

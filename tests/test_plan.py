@@ -63,9 +63,12 @@ def test_plan_compiles_the_best_layouts_and_its_overrides_train(tiny_llama):
     best = planned[0]
     assert best.compiled and 0 < best.memory <= facts["budget_bytes"]
     assert 0 < best.prediction["mfu"] < 1
-    text = render(planned, facts, 1.0)
-    assert "best: predicted" in text and "--set " + " --set ".join(best.overrides) in text
-    config = apply_overrides(tiny_llama, best.overrides + ["train.steps=1", "train.global_batch=16"])
+    text = render(planned, facts, 1.0, "jaxpar train tiny --set train.global_batch=16 --set train.seq_len=16")
+    assert "best: predicted" in text
+    command = next(line.strip() for line in text.splitlines() if line.strip().startswith("jaxpar train tiny"))
+    sets = command.split("--set ")[1:]  # the command as printed, batch and sequence included, trains
+    assert [s.strip() for s in sets[2:]] == best.overrides
+    config = apply_overrides(tiny_llama, [s.strip() for s in sets] + ["train.steps=1"])
     history = run(build(config), progress=False)
     assert len(history) == 1 and math.isfinite(history[0]["loss"])
 

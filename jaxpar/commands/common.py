@@ -5,6 +5,7 @@ run records for `sample` and `export` to read back are checked here too."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import sys
@@ -13,16 +14,29 @@ import warnings
 from jaxpar.errors import ConfigError, JaxparWarning, TrainingStopped
 
 PREEMPTED_EXIT = 143  # as if SIGTERM had ended the process: schedulers requeue on it
+INTERRUPTED_EXIT = 130  # as if SIGINT had: a shell's Ctrl-C
 RECIPE_HELP = ("a shipped recipe (see `jaxpar recipes`), a path to a .py file defining recipe() -> Config "
-               "(path.py:function names another), or package.module[:function] importable from here")
+               "(path.py:function names another), package.module[:function] importable from here, or "
+               "hf:FOLDER (a Hugging Face checkpoint folder: its model, to fine-tune)")
 # Paths `jaxpar sample` and `jaxpar export` read from a run's checkpoint, from any folder.
 RECORDED_PATHS = (("data", "tokenizer"), ("checkpoint", "init_from"))
 
 
 def add_overrides(parser, example: str) -> None:
-    """--set KEY=VALUE (repeatable), into args.overrides."""
+    """--set KEY=VALUE (repeatable) and --config FILE.toml, into args.overrides: the file's
+    keys first, wherever --config stands, so --set wins."""
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override a config field, e.g. --set {example} (repeatable)")
+    parser.add_argument("--config", action=_TomlOverrides, metavar="FILE.toml",
+                        help="overrides from a TOML file, a table per section ([train] steps = 50); "
+                        "--print-config --as-toml writes one")
+
+
+class _TomlOverrides(argparse.Action):
+    def __call__(self, parser, namespace, path, option_string=None):
+        from jaxpar.config_text import read_toml
+
+        namespace.overrides = read_toml(path) + list(namespace.overrides or [])
 
 
 def add_cpu_devices(parser) -> None:

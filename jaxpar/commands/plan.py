@@ -73,5 +73,7 @@ def run(args) -> int:
     else:
         print(f"{args.model}: {type(model).__name__} {params(model.param_count())} params | {args.devices} devices "
               f"on {hosts} hosts | batch {args.global_batch or args.devices} x seq {seq_len} | bf16")
-        print(render(planned, facts, args.hbm_gb))
+        batch = args.global_batch or args.devices  # what the layouts were compiled for
+        command = f"jaxpar train {args.model} --set train.global_batch={batch} --set train.seq_len={seq_len}"
+        print(render(planned, facts, args.hbm_gb, command))
     return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from jaxpar.commands.common import (PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides, check_cpu_devices,
+from jaxpar.commands.common import (INTERRUPTED_EXIT, PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides,
+                                    check_cpu_devices,
                                     distributed_settings, in_cluster, resolve_config)
 from jaxpar.errors import Preempted
 
@@ -22,7 +23,11 @@ def add_parser(sub) -> None:
                        "(pip install 'jaxpar[tensorboard]')")
     train.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line every "
                        "train.log_every steps instead (as when the output is not a terminal)")
-    train.add_argument("--print-config", action="store_true", help="print every config key (and a choice's values) and exit")
+    train.add_argument("--print-config", nargs="?", const="", metavar="PREFIX",
+                       help="print every config key (or those under PREFIX, e.g. train) with its value, its choices "
+                       "and what it means, and exit")
+    train.add_argument("--as-toml", action="store_true", help="with --print-config: as a TOML file that --config reads "
+                       "back")
 
 
 def run(args) -> int:
@@ -42,16 +47,6 @@ def _distributed_settings(args):
     return distributed_settings(recipes.load(args.recipe), args.overrides)
 
 
-def _listing(config) -> str:
-    """Every key=value of `config`, a choice field's allowed values beside it."""
-    from jaxpar.choices import choice_fields
-    from jaxpar.config import flatten
-
-    choices = choice_fields(config)
-    return "\n".join(f"{key}={value}" + (f"  # {' | '.join(map(str, choices[key]))}" if key in choices else "")
-                     for key, value in flatten(config).items())
-
-
 def _train(args) -> int:
     import jax
 
@@ -62,9 +57,11 @@ def _train(args) -> int:
     devices = jax.devices()
     config = resolve_config(args.recipe, args.overrides, len(devices))
     leader = jax.process_index() == 0
-    if args.print_config:
+    if args.print_config is not None or args.as_toml:
+        from jaxpar.config_text import listing, to_toml
+
         if leader:
-            print(_listing(config))
+            print(to_toml(config) if args.as_toml else listing(config, args.print_config or ""))
         return 0
     trainer = build(config, devices)  # validates before anything compiles
     from jaxpar.model import ATTENTION, supports
@@ -96,7 +93,10 @@ def _train(args) -> int:
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT
+        return INTERRUPTED_EXIT if e.signal == "SIGINT" else PREEMPTED_EXIT
+    except KeyboardInterrupt:  # Ctrl-C before the first step, or a second one: no save
+        print("jaxpar: interrupted; nothing saved since the last checkpoint", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     if history and leader:
         first, last = history[0], history[-1]
         held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""

@@ -128,8 +128,9 @@ def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, 
     planned.memory, planned.prediction = result.get("memory", 0.0), result.get("prediction", {})
 
 
-def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
-    """The ranking table, the best layout's overrides and the assumptions."""
+def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float, command: str = "") -> str:
+    """The ranking table, the best layout's overrides (after `command`, the `jaxpar train`
+    that runs them: ready to paste) and the assumptions."""
     failed = f" ({facts['failed']} failed)" if facts.get("failed") else ""
     lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
              f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled{failed}:", "",
@@ -160,7 +161,7 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float) -> str:
         lines.append("no compiled layout fits: add devices, shorten the sequence, or shrink the batch")
     else:
         lines += ["", f"best: predicted {best.prediction['mfu']:.1%} MFU, {duration(best.prediction['step_s'])} a step",
-                  "  --set " + " --set ".join(best.overrides)]
+                  "  " + " ".join(([command] if command else []) + [f"--set {o}" for o in best.overrides])]
     lines += ["", "assumptions: " + (how.split(": ", 1)[1] if how else facts["hardware"].describe())]
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.evaluation import Sums, collect, open_evaluation
 from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
 from jaxpar.train.profile import Profiler
+from jaxpar.train.stop import StopSignals
 from jaxpar.train.trainer import Trainer
 
 
@@ -53,6 +54,15 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
     profiler.prepare()
     resuming = checkpoints is not None and checkpoints.latest_step() is not None
+    start = 0
+    if resuming:  # before the compile: a finished run needs none
+        state, start = checkpoints.restore(trainer)
+        if start >= steps:
+            if jax.process_index() == 0:
+                print(f"{ckpt.dir} already holds step {start} of train.steps={steps}: nothing to do (raise "
+                      "train.steps to train on)", flush=True)
+            checkpoints.close()
+            return []
     fresh = trainer.init
     if ckpt.init_from and not resuming:  # checked now, read after the compile
         from jaxpar.hf import prepare_import
@@ -62,10 +72,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
-    start = 0
-    if resuming:
-        state, start = checkpoints.restore(trainer)
-    else:
+    if not resuming:
         state = fresh()
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
@@ -82,11 +89,14 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs
 
     # With several processes JAX's preemption service takes SIGTERM: every process learns of
-    # it, and all agree on the step after which to save and stop.
+    # it, and all agree on the step after which to save and stop. One process stops on its
+    # own signals (jaxpar.train.stop).
     preemptible = jax.process_count() > 1
     preempted_at = None
     end = steps
+    stop = StopSignals(sigterm=not preemptible)
     try:
+        stop.install()
         step = start - 1
         while step < end:
             step += 1
@@ -99,7 +109,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
             pending = None
             if step < end:
                 done = step + 1
-                if preemptible and multihost_utils.reached_preemption_sync_point(done):
+                if (preemptible and multihost_utils.reached_preemption_sync_point(done)) or stop.asked:
                     preempted_at = end = done  # read this step's metrics, save, and stop
                 if checkpoints is not None and (done == end or (ckpt.every and done % ckpt.every == 0)):
                     # Every earlier step has been checked; check this one before saving it
@@ -112,13 +122,14 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                 held_out = evaluation.start(state.params) if evaluation is not None and evaluation.due(done, steps) else None
                 pending = (step, metrics, held_out)
     finally:
+        stop.restore()
         profiler.stop()
         bar.close()
         writers.close()
         if checkpoints is not None:
             checkpoints.close()  # waits for saves in flight
     if preempted_at is not None:
-        raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None)
+        raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None, stop.asked or "SIGTERM")
     return history
 
 
