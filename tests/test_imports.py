@@ -121,10 +121,11 @@ LAYERS = [
     ("public names", ["jaxpar", "jaxpar.testing", "jaxpar.inspect"]),
     ("trainer", ["jaxpar.train"]),
     ("checks", ["jaxpar.checks"]),
-    ("configs", ["jaxpar.config", "jaxpar.recipes", "jaxpar.hf.recipe"]),
+    ("configs", ["jaxpar.config", "jaxpar.config_text", "jaxpar.recipes", "jaxpar.hf.recipe"]),
     ("models", ["jaxpar.models", "jaxpar.hf", "jaxpar.nn"]),
     ("sharding", ["jaxpar.sharding"]),
-    ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed"]),
+    ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed",
+                           "jaxpar.curves"]),
     ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
               "jaxpar.xla_options", "jaxpar.deviceless"]),
 ]

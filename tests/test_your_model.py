@@ -12,6 +12,8 @@ import dataclasses
 import pathlib
 import warnings
 
+import re
+
 import pytest
 
 from jaxpar import recipes
@@ -144,6 +146,9 @@ def test_explain_accounts_for_a_user_model_on_a_pipeline(capsys):
                  "mesh.tensor=2", "--set", "train.microbatches=4", "--set", "train.seq_len=32"])
     out = capsys.readouterr().out
     assert code == 0 and "elements over stage" in out and "no formula: it reads a decoder's embed" in out, out[-2000:]
+    # its biases and norms are split fewer ways than the formula's: explain says so, and by how much
+    said = float(re.search(r"so the parameters are ([\d.]+) of the formula", out).group(1))
+    assert said == float(re.search(r"  parameters .* ([\d.]+)\n", out).group(1)), out[:1500]
 
 
 # Left to jaxpar/data's owner (issue 33), to read batch_fields and input_shape through jaxpar.model.declared.

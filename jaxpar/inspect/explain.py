@@ -106,6 +106,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "params": psi,
         "memory": [_row(n, a, b) for n, a, b in memory_rows],
         "logits": loss_logits(config, mesh, report.num_devices),
+        "split_fewer_ways": _split_fewer_ways(trainer, state, mesh, fsdp * tensor * (data if stage >= 3 else 1)),
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
         f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
         + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
@@ -139,6 +140,29 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
 def _expert_params(trainer, state) -> int:
     """Parameters whose logical names include "experts" (MoE expert weights)."""
     return _params_named(trainer, state, "experts")
+
+
+def _split_fewer_ways(trainer, state, mesh: dict[str, int], ways: int) -> str | None:
+    """Why measured parameters can exceed the formula, which splits every parameter `ways`
+    ways (besides stage and expert, which it counts apart): the arrays the layout splits
+    fewer ways (names no rule shards, such as norms and biases, or sizes the axis does not
+    divide), and the ratio of measured to formula they make."""
+    formula, measured, arrays = 0.0, 0.0, []
+    params = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    for (path, x), sharding in zip(params, jax.tree.leaves(trainer.state_shardings.params)):
+        axes = [a for part in sharding.spec if part for a in (part if isinstance(part, tuple) else (part,))]
+        apart = math.prod(mesh.get(a, 1) for a in axes if a in ("stage", "expert"))
+        split = math.prod(mesh.get(a, 1) for a in axes if a not in ("stage", "expert"))
+        size = math.prod(x.shape) / apart
+        formula, measured = formula + size / ways, measured + size / min(split, ways)
+        if split < ways:
+            arrays.append(jax.tree_util.keystr(path, simple=True, separator="."))
+    if not arrays:
+        return None
+    shown = ", ".join(arrays[:3]) + (f" and {len(arrays) - 3} more" if len(arrays) > 3 else "")
+    return (f"{len(arrays)} parameter arrays are split fewer ways than {ways} ({shown}): the layout keeps them (partly) "
+            f"whole, so the parameters are {measured / formula:.3f} of the formula (their gradients' traffic is above "
+            "its formula too)")
 
 
 def _params_named(trainer, state, name: str) -> int:
@@ -364,6 +388,8 @@ def render(doc: dict[str, Any]) -> str:
     for row in doc["memory"]:
         lines.append(_line(row, _bytes))
     lines.append(f"  formula: {doc['memory_formula']}")
+    if doc.get("split_fewer_ways"):
+        lines.append(f"  ratio: {doc['split_fewer_ways']}")
     if doc.get("logits"):
         lines.append(f"  the loss: {doc['logits']}")
     lines += ["", f"{'compute and traffic per device per step':<52}{'measured':>12}{'formula':>12}{'ratio':>8}"]

@@ -7,6 +7,7 @@ a held-out evaluation after step i is queued before step i+1 and read with step 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -30,7 +31,7 @@ def tokens_per_step(trainer: Trainer) -> int:
     return train.global_batch * (train.seq_len if trainer.config.model.task == "lm" else 1)
 
 
-def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool = True,
+def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool | None = None,
         data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
@@ -41,8 +42,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
     batches in the format of `data` (needed with `data`; default the config's held-out part,
     jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
-    to `tensorboard_dir` (jaxpar.train.metrics)."""
+    to `tensorboard_dir` (jaxpar.train.metrics). `progress`: a bar (default: when stderr is a
+    terminal); without one, a plain line every train.log_every steps."""
     cfg = trainer.config
+    progress = sys.stderr.isatty() if progress is None else progress
     steps = cfg.train.steps if steps is None else steps
     ckpt = cfg.checkpoint
     checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save) if ckpt.dir else None
