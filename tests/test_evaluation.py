@@ -45,14 +45,41 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float, float]]]:
     return scalars
 
 
-def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, tmp_path):
+def read_wandb_history(folder) -> list[dict]:
+    """The history rows of the offline W&B run under `folder` (its .wandb file: after a
+    7-byte header, records of a 7-byte header each, crc, length, kind, in 32 KiB blocks)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = pathlib.Path(folder).glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, pending, rows = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, tmp_path, monkeypatch):
+    """... and the rows reach the metrics file, TensorBoard and W&B (offline) alike."""
     pytest.importorskip("tensorboardX")
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)), ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)
     config = apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=5"])
     off = run(build(config), progress=False)
     evaluated = apply_overrides(config, ["train.eval_every=2", "train.eval_batches=2"])
     trainer = build(evaluated)
     tb, jsonl = tmp_path / "tb", tmp_path / "runs" / "m.jsonl"  # neither folder exists yet
-    on = run(trainer, progress=False, metrics_file=str(jsonl), tensorboard_dir=str(tb))
+    on = run(trainer, progress=False, metrics_file=str(jsonl), tensorboard_dir=str(tb), wandb_project="jaxpar-test")
     assert [r["loss"] for r in on] == [r["loss"] for r in off]  # bitwise
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
     assert [r["step"] for r in on if "eval_loss" in r] == [1, 3, 4]  # after 2 and 4 steps, and the last
@@ -76,6 +103,10 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     assert [t for _, _, t in scalars["loss"]] == pytest.approx([r["time"] for r in rows])
     assert {"grad_norm", "learning_rate", "tokens_per_s", "step_time_s"} <= set(scalars)
     assert "step" not in scalars and "time" not in scalars
+    logged = read_wandb_history(tmp_path)
+    assert [r["_step"] for r in logged] == [0, 1, 2, 3, 4]
+    assert [r["loss"] for r in logged] == [r["loss"] for r in rows] and "time" not in logged[0]
+    assert [r["eval_loss"] for r in logged if "eval_loss" in r] == [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 def test_held_out_synthetic_batches_are_their_own_stream(tiny_llama):
@@ -181,6 +212,9 @@ def test_tensorboard_without_its_package_names_the_extra(tiny_llama, tmp_path, m
     with pytest.raises(ConfigError, match=r"tensorboardX, which is not installed; pip install 'jaxpar\[tensorboard\]'"):
         run(trainer, progress=False, tensorboard_dir=str(tmp_path / "tb"))
     assert not (tmp_path / "tb").exists()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # and W&B's, before the compile too
+    with pytest.raises(ConfigError, match=r"logs with wandb, which is not installed; pip install 'jaxpar\[wandb\]'"):
+        run(trainer, progress=False, wandb_project="p")
 
 
 @pytest.mark.parametrize(

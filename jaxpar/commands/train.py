@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     train.add_argument("--tensorboard", metavar="DIR",
                        help="also write each step's metrics as TensorBoard scalars into DIR "
                        "(pip install 'jaxpar[tensorboard]')")
+    train.add_argument("--wandb", metavar="PROJECT", help="also log each step's metrics to this Weights & Biases project "
+                       "(pip install 'jaxpar[wandb]'; WANDB_MODE=offline keeps it local)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line every "
                        "train.log_every steps instead (as when the output is not a terminal)")
     train.add_argument("--print-config", nargs="?", const="", metavar="PREFIX",
@@ -89,7 +91,7 @@ def _train(args) -> int:
         # there the loop prints a plain line every train.log_every steps instead.
         bar = leader and not args.no_progress and sys.stderr.isatty()
         history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=bar,
-                      tensorboard_dir=args.tensorboard if leader else None)
+                      tensorboard_dir=args.tensorboard if leader else None, wandb_project=args.wandb if leader else None)
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)

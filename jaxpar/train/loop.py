@@ -18,6 +18,7 @@ from jaxpar.data.sources import make_source
 from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
+from jaxpar.config import flatten
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.evaluation import Sums, collect, open_evaluation
 from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
@@ -32,7 +33,8 @@ def tokens_per_step(trainer: Trainer) -> int:
 
 
 def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool | None = None,
-        data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None) -> list[dict]:
+        data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None,
+        wandb_project: str | None = None) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
     `checkpoint.every` steps and at the end; with none to resume from and
@@ -42,7 +44,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
     batches in the format of `data` (needed with `data`; default the config's held-out part,
     jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
-    to `tensorboard_dir` (jaxpar.train.metrics). `progress`: a bar (default: when stderr is a
+    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.train.metrics). `progress`: a bar (default: when stderr is a
     terminal); without one, a plain line every train.log_every steps."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
@@ -53,7 +55,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     if data is not None:  # the first batch is checked before the compile
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
     evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
-    prepare_outputs(metrics_file, tensorboard_dir)
+    prepare_outputs(metrics_file, tensorboard_dir, wandb_project)
     profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
     profiler.prepare()
     resuming = checkpoints is not None and checkpoints.latest_step() is not None
@@ -86,7 +88,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         print(f"started from the weights of {ckpt.init_from}", flush=True)
 
     history: list[dict] = []
-    writers = open_writers(metrics_file, tensorboard_dir, start)
+    writers = open_writers(metrics_file, tensorboard_dir, start, wandb_project, flatten(cfg) if wandb_project else None)
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     rows = _Rows(trainer, writers, bar, cfg.train.log_every if lines else 0, steps)
     pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs

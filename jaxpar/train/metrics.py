@@ -1,4 +1,5 @@
-"""Where each step's metrics row goes: a JSON Lines file, TensorBoard scalars, or both.
+"""Where each step's metrics row goes: a JSON Lines file, TensorBoard scalars, Weights &
+Biases, or any of them together.
 
 A row is a dict: "step" (from 0), "time" (unix seconds), and numbers (loss, grad_norm,
 learning_rate, tokens_per_s, step_time_s, mfu, eval_loss, ...). Every writer has
@@ -10,6 +11,10 @@ learning_rate, tokens_per_s, step_time_s, mfu, eval_loss, ...). Every writer has
               global step row["step"], wall time row["time"], through tensorboardX (an
               optional extra: pip install 'jaxpar[tensorboard]'). A resumed run asks
               TensorBoard to discard the lost run's events from step `start` on (purge_step).
+  WandB       the same numbers as a W&B run's metrics at step row["step"], the config as the
+              run's config (wandb, an optional extra: pip install 'jaxpar[wandb]'). W&B's own
+              settings apply: WANDB_MODE=offline keeps the run under WANDB_DIR (or ./wandb)
+              for `wandb sync`. A resumed run is a new W&B run starting at its step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Protocol
 from jaxpar.errors import ConfigError
 
 INSTALL = "pip install 'jaxpar[tensorboard]'"
+WANDB_INSTALL = "pip install 'jaxpar[wandb]'"
 
 
 class Writer(Protocol):
@@ -29,9 +35,12 @@ class Writer(Protocol):
     def close(self) -> None: ...
 
 
-def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None) -> None:
-    """Before anything compiles: refuse paths that cannot be written (one ConfigError line)
-    and a TensorBoard directory without tensorboardX; create missing parent folders."""
+def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None, wandb_project: str | None = None) -> None:
+    """Before anything compiles: refuse paths that cannot be written (one ConfigError line),
+    a TensorBoard directory without tensorboardX and a W&B project without wandb; create
+    missing parent folders."""
+    if wandb_project is not None:
+        wandb_module(wandb_project)
     if metrics_file:
         prepare_file(metrics_file, f"metrics_file={metrics_file!r} (--metrics-file)", "metrics.jsonl")
     if tensorboard_dir:
@@ -76,6 +85,18 @@ def summary_writer(tensorboard_dir: str) -> Any:
     return SummaryWriter
 
 
+def wandb_module(project: str) -> Any:
+    """The wandb package, imported only when asked for."""
+    if not project:
+        raise ConfigError("--wandb needs a project name, e.g. --wandb my-project")
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(f"wandb_project={project!r} (--wandb) logs with wandb, which is not installed; "
+                          f"{WANDB_INSTALL}") from None
+    return wandb
+
+
 class JsonLines:
     def __init__(self, path: str, start: int = 0):
         if start:  # a resumed run replaces what the lost one logged past the checkpoint
@@ -104,6 +125,20 @@ class TensorBoard:
         self.writer.close()
 
 
+class WandB:
+    def __init__(self, project: str, config: dict, start: int = 0):
+        self.wandb = wandb_module(project)
+        self.run = self.wandb.init(project=project, config=config, tags=[f"from step {start}"] if start else None)
+
+    def write(self, row: dict) -> None:
+        self.run.log({k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))},
+                     step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+        self.wandb.teardown()  # its service process ends with the run, not at exit
+
+
 class Writers:
     """Every writer asked for, as one."""
 
@@ -119,9 +154,13 @@ class Writers:
             writer.close()
 
 
-def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0) -> Writers:
-    """The writers for a run that starts at step `start` (0, or the step it resumed from)."""
+def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0,
+                 wandb_project: str | None = None, config: dict | None = None) -> Writers:
+    """The writers for a run that starts at step `start` (0, or the step it resumed from);
+    `config`: the run's flattened config, which W&B records."""
     writers: list[Writer] = []
+    if wandb_project:
+        writers.append(WandB(wandb_project, config or {}, start))
     if metrics_file:
         writers.append(JsonLines(metrics_file, start))
     if tensorboard_dir:
