@@ -113,20 +113,19 @@ def test_fp8_loss_within_one_percent_of_bf16():
     assert abs(fp8 - bf16) / bf16 < 0.01, f"fp8 {fp8:.4f} vs bf16 {bf16:.4f} after 10 steps"
 
 
-def test_zero3_gathers_the_layers_weights_in_eight_bits(fp8_llama, tiny_llama):
+def test_zero3_gathers_the_layers_weights_in_eight_bits(fp8_llama):
     """FSDP x ZeRO-3 over 8 devices: with FP8 matmuls every gather of a layer's projection
     weights moves 8-bit values (XLA:CPU widens e4m3 to f16 on the wire and gathers the
     backward's saved shards as their uint8 bytes; a GPU moves e4m3: docs/performance.md),
-    where float32 matmuls gather float32. Read from the compiled step's collectives: the
-    projection weights' gathers are those of 1 to 8 KiB (32 x 32 to 32 x 64 elements; the
-    norms' are 128 B, the embedding's and head's 16 KiB, in float32 either way)."""
+    where the embedding's and head's stay float32. Read from the compiled step's collectives:
+    the projection weights' gathers are those of 1 to 8 KiB (32 x 32 to 32 x 64 elements; the
+    norms' are 128 B, the embedding's and head's 16 KiB). (Until issue 33 a float32 run was
+    compiled beside it to show its projections gather float32.)"""
     from jaxpar.inspect import inspect_step
 
     layout = ["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]
 
-    def layer_gathers(config):
-        report = inspect_step(build(apply_overrides(config, layout)))
-        return {c.dtype for c in report.collectives if c.kind == "all-gather" and 1024 <= c.buffer_bytes <= 8192}
-
-    assert layer_gathers(tiny_llama) == {"f32"}
-    assert layer_gathers(fp8_llama) <= {"f16", "u8", "f8e4m3fn"} and layer_gathers(fp8_llama), layer_gathers(fp8_llama)
+    gathers = [c for c in inspect_step(build(apply_overrides(fp8_llama, layout))).collectives if c.kind == "all-gather"]
+    layers = {c.dtype for c in gathers if 1024 <= c.buffer_bytes <= 8192}
+    assert layers and layers <= {"f16", "u8", "f8e4m3fn"}, layers
+    assert {c.dtype for c in gathers if c.buffer_bytes == 16384} == {"f32"}  # the embedding and head
