@@ -49,7 +49,8 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
 
 
 def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True) -> jax.Array:
-    """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart."""
+    """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart. Values
+    may have a head size of their own (MLA), which the output then has."""
     layout = active_layout()
     if layout is not None and sequence_degree(layout) > 1:
         return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal))
@@ -57,6 +58,9 @@ def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=
     if impl == "cudnn":
         if segment_ids is not None:  # refused before compile (jaxpar.checks); a caller's own call lands here
             raise ValueError("attend: attention=cudnn does not take segment_ids (packed sequences); use flash")
+        if v_BSGK.shape[-1] != q_BSHK.shape[-1]:
+            raise ValueError(f"attend: attention=cudnn takes values of the queries' head size ({q_BSHK.shape[-1]}), "
+                             f"not {v_BSGK.shape[-1]}; use flash or reference")
         return jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=causal, implementation="cudnn")
     if impl == "flash":
         index = jnp.arange(q_BSHK.shape[1])

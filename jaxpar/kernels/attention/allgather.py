@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.kernels.attention import blocks
-from jaxpar.kernels.attention.flash import grouped
+from jaxpar.kernels.attention.flash import grouped, out_shape
 from jaxpar.kernels.attention.order import local_index, sequence_order
 
 
@@ -31,7 +31,7 @@ def forward(q, k, v, segment, ctx):
     q_index, kv_index = _indices(q, ctx)
     masking = ctx.masking_for(q.shape[1] * ctx.degree)
     o, lse, tiles = blocks.forward(grouped(q, k.shape[2]), k_all, v_all, q_index, kv_index, segment, seg_all, masking)
-    o = o.reshape(q.shape).astype(q.dtype)
+    o = o.reshape(out_shape(q, v)).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
 

@@ -69,7 +69,8 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
 
     def one_q_tile(args):
         q_t, qi_t, qs_t = args
-        b, _, g, r, d = q_t.shape
+        b, _, g, r, _ = q_t.shape
+        d = v.shape[-1]  # the output's head size is the values' (MLA: not the queries')
 
         def kv_step(carry, kv):
             acc, m, l, count = carry
@@ -156,8 +157,8 @@ def backward(q, k, v, o, lse, do, q_index, kv_index, q_segment, kv_segment, mask
             dk, dv, dq = jax.lax.cond(_needed(qi_t, ki_t, masking.causal), compute, skip, dk, dv)
             return (dk, dv), dq
 
-        zeros = jnp.zeros(k_t.shape, jnp.float32)
-        (dk, dv), dq_parts = jax.lax.scan(q_step, (zeros, zeros), q_tiles)
+        zeros = (jnp.zeros(k_t.shape, jnp.float32), jnp.zeros(v_t.shape, jnp.float32))
+        (dk, dv), dq_parts = jax.lax.scan(q_step, zeros, q_tiles)
         return dk, dv, _untile(dq_parts, 1)
 
     kv_tiles = (_tiles(k, 1, bk), _tiles(v, 1, bk), _tiles(kv_index, 0, bk), _tiles(kv_segment, 1, bk) if has_seg else None)

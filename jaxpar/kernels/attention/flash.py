@@ -12,6 +12,12 @@ from jaxpar.kernels.attention import blocks
 from jaxpar.kernels.attention.tiles import Masking
 
 
+def out_shape(q: jax.Array, v: jax.Array) -> tuple[int, ...]:
+    """The attention output's shape: the queries' but for the last axis, the values' head
+    size (which may differ from the queries' and keys', as in MLA)."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def grouped(q_BSHK: jax.Array, kv_heads: int) -> jax.Array:
     """[B, S, H, K] -> [B, S, G, H/G, K]: query heads grouped by the kv head they share."""
     b, s, h, k = q_BSHK.shape
@@ -19,7 +25,8 @@ def grouped(q_BSHK: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def flash_attention(q, k, v, q_index, kv_index, q_segment=None, kv_segment=None, masking: Masking = Masking()):
-    """q [B, Sq, H, K], k/v [B, Sk, G, K] -> [B, Sq, H, K]; O(Sq x block) memory per head."""
+    """q [B, Sq, H, K], k [B, Sk, G, K], v [B, Sk, G, V] -> [B, Sq, H, V]; O(Sq x block)
+    memory per head."""
     o, _ = _flash(q, k, v, q_index, kv_index, q_segment, kv_segment, masking)
     return o
 
@@ -27,7 +34,7 @@ def flash_attention(q, k, v, q_index, kv_index, q_segment=None, kv_segment=None,
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _flash(q, k, v, q_index, kv_index, q_segment, kv_segment, masking):
     o, lse, _ = blocks.forward(grouped(q, k.shape[2]), k, v, q_index, kv_index, q_segment, kv_segment, masking)
-    return o.reshape(q.shape).astype(q.dtype), lse
+    return o.reshape(out_shape(q, v)).astype(q.dtype), lse
 
 
 def _flash_fwd(q, k, v, q_index, kv_index, q_segment, kv_segment, masking):

@@ -54,6 +54,9 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
     """Same contract as `blocks.forward`: q [B, Sq, G, R, K], k/v [B, Sk, G, K] ->
     (o float32 [B, Sq, G, R, K], lse [B, G, R, Sq], tiles computed)."""
     b, sq, g, r, d = q.shape
+    if v.shape[-1] != d:  # one tile shape serves q, k and v in the kernel
+        raise ValueError(f"attention_kernel=pallas takes values of the queries' head size ({d}), not {v.shape[-1]}; "
+                         "use parallel.attention_kernel=jax")
     sk = k.shape[1]
     bq, bk = tile(sq, masking.block_q), tile(sk, masking.block_kv)
     interpret = masking.kernel == "pallas_interpret"

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 def reference_attention(q_BSHK, k_BTGK, v_BTGK, segment_ids=None, causal: bool = True, q_index=None, kv_index=None):
     """Grouped-query attention, softmax in float32. `q_index`/`kv_index` give each token's
     place in the sequence for the causal mask (default: the order given); `segment_ids[B, S]`
-    keep packed sequences apart (queries and keys are the same tokens)."""
+    keep packed sequences apart (queries and keys are the same tokens). Values may have a
+    head size of their own (MLA): the output has theirs."""
     b, s, h, kd = q_BSHK.shape
     t, g = k_BTGK.shape[1], k_BTGK.shape[2]
     q = q_BSHK.reshape(b, s, g, h // g, kd)
@@ -24,4 +25,4 @@ def reference_attention(q_BSHK, k_BTGK, v_BTGK, segment_ids=None, causal: bool =
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BTGK.dtype)
     out = jnp.einsum("bgrst,btgk->bsgrk", probs, v_BTGK)
-    return out.reshape(b, s, h, kd)
+    return out.reshape(b, s, h, v_BTGK.shape[-1])

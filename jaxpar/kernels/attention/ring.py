@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.kernels.attention import blocks
-from jaxpar.kernels.attention.flash import grouped
+from jaxpar.kernels.attention.flash import grouped, out_shape
 from jaxpar.kernels.attention.order import local_index
 from jaxpar.kernels.attention.tiles import NEG_INF
 from jaxpar.kernels.hops import send
@@ -63,12 +63,12 @@ def forward(q, k, v, segment, ctx):
         return (*blocks.merge(o, lse, o_b, lse_b), tiles + t)
 
     init = (
-        jnp.zeros(qg.shape, jnp.float32),
+        jnp.zeros(out_shape(qg, v), jnp.float32),
         jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), NEG_INF, jnp.float32),
         jnp.int32(0),
     )
     o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx)
-    o = o.reshape(q.shape).astype(q.dtype)
+    o = o.reshape(out_shape(q, v)).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
 
@@ -98,13 +98,13 @@ def backward(residuals, do, ctx):
         dq, sums = step(i, dq, held, arrived)
         return jax.lax.optimization_barrier((dq, incoming, sums))
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     held, dq = (k, v, segment), jnp.zeros(qg.shape, jnp.float32)
     if n == 1:
-        dq, sums = step(0, dq, held, (zeros, zeros))
+        dq, sums = step(0, dq, held, zeros)
     else:
         incoming = _pass_on(held, ctx)  # step 0: no sums have arrived yet
-        dq, sums = step(0, dq, held, (zeros, zeros))
+        dq, sums = step(0, dq, held, zeros)
         dq, held, sums = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
         dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx))  # the last step: no block to fetch
         sums = _pass_on(sums, ctx)  # home

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.attention import blocks
-from jaxpar.kernels.attention.flash import grouped
+from jaxpar.kernels.attention.flash import grouped, out_shape
 from jaxpar.kernels.attention.order import sequence_order
 
 
@@ -33,7 +33,7 @@ def forward(q, k, v, segment, ctx):
     index = jnp.asarray(sequence_order(ctx.seq_layout, ctx.degree, q_h.shape[1]), jnp.int32)
     masking = ctx.masking_for(q_h.shape[1])
     o_h, lse, tiles = blocks.forward(grouped(q_h, k_h.shape[2]), k_h, v_h, index, index, seg_all, seg_all, masking)
-    o_h = o_h.reshape(q_h.shape).astype(q.dtype)
+    o_h = o_h.reshape(out_shape(q_h, v_h)).astype(q.dtype)
     return _to_sequence(o_h, ctx.axis), (q_h, k_h, v_h, seg_all, o_h, lse), tiles
 
 
