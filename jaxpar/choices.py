@@ -45,6 +45,7 @@ CompilerPreset = Literal["auto", "overlap", "none"]  # auto: overlap on GPUs, no
 # `hidden_act` name (models/llama.py)
 Remat = Literal["none", "full", "selective", "offload", "dots", "dots_no_batch"]
 Routing = Literal["capacity", "dropless"]
+RouterScores = Literal["softmax", "sigmoid"]
 Activation = Literal["silu", "gelu_pytorch_tanh"]
 
 RULE = "choice-values"  # the catalogue rule that checks every choice field (jaxpar.checks.choices)

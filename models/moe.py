@@ -34,7 +34,7 @@ from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
 from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Llama, LlamaConfig, RMSNorm,
                                  attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
-from jaxpar.choices import Routing
+from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.kernels.experts import grouped_matmul
@@ -52,6 +52,13 @@ class MoEConfig(LlamaConfig):
     routing: Routing = "capacity"  # capacity (drop past capacity_factor) | dropless
     capacity_factor: float = 1.25  # capacity routing: each expert's slots as a multiple of its balanced share
     renormalize: bool = True  # gates of the k chosen experts sum to one (k > 1; top-1 keeps p)
+    router_scores: RouterScores = "softmax"  # the router's probabilities: softmax over experts, or each's sigmoid (DeepSeek-V3)
+    # Group-limited routing (DeepSeek-V3's n_group, topk_group): experts in expert_groups
+    # equal groups, a token choosing only within the top_groups groups whose two best scores
+    # sum highest. 1 and 1: off.
+    expert_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0  # the routed experts' gates multiplied by this (routed_scaling_factor)
     shared_experts: int = 0  # experts every token also goes through (DeepSeekMoE), beside the routed ones
     aux_loss_weight: float = 0.01  # the load-balancing loss's weight (Switch Transformer); 0: off
     z_loss_weight: float = 0.001  # the router z-loss's weight (ST-MoE); 0: off
@@ -70,6 +77,7 @@ class MoEConfig(LlamaConfig):
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}; "
                               f"e.g. model.top_k={min(2, self.num_experts)}")
+        self._check_groups()
         if not self.capacity_factor > 0:
             raise ConfigError(f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 is each expert's balanced "
                               "share); e.g. 1.25, or model.routing=dropless to drop nothing")
@@ -80,6 +88,20 @@ class MoEConfig(LlamaConfig):
             raise ConfigError(
                 f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} "
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
+
+    def _check_groups(self) -> None:
+        e, groups = self.num_experts, self.expert_groups
+        if groups < 1 or e % groups or (groups > 1 and e // groups < 2):
+            fits = [g for g in range(1, e + 1) if e % g == 0 and (g == 1 or e // g >= 2)]
+            raise ConfigError(f"model.expert_groups={groups} must split model.num_experts={e} into groups of two "
+                              f"experts or more; use one of {fits}")
+        if not 1 <= self.top_groups <= groups:
+            raise ConfigError(f"model.top_groups={self.top_groups} must be between 1 and model.expert_groups={groups}")
+        if self.top_k > self.top_groups * (e // groups):
+            raise ConfigError(f"model.top_k={self.top_k} is more experts than model.top_groups={self.top_groups} groups "
+                              f"of {e // groups} hold; raise model.top_groups or lower model.top_k")
+        if not 0 < self.routed_scaling < float("inf"):
+            raise ConfigError(f"model.routed_scaling={self.routed_scaling} must be positive, e.g. 1 or 2.5")
 
     hf_architectures = ("MixtralForCausalLM",)
     hf_training_fields = ("remat", "unroll_layers", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight",
@@ -171,22 +193,25 @@ class MoE(nnx.Module):
         cfg = self.cfg
         x_BSD = constrain(x_BSD, HIDDEN)
         logits = jnp.einsum("bsd,de->bse", x_BSD.astype(jnp.float32), compute_value(self.router).astype(jnp.float32))
-        probs = jax.nn.softmax(logits, axis=-1)
+        probs = jax.nn.softmax(logits, axis=-1) if cfg.router_scores == "softmax" else jax.nn.sigmoid(logits)
         scores = probs
         if cfg.bias_update_rate:  # chooses experts; the gates stay the router's probabilities
             scores = probs + jax.lax.stop_gradient(compute_value(self.router_bias).astype(jnp.float32))
-        ids = top_k_indices(scores, cfg.top_k)
+        ids = top_k_indices(scores, cfg.top_k, cfg.expert_groups, cfg.top_groups)
         chosen_probs = jnp.take_along_axis(probs, ids, axis=-1)
         gates = chosen_probs
         if cfg.renormalize and cfg.top_k > 1:  # at k = 1 it would make every gate 1: no gradient to the router
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        gates = gates * cfg.routed_scaling if cfg.routed_scaling != 1 else gates
         y, kept = run_experts(
             x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down),
             functools.partial(expert_ffn, activation=ACTIVATIONS[cfg.activation]), cfg.routing, cfg.capacity_factor
         )
         chosen = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.int32).sum(axis=2)  # [B, S, E]
         share = jnp.mean(chosen, axis=1, dtype=jnp.float32) / cfg.top_k  # f per sequence [B, E]
-        switch = cfg.num_experts * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [B]
+        # Sigmoid scores are normalised over the experts first (DeepSeek-V3's sequence-wise balance loss)
+        balance = probs if cfg.router_scores == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+        switch = cfg.num_experts * jnp.sum(share * jnp.mean(balance, axis=1), axis=-1)  # [B]
         report = {
             "switch": switch,
             "z": jnp.square(jax.nn.logsumexp(logits, axis=-1)),  # [B, S]
@@ -280,7 +305,8 @@ def mixtral_to_hf(cfg: MoEConfig) -> dict:
         raise ConfigError("Mixtral's format has no shared experts and renormalises its top-k >= 2 gates; this model has "
                           f"model.shared_experts={cfg.shared_experts}, model.renormalize={cfg.renormalize}, "
                           f"model.top_k={cfg.top_k}, which it cannot hold")
-    refuse_parts(cfg, "MixtralForCausalLM", qk_norm=False, qkv_bias=False)
+    refuse_parts(cfg, "MixtralForCausalLM", qk_norm=False, qkv_bias=False, router_scores="softmax", expert_groups=1,
+                 top_groups=1, routed_scaling=1.0)
     hf = llama_to_hf(cfg, "MixtralForCausalLM", "mixtral")
     for key in ("attention_bias", "mlp_bias"):
         hf.pop(key)

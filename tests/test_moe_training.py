@@ -65,14 +65,40 @@ def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
 
 
 def test_shared_experts_and_bias_balancing_equal_single_device(tiny_moe, reference):
-    """The bias moves by the loads of the whole batch: summed over microbatches and over the
-    per-replica gradients (data x fsdp), then all-reduced."""
-    config = apply_overrides(tiny_moe, ["model.shared_experts=1", "model.bias_update_rate=0.01", "model.aux_loss_weight=0"])
+    """DeepSeekMoE's routing: a shared expert, sigmoid scores, group-limited choice (4 groups
+    of 2, the best 2 groups), gates scaled by 2.5, and the balancing bias, which moves by the
+    loads of the whole batch: summed over microbatches and over the per-replica gradients
+    (data x fsdp), then all-reduced."""
+    config = apply_overrides(tiny_moe, ["model.shared_experts=1", "model.bias_update_rate=0.01", "model.aux_loss_weight=0",
+                                        "model.router_scores=sigmoid", "model.expert_groups=4", "model.top_groups=2",
+                                        "model.routed_scaling=2.5"])
     run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"]))
     check(compare(run, reference(config)), RTOL, where="shared + bias")
     bias = run.params["layers"]["moe"]["router_bias"]  # [layers, experts], 3 steps of +-0.01 or 0
     steps = np.round(np.asarray(bias) / 0.01)
     assert np.allclose(bias, steps * 0.01, atol=1e-6) and np.abs(steps).max() <= 3 and np.abs(steps).sum() > 0
+
+
+def test_group_limited_routing_is_hugging_faces():
+    """jaxpar.sharding.experts.group_limited_top_k against DeepseekV3's rule written out in
+    numpy: groups ranked by their two best scores, the rest scored 0, then top-k (negative
+    scores included, where the 0 of a masked expert can win, as it does there)."""
+    from jaxpar.sharding.experts import group_limited_top_k
+
+    rng = np.random.default_rng(0)
+    for shift in (0.0, -3.0):  # -3: every score negative, so masked experts' 0 wins
+        scores = (rng.normal(size=(3, 5, 16)) + shift).astype(np.float32)  # 16 experts, 4 groups of 4
+        got = np.asarray(group_limited_top_k(jnp.asarray(scores), k=3, groups=4, top_groups=2))
+        by_group = scores.reshape(3, 5, 4, 4)
+        rank = np.sort(by_group, -1)[..., -2:].sum(-1)
+        kept = np.argsort(-rank, -1)[..., :2]
+        mask = np.zeros((3, 5, 4), bool)
+        np.put_along_axis(mask, kept, True, -1)
+        masked = np.where(mask[..., None], by_group, 0.0).reshape(3, 5, 16)
+        want = np.argsort(-masked, -1, kind="stable")[..., :3]
+        # ties among the zeros: compare the chosen scores, not which zero
+        assert np.allclose(np.sort(np.take_along_axis(masked, got, -1), -1), np.sort(np.take_along_axis(masked, want, -1), -1))
+    assert (np.asarray(group_limited_top_k(jnp.asarray(scores), k=3)) == np.argsort(-scores, -1)[..., :3]).all()
 
 
 def first_step(config, overrides=()):
@@ -150,6 +176,11 @@ def test_all_to_all_elements_match_the_formula(tiny_moe, factor, remat):
         (["model.aux_loss_weight=-0.1"], r"model.aux_loss_weight=-0.1 must be >= 0"),
         (["parallel.expert_exchange=nccl"], r"parallel.expert_exchange='nccl'; use one of auto, padded, ragged"),
         (["model.routing=dropless", "parallel.expert_exchange=ragged"], r"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the cpu backend lacks"),
+        (["model.expert_groups=3"], r"model.expert_groups=3 must split model.num_experts=8 into groups of two experts or more; use one of \[1, 2, 4\]"),
+        (["model.expert_groups=4", "model.top_groups=5"], r"model.top_groups=5 must be between 1 and model.expert_groups=4"),
+        (["model.expert_groups=4", "model.top_k=3"], r"model.top_k=3 is more experts than model.top_groups=1 groups of 2 hold"),
+        (["model.router_scores=tanh"], r"model.router_scores='tanh'; use one of softmax, sigmoid"),
+        (["model.routed_scaling=0"], r"model.routed_scaling=0.0 must be positive"),
     ],
 )
 def test_bad_moe_config(tiny_moe, overrides, message):

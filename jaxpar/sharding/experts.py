@@ -9,9 +9,11 @@ each expert's hidden layer (tensor parallelism inside the experts).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.kernels.experts import ExpertSpec, expert_parallel, local_experts
@@ -21,16 +23,33 @@ TOKEN_NAMES = ("batch", "seq", "embed")
 PAIR_NAMES = ("batch", "seq", None)
 
 
-def top_k_indices(scores_BSE: jax.Array, k: int) -> jax.Array:
-    """Indices [B, S, k] of each token's k largest scores, found where the tokens live.
-    XLA does not partition top-k: left to jit, every device gathers every token's scores."""
+def top_k_indices(scores_BSE: jax.Array, k: int, groups: int = 1, top_groups: int = 1) -> jax.Array:
+    """Indices [B, S, k] of each token's k largest scores, found where the tokens live
+    (XLA does not partition top-k: left to jit, every device gathers every token's scores).
+    With `groups` > 1, only among the experts of the `top_groups` groups (of consecutive
+    experts) whose two best scores sum highest (DeepSeek-V3's group-limited routing)."""
     scores_BSE = jax.lax.stop_gradient(scores_BSE)
+    choose = functools.partial(group_limited_top_k, k=k, groups=groups, top_groups=top_groups)
     layout = active_layout()
     if layout is None:
-        return jax.lax.top_k(scores_BSE, k)[1]
+        return choose(scores_BSE)
     spec = layout.rules.spec(PAIR_NAMES, "compute")
-    local = jax.shard_map(lambda s: jax.lax.top_k(s, k)[1], mesh=mesh_here(layout.mesh), in_specs=spec, out_specs=spec, check_vma=False)
+    local = jax.shard_map(choose, mesh=mesh_here(layout.mesh), in_specs=spec, out_specs=spec, check_vma=False)
     return local(scores_BSE)
+
+
+def group_limited_top_k(scores: jax.Array, k: int, groups: int = 1, top_groups: int = 1) -> jax.Array:
+    """The top-k indices over the last axis, among the experts of the best `top_groups` of
+    its `groups` equal groups (a group's rank: the sum of its two best scores). Experts
+    outside them score 0, as in Hugging Face's DeepseekV3 (not minus infinity: with
+    negative biased scores a masked expert can still be chosen, and so it is there)."""
+    if groups == 1:
+        return jax.lax.top_k(scores, k)[1]
+    *lead, e = scores.shape
+    by_group = scores.reshape(*lead, groups, e // groups)
+    rank = jax.lax.top_k(by_group, 2)[0].sum(-1)  # [..., groups]
+    kept = jax.nn.one_hot(jax.lax.top_k(rank, top_groups)[1], groups, dtype=jnp.bool_).any(-2)
+    return jax.lax.top_k(jnp.where(kept[..., None], by_group, 0.0).reshape(*lead, e), k)[1]
 
 
 def run_experts(
