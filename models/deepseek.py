@@ -1,0 +1,141 @@
+"""DeepSeek-V3's decoder (arXiv 2412.19437), in progress (issue 36): multi-head latent
+attention (MLA) over models.moe's experts with DeepSeekMoE routing (sigmoid scores,
+group-limited choice, scaled gates, a shared expert, bias balancing).
+
+MLA, per layer (H heads; each head's query and key: a "nope" part and a RoPE part):
+
+  q        x [D] -> (q_lora_rank > 0: wq_a [D, Cq] -> RMSNorm ->) wq(_b) [., H, nope + rope]
+  latent   x [D] -> wkv_a [D, C + rope]: the latent c [C] -> RMSNorm, and one key RoPE part
+           [rope] that every head shares
+  k, v     c -> wkv_b [C, H, nope + v]: each head's key "nope" part and its value [v]
+  out      attention over keys [nope + rope] and values [v] -> wo [H, v, D]
+
+Sharding: the heads split over mesh.tensor (wq / wq_b and wkv_b column-parallel, wo
+row-parallel); the latents' projections (wq_a, wkv_a) are replicated over tensor, so each
+tensor rank computes the whole latent (D x (Cq + C + rope) multiply-adds a token, repeated
+on every rank; no collective), and the shared RoPE key is broadcast to its heads after the
+latent. Under FSDP the latent dimensions shard as `embed` does (axis_names).
+
+Not yet: the first dense layers (first_k_dense_replace), multi-token prediction, YaRN,
+Hugging Face's DeepseekV3 format, planner presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.choices import RouterScores
+from jaxpar.errors import ConfigError
+from jaxpar.families import Family, register
+from jaxpar.models.llama import RMSNorm, rope
+from jaxpar.models.moe import MoEConfig
+from jaxpar.nn import param
+from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
+
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+LATENT_NAMES = ("batch", "seq", "kv_latent")
+Q_LATENT_NAMES = ("batch", "seq", "q_latent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig(MoEConfig):
+    """models.moe's MoE decoder with multi-head latent attention; `num_kv_heads` is
+    `num_heads` (every head has its own key and value, made from the shared latent) and
+    `head_dim` is unused."""
+
+    q_lora_rank: int = 0  # 0: queries straight from the residual; else through a latent this wide
+    kv_lora_rank: int = 32  # the keys' and values' shared latent width
+    qk_nope_head_dim: int = 16  # each head's query and key part without RoPE
+    qk_rope_head_dim: int = 8  # the RoPE part: each head's query's own, the key's shared by all heads
+    v_head_dim: int = 16  # each head's value width
+    num_kv_heads: int = 4  # must equal num_heads under MLA
+    router_scores: RouterScores = "sigmoid"  # the router's probabilities: each expert's sigmoid
+    shared_experts: int = 1  # experts every token also goes through, beside the routed ones
+
+    axis_names = {"kv_latent": "embed", "q_latent": "embed"}  # latents shard (FSDP) as the width does
+    hf_architectures = ()  # Hugging Face's DeepseekV3 format: not yet
+    from_hf = to_hf = hf_weights = None
+
+    def check(self, sizes: dict[str, int]) -> None:
+        super().check(sizes)
+        if self.num_kv_heads != self.num_heads:
+            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads}: under latent attention every head has its own "
+                              f"key and value; set model.num_kv_heads={self.num_heads} (model.num_heads)")
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE; use "
+                              f"{self.qk_rope_head_dim + 1}")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"model.q_lora_rank={self.q_lora_rank} must be 0 (no query latent) or positive")
+
+    def attention_module(self, rngs: nnx.Rngs) -> nnx.Module:
+        return LatentAttention(self, rngs=rngs)
+
+    def attention_param_count(self) -> int:
+        d, h, c, cq = self.embed, self.num_heads, self.kv_lora_rank, self.q_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        queries = (d * cq + cq + cq * h * qk) if cq else d * h * qk
+        latent = d * (c + self.qk_rope_head_dim) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return queries + latent + h * self.v_head_dim * d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x matmul parameters (the routed experts' active share, as models.moe counts
+        them) plus attention: scores over query/key heads of nope + rope, values of v."""
+        attention = 6 * self.num_layers * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim
+                                                             + self.v_head_dim) * seq_len
+        llama_attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return super().flops_per_token(seq_len) - llama_attention + attention
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (the module docstring), causal."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        d, h, c, cq = cfg.embed, cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        nope, rope_dim, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cq:
+            self.wq_a = param(rngs, (d, cq), ("embed", "q_latent"), d)
+            self.q_norm = RMSNorm(cq, cfg.norm_eps, rngs=rngs, name="q_latent")
+            self.wq_b = param(rngs, (cq, h, nope + rope_dim), ("q_latent", "heads", "head_dim"), cq)
+        else:
+            self.wq = param(rngs, (d, h, nope + rope_dim), ("embed", "heads", "head_dim"), d)
+        self.wkv_a = param(rngs, (d, c + rope_dim), ("embed", "kv_latent"), d)
+        self.kv_norm = RMSNorm(c, cfg.norm_eps, rngs=rngs, name="kv_latent")
+        self.wkv_b = param(rngs, (c, h, nope + v), ("kv_latent", "heads", "head_dim"), c)
+        self.wo = param(rngs, (h, v, d), ("heads", "head_dim", "embed"), h * v)
+        self.cfg = cfg
+
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        cfg = self.cfg
+        nope, rope_dim, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            (q_latent,) = column_project(x_BSD, [self.wq_a], [Q_LATENT_NAMES])
+            q = _heads(self.q_norm(q_latent), self.wq_b)
+        else:
+            (q,) = column_project(x_BSD, [self.wq], [Q_NAMES])
+        (kv_a,) = column_project(x_BSD, [self.wkv_a], [LATENT_NAMES])
+        latent, k_rope = kv_a[..., :c], kv_a[..., c:]
+        k_nope, v = jnp.split(_heads(self.kv_norm(latent), self.wkv_b), [nope], axis=-1)
+        q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], positions, cfg)], axis=-1)
+        k_rope = jnp.broadcast_to(rope(k_rope[:, :, None, :], positions, cfg), (*k_nope.shape[:-1], rope_dim))
+        k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
+        q, k, v = (checkpoint_name(constrain(t, Q_NAMES), "qkv") for t in (q, k, v))
+        o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")
+        return row_project(constrain(o, Q_NAMES), self.wo, Q_NAMES)
+
+
+def _heads(latent_BSC: jax.Array, w: nnx.Variable) -> jax.Array:
+    """A latent [B, S, C] (whole on every tensor rank) through w [C, H, K] into heads laid
+    out as Q_NAMES: each tensor rank multiplies by its own heads' columns."""
+    weight = compute_value(w)
+    return constrain(jnp.einsum("bsc,chk->bshk", latent_BSC.astype(weight.dtype), weight), Q_NAMES)
+
+
+register(Family("deepseek", DeepSeekConfig))

@@ -1,0 +1,67 @@
+"""DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): multi-head latent
+attention over DeepSeekMoE experts equals one device under pipeline x tensor + SP x data
+(queries through their own latent) and FSDP ZeRO-3 x expert x ring context parallelism
+(dropless, queries straight from the residual), fp32, 1e-5."""
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxpar.config import Config, TrainConfig, apply_overrides
+from jaxpar.errors import ConfigError
+from jaxpar.models.deepseek import DeepSeekConfig
+from jaxpar.testing import check, compare, run_layout
+from jaxpar.train import build
+
+RTOL = 1e-5
+
+
+@pytest.fixture
+def tiny_deepseek():
+    return Config(
+        model=DeepSeekConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, mlp=32, num_experts=8,
+                             top_k=2, capacity_factor=1.0, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                             qk_rope_head_dim=4, v_head_dim=6, expert_groups=4, top_groups=2, routed_scaling=2.5,
+                             bias_update_rate=0.01),
+        train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32"),
+    )
+
+
+LAYOUTS = {
+    "stage2_tensor2_sp_data2_query_latent": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                             "train.microbatches=2"],
+    "zero3_fsdp2_expert2_ring2_dropless": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
+                                           "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_latent_attention_and_deepseek_moe_equal_single_device(tiny_deepseek, reference, name):
+    model = [o for o in LAYOUTS[name] if o.startswith("model.")]
+    config = apply_overrides(tiny_deepseek, model)
+    check(compare(run_layout(apply_overrides(config, LAYOUTS[name])), reference(config)), RTOL, where=name)
+
+
+def test_counts_are_the_models_own(tiny_deepseek):
+    """param_count (the planner's and MFU's) is the parameters the model holds, with and
+    without the query latent; values narrower than the query/key heads (6 against 12)."""
+    for q_lora in (16, 0):
+        model = dataclasses.replace(tiny_deepseek.model, q_lora_rank=q_lora)
+        with nnx.use_eager_sharding(False):
+            shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(model.build(nnx.Rngs(0)), nnx.Param)))
+        held = sum(x.size for x in jax.tree.leaves(shapes))
+        assert model.param_count() == held, (q_lora, model.param_count(), held)
+    assert build(tiny_deepseek).layout is not None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_kv_heads=2"], r"model.num_kv_heads=2: under latent attention every head has its own key and value; "
+                               r"set model.num_kv_heads=4"),
+    (["model.qk_rope_head_dim=5"], r"model.qk_rope_head_dim=5 must be even for RoPE"),
+    (["model.kv_lora_rank=0"], r"model.kv_lora_rank=0 must be a positive integer"),
+])
+def test_bad_deepseek_config(tiny_deepseek, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build(apply_overrides(tiny_deepseek, overrides))
