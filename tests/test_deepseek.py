@@ -1,7 +1,13 @@
 """DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): multi-head latent
-attention over DeepSeekMoE experts equals one device under pipeline x tensor + SP x data
-(queries through their own latent) and FSDP ZeRO-3 x expert x ring context parallelism
-(dropless, queries straight from the residual), fp32, 1e-5."""
+attention over DeepSeekMoE experts equals one device (fp32, 1e-5: losses, gradients,
+parameters and the step's MoE metrics) under zero-bubble pipeline stages x FSDP x tensor +
+SP (dropless; queries through their own latent) and FSDP ZeRO-3 x expert x ring context
+parallelism (dropless, queries straight from the residual).
+
+The stages' layout also holds what tests/test_pipeline.py's MoE-in-stages test held until
+issue 33: each chunk's load-balancing and z losses join the objective where the chunk runs,
+its expert counts come back per layer (the bias balancing reads them), and the split
+backward of zero bubble computes the experts' weight gradients apart."""
 
 import dataclasses
 
@@ -30,8 +36,9 @@ def tiny_deepseek():
 
 
 LAYOUTS = {
-    "stage2_tensor2_sp_data2_query_latent": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-                                             "train.microbatches=2"],
+    "zb_stage2_fsdp2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                         "parallel.sequence_parallel=true", "parallel.pipeline_schedule=zb-h1",
+                                                         "train.microbatches=4", "model.routing=dropless"],
     "zero3_fsdp2_expert2_ring2_dropless": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
                                            "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0"],
 }
@@ -41,7 +48,12 @@ LAYOUTS = {
 def test_latent_attention_and_deepseek_moe_equal_single_device(tiny_deepseek, reference, name):
     model = [o for o in LAYOUTS[name] if o.startswith("model.")]
     config = apply_overrides(tiny_deepseek, model)
-    check(compare(run_layout(apply_overrides(config, LAYOUTS[name])), reference(config)), RTOL, where=name)
+    ref, run = reference(config), run_layout(apply_overrides(config, LAYOUTS[name]))
+    check(compare(run, ref), RTOL, where=name)
+    moe = {k for k in ref.metrics if k.startswith("moe_")}
+    assert moe >= {"moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped"}, ref.metrics
+    for k in moe:
+        assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL, abs=1e-7), (name, k, run.metrics[k], ref.metrics[k])
 
 
 def test_counts_are_the_models_own(tiny_deepseek):
