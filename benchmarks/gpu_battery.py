@@ -3,9 +3,10 @@ JSON, one table, most valuable first:
 
   1. mfu_bf16    benchmarks/mfu.py: the 0.9B Llama, jaxpar and the PyTorch peer, bf16
      mfu_fp8     the same jaxpar side with train.matmul_dtype=fp8 (--matmul-dtype fp8)
-  2. plan        the planner's roofline step time for that run (its exact layout, compiled
-                 on a CPU device as `jaxpar plan` compiles its candidates), beside the
-                 measured step of mfu_bf16
+  2. plan        the planner's step time for that run (its exact layout), beside the
+                 measured step of mfu_bf16: the cost model over the program compiled for an
+                 H100 without one (`jaxpar plan --target`; needs the CUDA plugin, which a
+                 GPU machine has), and the roofline over a CPU compile (`jaxpar plan`)
      predicted   the runs benchmarks/results/predictions.json registered before anyone
                  measured them (jaxpar.inspect.cost over a deviceless H100 compile), timed
                  with mfu.py (jaxpar only) unless mfu_bf16 or mfu_fp8 ran them already; the
@@ -176,8 +177,10 @@ def run_all(chosen: list[Section], gpu: bool, budget_s: float, workdir: pathlib.
 
 def plan_section(out: str) -> int:
     """Child: the planner's prediction for mfu.py's run on one H100: that layout exactly (one
-    device, no remat, one microbatch), estimated, compiled and put through the roofline as
-    `jaxpar plan` does for each candidate it compiles."""
+    device, no remat, one microbatch), estimated, compiled and predicted as `jaxpar plan`
+    does for each candidate it compiles: with --target (the compiled H100 program's kernels,
+    jaxpar.inspect.cost), and without (the roofline over a CPU compile)."""
+    cost_model = _compiled_for_h100()  # first: a deviceless compile needs JAX's backends unstarted
     import jax
 
     from benchmarks.mfu import SHAPE
@@ -195,10 +198,32 @@ def plan_section(out: str) -> int:
     found = compile_layout(model, overrides, jax.devices()[:1], SEQ, BATCH, hw, guess["hbm_bytes"])
     doc = {"model": SHAPE, "batch": BATCH, "seq_len": SEQ, "layout": layout.describe(), "overrides": overrides,
            "hardware": hw.describe(), "estimate": guess, "compile_s": time.perf_counter() - t0, **found,
-           "fits": found.get("memory", 0) <= hbm_gb * 2**30 * RUNTIME_SHARE, "hbm_gb": hbm_gb}
+           "fits": found.get("memory", 0) <= hbm_gb * 2**30 * RUNTIME_SHARE, "hbm_gb": hbm_gb, "cost_model": cost_model}
     write(doc, pathlib.Path(out))
     print(json.dumps(doc, indent=1, default=str))
     return 0 if "prediction" in found else 1
+
+
+def _compiled_for_h100() -> dict:
+    """`jaxpar plan --target benchmarks/targets/h100.pbtxt`'s prediction for mfu.py's layout
+    (attention as on the GPU), or {"skipped": why} where the CUDA plugin is missing."""
+    from benchmarks.mfu import SHAPE
+    from jaxpar.models.llama import LlamaConfig
+    from jaxpar.plan import Hardware
+    from jaxpar.plan.compile_one import compile_layout
+    from jaxpar.plan.layouts import Layout
+
+    try:
+        from jaxpar.deviceless import gpu_devices
+
+        devices = gpu_devices(str(ROOT / "benchmarks" / "targets" / "h100.pbtxt"))[:1]
+    except Exception as e:  # no jax[cuda] plugin: the roofline alone
+        return {"skipped": f"no deviceless H100 compile here ({type(e).__name__}: {str(e)[:200]})"}
+    layout = Layout(stage=1, data=1, fsdp=1, tensor=1, context=1, expert=1, zero_stage=0, remat="none", microbatches=1)
+    t0 = time.perf_counter()
+    found = compile_layout(LlamaConfig(**SHAPE), layout.overrides(1, 1), devices, SEQ, BATCH, Hardware(devices_per_host=1),
+                           80 * 2**30)
+    return {**found, "compile_s": time.perf_counter() - t0}
 
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
@@ -277,7 +302,8 @@ def summarize(done: dict, gpu: bool) -> dict:
     s["overlap"] = {f"preset_{p}": overlap.get("variants", {}).get(f"preset={p},collective_matmul=none", {}).get(
         "overlapped_share") for p in ("none", "overlap")}
     s["overlap"]["how"] = overlap.get("how")
-    s["plan"] = plan_vs_measured(result(done, "plan").get("prediction", {}), ours.get("step_s"), gpu)
+    s["plan"] = plan_vs_measured(result(done, "plan").get("prediction", {}), ours.get("step_s"), gpu,
+                                 result(done, "plan").get("cost_model", {}).get("prediction", {}))
     s["predictions"] = registered_errors(done, predictions())
     s["cudnn"] = cudnn_summary(result(done, "cudnn").get("cudnn", []))
     checks = result(done, "gpu_checks")
@@ -309,12 +335,15 @@ def registered_errors(done: dict, registered: dict) -> dict:
     return out
 
 
-def plan_vs_measured(prediction: dict, measured: float | None, gpu: bool) -> dict:
-    """The planner's step time beside mfu_bf16's; on a CPU that ran a toy shape, not compared."""
+def plan_vs_measured(prediction: dict, measured: float | None, gpu: bool, compiled: dict | None = None) -> dict:
+    """The planner's step times beside mfu_bf16's: the roofline's (`prediction`) and the cost
+    model's over the compiled H100 program (`compiled`, when the section could compile one);
+    on a CPU that ran a toy shape, not compared."""
     measured = measured if gpu else None
-    predicted = prediction.get("step_s")
+    predicted, cost = prediction.get("step_s"), (compiled or {}).get("step_s")
     return {"predicted_s": predicted, "predicted_mfu": prediction.get("mfu"), "measured_s": measured,
             "predicted_over_measured": predicted / measured if predicted and measured else None,
+            "cost_model_s": cost, "cost_model_over_measured": cost / measured if cost and measured else None,
             **({} if gpu else {"note": "no GPU: mfu.py ran its toy shape; nothing to compare"})}
 
 
@@ -383,9 +412,10 @@ def render(done: dict, s: dict, setup: dict) -> str:
         "",
         f"overlapped share  preset none {fmt(o['preset_none'], '.1%')}, overlap {fmt(o['preset_overlap'], '.1%')}"
         f" ({o['how'] or 'not measured'})",
-        f"plan (1 H100)     predicted {fmt(p['predicted_s'], '.3f')} s a step,"
-        f" measured {fmt(p['measured_s'], '.3f')} s,"
-        f" predicted/measured {fmt(p['predicted_over_measured'])}" + (f" ({p['note']})" if "note" in p else ""),
+        f"plan (1 H100)     cost model {fmt(p.get('cost_model_s'), '.3f')} s a step"
+        f" ({fmt(p.get('cost_model_over_measured'))} of measured), roofline {fmt(p['predicted_s'], '.3f')} s"
+        f" ({fmt(p['predicted_over_measured'])}), measured {fmt(p['measured_s'], '.3f')} s"
+        + (f" ({p['note']})" if "note" in p else ""),
         f"cudnn attention   {c['cases']} cases ({len(c['failed'])} failed); worst error"
         f" out {fmt(c['out_error'], '.1e')}, grads {fmt(c['grad_error'], '.1e')}"
         f" (reference in the same dtype: {fmt(c['reference_out_error'], '.1e')},"

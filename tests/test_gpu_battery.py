@@ -28,7 +28,7 @@ def results():
     return {
         "mfu_bf16": ok({"jaxpar": side(96000, 0.56), "pytorch": side(75000, 0.44)}),
         "mfu_fp8": ok({"jaxpar": side(115200, 0.67), "pytorch": {"skipped": "--no-peer"}}),
-        "plan": ok({"prediction": {"step_s": 0.12, "mfu": 0.78}}),
+        "plan": ok({"prediction": {"step_s": 0.12, "mfu": 0.78}, "cost_model": {"prediction": {"step_s": 0.17}}}),
         "cudnn": ok({"cudnn": [attention_row("bfloat16", 4e-3, 8e-3, 0.02, 0.004),
                                attention_row("float16", 1e-3, 2e-3, 0.01, 0.002), {"packed": True, "skipped": "no"}]}),
         "overlap": ok({"how": "mock", "variants": {
@@ -47,6 +47,7 @@ def test_targets_ratios_and_table_on_a_gpu():
     assert {k: t["verdict"] for k, t in s["targets"].items()} == {
         "mfu": "ok", "jaxpar_over_pytorch": "ok", "fp8_over_bf16": "MISSED"}
     assert abs(s["plan"]["predicted_over_measured"] - 0.12 / (16384 / 96000)) < 1e-9
+    assert abs(s["plan"]["cost_model_over_measured"] - 0.17 / (16384 / 96000)) < 1e-9  # the compiled program's
     assert s["overlap"]["preset_none"] == 0.6 and s["overlap"]["preset_overlap"] == 0.8
     assert s["cudnn"]["cases"] == 2 and s["cudnn"]["grad_error"] == 8e-3 and s["cudnn"]["fwd_bwd_speedup"] == [5.0, 5.0]
     assert s["gpu_checks"]["offload_losses_agree"] and abs(s["gpu_checks"]["offload_loss_difference"] - 4e-5) < 1e-9
@@ -55,6 +56,7 @@ def test_targets_ratios_and_table_on_a_gpu():
     assert battery.offload_agrees(off) is False  # a wrong update is far outside bf16's rounding
     table = battery.render(done, s, {"platform": "gpu", "gpu": True, "device": "H100", "jax": "0.11.2"})
     assert "fp8_over_bf16" in table and "MISSED" in table and "stopped after 300 s" in table
+    assert "cost model 0.170 s a step (1.00 of measured), roofline 0.120 s (0.70)" in table, table
     assert "skipped" not in table.split("target")[0].split("speed")[1]  # all three speeds measured
 
 
