@@ -16,8 +16,14 @@ tensor rank computes the whole latent (D x (Cq + C + rope) multiply-adds a token
 on every rank; no collective), and the shared RoPE key is broadcast to its heads after the
 latent. Under FSDP the latent dimensions shard as `embed` does (axis_names).
 
-Not yet: the first dense layers (first_k_dense_replace), multi-token prediction, YaRN,
-Hugging Face's DeepseekV3 format, planner presets.
+RoPE on the RoPE parts: plain, or YaRN (Peng et al. 2023, arXiv 2309.00071) as Hugging Face
+computes it for DeepSeek-V3's rope_scaling (`yarn`): frequencies interpolated by the factor
+where their wavelength is long, kept where short, blended between; cos and sin scaled by
+mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim); the softmax scale
+multiplied by mscale(factor, yarn_mscale_all_dim)^2 (applied to the queries).
+
+Not yet: the first dense layers (first_k_dense_replace), multi-token prediction, Hugging
+Face's DeepseekV3 format (and with it a check of YaRN against transformers), planner presets.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.choices import RouterScores
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
-from jaxpar.models.llama import RMSNorm, rope
+import math
+
+from jaxpar.models.llama import RMSNorm, rotate
 from jaxpar.models.moe import MoEConfig
 from jaxpar.nn import param
 from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
@@ -56,6 +64,15 @@ class DeepSeekConfig(MoEConfig):
     num_kv_heads: int = 4  # must equal num_heads under MLA
     router_scores: RouterScores = "sigmoid"  # the router's probabilities: each expert's sigmoid
     shared_experts: int = 1  # experts every token also goes through, beside the routed ones
+    # YaRN RoPE scaling (Hugging Face's rope_scaling of type "yarn": factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim);
+    # yarn_factor 1: plain RoPE.
+    yarn_factor: float = 1.0
+    yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
     axis_names = {"kv_latent": "embed", "q_latent": "embed"}  # latents shard (FSDP) as the width does
     hf_architectures = ()  # Hugging Face's DeepseekV3 format: not yet
@@ -72,6 +89,12 @@ class DeepSeekConfig(MoEConfig):
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE; use "
                               f"{self.qk_rope_head_dim + 1}")
+        if not (1 <= self.yarn_factor < float("inf") and self.yarn_original_max_positions > 0
+                and self.yarn_beta_fast > self.yarn_beta_slow > 0):
+            raise ConfigError(f"model.yarn_factor={self.yarn_factor} (at least 1; 1: no YaRN), "
+                              f"model.yarn_original_max_positions={self.yarn_original_max_positions} (positive) and "
+                              f"model.yarn_beta_fast={self.yarn_beta_fast} > model.yarn_beta_slow={self.yarn_beta_slow} > 0 "
+                              "are YaRN's; DeepSeek-V3 uses 40, 4096, 32 and 1")
         if self.q_lora_rank < 0:
             raise ConfigError(f"model.q_lora_rank={self.q_lora_rank} must be 0 (no query latent) or positive")
 
@@ -123,12 +146,48 @@ class LatentAttention(nnx.Module):
         (kv_a,) = column_project(x_BSD, [self.wkv_a], [LATENT_NAMES])
         latent, k_rope = kv_a[..., :c], kv_a[..., c:]
         k_nope, v = jnp.split(_heads(self.kv_norm(latent), self.wkv_b), [nope], axis=-1)
-        q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], positions, cfg)], axis=-1)
-        k_rope = jnp.broadcast_to(rope(k_rope[:, :, None, :], positions, cfg), (*k_nope.shape[:-1], rope_dim))
+        freq, scale = yarn_frequencies(rope_dim, cfg)
+        q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:], positions, freq, scale)], axis=-1)
+        q = q * yarn_softmax_factor(cfg) if cfg.yarn_factor > 1 else q  # the softmax scale, through the queries
+        k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :], positions, freq, scale), (*k_nope.shape[:-1], rope_dim))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
         q, k, v = (checkpoint_name(constrain(t, Q_NAMES), "qkv") for t in (q, k, v))
         o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")
         return row_project(constrain(o, Q_NAMES), self.wo, Q_NAMES)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term, 0.1 mscale ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(dim: int, cfg: DeepSeekConfig) -> tuple[jax.Array, float]:
+    """(RoPE's angular frequencies [dim / 2], the cos/sin scale) for the RoPE parts: theta^(-2i/dim),
+    with YaRN when cfg.yarn_factor > 1 (the module docstring). Dimension pairs that turn
+    beta_fast times or more over the original context keep their frequency, those turning
+    beta_slow times or fewer are slowed by the factor, and a linear ramp blends between."""
+    half = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    freq = cfg.rope_theta ** -half
+    factor = cfg.yarn_factor
+    if factor == 1:
+        return freq, 1.0
+
+    def dim_turning(turns: float) -> float:  # the dimension whose pair turns `turns` times over the context
+        return dim * math.log(cfg.yarn_original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(dim_turning(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(dim_turning(cfg.yarn_beta_slow)), dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / ((high - low) or 0.001), 0, 1)
+    freq = freq / factor * ramp + freq * (1 - ramp)
+    scale = yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim) if (
+        cfg.yarn_mscale and cfg.yarn_mscale_all_dim) else yarn_mscale(factor, 1.0)
+    return freq, scale
+
+
+def yarn_softmax_factor(cfg: DeepSeekConfig) -> float:
+    """The softmax scale's YaRN factor, mscale(factor, mscale_all_dim)^2 (1 without it)."""
+    m = yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) if cfg.yarn_mscale_all_dim else 1.0
+    return m * m
 
 
 def _heads(latent_BSC: jax.Array, w: nnx.Variable) -> jax.Array:

@@ -200,10 +200,15 @@ def rope_frequencies(head_dim: int, cfg: LlamaConfig) -> jax.Array:
 
 def rope(x: jax.Array, positions: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[B, S] or [S]."""
-    freq = rope_frequencies(x.shape[-1], cfg)
+    return rotate(x, positions, rope_frequencies(x.shape[-1], cfg))
+
+
+def rotate(x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """x[B, S, N, K] rotated by positions x freq[K/2] ("rotate half" layout), cos and sin
+    multiplied by `scale` (YaRN's attention factor; 1 elsewhere)."""
     positions = jnp.broadcast_to(positions, x.shape[:2])
     angle = positions.astype(jnp.float32)[..., None] * freq  # [B, S, K/2]
-    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    sin, cos = scale * jnp.sin(angle)[:, :, None, :], scale * jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

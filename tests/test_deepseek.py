@@ -12,6 +12,7 @@ backward of zero bubble computes the experts' weight gradients apart."""
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -39,8 +40,10 @@ LAYOUTS = {
     "zb_stage2_fsdp2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
                                                          "parallel.sequence_parallel=true", "parallel.pipeline_schedule=zb-h1",
                                                          "train.microbatches=4", "model.routing=dropless"],
-    "zero3_fsdp2_expert2_ring2_dropless": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
-                                           "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0"],
+    "zero3_fsdp2_expert2_ring2_dropless_yarn": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
+                                                "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0",
+                                                "model.yarn_factor=4", "model.yarn_original_max_positions=8",
+                                                "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"],
 }
 
 
@@ -68,11 +71,32 @@ def test_counts_are_the_models_own(tiny_deepseek):
     assert build(tiny_deepseek).layout is not None
 
 
+def test_yarn_as_hugging_face_computes_it():
+    """DeepSeek-V3's YaRN (factor 40 over 4096 positions, beta 32 and 1, mscale 1 and 1) on a
+    64-wide RoPE part: the pairs turning 32 times or more over 4096 positions (the first 11)
+    keep their frequency, those turning once or less (from the 24th) are slowed 40 times,
+    the ramp blends between (the 12th: 1 - 1/13 x 39/40); cos and sin unscaled; the softmax
+    scale x (0.1 ln 40 + 1)^2."""
+    from jaxpar.models.deepseek import yarn_frequencies, yarn_softmax_factor
+
+    cfg = DeepSeekConfig(rope_theta=10000.0, yarn_factor=40, yarn_original_max_positions=4096, yarn_mscale=1.0,
+                         yarn_mscale_all_dim=1.0)
+    freq, scale = yarn_frequencies(64, cfg)
+    ratio = np.asarray(freq) / 10000.0 ** -(np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(ratio[:11], 1, rtol=1e-6)
+    np.testing.assert_allclose(ratio[23:], 1 / 40, rtol=1e-5)
+    assert ratio[11] == pytest.approx(1 - 39 / 40 / 13, rel=1e-5) and scale == 1.0
+    assert yarn_softmax_factor(cfg) == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    plain = dataclasses.replace(cfg, yarn_factor=1.0)
+    assert yarn_frequencies(64, plain)[1] == 1.0 and yarn_softmax_factor(plain) == 1.0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_kv_heads=2"], r"model.num_kv_heads=2: under latent attention every head has its own key and value; "
                                r"set model.num_kv_heads=4"),
     (["model.qk_rope_head_dim=5"], r"model.qk_rope_head_dim=5 must be even for RoPE"),
     (["model.kv_lora_rank=0"], r"model.kv_lora_rank=0 must be a positive integer"),
+    (["model.yarn_factor=0.5"], r"model.yarn_factor=0.5 \(at least 1; 1: no YaRN\)"),
 ])
 def test_bad_deepseek_config(tiny_deepseek, overrides, message):
     with pytest.raises(ConfigError, match=message):
