@@ -100,12 +100,14 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
 
 
-def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs,
+                 axis_name: str = "layers") -> nnx.Module:
     """`num_layers` independently initialised copies of a layer, parameters stacked on a
-    leading axis named "layers"."""
+    leading axis named `axis_name`: "layers" (pipeline stages split it), or a name of the
+    model's own for a second stack (DeepSeek's dense first layers)."""
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
     def make(rngs: nnx.Rngs) -> nnx.Module:
         return make_layer(rngs)
 

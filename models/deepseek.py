@@ -22,8 +22,14 @@ where their wavelength is long, kept where short, blended between; cos and sin s
 mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim); the softmax scale
 multiplied by mscale(factor, yarn_mscale_all_dim)^2 (applied to the queries).
 
-Not yet: the first dense layers (first_k_dense_replace), multi-token prediction, Hugging
-Face's DeepseekV3 format (and with it a check of YaRN against transformers), planner presets.
+The first `dense_layers` layers (first_k_dense_replace) have a dense MLP of width
+`dense_mlp` instead of experts; `num_layers` counts the MoE layers after them. They are a
+stack of their own run by `embed`, so a pipeline runs them on its first stage, and every
+stage holds them (the pipeline contract: everything outside `layers`); their stacked axis
+is kept whole ("dense_layers").
+
+Not yet: multi-token prediction, Hugging Face's DeepseekV3 format (and with it a check of
+YaRN against transformers), planner presets.
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 import math
 
-from jaxpar.models.llama import RMSNorm, rotate
-from jaxpar.models.moe import MoEConfig
-from jaxpar.nn import param
+from jaxpar.models.llama import Block, RMSNorm, rotate
+from jaxpar.models.moe import MoEConfig, MoETransformer
+from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
 
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
@@ -64,6 +70,8 @@ class DeepSeekConfig(MoEConfig):
     num_kv_heads: int = 4  # must equal num_heads under MLA
     router_scores: RouterScores = "sigmoid"  # the router's probabilities: each expert's sigmoid
     shared_experts: int = 1  # experts every token also goes through, beside the routed ones
+    dense_layers: int = 0  # dense layers before the MoE ones (first_k_dense_replace); num_layers counts the MoE ones
+    dense_mlp: int = 64  # the dense layers' MLP width (intermediate_size; mlp is each expert's)
     # YaRN RoPE scaling (Hugging Face's rope_scaling of type "yarn": factor,
     # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim);
     # yarn_factor 1: plain RoPE.
@@ -74,7 +82,8 @@ class DeepSeekConfig(MoEConfig):
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
 
-    axis_names = {"kv_latent": "embed", "q_latent": "embed"}  # latents shard (FSDP) as the width does
+    # latents shard (FSDP) as the width does; the dense layers' stack stays whole (no pipeline splits it)
+    axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None}
     hf_architectures = ()  # Hugging Face's DeepseekV3 format: not yet
     from_hf = to_hf = hf_weights = None
 
@@ -95,11 +104,24 @@ class DeepSeekConfig(MoEConfig):
                               f"model.yarn_original_max_positions={self.yarn_original_max_positions} (positive) and "
                               f"model.yarn_beta_fast={self.yarn_beta_fast} > model.yarn_beta_slow={self.yarn_beta_slow} > 0 "
                               "are YaRN's; DeepSeek-V3 uses 40, 4096, 32 and 1")
+        if self.dense_layers < 0 or self.dense_mlp < 1:
+            raise ConfigError(f"model.dense_layers={self.dense_layers} must be 0 or more and model.dense_mlp="
+                              f"{self.dense_mlp} positive")
         if self.q_lora_rank < 0:
             raise ConfigError(f"model.q_lora_rank={self.q_lora_rank} must be 0 (no query latent) or positive")
 
+    def build(self, rngs: nnx.Rngs) -> "DeepSeek":
+        return DeepSeek(self, rngs=rngs)
+
     def attention_module(self, rngs: nnx.Rngs) -> nnx.Module:
         return LatentAttention(self, rngs=rngs)
+
+    def dense_param_count(self) -> int:
+        """The dense first layers: attention, a dense MLP and two norms each."""
+        return self.dense_layers * (self.attention_param_count() + 3 * self.embed * self.dense_mlp + 2 * self.embed)
+
+    def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
+        return super().param_count(include_embedding, active) + self.dense_param_count()
 
     def attention_param_count(self) -> int:
         d, h, c, cq = self.embed, self.num_heads, self.kv_lora_rank, self.q_lora_rank
@@ -110,11 +132,37 @@ class DeepSeekConfig(MoEConfig):
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul parameters (the routed experts' active share, as models.moe counts
-        them) plus attention: scores over query/key heads of nope + rope, values of v."""
+        them, the dense layers' included) plus attention in every layer: scores over
+        query/key heads of nope + rope, values of v."""
         attention = 6 * self.num_layers * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim
                                                              + self.v_head_dim) * seq_len
         llama_attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return super().flops_per_token(seq_len) - llama_attention + attention
+        dense = attention * self.dense_layers / self.num_layers  # their matmuls are in param_count already
+        return super().flops_per_token(seq_len) - llama_attention + attention + dense
+
+
+class DeepSeek(MoETransformer):
+    """models.moe's decoder with `dense_layers` dense layers first (the module docstring)."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        if cfg.dense_layers:
+            dense = dataclasses.replace(cfg, mlp=cfg.dense_mlp)
+            self.dense = stack_layers(lambda r: Block(dense, rngs=r), cfg.dense_layers, rngs, axis_name="dense_layers")
+
+    def trunk(self, table, tokens_BS, positions, segment_ids):
+        x = self.run_dense(self.lookup(table, tokens_BS), positions, segment_ids)
+        return self.run_layers(x, positions, segment_ids)
+
+    def embed(self, batch: dict) -> jax.Array:
+        """The pipeline's first piece: the embedding and the dense layers."""
+        return self.run_dense(super().embed(batch), batch.get("positions"), batch.get("segment_ids"))
+
+    def run_dense(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> jax.Array:
+        if not self.cfg.dense_layers:
+            return x
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
+        return scan_layers(self.dense, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers)
 
 
 class LatentAttention(nnx.Module):

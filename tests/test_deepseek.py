@@ -1,5 +1,5 @@
-"""DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): multi-head latent
-attention over DeepSeekMoE experts equals one device (fp32, 1e-5: losses, gradients,
+"""DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): a dense layer, then
+multi-head latent attention over DeepSeekMoE experts, equals one device (fp32, 1e-5: losses, gradients,
 parameters and the step's MoE metrics) under zero-bubble pipeline stages x FSDP x tensor +
 SP (dropless; queries through their own latent) and FSDP ZeRO-3 x expert x ring context
 parallelism (dropless, queries straight from the residual).
@@ -31,7 +31,7 @@ def tiny_deepseek():
         model=DeepSeekConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, mlp=32, num_experts=8,
                              top_k=2, capacity_factor=1.0, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                              qk_rope_head_dim=4, v_head_dim=6, expert_groups=4, top_groups=2, routed_scaling=2.5,
-                             bias_update_rate=0.01),
+                             bias_update_rate=0.01, dense_layers=1, dense_mlp=48),
         train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32"),
     )
 
@@ -97,6 +97,7 @@ def test_yarn_as_hugging_face_computes_it():
     (["model.qk_rope_head_dim=5"], r"model.qk_rope_head_dim=5 must be even for RoPE"),
     (["model.kv_lora_rank=0"], r"model.kv_lora_rank=0 must be a positive integer"),
     (["model.yarn_factor=0.5"], r"model.yarn_factor=0.5 \(at least 1; 1: no YaRN\)"),
+    (["model.dense_layers=-1"], r"model.dense_layers=-1 must be 0 or more"),
 ])
 def test_bad_deepseek_config(tiny_deepseek, overrides, message):
     with pytest.raises(ConfigError, match=message):
