@@ -14,11 +14,11 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from jaxpar.config import flatten
 from jaxpar.data.sources import make_source
 from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
-from jaxpar.config import flatten
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.evaluation import Sums, collect, open_evaluation
 from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
@@ -44,8 +44,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
     batches in the format of `data` (needed with `data`; default the config's held-out part,
     jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
-    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.train.metrics). `progress`: a bar (default: when stderr is a
-    terminal); without one, a plain line every train.log_every steps."""
+    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.train.metrics).
+    `progress`: a bar (default: when stderr is a terminal); without one, a plain line every
+    train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved
+    (jaxpar.train.stop); a directory that holds the last step already is left alone."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
     steps = cfg.train.steps if steps is None else steps
@@ -59,15 +61,9 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
     profiler.prepare()
     resuming = checkpoints is not None and checkpoints.latest_step() is not None
-    start = 0
-    if resuming:  # before the compile: a finished run needs none
-        state, start = checkpoints.restore(trainer)
-        if start >= steps:
-            if jax.process_index() == 0:
-                print(f"{ckpt.dir} already holds step {start} of train.steps={steps}: nothing to do (raise "
-                      "train.steps to train on)", flush=True)
-            checkpoints.close()
-            return []
+    state, start = _restored(checkpoints, trainer, steps, ckpt.dir) if resuming else (None, 0)  # before the compile
+    if start >= steps:
+        return []
     fresh = trainer.init
     if ckpt.init_from and not resuming:  # checked now, read after the compile
         from jaxpar.hf import prepare_import
@@ -136,6 +132,18 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     if preempted_at is not None:
         raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None, stop.asked or "SIGTERM")
     return history
+
+
+def _restored(checkpoints: Checkpoints, trainer: Trainer, steps: int, directory: str):
+    """(state, step) from the latest checkpoint; a run that holds `steps` already is done:
+    it says so, closes the checkpoints and compiles nothing (step >= steps)."""
+    state, start = checkpoints.restore(trainer)
+    if start >= steps:
+        if jax.process_index() == 0:
+            print(f"{directory} already holds step {start} of train.steps={steps}: nothing to do (raise train.steps "
+                  "to train on)", flush=True)
+        checkpoints.close()
+    return state, start
 
 
 class _Rows:
