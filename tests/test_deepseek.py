@@ -39,7 +39,7 @@ def tiny_deepseek():
 LAYOUTS = {
     "zb_stage2_fsdp2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
                                                          "parallel.sequence_parallel=true", "parallel.pipeline_schedule=zb-h1",
-                                                         "train.microbatches=4", "model.routing=dropless"],
+                                                         "train.microbatches=2", "model.routing=dropless"],
     "zero3_fsdp2_expert2_ring2_dropless_yarn": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
                                                 "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0",
                                                 "model.yarn_factor=4", "model.yarn_original_max_positions=8",
