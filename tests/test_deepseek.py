@@ -91,6 +91,17 @@ def test_yarn_as_hugging_face_computes_it():
     assert yarn_frequencies(64, plain)[1] == 1.0 and yarn_softmax_factor(plain) == 1.0
 
 
+def test_the_deepseek_v3_preset_counts_671b_parameters_37b_a_token():
+    """The published shape's parameter counts come out as DeepSeek-V3's report gives them
+    (671B in all, 37B activated per token; its multi-token prediction module, 14B more, is
+    not part of the preset yet)."""
+    from jaxpar.families import presets
+
+    v3 = presets()["deepseek-v3"]
+    assert v3.param_count() / 1e9 == pytest.approx(671, rel=0.002)
+    assert v3.param_count(active=True) / 1e9 == pytest.approx(37, rel=0.02)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_kv_heads=2"], r"model.num_kv_heads=2: under latent attention every head has its own key and value; "
                                r"set model.num_kv_heads=4"),
