@@ -250,11 +250,13 @@ register(Family("deepseek", DeepSeekConfig, presets={
     # experts of 2048 and one shared, 8 per token within 4 of 8 groups, gates x 2.5; MLA with
     # latents of 1536 (queries) and 512 (keys and values); YaRN x 40 over 4096 positions; bias
     # balancing at 0.001 and a sequence-wise balance loss at 1e-4. 671B parameters, 37B a token.
-    # (Its multi-token prediction module is not here yet.)
+    # (Its multi-token prediction module is not here yet.) Capacity routing, as Mixtral's
+    # preset: DeepSeek drops nothing, but the dropless grouped matmul compiles densely on CPU
+    # (every expert for every token: 4.6 TB a device and 218 s a step in `jaxpar plan`).
     "deepseek-v3": DeepSeekConfig(
         vocab_size=129280, embed=7168, num_layers=58, dense_layers=3, dense_mlp=18432, num_heads=128, num_kv_heads=128,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=256, top_k=8, mlp=2048, shared_experts=1, expert_groups=8, top_groups=4, routed_scaling=2.5,
-        routing="dropless", bias_update_rate=0.001, aux_loss_weight=0.0001, z_loss_weight=0.0, norm_eps=1e-6,
+        routing="capacity", bias_update_rate=0.001, aux_loss_weight=0.0001, z_loss_weight=0.0, norm_eps=1e-6,
         yarn_factor=40.0, yarn_original_max_positions=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
 }))
