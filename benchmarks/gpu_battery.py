@@ -180,9 +180,6 @@ def plan_section(out: str) -> int:
     device, no remat, one microbatch), estimated, compiled and predicted as `jaxpar plan`
     does for each candidate it compiles: with --target (the compiled H100 program's kernels,
     jaxpar.inspect.cost), and without (the roofline over a CPU compile)."""
-    cost_model = _compiled_for_h100()  # first: a deviceless compile needs JAX's backends unstarted
-    import jax
-
     from benchmarks.mfu import SHAPE
     from jaxpar.models.llama import LlamaConfig
     from jaxpar.plan import RUNTIME_SHARE, Hardware
@@ -192,6 +189,11 @@ def plan_section(out: str) -> int:
     model, hw, hbm_gb = LlamaConfig(**SHAPE), Hardware(devices_per_host=1), 80.0
     layout = Layout(stage=1, data=1, fsdp=1, tensor=1, context=1, expert=1, zero_stage=0, remat="none", microbatches=1)
     guess = estimate(layout, model, BATCH, SEQ, hw)
+    # first: a deviceless compile needs JAX's backends unstarted (attention there as on the GPU)
+    cost_model = _compiled_for_h100(lambda devices: compile_layout(model, layout.overrides(1, 1), devices, SEQ, BATCH, hw,
+                                                                   guess["hbm_bytes"]))
+    import jax
+
     # as jaxpar.plan does: the CPU compiler has no cuDNN attention; the blockwise kernel stands in
     overrides = layout.overrides(1, 1) + ["parallel.attention=flash", "compiler.preset=none"]
     t0 = time.perf_counter()
@@ -204,26 +206,17 @@ def plan_section(out: str) -> int:
     return 0 if "prediction" in found else 1
 
 
-def _compiled_for_h100() -> dict:
-    """`jaxpar plan --target benchmarks/targets/h100.pbtxt`'s prediction for mfu.py's layout
-    (attention as on the GPU), or {"skipped": why} where the CUDA plugin is missing."""
-    from benchmarks.mfu import SHAPE
-    from jaxpar.models.llama import LlamaConfig
-    from jaxpar.plan import Hardware
-    from jaxpar.plan.compile_one import compile_layout
-    from jaxpar.plan.layouts import Layout
-
+def _compiled_for_h100(compile_for) -> dict:
+    """`compile_for(devices)` on one H100 compiled for without one (`jaxpar plan --target
+    benchmarks/targets/h100.pbtxt`), timed, or {"skipped": why} where the CUDA plugin is missing."""
     try:
         from jaxpar.deviceless import gpu_devices
 
         devices = gpu_devices(str(ROOT / "benchmarks" / "targets" / "h100.pbtxt"))[:1]
     except Exception as e:  # no jax[cuda] plugin: the roofline alone
         return {"skipped": f"no deviceless H100 compile here ({type(e).__name__}: {str(e)[:200]})"}
-    layout = Layout(stage=1, data=1, fsdp=1, tensor=1, context=1, expert=1, zero_stage=0, remat="none", microbatches=1)
     t0 = time.perf_counter()
-    found = compile_layout(LlamaConfig(**SHAPE), layout.overrides(1, 1), devices, SEQ, BATCH, Hardware(devices_per_host=1),
-                           80 * 2**30)
-    return {**found, "compile_s": time.perf_counter() - t0}
+    return {**compile_for(devices), "compile_s": time.perf_counter() - t0}
 
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"

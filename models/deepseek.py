@@ -46,7 +46,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 import math
 
-from jaxpar.models.llama import Block, RMSNorm, rotate
+from jaxpar.models.llama import Block, RMSNorm, rope_frequencies, rotate
 from jaxpar.models.moe import MoEConfig, MoETransformer
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
@@ -104,6 +104,9 @@ class DeepSeekConfig(MoEConfig):
                               f"model.yarn_original_max_positions={self.yarn_original_max_positions} (positive) and "
                               f"model.yarn_beta_fast={self.yarn_beta_fast} > model.yarn_beta_slow={self.yarn_beta_slow} > 0 "
                               "are YaRN's; DeepSeek-V3 uses 40, 4096, 32 and 1")
+        if self.rope_scaling_factor != 1:  # rope_frequencies would apply it under YaRN's ramp
+            raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} is Llama 3.1's RoPE scaling; "
+                              "DeepSeek scales RoPE with YaRN: set model.yarn_factor and keep model.rope_scaling_factor=1")
         if self.dense_layers < 0 or self.dense_mlp < 1:
             raise ConfigError(f"model.dense_layers={self.dense_layers} must be 0 or more and model.dense_mlp="
                               f"{self.dense_mlp} positive")
@@ -131,14 +134,13 @@ class DeepSeekConfig(MoEConfig):
         return queries + latent + h * self.v_head_dim * d
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 x matmul parameters (the routed experts' active share, as models.moe counts
-        them, the dense layers' included) plus attention in every layer: scores over
-        query/key heads of nope + rope, values of v."""
-        attention = 6 * self.num_layers * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim
-                                                             + self.v_head_dim) * seq_len
-        llama_attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        dense = attention * self.dense_layers / self.num_layers  # their matmuls are in param_count already
-        return super().flops_per_token(seq_len) - llama_attention + attention + dense
+        """models.moe's count (its matmuls include the dense layers', by param_count) with
+        the dense layers' attention added."""
+        return super().flops_per_token(seq_len) + self.dense_layers * self.attention_flops(seq_len)
+
+    def attention_flops(self, seq_len: int) -> float:
+        """Scores over query/key heads of nope + rope, values of v (Llama's, with its two head sizes)."""
+        return 6 * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) * seq_len
 
 
 class DeepSeek(MoETransformer):
@@ -196,7 +198,7 @@ class LatentAttention(nnx.Module):
         k_nope, v = jnp.split(_heads(self.kv_norm(latent), self.wkv_b), [nope], axis=-1)
         freq, scale = yarn_frequencies(rope_dim, cfg)
         q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:], positions, freq, scale)], axis=-1)
-        q = q * yarn_softmax_factor(cfg) if cfg.yarn_factor > 1 else q  # the softmax scale, through the queries
+        q = q * yarn_softmax_factor(cfg)  # the softmax scale, through the queries (1 without YaRN)
         k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :], positions, freq, scale), (*k_nope.shape[:-1], rope_dim))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
         q, k, v = (checkpoint_name(constrain(t, Q_NAMES), "qkv") for t in (q, k, v))
@@ -214,8 +216,7 @@ def yarn_frequencies(dim: int, cfg: DeepSeekConfig) -> tuple[jax.Array, float]:
     with YaRN when cfg.yarn_factor > 1 (the module docstring). Dimension pairs that turn
     beta_fast times or more over the original context keep their frequency, those turning
     beta_slow times or fewer are slowed by the factor, and a linear ramp blends between."""
-    half = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-    freq = cfg.rope_theta ** -half
+    freq = rope_frequencies(dim, cfg)
     factor = cfg.yarn_factor
     if factor == 1:
         return freq, 1.0

@@ -161,8 +161,12 @@ class LlamaConfig:
         """Training FLOPs per token: 6 x (non-embedding params + head) plus attention
         scores and values (PaLM appendix B; causal masking not discounted)."""
         matmul_params = self.param_count(include_embedding=False) + self.vocab_size * self.embed
-        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return 6 * matmul_params + attention
+        return 6 * matmul_params + self.num_layers * self.attention_flops(seq_len)
+
+    def attention_flops(self, seq_len: int) -> float:
+        """One layer's attention scores and values, training FLOPs per token: two matmuls of
+        the query heads over seq_len keys, 2 FLOPs a multiply-add, x 3 for the backward."""
+        return 12 * self.num_heads * self.head_dim * seq_len
 
 
 class RMSNorm(nnx.Module):

@@ -135,7 +135,7 @@ class MoEConfig(LlamaConfig):
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters one token uses (k experts) plus attention, as for Llama."""
         matmul_params = self.param_count(include_embedding=False, active=True) + self.vocab_size * self.embed
-        return 6 * matmul_params + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * matmul_params + self.num_layers * self.attention_flops(seq_len)
 
     def summarise(self, counts: dict) -> dict:
         """Per-step metrics from the step's summed counts: the share of (token, choice)
@@ -202,7 +202,7 @@ class MoE(nnx.Module):
         gates = chosen_probs
         if cfg.renormalize and cfg.top_k > 1:  # at k = 1 it would make every gate 1: no gradient to the router
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        gates = gates * cfg.routed_scaling if cfg.routed_scaling != 1 else gates
+        gates = gates * cfg.routed_scaling
         y, kept = run_experts(
             x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down),
             functools.partial(expert_ffn, activation=ACTIVATIONS[cfg.activation]), cfg.routing, cfg.capacity_factor

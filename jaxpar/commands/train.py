@@ -7,8 +7,7 @@ from __future__ import annotations
 import sys
 
 from jaxpar.commands.common import (INTERRUPTED_EXIT, PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides,
-                                    check_cpu_devices,
-                                    distributed_settings, in_cluster, resolve_config)
+                                    check_cpu_devices, distributed_settings, in_cluster, resolve_config)
 from jaxpar.errors import Preempted
 
 
@@ -87,10 +86,9 @@ def _train(args) -> int:
             flush=True,
         )
     try:
-        # A bar only on a terminal: in a file (SLURM, nohup) it would be carriage returns;
-        # there the loop prints a plain line every train.log_every steps instead.
-        bar = leader and not args.no_progress and sys.stderr.isatty()
-        history = run(trainer, metrics_file=args.metrics_file if leader else None, progress=bar,
+        # progress None: the loop shows a bar on a terminal, plain lines in a file (SLURM, nohup)
+        history = run(trainer, metrics_file=args.metrics_file if leader else None,
+                      progress=None if leader and not args.no_progress else False,
                       tensorboard_dir=args.tensorboard if leader else None, wandb_project=args.wandb if leader else None)
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:

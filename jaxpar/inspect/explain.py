@@ -17,6 +17,7 @@ from jaxpar.inspect import formulas
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
+from jaxpar.kernels.quantized import entries
 from jaxpar.model import declared, has
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
@@ -150,7 +151,7 @@ def _split_fewer_ways(trainer, state, mesh: dict[str, int], ways: int) -> str | 
     formula, measured, arrays = 0.0, 0.0, []
     params = jax.tree_util.tree_flatten_with_path(state.params)[0]
     for (path, x), sharding in zip(params, jax.tree.leaves(trainer.state_shardings.params)):
-        axes = [a for part in sharding.spec if part for a in (part if isinstance(part, tuple) else (part,))]
+        axes = [a for entry in entries(sharding.spec, x.ndim) for a in entry]
         apart = math.prod(mesh.get(a, 1) for a in axes if a in ("stage", "expert"))
         split = math.prod(mesh.get(a, 1) for a in axes if a not in ("stage", "expert"))
         size = math.prod(x.shape) / apart

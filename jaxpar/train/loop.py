@@ -14,7 +14,6 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxpar.config import flatten
 from jaxpar.data.sources import make_source
 from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
@@ -84,7 +83,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         print(f"started from the weights of {ckpt.init_from}", flush=True)
 
     history: list[dict] = []
-    writers = open_writers(metrics_file, tensorboard_dir, start, wandb_project, flatten(cfg) if wandb_project else None)
+    writers = open_writers(metrics_file, tensorboard_dir, start, wandb_project, cfg)
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     rows = _Rows(trainer, writers, bar, cfg.train.log_every if lines else 0, steps)
     pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs

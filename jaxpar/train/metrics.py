@@ -117,26 +117,32 @@ class TensorBoard:
         self.writer = summary_writer(logdir)(logdir, purge_step=start or None, filename_suffix=f".step{start}")
 
     def write(self, row: dict) -> None:
-        for name, value in row.items():
-            if name not in ("step", "time") and isinstance(value, (int, float)):
-                self.writer.add_scalar(name, value, global_step=row["step"], walltime=row["time"])
+        for name, value in numbers(row).items():
+            self.writer.add_scalar(name, value, global_step=row["step"], walltime=row["time"])
 
     def close(self) -> None:
         self.writer.close()
 
 
 class WandB:
-    def __init__(self, project: str, config: dict, start: int = 0):
+    def __init__(self, project: str, config: Any, start: int = 0):
+        from jaxpar.config import flatten
+
         self.wandb = wandb_module(project)
-        self.run = self.wandb.init(project=project, config=config, tags=[f"from step {start}"] if start else None)
+        self.run = self.wandb.init(project=project, config=flatten(config) if config is not None else None,
+                                   tags=[f"from step {start}"] if start else None)
 
     def write(self, row: dict) -> None:
-        self.run.log({k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))},
-                     step=row["step"])
+        self.run.log(numbers(row), step=row["step"])
 
     def close(self) -> None:
         self.run.finish()
         self.wandb.teardown()  # its service process ends with the run, not at exit
+
+
+def numbers(row: dict) -> dict:
+    """The row's metrics: its numbers but the step and the time, which the writers place them at."""
+    return {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
 
 
 class Writers:
@@ -155,12 +161,12 @@ class Writers:
 
 
 def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0,
-                 wandb_project: str | None = None, config: dict | None = None) -> Writers:
+                 wandb_project: str | None = None, config: Any = None) -> Writers:
     """The writers for a run that starts at step `start` (0, or the step it resumed from);
-    `config`: the run's flattened config, which W&B records."""
+    `config`: the run's jaxpar.config.Config, which W&B records."""
     writers: list[Writer] = []
     if wandb_project:
-        writers.append(WandB(wandb_project, config or {}, start))
+        writers.append(WandB(wandb_project, config, start))
     if metrics_file:
         writers.append(JsonLines(metrics_file, start))
     if tensorboard_dir:
