@@ -53,16 +53,10 @@ MEASURED = [
 ]
 # Nobody has measured these: predicted first, measured by the battery's `predicted` section.
 # Once measured, a registered prediction moves to the file's "checked" (by hand, with its
-# measurement), where it is kept as it was: the first three (bf16 at seq 4096, FP8, full
-# remat) went there after the H100 battery of 2026-11-26.
-UNMEASURED = [
-    # the layers unrolled (model.unroll_layers), registered after that battery measured the
-    # looped runs and before any unrolled run was measured
-    Run("bf16_none_b8_unrolled", "none", 8, 2048, unroll_layers=True),
-    Run("bf16_dots_b8_unrolled", "dots", 8, 2048, unroll_layers=True),
-    Run("bf16_selective_b16_unrolled", "selective", 16, 2048, unroll_layers=True),
-    Run("fp8_dots_b8_unrolled", "dots", 8, 2048, "fp8", unroll_layers=True),
-]
+# measurement), where it is kept as it was: bf16 at seq 4096, FP8 and full remat went there
+# after the H100 battery of 2026-11-26, the four unrolled runs (model.unroll_layers) after the
+# H200 battery of the same day. None is waiting now.
+UNMEASURED: list[Run] = []
 
 
 def predict(run: Run, devices) -> dict:
