@@ -71,7 +71,7 @@ class LlamaConfig:
     # Hugging Face's Llama does not scale them, and its importer sets this False.
     scale_tied_logits: bool = True
     remat: Remat = "none"  # the layers' policy (jaxpar.nn)
-    unroll_layers: bool = False  # the layers in line, not a loop (jaxpar.nn.scan_layers): faster, slower to compile
+    unroll_layers: bool = False  # the layers in line, not a loop (jaxpar.nn.scan_layers): slower to compile, and not faster on an H200 (docs/performance.md)
     # Parts a family swaps (the module docstring): Llama has none of the first two, and silu.
     qk_norm: bool = False  # an RMSNorm (head_dim wide) over each query and key head, before RoPE
     qkv_bias: bool = False  # biases on the query, key and value projections
