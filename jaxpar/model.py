@@ -45,7 +45,8 @@ default.
   from_hf(hf)    a classmethod: config.json's dict -> the config.
   to_hf()        the config as config.json's dict.
   hf_weights()   {parameter path: jaxpar.hf.Weight}.
-  hf_ignored()   checkpoint tensors the import may leave unread (a tied model's lm_head).
+  hf_ignored()   checkpoint tensors the import may leave unread (a tied model's lm_head; a name
+                 ending in "." leaves every tensor under it: a layer the model has no place for).
   hf_training_fields  fields free to differ from the checkpoint's config (remat, routing).
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).

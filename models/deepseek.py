@@ -28,13 +28,19 @@ stack of their own run by `embed`, so a pipeline runs them on its first stage, a
 stage holds them (the pipeline contract: everything outside `layers`); their stacked axis
 is kept whole ("dense_layers").
 
-Not yet: multi-token prediction, Hugging Face's DeepseekV3 format (and with it a check of
-YaRN against transformers), planner presets.
+Hugging Face's DeepseekV3ForCausalLM in and out (deepseek_from_hf, deepseek_to_hf,
+deepseek_hf_weights): its dense layers are model.layers.0 .. dense_layers - 1, its
+interleaved RoPE pairs (rope_interleave) are laid out as halves in the attention, and its
+routing bias (e_score_correction_bias) is ours (model.router_bias).
+
+Not yet: multi-token prediction (an import leaves those layers unread and an export writes
+num_nextn_predict_layers 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +50,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.choices import RouterScores
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
-import math
-
-from jaxpar.models.llama import Block, RMSNorm, rope_frequencies, rotate
+from jaxpar.hf.config import refuse_unless, rope_settings, value
+from jaxpar.hf.weights import Weight
+from jaxpar.models.llama import Block, RMSNorm, refuse_parts, rope_frequencies, rotate
 from jaxpar.models.moe import MoEConfig, MoETransformer
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
@@ -59,8 +65,9 @@ Q_LATENT_NAMES = ("batch", "seq", "q_latent")
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig(MoEConfig):
     """models.moe's MoE decoder with multi-head latent attention; `num_kv_heads` is
-    `num_heads` (every head has its own key and value, made from the shared latent) and
-    `head_dim` is unused."""
+    `num_heads` (every head has its own key and value, made from the shared latent);
+    `head_dim`, which the model does not read, is qk_nope_head_dim + qk_rope_head_dim in the
+    preset and in imports (the query and key head size kernels' checks read)."""
 
     q_lora_rank: int = 0  # 0: queries straight from the residual; else through a latent this wide
     kv_lora_rank: int = 32  # the keys' and values' shared latent width
@@ -81,11 +88,27 @@ class DeepSeekConfig(MoEConfig):
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    # The RoPE parts' dimensions in interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's own
+    # checkpoints lay them out (Hugging Face's rope_interleave); false: halves, as Llama's.
+    rope_interleave: bool = False
+    router_bias: bool = True  # DeepSeek-V3's routing bias (e_score_correction_bias), moved only by bias balancing
 
     # latents shard (FSDP) as the width does; the dense layers' stack stays whole (no pipeline splits it)
     axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None}
-    hf_architectures = ()  # Hugging Face's DeepseekV3 format: not yet
-    from_hf = to_hf = hf_weights = None
+    hf_architectures = ("DeepseekV3ForCausalLM",)
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepSeekConfig":
+        return deepseek_from_hf(cls, hf)
+
+    def to_hf(self) -> dict:
+        return deepseek_to_hf(self)
+
+    def hf_weights(self) -> dict:
+        return deepseek_hf_weights(self)
+
+    def hf_ignored(self) -> tuple[str, ...]:
+        """The multi-token prediction layers after the main stack (not modelled here yet)."""
+        return (f"model.layers.{self.dense_layers + self.num_layers}.",)
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
@@ -197,7 +220,9 @@ class LatentAttention(nnx.Module):
         latent, k_rope = kv_a[..., :c], kv_a[..., c:]
         k_nope, v = jnp.split(_heads(self.kv_norm(latent), self.wkv_b), [nope], axis=-1)
         freq, scale = yarn_frequencies(rope_dim, cfg)
-        q = jnp.concatenate([q[..., :nope], rotate(q[..., nope:], positions, freq, scale)], axis=-1)
+        q_rope = _pairs_to_halves(q[..., nope:]) if cfg.rope_interleave else q[..., nope:]
+        k_rope = _pairs_to_halves(k_rope) if cfg.rope_interleave else k_rope
+        q = jnp.concatenate([q[..., :nope], rotate(q_rope, positions, freq, scale)], axis=-1)
         q = q * yarn_softmax_factor(cfg)  # the softmax scale, through the queries (1 without YaRN)
         k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :], positions, freq, scale), (*k_nope.shape[:-1], rope_dim))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
@@ -239,11 +264,148 @@ def yarn_softmax_factor(cfg: DeepSeekConfig) -> float:
     return m * m
 
 
+def _pairs_to_halves(x: jax.Array) -> jax.Array:
+    """Interleaved RoPE pairs (x0, x1), (x2, x3), ... laid out as halves (x0, x2, ..., x1, x3, ...),
+    the layout `rotate` turns: the same rotation, the features permuted (alike in queries and
+    keys, so their dot products do not change)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
 def _heads(latent_BSC: jax.Array, w: nnx.Variable) -> jax.Array:
     """A latent [B, S, C] (whole on every tensor rank) through w [C, H, K] into heads laid
     out as Q_NAMES: each tensor rank multiplies by its own heads' columns."""
     weight = compute_value(w)
     return constrain(jnp.einsum("bsc,chk->bshk", latent_BSC.astype(weight.dtype), weight), Q_NAMES)
+
+
+# ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)
+
+
+def deepseek_from_hf(cls, hf: dict) -> DeepSeekConfig:
+    """DeepseekV3ForCausalLM's config.json (transformers 4's remote-code spelling or 5's):
+    dropless routing over sigmoid scores with the checkpoint's correction bias; the dense
+    first layers; YaRN from rope_scaling / rope_parameters. Its multi-token prediction layers
+    are left unread (hf_ignored)."""
+    if hf.get("quantization_config"):
+        raise ConfigError(f"config.json has quantization_config={hf['quantization_config']}: the checkpoint's weights "
+                          "are quantized (DeepSeek-V3's release is FP8 in 128 x 128 blocks); jaxpar reads float weights: "
+                          "convert them to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py) and drop "
+                          "quantization_config from config.json")
+    refuse_unless(hf, attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
+                  hidden_act="silu")
+    heads, total, dense = value(hf, "num_attention_heads"), value(hf, "num_hidden_layers"), value(hf, "first_k_dense_replace")
+    if hf.get("num_key_value_heads", heads) != heads:
+        raise ConfigError(f"config.json has num_key_value_heads={hf['num_key_value_heads']} with "
+                          f"num_attention_heads={heads}; latent attention gives every head its own key and value")
+    k, renormalize = value(hf, "num_experts_per_tok"), bool(hf.get("norm_topk_prob", True))
+    if k == 1 and renormalize:
+        raise ConfigError("config.json has num_experts_per_tok=1 with norm_topk_prob=true (every gate 1); jaxpar keeps "
+                          "a single gate's probability, so it imports DeepSeek-V3 models of top-k >= 2 or unnormalised gates")
+    nope, rope_dim = value(hf, "qk_nope_head_dim"), value(hf, "qk_rope_head_dim")
+    tied = bool(hf.get("tie_word_embeddings", False))
+    return cls(
+        vocab_size=value(hf, "vocab_size"), embed=value(hf, "hidden_size"), num_layers=total - dense, dense_layers=dense,
+        dense_mlp=value(hf, "intermediate_size"), mlp=value(hf, "moe_intermediate_size"), num_heads=heads,
+        num_kv_heads=heads, head_dim=nope + rope_dim, q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=value(hf, "kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+        v_head_dim=value(hf, "v_head_dim"), num_experts=hf.get("n_routed_experts") or value(hf, "num_local_experts"),
+        top_k=k, shared_experts=hf.get("n_shared_experts") or 0, expert_groups=hf.get("n_group") or 1,
+        top_groups=hf.get("topk_group") or 1, routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        renormalize=renormalize, router_scores="sigmoid", router_bias=True, routing="dropless", aux_loss_weight=0.0,
+        z_loss_weight=0.0, bias_update_rate=0.0, norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
+        scale_tied_logits=not tied, rope_interleave=bool(hf.get("rope_interleave", True)), **_yarn_from_hf(hf))
+
+
+def _yarn_from_hf(hf: dict) -> dict:
+    rope = rope_settings(hf)
+    fields = {"rope_theta": float(rope["rope_theta"])}
+    if rope["rope_type"] == "default":
+        return fields
+    if rope["rope_type"] != "yarn" or rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        raise ConfigError(f"config.json has RoPE scaling {rope}; jaxpar's DeepSeek computes none or YaRN (truncated "
+                          "correction range, attention factor from mscale and mscale_all_dim)")
+    return {**fields, "yarn_factor": float(value(rope, "factor")),
+            "yarn_original_max_positions": int(value(rope, "original_max_position_embeddings")),
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+            # absent is falsy in transformers' formula (the attention factor then ignores mscale_all_dim)
+            "yarn_mscale": float(rope.get("mscale") or 0.0), "yarn_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+
+
+def deepseek_to_hf(cfg: DeepSeekConfig) -> dict:
+    refuse_parts(cfg, "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, router_scores="sigmoid", activation="silu")
+    if cfg.tie_embeddings and cfg.scale_tied_logits:
+        raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
+                          "Hugging Face's DeepSeek-V3 does not; export a model trained with model.scale_tied_logits=false")
+    hf = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed, "intermediate_size": cfg.dense_mlp, "moe_intermediate_size": cfg.mlp,
+        "num_hidden_layers": cfg.dense_layers + cfg.num_layers, "first_k_dense_replace": cfg.dense_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads,
+        "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "n_shared_experts": cfg.shared_experts,
+        "n_group": cfg.expert_groups, "topk_group": cfg.top_groups, "routed_scaling_factor": cfg.routed_scaling,
+        "norm_topk_prob": cfg.renormalize, "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "hidden_act": cfg.activation, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_interleave": cfg.rope_interleave, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "num_nextn_predict_layers": 0,  # no multi-token prediction layers are written
+    }
+    if cfg.yarn_factor != 1:
+        hf["max_position_embeddings"] = int(cfg.yarn_original_max_positions * cfg.yarn_factor)
+        hf["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": cfg.yarn_factor,
+                              "original_max_position_embeddings": cfg.yarn_original_max_positions,
+                              "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+                              "mscale": cfg.yarn_mscale, "mscale_all_dim": cfg.yarn_mscale_all_dim}
+    return hf
+
+
+def deepseek_hf_weights(cfg: DeepSeekConfig) -> dict[str, Weight]:
+    """The dense layers are Hugging Face's model.layers.0 .. dense_layers - 1, ours `dense`; the
+    MoE layers follow (`layers`, whose {layer} 0 is Hugging Face's dense_layers). Linear
+    weights are [out, in]; fused head dimensions split."""
+    if not cfg.has_router_bias:
+        raise ConfigError("model.router_bias=false: DeepSeek-V3's format holds each layer's routing bias "
+                          "(e_score_correction_bias); set model.router_bias=true")
+    weights = {"embedding": Weight("model.embed_tokens.weight"), "final_norm.scale": Weight("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        weights["head"] = Weight("lm_head.weight", order=(1, 0))
+    stacks = [("layers", cfg.dense_layers)] + ([("dense", 0)] if cfg.dense_layers else [])
+    for stack, offset in stacks:
+        weights.update({f"{stack}.{ours}": dataclasses.replace(w, layer_offset=offset)
+                        for ours, w in _layer_weights(cfg, stack == "dense").items()})
+    return weights
+
+
+def _layer_weights(cfg: DeepSeekConfig, dense: bool) -> dict[str, Weight]:
+    d, h, c, cq = cfg.embed, cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+    qk, kv, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
+    at, mlp = "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+    weights = {
+        "attn_norm.scale": Weight("model.layers.{layer}.input_layernorm.weight"),
+        "mlp_norm.scale": Weight("model.layers.{layer}.post_attention_layernorm.weight"),
+        "attn.wkv_a": Weight(at + "kv_a_proj_with_mqa.weight", order=(1, 0)),
+        "attn.kv_norm.scale": Weight(at + "kv_a_layernorm.weight"),
+        "attn.wkv_b": Weight(at + "kv_b_proj.weight", (h, kv, c), (2, 0, 1), (h * kv, c)),
+        "attn.wo": Weight(at + "o_proj.weight", (d, h, v), (1, 2, 0), (d, h * v)),
+    }
+    if cq:
+        weights.update({"attn.wq_a": Weight(at + "q_a_proj.weight", order=(1, 0)),
+                        "attn.q_norm.scale": Weight(at + "q_a_layernorm.weight"),
+                        "attn.wq_b": Weight(at + "q_b_proj.weight", (h, qk, cq), (2, 0, 1), (h * qk, cq))})
+    else:
+        weights["attn.wq"] = Weight(at + "q_proj.weight", (h, qk, d), (2, 0, 1), (h * qk, d))
+    projections = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    if dense:
+        return {**weights, **{f"mlp.{ours}": Weight(mlp + f"{theirs}.weight", order=(1, 0))
+                              for ours, theirs in projections.items()}}
+    weights.update({"moe.router": Weight(mlp + "gate.weight", order=(1, 0)),
+                    "moe.router_bias": Weight(mlp + "gate.e_score_correction_bias")})
+    weights.update({f"moe.{ours}": Weight(mlp + "experts.{expert}." + f"{theirs}.weight", order=(1, 0))
+                    for ours, theirs in projections.items()})
+    if cfg.shared_experts:
+        weights.update({f"shared.{ours}": Weight(mlp + f"shared_experts.{theirs}.weight", order=(1, 0))
+                        for ours, theirs in projections.items()})
+    return weights
+
 
 
 register(Family("deepseek", DeepSeekConfig, presets={
@@ -256,8 +418,10 @@ register(Family("deepseek", DeepSeekConfig, presets={
     # (every expert for every token: 4.6 TB a device and 218 s a step in `jaxpar plan`).
     "deepseek-v3": DeepSeekConfig(
         vocab_size=129280, embed=7168, num_layers=58, dense_layers=3, dense_mlp=18432, num_heads=128, num_kv_heads=128,
+        head_dim=192,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=256, top_k=8, mlp=2048, shared_experts=1, expert_groups=8, top_groups=4, routed_scaling=2.5,
         routing="capacity", bias_update_rate=0.001, aux_loss_weight=0.0001, z_loss_weight=0.0, norm_eps=1e-6,
-        yarn_factor=40.0, yarn_original_max_positions=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
+        yarn_factor=40.0, yarn_original_max_positions=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+        rope_interleave=True),
 }))

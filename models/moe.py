@@ -5,7 +5,7 @@ Each token's router picks its top-k experts (softmax over experts, then top-k, g
 optionally renormalised to sum to one when k > 1); the experts run through `jaxpar.sharding.run_experts`,
 which dispatches over the expert-parallel mesh axes. No collective appears here.
 Sharded shapes under the default rules (storage):
-  router       [D@fsdp, E]              router_bias [E] per layer (bias balancing only; not trained)
+  router       [D@fsdp, E]              router_bias [E] per layer (bias balancing, or model.router_bias; not trained)
   w_gate, w_up [E@expert, D@fsdp, F@tensor]    w_down [E@expert, F@tensor, D@fsdp]
   shared experts: the Llama MLP of width shared_experts x mlp
 
@@ -65,6 +65,9 @@ class MoEConfig(LlamaConfig):
     # Auxiliary-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by this
     # much a step against its load; 0: off.
     bias_update_rate: float = 0.0
+    # A routing bias per expert even with balancing off (0 rate): one a checkpoint brought
+    # (DeepSeek-V3's e_score_correction_bias) keeps choosing experts as it did.
+    router_bias: bool = False
 
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, STAGES, REMAT})
     mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
@@ -88,6 +91,10 @@ class MoEConfig(LlamaConfig):
             raise ConfigError(
                 f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} "
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
+
+    @property
+    def has_router_bias(self) -> bool:
+        return self.router_bias or self.bias_update_rate > 0
 
     def _check_groups(self) -> None:
         e, groups = self.num_experts, self.expert_groups
@@ -184,7 +191,7 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), d)
         self.w_down = param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), f)
-        if cfg.bias_update_rate:
+        if cfg.has_router_bias:
             # Zeros drawn from no key, so turning balancing on leaves every other initial weight as it was.
             self.router_bias = RouterBias(nnx.with_partitioning(nnx.initializers.zeros, (None,))(None, (e,)))
         self.cfg = cfg
@@ -195,7 +202,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("bsd,de->bse", x_BSD.astype(jnp.float32), compute_value(self.router).astype(jnp.float32))
         probs = jax.nn.softmax(logits, axis=-1) if cfg.router_scores == "softmax" else jax.nn.sigmoid(logits)
         scores = probs
-        if cfg.bias_update_rate:  # chooses experts; the gates stay the router's probabilities
+        if cfg.has_router_bias:  # chooses experts; the gates stay the router's probabilities
             scores = probs + jax.lax.stop_gradient(compute_value(self.router_bias).astype(jnp.float32))
         ids = top_k_indices(scores, cfg.top_k, cfg.expert_groups, cfg.top_groups)
         chosen_probs = jnp.take_along_axis(probs, ids, axis=-1)
@@ -328,7 +335,7 @@ def mixtral_hf_weights(cfg: MoEConfig) -> dict[str, Weight]:
         "layers.moe.w_up": Weight(expert + "w3.weight", order=(1, 0)),
         "layers.moe.w_down": Weight(expert + "w2.weight", order=(1, 0)),
     }
-    if cfg.bias_update_rate:
+    if cfg.has_router_bias:
         weights["layers.moe.router_bias"] = Weight(None)
     return weights
 

@@ -102,6 +102,46 @@ def test_the_deepseek_v3_preset_counts_671b_parameters_37b_a_token():
     assert v3.param_count(active=True) / 1e9 == pytest.approx(37, rel=0.02)
 
 
+# DeepSeek-V3's config.json as published (deepseek-ai/DeepSeek-V3, transformers 4's remote-code
+# spelling), without its auto_map.
+PUBLISHED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_the_published_config_json_reads_as_the_preset_and_writes_back():
+    """DeepSeek-V3's own config.json: its FP8 weights are refused with the way out; without
+    quantization_config it is the deepseek-v3 preset but for the training choices (dropless
+    routing, no balancing terms), and our config.json of it reads back the same."""
+    from jaxpar.families import presets
+
+    with pytest.raises(ConfigError, match=r"quantization_config=.*convert them to bf16 first"):
+        DeepSeekConfig.from_hf(PUBLISHED)
+    bf16 = {k: v for k, v in PUBLISHED.items() if k != "quantization_config"}
+    imported = DeepSeekConfig.from_hf(bf16)
+    training = dict(routing="dropless", bias_update_rate=0.0, aux_loss_weight=0.0)
+    assert imported == dataclasses.replace(presets()["deepseek-v3"], **training)
+    assert DeepSeekConfig.from_hf(imported.to_hf()) == imported
+    for key in ("num_hidden_layers", "first_k_dense_replace", "max_position_embeddings", "n_group", "q_lora_rank"):
+        assert imported.to_hf()[key] == PUBLISHED[key], key
+    with pytest.raises(ConfigError, match=r"scoring_func='softmax'; jaxpar's model computes only scoring_func='sigmoid'"):
+        DeepSeekConfig.from_hf({**bf16, "scoring_func": "softmax"})
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_kv_heads=2"], r"model.num_kv_heads=2: under latent attention every head has its own key and value; "
                                r"set model.num_kv_heads=4"),

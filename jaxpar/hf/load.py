@@ -111,7 +111,9 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
                                   f"{path} takes one of {tuple(want)}; the checkpoint is of another shape than its "
                                   "config.json says")
             used.add(name)
-    left = [n for n in entries if n not in used and n not in ignored and not n.endswith(ALWAYS_IGNORED)]
+    prefixes = tuple(n for n in ignored if n.endswith("."))  # "model.layers.3.": all of that layer's
+    left = [n for n in entries if n not in used and n not in ignored and not n.startswith(prefixes)
+            and not n.endswith(ALWAYS_IGNORED)]
     if left:
         raise ConfigError(f"{str(folder)!r} holds {len(left)} tensors the model has no place for "
                           f"({', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}); it is of another architecture "

@@ -27,6 +27,7 @@ class Weight:
     view: tuple[int, ...] | None = None  # None: the tensor's own shape
     order: tuple[int, ...] | None = None  # None: its own axis order
     fused: tuple[int, ...] | None = None  # with `view`: the tensor's own shape, which it splits
+    layer_offset: int = 0  # the Hugging Face index of our first slab along `{layer}` (a stack after others)
 
     def __post_init__(self):
         if (self.view is None) != (self.fused is None):
@@ -41,8 +42,14 @@ class Weight:
     def names(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
         """(index into our stacked dimensions, Hugging Face name) for every slab."""
         k = len(self.stacked)
-        return [(combo, self.name.format(**dict(zip(self.stacked, combo))))
-                for combo in itertools.product(*(range(n) for n in shape[:k]))]
+        return [(combo, self.hf_name(combo)) for combo in itertools.product(*(range(n) for n in shape[:k]))]
+
+    def hf_name(self, combo: tuple[int, ...]) -> str:
+        """The Hugging Face name of our slab at `combo` (an index into the stacked dimensions)."""
+        at = dict(zip(self.stacked, combo))
+        if "layer" in at:
+            at["layer"] += self.layer_offset
+        return self.name.format(**at)
 
     def to_ours(self, hf: np.ndarray) -> np.ndarray:
         """A view of the Hugging Face tensor in our layout (one slab)."""
@@ -71,7 +78,7 @@ def read_slice(weight: Weight, entries: dict[str, Entry], shape: tuple[int, ...]
     rest = tuple(index[k:])
     slabs = []
     for combo in itertools.product(*ranges):
-        tensor = open_tensor(entries[weight.name.format(**dict(zip(weight.stacked, combo)))])
+        tensor = open_tensor(entries[weight.hf_name(combo)])
         slabs.append(np.array(weight.to_ours(tensor)[rest], np.float32))
     if not k:
         return slabs[0]

@@ -6,7 +6,12 @@ own, from the repository root:
 
     python -m venv /tmp/golden && /tmp/golden/bin/pip install torch transformers tokenizers safetensors
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
+    /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
+
+(The DeepSeek-V3 cases were made with transformers 5.24.0 and torch 2.13.0 (CPU); the
+others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
+    /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
 
 Each folder holds what `save_pretrained` writes (config.json, safetensors, an index where
 sharded), `tokens.npy` (a fixed batch [2, 16]) and `logits.npy`, the float32 logits
@@ -43,6 +48,23 @@ CASES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
         rope_theta=1e6), "5GB"),
+    # DeepSeek-V3: 1 dense layer then 2 MoE layers of 8 experts (top 2 within 2 of 4 groups, gates
+    # x 2.5, one shared expert), MLA with a query latent, YaRN x 4 over 8 original positions
+    # (the 16-token batch runs past them), RoPE pairs interleaved, a drawn correction bias.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        COMMON, num_key_value_heads=8, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, tie_word_embeddings=False, rope_interleave=True, max_position_embeddings=32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}), "100KB"),
+    # DeepSeek-V3 without the query latent, plain RoPE in halves, no group limit, 2 dense layers.
+    "deepseek_v3_plain": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        COMMON, num_key_value_heads=8, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=2, routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, tie_word_embeddings=False, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "5GB"),
 }
 
 
@@ -53,6 +75,9 @@ def make(name: str) -> None:
     with torch.no_grad():
         for p in model.parameters():  # norms too: a wrong norm mapping must show
             p.copy_(torch.randn_like(p) * (0.5 if p.ndim == 1 else p.shape[-1] ** -0.5) + (1.0 if p.ndim == 1 else 0.0))
+        for buffer, b in model.named_buffers():  # DeepSeek's routing bias: sways the choice of experts
+            if buffer.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     out = HERE / name
     out.mkdir(exist_ok=True)
     for old in out.glob("*.safetensors*"):
@@ -84,14 +109,14 @@ def make_tokenizer(out: pathlib.Path) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
 
 
-def check(directory: str) -> None:
-    """Load an export with transformers and print its logits on llama_tied's batch beside
-    the golden ones (an export of an import of llama_tied gives them back)."""
+def check(directory: str, case: str = "llama_tied") -> None:
+    """Load an export with transformers and print its logits on `case`'s batch beside the
+    golden ones (an export of an import of that case gives them back)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    tokens = np.load(HERE / "llama_tied" / "tokens.npy")
+    tokens = np.load(HERE / case / "tokens.npy")
     ours = logits(model, tokens)
-    golden = np.load(HERE / "llama_tied" / "logits.npy")
-    print(f"{directory}: {type(model).__name__} loaded; logits max |difference| from llama_tied's golden: "
+    golden = np.load(HERE / case / "logits.npy")
+    print(f"{directory}: {type(model).__name__} loaded; logits max |difference| from {case}'s golden: "
           f"{np.max(np.abs(ours - golden)):.3g}")
     np.save(pathlib.Path(directory) / "transformers_logits.npy", ours)
 
@@ -99,9 +124,11 @@ def check(directory: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", metavar="DIR")
+    parser.add_argument("--case", default="llama_tied", help="with --check: the golden case it was imported from")
+    parser.add_argument("cases", nargs="*", choices=[[], *CASES], help="the cases to make (default: all)")
     args = parser.parse_args()
     if args.check:
-        check(args.check)
+        check(args.check, args.case)
         sys.exit(0)
-    for case in CASES:
+    for case in args.cases or CASES:
         make(case)
