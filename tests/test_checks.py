@@ -75,7 +75,6 @@ MODEL_EXAMPLES = [
     ("mlp", ["train.matmul_dtype=fp8"], "matmul-dtype", "train.matmul_dtype=fp8: model MLPConfig does not run its "
      "matmuls through jaxpar's projection helpers (column_project / row_project; it declares no 'projections' "
      "capability), and FP8 applies only there, so nothing would run in FP8; set train.matmul_dtype=compute"),
-    ("moe", ["mesh.stage=2", "train.microbatches=2", "mesh.expert=2"], "pipeline-without-experts", "mesh.expert=2"),
 ]
 
 

@@ -1,8 +1,9 @@
 """DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): a dense layer, then
 multi-head latent attention over DeepSeekMoE experts, equals one device (fp32, 1e-5: losses, gradients,
-parameters and the step's MoE metrics) under zero-bubble pipeline stages x FSDP x tensor +
-SP (dropless; queries through their own latent) and FSDP ZeRO-3 x expert x ring context
-parallelism (dropless, queries straight from the residual).
+parameters and the step's MoE metrics) under zero-bubble pipeline stages x expert x tensor +
+SP (dropless; queries through their own latent), 1F1B stages x expert x ZeRO-1 data (DeepSeek-V3's
+own layout in small) and FSDP ZeRO-3 x expert x ring context parallelism (dropless, queries
+straight from the residual).
 
 The stages' layout also holds what tests/test_pipeline.py's MoE-in-stages test held until
 issue 33: each chunk's load-balancing and z losses join the objective where the chunk runs,
@@ -37,9 +38,15 @@ def tiny_deepseek():
 
 
 LAYOUTS = {
-    "zb_stage2_fsdp2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                         "parallel.sequence_parallel=true", "parallel.pipeline_schedule=zb-h1",
-                                                         "train.microbatches=2", "model.routing=dropless"],
+    # experts split inside the stages, each stage's all-to-alls among its own expert ranks
+    "zb_stage2_expert2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2",
+                                                           "parallel.sequence_parallel=true",
+                                                           "parallel.pipeline_schedule=zb-h1", "train.microbatches=2",
+                                                           "model.routing=dropless"],
+    # DeepSeek-V3's own training layout in small: PP x EP x ZeRO-1 data
+    "1f1b_stage2_expert2_data2_zero1_dropless": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero_stage=1",
+                                                 "parallel.pipeline_schedule=1f1b", "train.microbatches=2",
+                                                 "model.routing=dropless"],
     "zero3_fsdp2_expert2_ring2_dropless_yarn": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
                                                 "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0",
                                                 "model.yarn_factor=4", "model.yarn_original_max_positions=8",
@@ -57,6 +64,22 @@ def test_latent_attention_and_deepseek_moe_equal_single_device(tiny_deepseek, re
     assert moe >= {"moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped"}, ref.metrics
     for k in moe:
         assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL, abs=1e-7), (name, k, run.metrics[k], ref.metrics[k])
+
+
+def test_explain_splits_the_experts_over_stage_and_expert(tiny_deepseek):
+    """Under stages x expert a device holds 1/stage of the layers and 1/(stage x expert) of
+    the expert weights: the model state equals its formula, and so do the experts'
+    all-to-alls over `expert` (capacity routing: 5 a layer and microbatch, averaged over
+    1F1B's two chunks)."""
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain
+
+    trainer = build(apply_overrides(tiny_deepseek, ["mesh.stage=2", "mesh.expert=2", "mesh.data=2",
+                                                    "train.microbatches=2", "model.routing=capacity"]))
+    doc = explain(trainer, inspect_step(trainer))
+    rows = {r["name"]: r["ratio"] for r in doc["memory"] if r["ratio"] is not None}
+    assert rows["parameters"] == pytest.approx(1.0, abs=1e-3) and rows["model state"] == pytest.approx(1.0, abs=1e-3), rows
+    assert doc["expert_traffic"]["ratio"] == pytest.approx(1.0, abs=1e-3), doc["expert_traffic"]
 
 
 def test_counts_are_the_models_own(tiny_deepseek):

@@ -126,21 +126,6 @@ def interleaved_microbatch_groups(config, sizes) -> None:
 
 
 @rule(
-    "pipeline-without-experts",
-    fields=["mesh.stage", "mesh.expert"],
-    summary="Pipeline stages do not run the expert-parallel kernels yet.",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.expert=2"],
-)
-def pipeline_without_experts(config, sizes) -> None:
-    p = sizes["stage"]
-    if p > 1 and sizes["expert"] > 1:
-        raise ConfigError(
-            f"mesh.stage={p} with mesh.expert={sizes['expert']}: pipeline stages do not yet run the expert-parallel "
-            "kernels; use mesh.expert=1 (data, fsdp, tensor and context compose with stages)"
-        )
-
-
-@rule(
     "pipeline-ring-of-two",
     fields=["mesh.stage", "mesh.context", "parallel.context_impl"],
     summary="Inside pipeline stages ring attention runs on rings of two devices (mesh.context=2).",

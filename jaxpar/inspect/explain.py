@@ -40,10 +40,11 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     psi_e = _expert_params(trainer, state)
     # A pipeline stage holds 1/stage of the layer stack and all of the rest (embedding, head).
     p = mesh.get("stage", 1)
+    # Expert weights live in the layer stack, so a stage holds 1/stage of them too.
     psi_layers = _params_named(trainer, state, "layers") if p > 1 else 0
-    psi_d = psi - psi_e - psi_layers + psi_layers / p
+    psi_d = psi - psi_e - (psi_layers - (psi_e if p > 1 else 0)) * (1 - 1 / p)  # the rest, on one stage
     dense = formulas.model_state(psi_d, stage, data, fsdp * tensor, compute_bytes, round(4 * moments))
-    routed = formulas.model_state(psi_e, stage, data, fsdp * tensor * expert, compute_bytes, round(4 * moments))
+    routed = formulas.model_state(psi_e / p, stage, data, fsdp * tensor * expert, compute_bytes, round(4 * moments))
     expected = formulas.ModelState(*(getattr(dense, f) + getattr(routed, f) for f in ("params", "grads", "master", "optimizer")))
     m = report.memory
     if config.train.microbatches > 1:  # the accumulator is float32
@@ -84,7 +85,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     )
     grad_formula_text = f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor"
     if trainer.pipeline is not None:
-        grad_formula, grad_formula_text = _pipeline_gradient_traffic(trainer, state, mesh, psi_layers, psi_d)
+        grad_formula, grad_formula_text = _pipeline_gradient_traffic(trainer, state, mesh, psi_layers, psi_d, psi_e)
     itemsize = lambda c: jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize  # noqa: E731
     compression = _compressed_traffic(trainer, report, psi_t) if trainer.compressor is not None else {}
     if compression:  # the reduction over data is the compressor's, in its own row
@@ -98,7 +99,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     )
     context = _context_traffic(config, mesh, report, itemsize, psi_t)
     pipeline = _pipeline(trainer, mesh, report, itemsize, psi - psi_layers) if trainer.pipeline is not None else {}
-    experts = _expert_traffic(config, mesh, report, itemsize, trainer.layout.expert_exchange)
+    experts = _expert_traffic(config, mesh, report, itemsize, trainer.layout.expert_exchange, trainer.pipeline)
     return {
         "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
@@ -186,7 +187,8 @@ def pipeline_recompute(program) -> tuple[float, float]:
     return ((n - 1) * 1 + n * 3) / (3 * n), 1.0
 
 
-def _pipeline_gradient_traffic(trainer, state, mesh: dict[str, int], psi_layers: float, psi_stage: float) -> tuple[float, str]:
+def _pipeline_gradient_traffic(trainer, state, mesh: dict[str, int], psi_layers: float, psi_stage: float,
+                               psi_experts: float) -> tuple[float, str]:
     """Elements over data and fsdp per device per step under a pipeline, and the formula's
     text. Over data: one reduction of what a stage holds, 2(Ψ_s/f)(d-1)/d. Over fsdp:
     every use of a weight gathers it, and every weight gradient reduce-scatters, per
@@ -195,27 +197,31 @@ def _pipeline_gradient_traffic(trainer, state, mesh: dict[str, int], psi_layers:
     reduce-scatters once; split, the input gradient gathers twice (not the first chunk) and
     the weight gradient twice plus its reduce-scatter. The embedding is used by the first
     chunk (3 passes: a lookup's gradient needs no gathered table), the final norm and head
-    by the last (3, split 5), on 1 stage in p. Measured within 3% on CPU; the rest is
-    gathers the compiler shares between a recompute and its backward."""
+    by the last (3, split 5), on 1 stage in p. Expert weights (Ψ_E of the layers; `psi_stage`
+    holds none of them) are split e ways besides and reduce over data only; the rest reduce
+    over data x expert. Measured within 3% on CPU; the rest is gathers the compiler shares
+    between a recompute and its backward."""
     program, config = trainer.pipeline, trainer.config
     if not _decoder_fields(config.model):
         return None, NO_FORMULA
     p, v, m = program.timeline.p, program.timeline.v, program.timeline.m
     n = p * v
-    d, f, t = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    d, f, t, e = mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["expert"]
     layer_passes = ((n - 1) * 3 + n * 3) / n if program.split else ((n - 1) * 1 + n * 3) / n
     head_passes = 5 if program.split else 3
     psi_embedding = _params_named(trainer, state, "vocab") - (0 if config.model.tie_embeddings else config.model.vocab_size * config.model.embed)
-    psi_head = psi_stage - psi_layers / p - psi_embedding  # final norm and head
+    psi_head = psi_stage - (psi_layers - psi_experts) / p - psi_embedding  # final norm and head
     if config.model.tie_embeddings:
         psi_head += psi_embedding  # the one table serves the head too
-    uses = psi_layers / p * layer_passes + (psi_embedding * 3 + psi_head * head_passes) / p
+    layers_here = (psi_layers - psi_experts + psi_experts / e) / p
+    uses = layers_here * layer_passes + (psi_embedding * 3 + psi_head * head_passes) / p
     fsdp_part = uses / t * m * (f - 1) / f
-    data_part = 2 * psi_stage / (t * f) * (d - 1) / d
+    data_part = 2 * psi_stage / (t * f) * (d * e - 1) / (d * e) + 2 * psi_experts / (p * e * t * f) * (d - 1) / d
     return fsdp_part + data_part, (
-        f"over fsdp, per microbatch, {layer_passes:.2f} gathers or reduce-scatters of a stage's layers (Ψ_L/p), "
-        f"3 of the embedding and {head_passes} of the head on 1 stage in p: x m (f-1)/f / tensor; "
-        "over data, 2(Ψ_s/f)(d-1)/d of what a stage holds, Ψ_s = Ψ_L/p + the rest, / tensor"
+        f"over fsdp, per microbatch, {layer_passes:.2f} gathers or reduce-scatters of a stage's layers (Ψ_L/p, "
+        f"experts /e), 3 of the embedding and {head_passes} of the head on 1 stage in p: x m (f-1)/f / tensor; "
+        "over data (x expert), 2(Ψ_s/f)(de-1)/de of what a stage holds but experts, Ψ_s = Ψ_L/p + the rest, / tensor"
+        + ("; experts 2(Ψ_E/pef)(d-1)/d" if e > 1 else "")
     )
 
 
@@ -290,11 +296,26 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     }
 
 
-def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, exchange: str) -> dict[str, Any]:
+def _pipeline_expert_passes(program) -> float:
+    """All-to-alls per layer and microbatch under the executor, averaged over its n chunks.
+    Fused: a forward (not on the last chunk), the backward's recompute and the backward:
+    2 + 2 + 2, the last chunk 4. Split: a forward (not last), the input-gradient op's
+    forward and backward (not first), the weight-gradient op's forward and backward."""
+    n = program.timeline.p * program.timeline.v
+    if program.split:
+        return (2 * (n - 1) + 4 * (n - 1) + 4 * n) / n
+    return (6 * (n - 1) + 4) / n
+
+
+def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, exchange: str,
+                    program=None) -> dict[str, Any]:
     """Elements the expert all-to-alls move per device per step, beside
     formulas.expert_traffic_elements x 4 (dispatch and combine, forward and backward; 6
     when the remat policy runs the layer again) x layers x microbatches. A ragged
-    all-to-all is counted by its receive buffer: the worst case, not what routing sends."""
+    all-to-all is counted by its receive buffer: the worst case, not what routing sends.
+    Under stages a device runs its layers (1/stage of them) with the executor's passes
+    (pipeline_recompute's): 2 all-to-alls per forward or backward of a chunk, averaged
+    over the chunks."""
     n, model = mesh.get("expert", 1), config.model
     if n == 1 or not declared(model, "num_experts"):
         return {}
@@ -302,7 +323,10 @@ def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, 
     tokens = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * n) // micro * config.train.seq_len // c
     factor = model.capacity_factor if model.routing == "capacity" else 1.0
     passes = 6 if declared(model, "remat") in RECOMPUTES_ATTENTION else 4  # full and offload rerun the layer
-    formula = passes * model.num_layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
+    layers = model.num_layers
+    if program is not None:
+        passes, layers = _pipeline_expert_passes(program), layers / program.timeline.p
+    formula = passes * layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
     measured = sum(
         c.buffer_bytes * c.trip_count / itemsize(c)
         for c in report.collectives
@@ -313,7 +337,8 @@ def _expert_traffic(config, mesh: dict[str, int], report: StepReport, itemsize, 
     return {
         "expert_traffic": _row(f"elements over expert (all-to-all, {model.routing})", measured, formula),
         "expert_traffic_formula": f"tokens x k x hidden x {'1 (dropless)' if dropless else 'capacity factor'} per all-to-all, "
-        f"{passes} per layer x {model.num_layers} layers x {micro} microbatch{'es' if micro > 1 else ''}"
+        f"{passes:g} per layer x {layers:g} layers x {micro} microbatch{'es' if micro > 1 else ''}"
+        + (" (a stage's layers; the executor's passes averaged over the chunks)" if program is not None else "")
         + (f"; the padded exchange sends {n}x: every pair to one device fits" if padded else "")
         + (f"; ragged: counted as its {n}x receive buffer, what is sent depends on routing" if dropless and not padded else ""),
     }
