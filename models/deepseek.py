@@ -33,8 +33,13 @@ deepseek_hf_weights): its dense layers are model.layers.0 .. dense_layers - 1, i
 interleaved RoPE pairs (rope_interleave) are laid out as halves in the attention, and its
 routing bias (e_score_correction_bias) is ours (model.router_bias).
 
-Not yet: multi-token prediction (an import leaves those layers unread and an export writes
-num_nextn_predict_layers 0).
+Multi-token prediction (model.mtp_layers=1, weight model.mtp_weight): MultiTokenPrediction
+predicts token t + 2 from the main model's normalised output and the embedding of token
+t + 1, through one more MoE layer and the model's head; its cross-entropy joins each token's
+loss (the trainer weighs it as the main loss at t). Hugging Face's checkpoints hold it as
+model.layers.{dense + MoE layers} (enorm, hnorm, eh_proj, shared_head.norm and a decoder
+layer; transformers neither reads nor writes it); a checkpoint without it leaves it at its
+initialisation. Not in pipeline stages yet (refused).
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.weights import Weight
 from jaxpar.models.llama import Block, RMSNorm, refuse_parts, rope_frequencies, rotate
-from jaxpar.models.moe import MoEConfig, MoETransformer
+from jaxpar.models.llama import RESIDUAL
+from jaxpar.models.moe import MoEBlock, MoEConfig, MoETransformer
 from jaxpar.nn import param, scan_layers, stack_layers
-from jaxpar.sharding import attend, column_project, compute_value, constrain, row_project
+from jaxpar.sharding import ahead, attend, column_project, compute_value, constrain, row_project
 
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 LATENT_NAMES = ("batch", "seq", "kv_latent")
@@ -92,9 +98,12 @@ class DeepSeekConfig(MoEConfig):
     # checkpoints lay them out (Hugging Face's rope_interleave); false: halves, as Llama's.
     rope_interleave: bool = False
     router_bias: bool = True  # DeepSeek-V3's routing bias (e_score_correction_bias), moved only by bias balancing
+    mtp_layers: int = 0  # multi-token prediction depth (num_nextn_predict_layers): 0, or 1 as DeepSeek-V3
+    mtp_weight: float = 0.3  # the prediction of token t + 2's loss weight (DeepSeek-V3: 0.3, later 0.1)
 
     # latents shard (FSDP) as the width does; the dense layers' stack stays whole (no pipeline splits it)
-    axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None}
+    axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None, "mtp_in": None}
+    WEIGHTS = MoEConfig.WEIGHTS + ("mtp_weight",)
     hf_architectures = ("DeepseekV3ForCausalLM",)
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepSeekConfig":
@@ -106,9 +115,13 @@ class DeepSeekConfig(MoEConfig):
     def hf_weights(self) -> dict:
         return deepseek_hf_weights(self)
 
+    hf_training_fields = MoEConfig.hf_training_fields + ("mtp_layers", "mtp_weight")
+
     def hf_ignored(self) -> tuple[str, ...]:
-        """The multi-token prediction layers after the main stack (not modelled here yet)."""
-        return (f"model.layers.{self.dense_layers + self.num_layers}.",)
+        """The prediction layer after the main stack: all of it without model.mtp_layers; with
+        it, the copies of the embedding and head it shares with the model."""
+        layer = f"model.layers.{self.dense_layers + self.num_layers}."
+        return (layer + "embed_tokens.weight", layer + "shared_head.head.weight") if self.mtp_layers else (layer,)
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
@@ -135,6 +148,14 @@ class DeepSeekConfig(MoEConfig):
                               f"{self.dense_mlp} positive")
         if self.q_lora_rank < 0:
             raise ConfigError(f"model.q_lora_rank={self.q_lora_rank} must be 0 (no query latent) or positive")
+        if self.mtp_layers not in (0, 1):
+            raise ConfigError(f"model.mtp_layers={self.mtp_layers}: jaxpar's DeepSeek predicts one token ahead at most "
+                              "(DeepSeek-V3's depth); use model.mtp_layers=1, or 0 for none")
+        if self.mtp_layers and sizes.get("stage", 1) > 1:
+            raise ConfigError(f"model.mtp_layers={self.mtp_layers} with mesh.stage={sizes['stage']}: the multi-token "
+                              "prediction module does not run in pipeline stages yet (it needs the batch's tokens on the "
+                              "last stage); use model.mtp_layers=0 there, or mesh.stage=1 with expert, fsdp, tensor or "
+                              "context parallelism")
 
     def build(self, rngs: nnx.Rngs) -> "DeepSeek":
         return DeepSeek(self, rngs=rngs)
@@ -146,8 +167,18 @@ class DeepSeekConfig(MoEConfig):
         """The dense first layers: attention, a dense MLP and two norms each."""
         return self.dense_layers * (self.attention_param_count() + 3 * self.embed * self.dense_mlp + 2 * self.embed)
 
+    def mtp_param_count(self, active: bool = False) -> int:
+        """The prediction module: an MoE layer, the projection [2D, D] and three norms (the
+        embedding and head are the model's)."""
+        if not self.mtp_layers:
+            return 0
+        d, experts = self.embed, self.top_k if active else self.num_experts
+        layer = (self.attention_param_count() + d * self.num_experts + 3 * d * self.mlp * (experts + self.shared_experts)
+                 + 2 * d)
+        return self.mtp_layers * (layer + 2 * d * d + 3 * d)
+
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
-        return super().param_count(include_embedding, active) + self.dense_param_count()
+        return super().param_count(include_embedding, active) + self.dense_param_count() + self.mtp_param_count(active)
 
     def attention_param_count(self) -> int:
         d, h, c, cq = self.embed, self.num_heads, self.kv_lora_rank, self.q_lora_rank
@@ -157,9 +188,11 @@ class DeepSeekConfig(MoEConfig):
         return queries + latent + h * self.v_head_dim * d
 
     def flops_per_token(self, seq_len: int) -> float:
-        """models.moe's count (its matmuls include the dense layers', by param_count) with
-        the dense layers' attention added."""
-        return super().flops_per_token(seq_len) + self.dense_layers * self.attention_flops(seq_len)
+        """models.moe's count (its matmuls include the dense layers' and the prediction
+        module's, by param_count) with their attention and the module's head added."""
+        extra_head = self.mtp_layers * self.vocab_size * self.embed  # the prediction module's pass through the head
+        return (super().flops_per_token(seq_len) + 6 * extra_head
+                + (self.dense_layers + self.mtp_layers) * self.attention_flops(seq_len))
 
     def attention_flops(self, seq_len: int) -> float:
         """Scores over query/key heads of nope + rope, values of v (Llama's, with its two head sizes)."""
@@ -174,10 +207,36 @@ class DeepSeek(MoETransformer):
         if cfg.dense_layers:
             dense = dataclasses.replace(cfg, mlp=cfg.dense_mlp)
             self.dense = stack_layers(lambda r: Block(dense, rngs=r), cfg.dense_layers, rngs, axis_name="dense_layers")
+        if cfg.mtp_layers:
+            self.mtp = MultiTokenPrediction(cfg, rngs=rngs)
+
+    def __call__(self, tokens_BS, positions=None, segment_ids=None):
+        table = compute_value(self.embedding)
+        x, reports = self.trunk(table, tokens_BS, positions, segment_ids)
+        aux = self.balance(reports)
+        if self.cfg.mtp_layers:  # beside the next token's loss, the one after's, weighted
+            loss = self.next_but_one_loss(x, table, tokens_BS, positions, segment_ids)
+            aux["penalty"] = aux["penalty"] + self.cfg.mtp_weight * loss
+            aux["token_metrics"]["mtp_loss"] = loss
+        return self.logits(x, table), aux
 
     def trunk(self, table, tokens_BS, positions, segment_ids):
         x = self.run_dense(self.lookup(table, tokens_BS), positions, segment_ids)
         return self.run_layers(x, positions, segment_ids)
+
+    def next_but_one_loss(self, x_BSD, table, tokens_BS, positions, segment_ids) -> jax.Array:
+        """[B, S]: the prediction module's cross-entropy for token t + 2 at each position t,
+        0 where t + 2 is past the sequence or in another packed document."""
+        following, _ = ahead(tokens_BS, 1)  # t + 1 (in the sequence's own order, whatever the layout's)
+        targets, inside = ahead(tokens_BS, 2)
+        valid = jnp.broadcast_to(inside, tokens_BS.shape)
+        if segment_ids is not None:  # documents are contiguous: t and t + 2 in one holds t + 1 too
+            valid = valid & (ahead(segment_ids, 2)[0] == segment_ids)
+        positions = jnp.arange(tokens_BS.shape[1]) if positions is None else positions
+        h = self.mtp(self.final_norm(x_BSD), self.lookup(table, following), positions, segment_ids)
+        logits = self.project(h, table).astype(jnp.float32)
+        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
+        return jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - target_logit, 0.0)
 
     def embed(self, batch: dict) -> jax.Array:
         """The pipeline's first piece: the embedding and the dense layers."""
@@ -188,6 +247,28 @@ class DeepSeek(MoETransformer):
             return x
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         return scan_layers(self.dense, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers)
+
+
+class MultiTokenPrediction(nnx.Module):
+    """DeepSeek-V3's prediction module (one depth): the main model's output h_t (after the
+    final norm) and the embedding of token t + 1, each normalised, concatenated [embedding,
+    h] and projected back to the width, then one MoE layer and a norm of its own; the
+    model's head makes the logits for token t + 2."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        d = cfg.embed
+        self.enorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
+        self.hnorm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
+        self.eh_proj = param(rngs, (2 * d, d), ("mtp_in", "embed"), 2 * d)
+        self.block = MoEBlock(cfg, rngs=rngs)
+        self.norm = RMSNorm(d, cfg.norm_eps, rngs=rngs)
+
+    def __call__(self, h_BSD, following_BSD, positions, segment_ids) -> jax.Array:
+        both = jnp.concatenate([self.enorm(following_BSD), self.hnorm(h_BSD)], axis=-1)
+        weight = compute_value(self.eh_proj)
+        x = constrain(jnp.einsum("bsk,kd->bsd", both.astype(weight.dtype), weight), RESIDUAL)
+        x, _ = self.block(x, positions, segment_ids)  # its experts' balancing terms are not added
+        return self.norm(x)
 
 
 class LatentAttention(nnx.Module):
@@ -311,6 +392,7 @@ def deepseek_from_hf(cls, hf: dict) -> DeepSeekConfig:
         v_head_dim=value(hf, "v_head_dim"), num_experts=hf.get("n_routed_experts") or value(hf, "num_local_experts"),
         top_k=k, shared_experts=hf.get("n_shared_experts") or 0, expert_groups=hf.get("n_group") or 1,
         top_groups=hf.get("topk_group") or 1, routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        mtp_layers=hf.get("num_nextn_predict_layers") or 0,
         renormalize=renormalize, router_scores="sigmoid", router_bias=True, routing="dropless", aux_loss_weight=0.0,
         z_loss_weight=0.0, bias_update_rate=0.0, norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
         scale_tied_logits=not tied, rope_interleave=bool(hf.get("rope_interleave", True)), **_yarn_from_hf(hf))
@@ -347,7 +429,7 @@ def deepseek_to_hf(cfg: DeepSeekConfig) -> dict:
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim, "hidden_act": cfg.activation, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_interleave": cfg.rope_interleave, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "num_nextn_predict_layers": 0,  # no multi-token prediction layers are written
+        "attention_bias": False, "num_nextn_predict_layers": cfg.mtp_layers,
     }
     if cfg.yarn_factor != 1:
         hf["max_position_embeddings"] = int(cfg.yarn_original_max_positions * cfg.yarn_factor)
@@ -372,7 +454,21 @@ def deepseek_hf_weights(cfg: DeepSeekConfig) -> dict[str, Weight]:
     for stack, offset in stacks:
         weights.update({f"{stack}.{ours}": dataclasses.replace(w, layer_offset=offset)
                         for ours, w in _layer_weights(cfg, stack == "dense").items()})
+    if cfg.mtp_layers:  # model.layers.{dense + MoE layers}; transformers neither reads nor writes it
+        weights.update(_mtp_weights(cfg, cfg.dense_layers + cfg.num_layers))
     return weights
+
+
+def _mtp_weights(cfg: DeepSeekConfig, index: int) -> dict[str, Weight]:
+    """The prediction layer's own tensors (its embedding and head are the model's), each
+    left to its initialisation where a checkpoint lacks the layer (`fresh`)."""
+    at = f"model.layers.{index}."
+    own = {"mtp.enorm.scale": Weight(at + "enorm.weight"), "mtp.hnorm.scale": Weight(at + "hnorm.weight"),
+           "mtp.eh_proj": Weight(at + "eh_proj.weight", order=(1, 0)),
+           "mtp.norm.scale": Weight(at + "shared_head.norm.weight")}
+    own.update({f"mtp.block.{ours}": dataclasses.replace(w, name=w.name.replace("{layer}", str(index)))
+                for ours, w in _layer_weights(cfg, dense=False).items()})
+    return {path: dataclasses.replace(w, fresh=True) for path, w in own.items()}
 
 
 def _layer_weights(cfg: DeepSeekConfig, dense: bool) -> dict[str, Weight]:

@@ -338,11 +338,15 @@ class Llama(nnx.Module):
         return out if isinstance(out, tuple) else (out, None)
 
     def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:
+        return self.project(self.final_norm(x), table)
+
+    def project(self, h: jax.Array, table: jax.Array | None) -> jax.Array:
+        """The head on normalised hidden states (tied: the embedding table)."""
         names = ("batch", "seq", "vocab")
         if self.cfg.tie_embeddings:
-            logits = column_project(self.final_norm(x), [table.T], [names], low_precision=False)[0]
+            logits = column_project(h, [table.T], [names], low_precision=False)[0]
             return logits * self.cfg.embed**-0.5 if self.cfg.scale_tied_logits else logits
-        return column_project(self.final_norm(x), [compute_value(self.head)], [names], low_precision=False)[0]
+        return column_project(h, [compute_value(self.head)], [names], low_precision=False)[0]
 
 
 # ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)

@@ -255,9 +255,13 @@ class MoETransformer(Llama):
     """
 
     def __call__(self, tokens_BS, positions=None, segment_ids=None):
-        cfg = self.cfg
         table = compute_value(self.embedding)
         x, reports = self.trunk(table, tokens_BS, positions, segment_ids)
+        return self.logits(x, table), self.balance(reports)
+
+    def balance(self, reports: dict) -> dict:
+        """The aux of the layers' reports: their balancing penalties, metrics and counts."""
+        cfg = self.cfg
         switch = jnp.mean(reports["switch"], axis=0)  # [B], averaged over layers
         z = jnp.mean(reports["z"], axis=0)  # [B, S]
         switch_BS = jnp.broadcast_to(switch[:, None], z.shape)
@@ -266,7 +270,7 @@ class MoETransformer(Llama):
             "token_metrics": {"moe_aux_loss": switch_BS, "moe_z_loss": z},
             "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
         }
-        return self.logits(x, table), aux
+        return aux
 
     def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
         """A pipeline chunk's layers (jaxpar.model.PipelineStages), with their report: the

@@ -3,7 +3,7 @@ multi-head latent attention over DeepSeekMoE experts, equals one device (fp32, 1
 parameters and the step's MoE metrics) under zero-bubble pipeline stages x expert x tensor +
 SP (dropless; queries through their own latent), 1F1B stages x expert x ZeRO-1 data (DeepSeek-V3's
 own layout in small) and FSDP ZeRO-3 x expert x ring context parallelism (dropless, queries
-straight from the residual).
+straight from the residual, multi-token prediction on).
 
 The stages' layout also holds what tests/test_pipeline.py's MoE-in-stages test held until
 issue 33: each chunk's load-balancing and z losses join the objective where the chunk runs,
@@ -47,8 +47,10 @@ LAYOUTS = {
     "1f1b_stage2_expert2_data2_zero1_dropless": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero_stage=1",
                                                  "parallel.pipeline_schedule=1f1b", "train.microbatches=2",
                                                  "model.routing=dropless"],
-    "zero3_fsdp2_expert2_ring2_dropless_yarn": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
+    # with multi-token prediction: its shifted tokens cross the context shards
+    "zero3_fsdp2_expert2_ring2_dropless_yarn_mtp": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
                                                 "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0",
+                                                "model.mtp_layers=1", "model.mtp_weight=0.3",
                                                 "model.yarn_factor=4", "model.yarn_original_max_positions=8",
                                                 "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"],
 }
@@ -60,6 +62,8 @@ def test_latent_attention_and_deepseek_moe_equal_single_device(tiny_deepseek, re
     config = apply_overrides(tiny_deepseek, model)
     ref, run = reference(config), run_layout(apply_overrides(config, LAYOUTS[name]))
     check(compare(run, ref), RTOL, where=name)
+    if "model.mtp_layers=1" in model:
+        assert run.metrics["mtp_loss"] == pytest.approx(ref.metrics["mtp_loss"], rel=RTOL) and ref.metrics["mtp_loss"] > 0
     moe = {k for k in ref.metrics if k.startswith("moe_")}
     assert moe >= {"moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped"}, ref.metrics
     for k in moe:
@@ -80,6 +84,28 @@ def test_explain_splits_the_experts_over_stage_and_expert(tiny_deepseek):
     rows = {r["name"]: r["ratio"] for r in doc["memory"] if r["ratio"] is not None}
     assert rows["parameters"] == pytest.approx(1.0, abs=1e-3) and rows["model state"] == pytest.approx(1.0, abs=1e-3), rows
     assert doc["expert_traffic"]["ratio"] == pytest.approx(1.0, abs=1e-3), doc["expert_traffic"]
+
+
+def test_the_prediction_module_predicts_token_t_plus_2_within_its_document(tiny_deepseek):
+    """Its loss at t reads token t + 2 as the target: changing token j changes the loss at
+    j - 2 and nowhere before (the layers are causal); it is 0 where t + 2 is past the
+    sequence or in the next packed document."""
+    cfg = dataclasses.replace(tiny_deepseek.model, mtp_layers=1, routing="dropless")  # capacity: tokens compete
+    with nnx.use_eager_sharding(False):
+        model = cfg.build(nnx.Rngs(0))
+    tokens = np.arange(1, 9, dtype=np.int32)[None] * 7 % 128
+    segments = np.array([[1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
+
+    def loss(t):
+        x, _ = model.trunk(model.embedding[...], t, None, segments)
+        return np.asarray(model.next_but_one_loss(x, model.embedding[...], t, None, segments))[0]
+
+    base = loss(tokens)
+    assert (base[[3, 4, 6, 7]] == 0).all() and (base[[0, 1, 2, 5]] > 0).all(), base
+    changed = tokens.copy()
+    changed[0, 4] = 99
+    after = loss(changed)
+    assert np.array_equal(after[:2], base[:2]) and after[2] != base[2], (base, after)
 
 
 def test_counts_are_the_models_own(tiny_deepseek):
@@ -116,13 +142,18 @@ def test_yarn_as_hugging_face_computes_it():
 
 def test_the_deepseek_v3_preset_counts_671b_parameters_37b_a_token():
     """The published shape's parameter counts come out as DeepSeek-V3's report gives them
-    (671B in all, 37B activated per token; its multi-token prediction module, 14B more, is
-    not part of the preset yet)."""
+    (671B in all, 37B activated per token). The preset leaves multi-token prediction off
+    (model.mtp_layers=0), as it does not run in pipeline stages yet."""
     from jaxpar.families import presets
 
     v3 = presets()["deepseek-v3"]
     assert v3.param_count() / 1e9 == pytest.approx(671, rel=0.002)
     assert v3.param_count(active=True) / 1e9 == pytest.approx(37, rel=0.02)
+    # its prediction module: 11.5B parameters of its own (the report's README: 14B with the
+    # embedding and head it shares)
+    mtp = dataclasses.replace(v3, mtp_layers=1)
+    assert mtp.mtp_param_count() / 1e9 == pytest.approx(11.5, rel=0.02)
+    assert mtp.param_count() == v3.param_count() + mtp.mtp_param_count()
 
 
 # DeepSeek-V3's config.json as published (deepseek-ai/DeepSeek-V3, transformers 4's remote-code
@@ -156,7 +187,7 @@ def test_the_published_config_json_reads_as_the_preset_and_writes_back():
         DeepSeekConfig.from_hf(PUBLISHED)
     bf16 = {k: v for k, v in PUBLISHED.items() if k != "quantization_config"}
     imported = DeepSeekConfig.from_hf(bf16)
-    training = dict(routing="dropless", bias_update_rate=0.0, aux_loss_weight=0.0)
+    training = dict(routing="dropless", bias_update_rate=0.0, aux_loss_weight=0.0, mtp_layers=1)
     assert imported == dataclasses.replace(presets()["deepseek-v3"], **training)
     assert DeepSeekConfig.from_hf(imported.to_hf()) == imported
     for key in ("num_hidden_layers", "first_k_dense_replace", "max_position_embeddings", "n_group", "q_lora_rank"):

@@ -72,12 +72,18 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     abstract_state = trainer.abstract_state()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_params(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
-    check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
+    fresh = check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
     shardings = jax.tree.leaves(trainer.shardings.optimizer if abstract_state.master is not None
                                 else trainer.shardings.params)
+    if fresh and jax.process_index() == 0:
+        parts = sorted({p.split(".")[0] for p in fresh})
+        print(f"{str(folder)!r} holds none of {', '.join(parts)} ({len(fresh)} parameters): they start from the model's "
+              "own initialisation", flush=True)
 
     def start() -> Any:
+        drawn = _drawn(trainer, fresh)
         arrays = [
+            jax.device_put(drawn[path], sharding) if path in fresh else
             jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
             for path, sharding in zip(shapes, shardings)
         ]
@@ -86,22 +92,36 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     return start
 
 
+def _drawn(trainer, paths: set[str]) -> dict[str, Any]:
+    """The parameters at `paths` as a fresh run draws them (the whole model is drawn once,
+    in model order; only these are kept)."""
+    if not paths:
+        return {}
+    master = trainer.model_order(trainer.master_params(trainer.init()))
+    return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(master)[0]) if p in paths}
+
+
 def _reader(weight: Weight, entries: dict[str, Entry], shape: tuple[int, ...]):
     """index -> that shard, each distinct index read once (replicas share it)."""
     return functools.lru_cache(maxsize=None)(lambda index: read_slice(weight, entries, shape, index))
 
 
 def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight], entries: dict[str, Entry],
-                  folder: pathlib.Path, ignored: tuple[str, ...]) -> None:
-    """Every tensor the model needs is there in the right shape, and none is left over."""
+                  folder: pathlib.Path, ignored: tuple[str, ...]) -> set[str]:
+    """Every tensor the model needs is there in the right shape, and none is left over;
+    returns the parameters left to their initialisation (`Weight.fresh`, absent)."""
     unmapped = [p for p in shapes if p not in weights]
     if unmapped:
         raise ConfigError(f"the model's hf_weights() maps no Hugging Face tensor to {', '.join(unmapped)}; "
                           "give each parameter a jaxpar.hf.Weight (Weight(None) for one Hugging Face has not)")
-    used = set()
+    used, fresh = set(), set()
     for path, shape in shapes.items():
         weight = weights[path]
-        for _, name in weight.names(shape) if weight.name else ():
+        names = [name for _, name in weight.names(shape)] if weight.name else []
+        if weight.fresh and names and not any(n in entries for n in names):
+            fresh.add(path)
+            continue
+        for name in names:
             if name not in entries:
                 raise ConfigError(f"{str(folder)!r} has no tensor {name!r} (the model's {path}); the checkpoint is "
                                   "incomplete or of another model")
@@ -118,6 +138,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
         raise ConfigError(f"{str(folder)!r} holds {len(left)} tensors the model has no place for "
                           f"({', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}); it is of another architecture "
                           "than its config.json says, or the model's hf_weights() is incomplete")
+    return fresh
 
 
 def _path(keys) -> str:

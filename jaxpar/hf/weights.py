@@ -28,6 +28,7 @@ class Weight:
     order: tuple[int, ...] | None = None  # None: its own axis order
     fused: tuple[int, ...] | None = None  # with `view`: the tensor's own shape, which it splits
     layer_offset: int = 0  # the Hugging Face index of our first slab along `{layer}` (a stack after others)
+    fresh: bool = False  # a checkpoint without this tensor leaves the parameter at the model's own initialisation
 
     def __post_init__(self):
         if (self.view is None) != (self.fused is None):

@@ -20,8 +20,10 @@ from jaxpar.sharding.embedding import lookup
 from jaxpar.sharding.experts import run_experts, top_k_indices
 from jaxpar.sharding.projections import column_project, row_project
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
+from jaxpar.sharding.sequence import ahead
 
 __all__ = [
+    "ahead",
     "column_project",
     "lookup",
     "row_project",
