@@ -5,6 +5,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py                      # every cell; table + benchmarks/results/matrix.json
   python benchmarks/matrix.py --list               # the cells and their overrides, nothing run
   python benchmarks/matrix.py --only 1f1b --only zero3 --jobs 2 --out /tmp/m.json
+  python benchmarks/matrix.py --only deepseek      # DeepSeek-V3's family
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -16,12 +17,14 @@ devices, a triple on 8, so no axis the cell does not name is > 1):
   stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline_schedule)
 
 Cells with `expert` use the moe recipe, the others the llama recipe, each with its own model
-shape, seq_len and global batch; every run forces train.compute_dtype=float32,
+shape, seq_len and global batch; the cells marked [deepseek] (every pair with expert, and
+pipeline x data x expert and fsdp x expert x tensor) run DeepSeek-V3's family in small
+(recipes/deepseek.py: latent attention, DeepSeekMoE, multi-token prediction); every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
 in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
-model.routing=dropless), and the reference runs with them too.
+model.routing=dropless; DeepSeek in stages: model.mtp_layers=0), and the reference runs with them too.
 
 A cell is
   equal    the 3 losses match the reference to RTOL, and so does every final parameter
@@ -100,13 +103,23 @@ TRIPLES = (
 )
 
 
+# DeepSeek-V3's family (recipes/deepseek.py: multi-head latent attention, DeepSeekMoE, multi-
+# token prediction), run on the cells that split its experts: every strategy beside expert,
+# and the triples DeepSeek-V3 and FSDP runs use.
+DEEPSEEK_TRIPLES = (
+    (GROUPS["stage"], ("data",), ("expert",)),  # pipeline x data x expert, as DeepSeek-V3 trained
+    (("fsdp",), ("expert",), GROUPS["tensor"]),  # fsdp x expert x tensor
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     strategies: tuple[str, ...]  # in mesh axis order
+    family: str = ""  # "" (the llama and moe recipes) or "deepseek"
 
     @property
     def name(self) -> str:
-        return " x ".join(self.strategies)
+        return " x ".join(self.strategies) + (f" [{self.family}]" if self.family else "")
 
     @property
     def slug(self) -> str:
@@ -118,7 +131,7 @@ class Cell:
 
     @property
     def recipe(self) -> str:
-        return "moe" if "expert" in self.strategies else "llama"
+        return self.family or ("moe" if "expert" in self.strategies else "llama")
 
     @property
     def devices(self) -> int:
@@ -136,9 +149,12 @@ class Cell:
             out.append(("train.microbatches=2",
                         "pipeline-microbatches-per-stage / interleaved-microbatch-groups: a pipeline of mesh.stage=2 "
                         "runs at least (for interleaved, a multiple of) 2 microbatches; gpipe is given the same"))
-        if "expert" in self.axes and "context" in self.axes:
+        if self.recipe == "moe" and "context" in self.axes:
             out.append(("model.routing=dropless",
                         "model-contract: the moe recipe's capacity routing needs whole sequences (mesh.context=1)"))
+        if self.recipe == "deepseek" and "stage" in self.axes:
+            out.append(("model.mtp_layers=0",
+                        "model-contract: multi-token prediction does not run in pipeline stages yet"))
         return tuple(out)
 
     @property
@@ -164,6 +180,9 @@ def cells() -> list[Cell]:
     out.sort(key=lambda c: [order[s] for s in c.strategies])
     for groups in TRIPLES:
         out += [Cell(tuple(sorted(combo, key=order.get))) for combo in itertools.product(*groups)]
+    out += [Cell(c.strategies, "deepseek") for c in out if "expert" in c.strategies and len(c.strategies) == 2]
+    for groups in DEEPSEEK_TRIPLES:
+        out += [Cell(tuple(sorted(combo, key=order.get)), "deepseek") for combo in itertools.product(*groups)]
     return out
 
 

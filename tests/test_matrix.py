@@ -97,8 +97,8 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
         sizes = [int(o.split("=")[1]) for o in c.overrides if o.split("=")[0] in {f"mesh.{a}" for a in matrix.AXES}]
         assert len(sizes) == len(matrix.AXES) and sizes.count(matrix.DEGREE) == len(c.strategies)  # the whole mesh named
         assert ("parallel.sequence_parallel=true" in c.overrides) == ("tensor+sp" in c.strategies)
-        assert c.recipe == ("moe" if "expert" in c.strategies else "llama")
-    pairs = {frozenset(c.strategies) for c in cells if len(c.strategies) == 2}
+        assert c.recipe == (c.family or ("moe" if "expert" in c.strategies else "llama"))
+    pairs = {frozenset(c.strategies) for c in cells if len(c.strategies) == 2 and not c.family}
     expected = {frozenset(p) for p in itertools.combinations(matrix.BY_NAME, 2)
                 if matrix.BY_NAME[p[0]].axis != matrix.BY_NAME[p[1]].axis}
     assert pairs == expected and len(expected) == 100  # 16 strategies on 6 axes
@@ -106,6 +106,10 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
     for wanted in ({"1f1b", "fsdp", "tensor"}, {"zb-h1", "ring", "tensor+sp"}, {"fsdp", "ulysses", "tensor+sp"},
                    {"expert", "tensor", "fsdp"}):
         assert wanted in triples
+    deepseek = {c.strategies: c for c in cells if c.family == "deepseek"}  # every pair with expert, two triples
+    assert {frozenset(k) for k in deepseek if len(k) == 2} == {p for p in expected if "expert" in p}
+    assert "model.mtp_layers=0" in deepseek[("1f1b", "data", "expert")].overrides  # no prediction module in stages
+    assert "model.mtp_layers=0" not in deepseek[("fsdp", "expert", "tensor")].overrides
     for name in COMPILED:
         assert name in names
     pipelined = [c for c in cells if "stage" in c.axes]
