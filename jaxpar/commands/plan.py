@@ -11,8 +11,8 @@ from jaxpar.errors import ConfigError
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="rank layouts for a cluster by compiled memory and a roofline step time")
     plan.add_argument("--model", required=True, metavar="NAME",
-                      help="llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, or a recipe as `train` takes it: "
-                      "a shipped name, a path to a .py file, or package.module[:function]")
+                      help="a model preset (`jaxpar recipes` lists them: llama3-8b, mixtral-8x7b, deepseek-v3, ...), "
+                      "or a recipe as `train` takes it: a shipped name, a path to a .py file, or package.module[:function]")
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="GPUs in the cluster (compiled for as CPU devices)")
     plan.add_argument("--hbm-gb", type=float, required=True, metavar="G", help="memory per GPU in GiB, e.g. 80")
     plan.add_argument("--hosts", type=int, metavar="H", help="hosts (default: N / 8, 8 GPUs per host)")

@@ -59,9 +59,10 @@ class Layout:
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
-    """Every layout the framework can run for `model` on `devices`: model-parallel axes
-    (tensor, context, expert) inside a host; stages dividing the layers (Llama only);
-    fsdp x data filling the rest; ZeRO over data when there is one; both remat extremes;
+    """Every layout the framework can run for `model` on `devices`: tensor and context
+    inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
+    EP 64 spans 8 hosts); stages dividing the layers (experts split inside them); fsdp x
+    data filling the rest; ZeRO over data when there is one; both remat extremes;
     microbatches from 1 (p..4p under a pipeline)."""
     heads, kv = model.num_heads, model.num_kv_heads
     experts = declared(model, "num_experts")
@@ -72,10 +73,12 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
         for context in ([1, 2, 4] if seq_len >= 16384 else [1]):
             for expert in (_divisors(experts) if experts else [1]):
                 inner = tensor * context * expert
-                if inner > devices_per_host or devices % inner or seq_len % (context * tensor * 2):
+                if tensor * context > devices_per_host or devices % inner or seq_len % (context * tensor * 2):
                     continue
-                stages = [1] if experts or context > 1 else [p for p in _divisors(devices // inner)
-                                                            if p <= 16 and model.num_layers % p == 0]
+                if expert > devices_per_host and expert % devices_per_host:  # whole hosts of experts
+                    continue
+                stages = [1] if context > 1 else [p for p in _divisors(devices // inner)
+                                                  if p <= 16 and model.num_layers % p == 0]
                 for stage in stages:
                     rest = devices // (inner * stage)
                     for fsdp in _divisors(rest):
@@ -116,7 +119,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     # HBM traffic: each layer's gathered weights read in the forward, the recomputed forward
     # and both backward matmuls, per microbatch; the activations written once and read
     # once; the optimizer reading and writing its state, master weights and gradients.
-    weights = 2 * psi_local / L.tensor / (L.expert if experts else 1)
+    weights = 2 * ((psi_local - routed) / L.tensor + routed / (L.tensor * L.expert))
     passes = 4 if L.remat != "none" else 3
     hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state
 
@@ -127,13 +130,19 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     bubble = published_bubble("1f1b", L.stage, L.microbatches)
     across = L.host_split(hw.devices_per_host)
     bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731
-    shard = psi_local / L.tensor
+    shard = weights / 2  # the parameters a device reduces and gathers: experts split e ways besides
     fsdp_bytes = 3 * 2 * shard * (L.fsdp - 1) / L.fsdp * L.microbatches if L.fsdp > 1 else 0.0
     data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
     tensor_bytes = 8 * model.num_layers / L.stage * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     model_time = tensor_bytes / bw("tensor") if L.tensor > 1 else 0.0
-    step = compute / (1 - bubble) + (1 - hw.overlap_data) * data_time + (1 - hw.overlap_model) * model_time
+    if experts and L.expert > 1:  # the all-to-alls: 4 a layer and microbatch (6 recomputed), bf16
+        factor = model.capacity_factor if model.routing == "capacity" else 1.0
+        per_pass = formulas.expert_traffic_elements(s * b, model.top_k, h, factor) * 2 * (L.expert - 1) / L.expert
+        model_time += (6 if L.remat != "none" else 4) * per_pass * layers * L.microbatches / bw("expert")
+    busy = compute / (1 - bubble)
+    hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
+    step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "step_s": step, "compute_s": compute, "bubble": bubble}
 
