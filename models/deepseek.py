@@ -104,6 +104,7 @@ class DeepSeekConfig(MoEConfig):
     # latents shard (FSDP) as the width does; the dense layers' stack stays whole (no pipeline splits it)
     axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None, "mtp_in": None}
     WEIGHTS = MoEConfig.WEIGHTS + ("mtp_weight",)
+    mesh_divides = {**MoEConfig.mesh_divides, "fsdp": ("embed", "kv_lora_rank", "q_lora_rank")}  # latents shard as embed
     hf_architectures = ("DeepseekV3ForCausalLM",)
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepSeekConfig":
@@ -125,6 +126,10 @@ class DeepSeekConfig(MoEConfig):
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
+        for field in ("qk_norm", "qkv_bias"):  # Llama's, which latent attention has no place for
+            if getattr(self, field):
+                raise ConfigError(f"model.{field}=True: latent attention has no q/k norms or q/k/v biases (its "
+                                  f"latents have norms of their own); set model.{field}=false")
         if self.num_kv_heads != self.num_heads:
             raise ConfigError(f"model.num_kv_heads={self.num_kv_heads}: under latent attention every head has its own "
                               f"key and value; set model.num_kv_heads={self.num_heads} (model.num_heads)")

@@ -203,6 +203,11 @@ def test_the_published_config_json_reads_as_the_preset_and_writes_back():
     (["model.kv_lora_rank=0"], r"model.kv_lora_rank=0 must be a positive integer"),
     (["model.yarn_factor=0.5"], r"model.yarn_factor=0.5 \(at least 1; 1: no YaRN\)"),
     (["model.dense_layers=-1"], r"model.dense_layers=-1 must be 0 or more"),
+    (["model.qk_norm=true"], r"model.qk_norm=True: latent attention has no q/k norms"),
+    (["model.kv_lora_rank=15", "mesh.fsdp=2"], r"mesh.fsdp=2 does not divide model.kv_lora_rank=15"),
+    (["model.num_experts=12", "mesh.expert=8"], r"mesh.expert=8 does not divide model.num_experts=12"),
+    (["model.mtp_layers=2"], r"model.mtp_layers=2: jaxpar's DeepSeek predicts one token ahead at most"),
+    (["model.mtp_layers=1", "mesh.stage=2", "train.microbatches=2"], r"model.mtp_layers=1 with mesh.stage=2"),
 ])
 def test_bad_deepseek_config(tiny_deepseek, overrides, message):
     with pytest.raises(ConfigError, match=message):
