@@ -24,7 +24,7 @@ train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; o
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
 in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
-model.routing=dropless; DeepSeek in stages: model.mtp_layers=0), and the reference runs with them too.
+model.routing=dropless), and the reference runs with them too.
 
 A cell is
   equal    the 3 losses match the reference to RTOL, and so does every final parameter
@@ -152,9 +152,6 @@ class Cell:
         if self.recipe == "moe" and "context" in self.axes:
             out.append(("model.routing=dropless",
                         "model-contract: the moe recipe's capacity routing needs whole sequences (mesh.context=1)"))
-        if self.recipe == "deepseek" and "stage" in self.axes:
-            out.append(("model.mtp_layers=0",
-                        "model-contract: multi-token prediction does not run in pipeline stages yet"))
         return tuple(out)
 
     @property

@@ -116,6 +116,12 @@ class PipelineStages(Protocol):
     it was given: {"loss": its share of aux["penalty"] summed under batch["weights"],
     "sums": {"token_metrics": {name: its share of the weighted sum}}, "per_layer":
     {"counts": {name: [its layers, ...]}}} (models.moe.MoETransformer.apply_layers).
+
+    Optionally `output_report(x, batch)`, on the last stage beside the output: a loss of
+    the module's own computed from the last hidden states and the batch (DeepSeek-V3's
+    multi-token prediction), {"loss": its weighted sum, "sums": {"token_metrics": {name:
+    its weighted sum}}}, whose metric names `apply_layers` also reports (as 0), so every
+    stage's report has one structure (models.deepseek.DeepSeek).
     """
 
     layers: nnx.Module

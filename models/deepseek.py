@@ -39,7 +39,8 @@ t + 1, through one more MoE layer and the model's head; its cross-entropy joins 
 loss (the trainer weighs it as the main loss at t). Hugging Face's checkpoints hold it as
 model.layers.{dense + MoE layers} (enorm, hnorm, eh_proj, shared_head.norm and a decoder
 layer; transformers neither reads nor writes it); a checkpoint without it leaves it at its
-initialisation. Not in pipeline stages yet (refused).
+initialisation. Under a pipeline it runs on the last stage (output_report), which holds the
+embedding and head as every stage does.
 """
 
 from __future__ import annotations
@@ -156,11 +157,6 @@ class DeepSeekConfig(MoEConfig):
         if self.mtp_layers not in (0, 1):
             raise ConfigError(f"model.mtp_layers={self.mtp_layers}: jaxpar's DeepSeek predicts one token ahead at most "
                               "(DeepSeek-V3's depth); use model.mtp_layers=1, or 0 for none")
-        if self.mtp_layers and sizes.get("stage", 1) > 1:
-            raise ConfigError(f"model.mtp_layers={self.mtp_layers} with mesh.stage={sizes['stage']}: the multi-token "
-                              "prediction module does not run in pipeline stages yet (it needs the batch's tokens on the "
-                              "last stage); use model.mtp_layers=0 there, or mesh.stage=1 with expert, fsdp, tensor or "
-                              "context parallelism")
 
     def build(self, rngs: nnx.Rngs) -> "DeepSeek":
         return DeepSeek(self, rngs=rngs)
@@ -228,6 +224,23 @@ class DeepSeek(MoETransformer):
     def trunk(self, table, tokens_BS, positions, segment_ids):
         x = self.run_dense(self.lookup(table, tokens_BS), positions, segment_ids)
         return self.run_layers(x, positions, segment_ids)
+
+    def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
+        x, report = super().apply_layers(x, batch)
+        if self.cfg.mtp_layers:  # the last stage's output_report adds it; every stage reports the name
+            report["sums"]["token_metrics"]["mtp_loss"] = jnp.zeros((), jnp.float32)
+        return x, report
+
+    def output_report(self, x_BSD: jax.Array, batch: dict) -> dict | None:
+        """The pipeline's last stage: the prediction module's loss under the batch's weights
+        (jaxpar.model.PipelineStages), as __call__ adds it to each token's."""
+        if not self.cfg.mtp_layers:
+            return None
+        loss = self.next_but_one_loss(x_BSD, compute_value(self.embedding), batch["inputs"], batch.get("positions"),
+                                      batch.get("segment_ids"))
+        weighted = jnp.sum(loss * batch["weights"].astype(jnp.float32))
+        return {"loss": self.cfg.mtp_weight * weighted,
+                "sums": {"token_metrics": {"mtp_loss": jax.lax.stop_gradient(weighted)}}}
 
     def next_but_one_loss(self, x_BSD, table, tokens_BS, positions, segment_ids) -> jax.Array:
         """[B, S]: the prediction module's cross-entropy for token t + 2 at each position t,

@@ -188,7 +188,7 @@ def model_stages(graphdef: nnx.GraphDef, score: Score) -> Stages:
     stage by `score(model.output, hidden, microbatch) -> (loss sum, weight)` (the output
     passed uncalled, so a loss may run it in pieces: jaxpar.train.loss.chunked_task_loss),
     with the report of the layers (an empty one where `apply_layers` returns x alone, not
-    (x, report))."""
+    (x, report)), plus the module's `output_report(hidden, microbatch)` where it has one."""
 
     def model(chunk: Any, other: dict):
         return nnx.merge(graphdef, join_layers(chunk, other))
@@ -207,6 +207,17 @@ def model_stages(graphdef: nnx.GraphDef, score: Score) -> Stages:
     def last(chunk, other, x, mb):
         net = model(chunk, other)
         x, report = layers(net, x, mb)
-        return (*score(net.output, x, mb), report)
+        extra = getattr(net, "output_report", lambda x, mb: None)(x, mb)  # the module's own terms at the end
+        return (*score(net.output, x, mb), report if extra is None else _plus(report, extra))
 
     return Stages(first, mid, last, aux=True)
+
+
+def _plus(report: dict, extra: dict) -> dict:
+    """A chunk's report with what `output_report` adds on the last stage: its loss, and its
+    token metrics' sums (keys `apply_layers` already reports, so every stage's report has
+    one structure)."""
+    metrics = dict(report["sums"].get("token_metrics", {}))
+    for name, value in extra.get("sums", {}).get("token_metrics", {}).items():
+        metrics[name] = metrics[name] + value
+    return {**report, "loss": report["loss"] + extra["loss"], "sums": {**report["sums"], "token_metrics": metrics}}
