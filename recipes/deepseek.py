@@ -4,8 +4,8 @@ scores with bias balancing), multi-head latent attention (query and key/value la
 multi-token prediction; experts over mesh.expert=4 x mesh.data=2.
 
   jaxpar train deepseek --set train.steps=50
-  jaxpar train deepseek --set mesh.stage=2 --set mesh.expert=2 --set train.microbatches=2 \
-      --set model.mtp_layers=0                       # DeepSeek's PP x EP x data (no MTP in stages yet)
+  jaxpar train deepseek --set mesh.stage=2 --set mesh.expert=2 --set train.microbatches=2
+                                                     # DeepSeek's PP x EP x data, MTP on the last stage
   jaxpar explain deepseek                            # the all-to-alls beside their formula
   jaxpar plan --model deepseek-v3 --devices 2048     # the published shape (docs/models/deepseek.md)
 """

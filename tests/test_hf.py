@@ -36,15 +36,13 @@ LAYOUTS = {
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
-    # does not save, starts from its initialisation; stages run without it)
-    "deepseek_v3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE + ["model.mtp_layers=0"],
-                    ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+    # does not save, starts from its initialisation; under stages it sits on the last)
+    "deepseek_v3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     "deepseek_v3_plain": [["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ulysses"]],
 }
 CASES = [(c, i) for c in LAYOUTS for i in range(len(LAYOUTS[c]))]
-EXPORTED_FROM = {"deepseek_v3": PIPELINE + ["model.mtp_layers=0"],
-                 "deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # one MoE layer: no stages
-MTP_LAYER = {"deepseek_v3_plain": "model.layers.3."}  # exported beside transformers' tensors
+EXPORTED_FROM = {"deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # one MoE layer: no stages
+MTP_LAYER = {"deepseek_v3": "model.layers.3.", "deepseek_v3_plain": "model.layers.3."}  # exported beside transformers' tensors
 
 
 def hf_trainer(folder: pathlib.Path, sets: list[str] = ("mesh.fsdp=2", "mesh.tensor=4")):
