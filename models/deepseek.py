@@ -141,10 +141,10 @@ class DeepSeekConfig(MoEConfig):
             raise ConfigError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE; use "
                               f"{self.qk_rope_head_dim + 1}")
         if not (1 <= self.yarn_factor < float("inf") and self.yarn_original_max_positions > 0
-                and self.yarn_beta_fast > self.yarn_beta_slow > 0):
+                and self.yarn_beta_fast >= self.yarn_beta_slow > 0):
             raise ConfigError(f"model.yarn_factor={self.yarn_factor} (at least 1; 1: no YaRN), "
                               f"model.yarn_original_max_positions={self.yarn_original_max_positions} (positive) and "
-                              f"model.yarn_beta_fast={self.yarn_beta_fast} > model.yarn_beta_slow={self.yarn_beta_slow} > 0 "
+                              f"model.yarn_beta_fast={self.yarn_beta_fast} >= model.yarn_beta_slow={self.yarn_beta_slow} > 0 "
                               "are YaRN's; DeepSeek-V3 uses 40, 4096, 32 and 1")
         if self.rope_scaling_factor != 1:  # rope_frequencies would apply it under YaRN's ramp
             raise ConfigError(f"model.rope_scaling_factor={self.rope_scaling_factor} is Llama 3.1's RoPE scaling; "
@@ -538,4 +538,15 @@ register(Family("deepseek", DeepSeekConfig, presets={
         routing="capacity", bias_update_rate=0.001, aux_loss_weight=0.0001, z_loss_weight=0.0, norm_eps=1e-6,
         yarn_factor=40.0, yarn_original_max_positions=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
         rope_interleave=True),
+    # Kimi K2 (Moonshot AI, 2025; its config.json): DeepSeek-V3's architecture with 384 routed
+    # experts (8 per token, no group limit, gates x 2.827), 64 heads, one dense layer, a
+    # 163,840-token vocabulary, RoPE theta 50,000 with YaRN x 32 (beta 1 and 1). 1.03T
+    # parameters, 32.9B a token (Moonshot: 1T and 32B).
+    "kimi-k2": DeepSeekConfig(
+        vocab_size=163840, embed=7168, num_layers=60, dense_layers=1, dense_mlp=18432, num_heads=64, num_kv_heads=64,
+        head_dim=192, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=384, top_k=8, mlp=2048, shared_experts=1, routed_scaling=2.827, routing="capacity",
+        bias_update_rate=0.001, aux_loss_weight=0.0, z_loss_weight=0.0, norm_eps=1e-6, rope_theta=50000.0,
+        yarn_factor=32.0, yarn_original_max_positions=4096, yarn_beta_fast=1.0, yarn_beta_slow=1.0, yarn_mscale=1.0,
+        yarn_mscale_all_dim=1.0, rope_interleave=True),
 }))
