@@ -58,8 +58,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import Block, RMSNorm, refuse_parts, rope_frequencies, rotate
-from jaxpar.models.llama import RESIDUAL
+from jaxpar.models.llama import RESIDUAL, Block, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
 from jaxpar.models.moe import MoEBlock, MoEConfig, MoETransformer
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import ahead, attend, column_project, compute_value, constrain, row_project
@@ -107,6 +106,8 @@ class DeepSeekConfig(MoEConfig):
     WEIGHTS = MoEConfig.WEIGHTS + ("mtp_weight",)
     mesh_divides = {**MoEConfig.mesh_divides, "fsdp": ("embed", "kv_lora_rank", "q_lora_rank")}  # latents shard as embed
     hf_architectures = ("DeepseekV3ForCausalLM",)
+    hf_training_fields = MoEConfig.hf_training_fields + ("mtp_layers", "mtp_weight")
+
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepSeekConfig":
         return deepseek_from_hf(cls, hf)
@@ -116,8 +117,6 @@ class DeepSeekConfig(MoEConfig):
 
     def hf_weights(self) -> dict:
         return deepseek_hf_weights(self)
-
-    hf_training_fields = MoEConfig.hf_training_fields + ("mtp_layers", "mtp_weight")
 
     def hf_ignored(self) -> tuple[str, ...]:
         """The prediction layer after the main stack: all of it without model.mtp_layers; with
@@ -171,12 +170,8 @@ class DeepSeekConfig(MoEConfig):
     def mtp_param_count(self, active: bool = False) -> int:
         """The prediction module: an MoE layer, the projection [2D, D] and three norms (the
         embedding and head are the model's)."""
-        if not self.mtp_layers:
-            return 0
-        d, experts = self.embed, self.top_k if active else self.num_experts
-        layer = (self.attention_param_count() + d * self.num_experts + 3 * d * self.mlp * (experts + self.shared_experts)
-                 + 2 * d)
-        return self.mtp_layers * (layer + 2 * d * d + 3 * d)
+        d = self.embed
+        return self.mtp_layers * (self.moe_layer_param_count(active) + 2 * d * d + 3 * d)
 
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
         return super().param_count(include_embedding, active) + self.dense_param_count() + self.mtp_param_count(active)
@@ -433,9 +428,7 @@ def _yarn_from_hf(hf: dict) -> dict:
 
 def deepseek_to_hf(cfg: DeepSeekConfig) -> dict:
     refuse_parts(cfg, "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, router_scores="sigmoid", activation="silu")
-    if cfg.tie_embeddings and cfg.scale_tied_logits:
-        raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
-                          "Hugging Face's DeepSeek-V3 does not; export a model trained with model.scale_tied_logits=false")
+    refuse_scaled_tied_head(cfg, "DeepSeek-V3")
     hf = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed, "intermediate_size": cfg.dense_mlp, "moe_intermediate_size": cfg.mlp,

@@ -390,12 +390,17 @@ def refuse_parts(cfg: LlamaConfig, architecture: str, **held) -> None:
                               f"model.{field}={want!r}")
 
 
+def refuse_scaled_tied_head(cfg: LlamaConfig, model: str) -> None:
+    """Hugging Face's `model` never scales a tied head's logits; ours may."""
+    if cfg.tie_embeddings and cfg.scale_tied_logits:
+        raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
+                          f"Hugging Face's {model} does not; export a model trained with model.scale_tied_logits=false")
+
+
 def llama_to_hf(cfg: LlamaConfig, architecture: str, model_type: str) -> dict:
     """Llama's config.json keys, for `architecture`; the q/k norms and q/k/v biases are the
     family's to write (Llama has neither)."""
-    if cfg.tie_embeddings and cfg.scale_tied_logits:
-        raise ConfigError("model.scale_tied_logits=True multiplies the tied head's logits by embed**-0.5, which "
-                          "Hugging Face's Llama does not; export a model trained with model.scale_tied_logits=false")
+    refuse_scaled_tied_head(cfg, "Llama")
     hf = {
         "architectures": [architecture], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,

@@ -132,12 +132,15 @@ class MoEConfig(LlamaConfig):
 
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
         """All parameters, or those one token uses (`active`: k experts of E)."""
-        d, f, v = self.embed, self.mlp, self.vocab_size
-        experts = self.top_k if active else self.num_experts
-        per_layer = (self.attention_param_count() + d * self.num_experts + 3 * d * f * (experts + self.shared_experts)
-                     + 2 * d)
-        embedding = v * d * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + d + (embedding if include_embedding else 0)
+        embedding = self.vocab_size * self.embed * (1 if self.tie_embeddings else 2)
+        return self.num_layers * self.moe_layer_param_count(active) + self.embed + (embedding if include_embedding else 0)
+
+    def moe_layer_param_count(self, active: bool = False) -> int:
+        """One MoE layer: attention, the router, the experts (k of them when `active`) and
+        the shared ones, two norms."""
+        d, experts = self.embed, self.top_k if active else self.num_experts
+        return (self.attention_param_count() + d * self.num_experts + 3 * d * self.mlp * (experts + self.shared_experts)
+                + 2 * d)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters one token uses (k experts) plus attention, as for Llama."""
