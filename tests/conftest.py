@@ -113,7 +113,6 @@ LONGEST_FIRST = (
     "tests/test_distributed.py::test_a_process_that_stops_responding",
     "tests/test_gradient_compression.py::test_cross_host_bytes_are_the_formula",
     "tests/test_your_model.py::test_explain_accounts_for_a_user_model_on_a_pipeline",
-    "tests/test_zeropp.py::test_qwz_keeps_no_gathered_weight_for_backward",
     "tests/test_distributed.py::test_each_process_reads_only_its_rows",
     "tests/test_finetune.py::test_a_hugging_face_llama_is_fine_tuned",
 )

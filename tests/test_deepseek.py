@@ -1,9 +1,10 @@
 """DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): a dense layer, then
 multi-head latent attention over DeepSeekMoE experts, equals one device (fp32, 1e-5: losses, gradients,
-parameters and the step's MoE metrics) under zero-bubble pipeline stages x expert x tensor +
-SP (dropless; queries through their own latent), 1F1B stages x expert x ZeRO-1 data (DeepSeek-V3's
-own layout in small) and FSDP ZeRO-3 x expert x ring context parallelism (dropless, queries
-straight from the residual, multi-token prediction on).
+parameters and the step's MoE and prediction-module metrics) under zero-bubble pipeline
+stages x expert x tensor + SP, 1F1B stages x expert x ZeRO-1 data (DeepSeek-V3's own layout
+in small) and FSDP ZeRO-3 x expert x ring context parallelism: one model (dropless, queries
+through their own latent, YaRN, multi-token prediction) under all three, against one
+single-device reference.
 
 The stages' layout also holds what tests/test_pipeline.py's MoE-in-stages test held until
 issue 33: each chunk's load-balancing and z losses join the objective where the chunk runs,
@@ -37,38 +38,40 @@ def tiny_deepseek():
     )
 
 
+# One model for every layout, so they share one single-device reference: dropless routing,
+# queries through their own latent, YaRN past its original length, multi-token prediction.
+# (Queries straight from the residual, q_lora_rank=0, are tested against transformers under
+# four layouts in tests/test_hf.py.)
+MODEL = ["model.routing=dropless", "model.mtp_layers=1", "model.mtp_weight=0.3", "model.yarn_factor=4",
+         "model.yarn_original_max_positions=8", "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"]
 LAYOUTS = {
     # experts split inside the stages, each stage's all-to-alls among its own expert ranks
-    "zb_stage2_expert2_tensor2_sp_dropless_query_latent": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2",
-                                                           "parallel.sequence_parallel=true",
-                                                           "parallel.pipeline_schedule=zb-h1", "train.microbatches=2",
-                                                           "model.routing=dropless"],
+    "zb_stage2_expert2_tensor2_sp": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                     "parallel.pipeline_schedule=zb-h1", "train.microbatches=2"],
     # DeepSeek-V3's own training layout in small: PP x EP x ZeRO-1 data, the prediction module on the last stage
-    "1f1b_stage2_expert2_data2_zero1_dropless_mtp": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2",
-                                                     "parallel.zero_stage=1", "parallel.pipeline_schedule=1f1b",
-                                                     "train.microbatches=2", "model.routing=dropless",
-                                                     "model.mtp_layers=1"],
-    # with multi-token prediction: its shifted tokens cross the context shards
-    "zero3_fsdp2_expert2_ring2_dropless_yarn_mtp": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2",
-                                                "parallel.zero_stage=3", "model.routing=dropless", "model.q_lora_rank=0",
-                                                "model.mtp_layers=1", "model.mtp_weight=0.3",
-                                                "model.yarn_factor=4", "model.yarn_original_max_positions=8",
-                                                "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"],
+    "1f1b_stage2_expert2_data2_zero1": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero_stage=1",
+                                        "parallel.pipeline_schedule=1f1b", "train.microbatches=2"],
+    # the prediction module's shifted tokens cross the context shards
+    "zero3_fsdp2_expert2_ring2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "parallel.zero_stage=3"],
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_latent_attention_and_deepseek_moe_equal_single_device(tiny_deepseek, reference, name):
-    model = [o for o in LAYOUTS[name] if o.startswith("model.")]
-    config = apply_overrides(tiny_deepseek, model)
+    config = apply_overrides(tiny_deepseek, MODEL)
     ref, run = reference(config), run_layout(apply_overrides(config, LAYOUTS[name]))
     check(compare(run, ref), RTOL, where=name)
-    if "model.mtp_layers=1" in model:
-        assert run.metrics["mtp_loss"] == pytest.approx(ref.metrics["mtp_loss"], rel=RTOL) and ref.metrics["mtp_loss"] > 0
+    assert run.metrics["mtp_loss"] == pytest.approx(ref.metrics["mtp_loss"], rel=RTOL) and ref.metrics["mtp_loss"] > 0
     moe = {k for k in ref.metrics if k.startswith("moe_")}
     assert moe >= {"moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped"}, ref.metrics
     for k in moe:
         assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL, abs=1e-7), (name, k, run.metrics[k], ref.metrics[k])
+    # the balancing bias moves by the loads of the whole batch (summed over microbatches and
+    # replicas, then all-reduced): 3 steps of +-0.01 or 0 in every layer, the prediction module's too
+    biases = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(run.params) if "router_bias" in str(path)]
+    steps = np.round(np.concatenate([b.ravel() for b in biases]) / 0.01)
+    assert len(biases) == 2 and np.allclose(np.concatenate([b.ravel() for b in biases]), steps * 0.01, atol=1e-6)
+    assert np.abs(steps).max() <= 3 and np.abs(steps).sum() > 0
 
 
 def test_explain_splits_the_experts_over_stage_and_expert(tiny_deepseek):

@@ -66,19 +66,9 @@ def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
     assert run.metrics["moe_dropped"] == 0.0
 
 
-def test_shared_experts_and_bias_balancing_equal_single_device(tiny_moe, reference):
-    """DeepSeekMoE's routing: a shared expert, sigmoid scores, group-limited choice (4 groups
-    of 2, the best 2 groups), gates scaled by 2.5, and the balancing bias, which moves by the
-    loads of the whole batch: summed over microbatches and over the per-replica gradients
-    (data x fsdp), then all-reduced."""
-    config = apply_overrides(tiny_moe, ["model.shared_experts=1", "model.bias_update_rate=0.01", "model.aux_loss_weight=0",
-                                        "model.router_scores=sigmoid", "model.expert_groups=4", "model.top_groups=2",
-                                        "model.routed_scaling=2.5"])
-    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"]))
-    check(compare(run, reference(config)), RTOL, where="shared + bias")
-    bias = run.params["layers"]["moe"]["router_bias"]  # [layers, experts], 3 steps of +-0.01 or 0
-    steps = np.round(np.asarray(bias) / 0.01)
-    assert np.allclose(bias, steps * 0.01, atol=1e-6) and np.abs(steps).max() <= 3 and np.abs(steps).sum() > 0
+# DeepSeekMoE's routing (a shared expert, sigmoid scores, group-limited choice, scaled gates,
+# the balancing bias moved by the whole batch's loads) is tested under pipeline, expert,
+# data, fsdp and context layouts by tests/test_deepseek.py (its own test here until issue 33).
 
 
 def test_group_limited_routing_is_hugging_faces():
