@@ -61,14 +61,20 @@ def reference():
 
 def shared_run(path: pathlib.Path, config):
     """The reference run of `config`, computed by whichever xdist worker asks first and read
-    by the others from the run's cache (a second worker asking meanwhile computes it too)."""
-    if path.exists():
-        return pickle.loads(path.read_bytes())
-    run = reference_run(config)
-    partial = path.with_suffix(f".{os.getpid()}")
-    partial.write_bytes(pickle.dumps(run))
-    partial.rename(path)  # whole or absent
-    return run
+    by the others from the run's cache. A worker asking while another computes it waits for
+    it (a lock beside the file): the longest tests run first on both workers, and the
+    layouts of one model ask for its reference at once."""
+    import fcntl
+
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        run = reference_run(config)
+        partial = path.with_suffix(f".{os.getpid()}")
+        partial.write_bytes(pickle.dumps(run))
+        partial.rename(path)  # whole or absent
+        return run
 
 
 # ------------------------------------------------------------------ the smoke subset

@@ -47,9 +47,11 @@ def packed(b, s, seed=1):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-def jax_reference(q, k, v, segment_ids, causal):
+def jax_reference(q, k, v, segment_ids, causal, window=0):
+    """JAX's own attention; a sliding window of w keys is its local window of w - 1 before the query."""
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+    local = (window - 1, 0) if window else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, local_window_size=local)
 
 
 def value_and_grads(fn, q, k, v, cotangent):
@@ -70,22 +72,25 @@ CASES = [
 
 
 # Each case under three masks that between them take every value of each setting once:
-# causal or not, zigzag or contiguous order, packed documents or none (every pair of
-# settings was run once: 42 compiles for what these 21 find).
-MASKS = [(True, "zigzag", False), (True, "contiguous", True), (False, "zigzag", True)]
+# causal or not, zigzag or contiguous order, packed documents or none, a sliding window of a
+# quarter of the sequence or none (every pair of settings was run once: 42 compiles for what
+# these 21 find). The window over the contiguous order stops the ring early in the cases of
+# 4 and 8 devices (2 of 4 blocks, 3 of 8); under zigzag: test_windowed_ring_under_zigzag.
+MASKS = [(True, "zigzag", False, False), (True, "contiguous", True, True), (False, "zigzag", True, False)]
 
 
 @pytest.mark.parametrize("impl, sizes, dims, block", CASES, ids=lambda x: str(x))
-@pytest.mark.parametrize("causal, layout, segments", MASKS, ids=str)
-def test_kernel_equals_dot_product_attention(impl, sizes, dims, block, causal, segments, layout):
+@pytest.mark.parametrize("causal, layout, segments, windowed", MASKS, ids=str)
+def test_kernel_equals_dot_product_attention(impl, sizes, dims, block, causal, segments, layout, windowed):
     mesh = mesh_of(**sizes)
     b, s, h, g, kd = dims
     q, k, v, ct = inputs(*dims)
     seg = packed(b, s) if segments else None
     batch = "data" if "data" in sizes else None
     heads = "tensor" if "tensor" in sizes else None
+    window = s // 4 if windowed else 0
     spec = ContextSpec(impl, mesh, ("context",), P(batch, "context", heads, None), P(batch, "context", heads, None),
-                       layout, Masking(causal, block, block))
+                       layout, Masking(causal, block, block, window=window))
     order = sequence_order(layout, mesh.shape["context"], s)
     permute = lambda x: None if x is None else x[:, order]
     seg_laid = permute(seg)
@@ -93,23 +98,45 @@ def test_kernel_equals_dot_product_attention(impl, sizes, dims, block, causal, s
         *map(permute, (q, k, v, ct))
     )
     got = [unpermute(x, layout, mesh.shape["context"]) for x in got]
-    want = value_and_grads(lambda *a: jax_reference(*a, seg, causal), q, k, v, ct)
+    want = value_and_grads(lambda *a: jax_reference(*a, seg, causal, window), q, k, v, ct)
     for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert tree_error(a, w) <= RTOL, f"{impl} {name}: {tree_error(a, w):.1e}"
 
 
-@pytest.mark.parametrize("segments", [False, True])
-def test_flash_and_plain_reference_equal_dot_product_attention(segments):
+@pytest.mark.parametrize("segments, window", [(False, 0), (True, 11)])
+def test_flash_and_plain_reference_equal_dot_product_attention(segments, window):
     q, k, v, ct = inputs(2, 40, 6, 3, 8)
     seg = packed(2, 40) if segments else None
     index = jnp.arange(40)
     for fn in (
-        lambda *a: flash_attention(*a, index, index, seg, seg, Masking(True, 16, 8)),
-        lambda *a: reference_attention(*a, seg, True),
+        lambda *a: flash_attention(*a, index, index, seg, seg, Masking(True, 16, 8, window=window)),
+        lambda *a: reference_attention(*a, seg, True, window=window),
     ):
         got = value_and_grads(fn, q, k, v, ct)
-        want = value_and_grads(lambda *a: jax_reference(*a, seg, True), q, k, v, ct)
+        want = value_and_grads(lambda *a: jax_reference(*a, seg, True, window), q, k, v, ct)
         assert max(tree_error(a, w) for a, w in zip(got, want)) <= RTOL
+
+
+def test_windowed_ring_under_zigzag_skips_tiles_but_not_hops():
+    """A sliding window under the zigzag order: values and gradients equal JAX's windowed
+    attention; the tiles outside every window are skipped (fewer than causal attention's),
+    but a device's late chunk needs the blocks after it, so the ring makes all its hops."""
+    mesh = mesh_of(context=4)
+    dims, window = (2, 32, 4, 2, 8), 5
+    q, k, v, ct = inputs(*dims)
+    seg = packed(2, 32)
+    order = sequence_order("zigzag", 4, 32)
+    spec = ContextSpec("ring", mesh, ("context",), P(None, "context"), P(None, "context"), "zigzag",
+                       Masking(True, 4, 4, window=window))
+    assert spec.ring_steps(32) == 4
+    laid = [x[:, order] for x in (q, k, v, ct)]
+    got = jax.jit(lambda q, k, v, ct: value_and_grads(lambda *a: context_attention(*a, seg[:, order], spec), q, k, v, ct))(*laid)
+    want = value_and_grads(lambda *a: jax_reference(*a, seg, True, window), q, k, v, ct)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert tree_error(unpermute(a, "zigzag", 4), w) <= RTOL, name
+    causal = ContextSpec("ring", mesh, ("context",), P(None, "context"), P(None, "context"), "zigzag", Masking(True, 4, 4))
+    tiles = [np.asarray(jax.jit(lambda q, k, v: executed_tiles(q, k, v, None, c))(*laid[:3])) for c in (spec, causal)]
+    assert tiles[0].sum() < tiles[1].sum() / 2, tiles
 
 
 def test_zigzag_balances_causal_work_and_contiguous_does_not():

@@ -31,7 +31,7 @@ def sequence_degree(layout: Layout) -> int:
     return math.prod(layout.mesh.shape[a] for a in axes)
 
 
-def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
+def context_spec(layout: Layout, causal: bool = True, window: int = 0) -> ContextSpec:
     """The kernel's view of `layout`: its mesh axes, specs and block sizes."""
     q_spec = layout.rules.spec(Q_NAMES, "compute")
     block = layout.context.block
@@ -42,18 +42,21 @@ def context_spec(layout: Layout, causal: bool = True) -> ContextSpec:
         q_spec=q_spec,
         kv_spec=layout.rules.spec(KV_NAMES, "compute"),
         seq_layout=layout.context.seq_layout,
-        masking=Masking(causal, block, block, layout.context.kernel),
+        masking=Masking(causal, block, block, layout.context.kernel, window),
         replica_axis=layout.replica_axis,
         ring_hop=hop_here(),
     )
 
 
-def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True) -> jax.Array:
-    """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart. Values
-    may have a head size of their own (MLA), which the output then has."""
+def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True,
+           window: int = 0) -> jax.Array:
+    """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart; `window` > 0
+    shows each query only the last `window` keys up to itself (a sliding window, as Mistral's
+    and Gemma's local layers; every kernel skips the work outside it). Values may have a head
+    size of their own (MLA), which the output then has."""
     layout = active_layout()
     if layout is not None and sequence_degree(layout) > 1:
-        return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal))
+        return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal, window))
     impl = "reference" if layout is None else layout.attention
     if impl == "cudnn":
         if segment_ids is not None:  # refused before compile (jaxpar.checks); a caller's own call lands here
@@ -61,9 +64,12 @@ def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=
         if v_BSGK.shape[-1] != q_BSHK.shape[-1]:
             raise ValueError(f"attend: attention=cudnn takes values of the queries' head size ({q_BSHK.shape[-1]}), "
                              f"not {v_BSGK.shape[-1]}; use flash or reference")
-        return jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=causal, implementation="cudnn")
+        # cuDNN's window counts the keys before the query: window - 1 of them, and itself
+        local = (window - 1, 0) if window else None
+        return jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=causal, local_window_size=local,
+                                            implementation="cudnn")
     if impl == "flash":
         index = jnp.arange(q_BSHK.shape[1])
-        masking = Masking(causal, layout.context.block, layout.context.block, layout.context.kernel)
+        masking = Masking(causal, layout.context.block, layout.context.block, layout.context.kernel, window)
         return flash_attention(q_BSHK, k_BSGK, v_BSGK, index, index, segment_ids, segment_ids, masking)
-    return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal)
+    return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal, window=window)

@@ -3,7 +3,8 @@ softmax (FlashAttention-2's recurrence), in pure JAX, plus the matching backward
 
 Every context-parallel kernel is built from these two functions. They never materialise
 more than a [block_q x block_kv] score tile per head, so memory grows linearly with the
-sequence. A tile whose keys all lie after its queries (causal) is skipped with `lax.cond`
+sequence. A tile whose keys all lie after its queries (causal), or all before their sliding
+window, is skipped with `lax.cond`
 and counted, so the work a device does can be read back from the kernel itself.
 
 Shapes (G kv heads, R query heads per kv head):
@@ -18,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar.kernels.attention.tiles import NEG_INF, Masking, tile
+from jaxpar.kernels.attention.tiles import NEG_INF, Masking, tile, tile_visible, visible
 
 def _tiles(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Split `axis` into [n_tiles, size] and move the tile index to the front."""
@@ -32,21 +33,13 @@ def _untile(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
-def _needed(q_index: jax.Array, kv_index: jax.Array, causal: bool) -> jax.Array:
-    """Whether a (query tile, key tile) pair has any visible pair under the causal mask."""
-    return jnp.min(kv_index) <= jnp.max(q_index) if causal else jnp.bool_(True)
-
-
-def _mask(q_index, kv_index, q_segment, kv_segment, causal: bool) -> jax.Array:
+def _mask(q_index, kv_index, q_segment, kv_segment, masking: Masking) -> jax.Array:
     """[B or 1, 1, 1, bq, bk] visibility of each key to each query."""
-    visible = jnp.ones((q_index.shape[0], kv_index.shape[0]), bool)
-    if causal:
-        visible = kv_index[None, :] <= q_index[:, None]
-    visible = visible[None, None, None]
+    shown = visible(q_index, kv_index, masking.causal, masking.window)[None, None, None]
     if q_segment is not None:
         same = q_segment[:, :, None] == kv_segment[:, None, :]
-        visible = visible & same[:, None, None]
-    return visible
+        shown = shown & same[:, None, None]
+    return shown
 
 
 def _scores(q, k, visible) -> jax.Array:
@@ -77,7 +70,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
             k_t, v_t, ki_t, ks_t = kv
 
             def compute(acc, m, l):
-                s = _scores(q_t, k_t, _mask(qi_t, ki_t, qs_t, ks_t, masking.causal))
+                s = _scores(q_t, k_t, _mask(qi_t, ki_t, qs_t, ks_t, masking))
                 m_new = jnp.maximum(m, s.max(-1))
                 safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen nothing yet
                 p = jnp.exp(s - safe[..., None])
@@ -88,9 +81,9 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
                 return acc, m_new, l
 
             acc, m, l = jax.lax.cond(
-                _needed(qi_t, ki_t, masking.causal), compute, lambda *c: c, acc, m, l
+                tile_visible(qi_t, ki_t, masking.causal, masking.window), compute, lambda *c: c, acc, m, l
             )
-            return (acc, m, l, count + _needed(qi_t, ki_t, masking.causal).astype(jnp.int32)), None
+            return (acc, m, l, count + tile_visible(qi_t, ki_t, masking.causal, masking.window).astype(jnp.int32)), None
 
         init = (
             jnp.zeros((b, bq, g, r, d), jnp.float32),
@@ -142,7 +135,7 @@ def backward(q, k, v, o, lse, do, q_index, kv_index, q_segment, kv_segment, mask
             q_t, do_t, lse_t, delta_t, qi_t, qs_t = qa
 
             def compute(dk, dv):
-                s = _scores(q_t, k_t, _mask(qi_t, ki_t, qs_t, ks_t, masking.causal))
+                s = _scores(q_t, k_t, _mask(qi_t, ki_t, qs_t, ks_t, masking))
                 p = jnp.exp(s - lse_t[..., None])  # masked logits are -inf: p = 0 there
                 # Matmul operands in the inputs' dtype (bf16 runs at bf16 rate), sums in float32.
                 f32 = dict(preferred_element_type=jnp.float32)
@@ -154,7 +147,7 @@ def backward(q, k, v, o, lse, do, q_index, kv_index, q_segment, kv_segment, mask
                 return dk, dv, dq
 
             skip = lambda dk, dv: (dk, dv, jnp.zeros(q_t.shape, jnp.float32))
-            dk, dv, dq = jax.lax.cond(_needed(qi_t, ki_t, masking.causal), compute, skip, dk, dv)
+            dk, dv, dq = jax.lax.cond(tile_visible(qi_t, ki_t, masking.causal, masking.window), compute, skip, dk, dv)
             return (dk, dv), dq
 
         zeros = (jnp.zeros(k_t.shape, jnp.float32), jnp.zeros(v_t.shape, jnp.float32))

@@ -75,6 +75,17 @@ class ContextSpec:
         m = self.masking
         return dataclasses.replace(m, block_q=tile(chunk, m.block_q), block_kv=tile(chunk, m.block_kv))
 
+    def ring_steps(self, s: int) -> int:
+        """How many of the ring's blocks some query of a device sees: all n, but under a
+        sliding window w over the contiguous layout only the device's own block and the
+        ceil((w - 1) / chunk) before it, so the ring stops there (with the zigzag layout a
+        device's late chunk needs the blocks after it too: the tile skip saves their FLOPs,
+        not their hops)."""
+        n, window = self.degree, self.masking.window
+        if not window or self.seq_layout != "contiguous":
+            return n
+        return min(n, 1 + -(-(window - 1) // (s // n)))
+
     @property
     def seg_spec(self) -> P:
         return P(self.q_spec[0], self.q_spec[1])

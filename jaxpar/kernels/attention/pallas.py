@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.kernels.attention.tiles import NEG_INF, Masking, needed_tiles, tile
+from jaxpar.kernels.attention.tiles import NEG_INF, Masking, needed_tiles, tile, tile_visible, visible
 
 TRITON_MAX_TILE = 128  # a program's score tile stays in registers / shared memory
 
@@ -82,7 +82,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
         in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)), pl.BlockSpec((None, sk), lambda bi, hi, qi: (bi, 0))]
         args += [q_segment.astype(jnp.int32), kv_segment.astype(jnp.int32)]
 
-    kernel = _kernel(bk, sk // bk, masking.causal, has_seg, d**-0.5)
+    kernel = _kernel(bk, sk // bk, masking.causal, masking.window, has_seg, d**-0.5)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
@@ -98,11 +98,11 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
         interpret=interpret,
         name="jaxpar_block_attention",
     )(*args)
-    tiles = needed_tiles(q_index, kv_index, bq, bk, masking.causal)
+    tiles = needed_tiles(q_index, kv_index, bq, bk, masking.causal, masking.window)
     return o.reshape(q.shape), lse.reshape(b, g, r, sq), tiles
 
 
-def _kernel(bk: int, n_kv_tiles: int, causal: bool, has_seg: bool, scale: float):
+def _kernel(bk: int, n_kv_tiles: int, causal: bool, window: int, has_seg: bool, scale: float):
     """The body one program runs: one query tile of one head against every key tile."""
 
     def kernel(q_ref, k_ref, v_ref, qi_ref, ki_ref, *refs):
@@ -119,12 +119,10 @@ def _kernel(bk: int, n_kv_tiles: int, causal: bool, has_seg: bool, scale: float)
             def compute(acc, m, l):
                 k, v = k_ref[span, :], v_ref[span, :]
                 s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-                visible = jnp.ones((bq, bk), jnp.bool_)
-                if causal:
-                    visible = kv_index[None, :] <= q_index[:, None]
+                shown = visible(q_index, kv_index, causal, window)
                 if has_seg:
-                    visible = visible & (q_seg[:, None] == ks_ref[span][None, :])
-                s = jnp.where(visible, s, NEG_INF)
+                    shown = shown & (q_seg[:, None] == ks_ref[span][None, :])
+                s = jnp.where(shown, s, NEG_INF)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1))
                 safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen nothing yet
                 p = jnp.exp(s - safe[:, None])
@@ -134,7 +132,7 @@ def _kernel(bk: int, n_kv_tiles: int, causal: bool, has_seg: bool, scale: float)
 
             if not causal:
                 return compute(*carry)
-            return jax.lax.cond(jnp.min(kv_index) <= jnp.max(q_index), compute, lambda *c: c, *carry)
+            return jax.lax.cond(tile_visible(q_index, kv_index, causal, window), compute, lambda *c: c, *carry)
 
         init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
         acc, m, l = jax.lax.fori_loop(0, n_kv_tiles, kv_tile, init)

@@ -11,6 +11,11 @@ Under a causal mask with the zigzag layout, a block from an earlier device is vi
 of this device's queries but only its first half of keys is (the rest lies in the future),
 and a block from a later device is visible only to this device's late half: the tile skip in
 `blocks` turns both into half the work, the same on every device.
+
+Under a sliding window over the contiguous layout (`ContextSpec.ring_steps`) only the first
+t of the n blocks reach a device's queries: the ring stops after t - 1 hops, and in the
+backward pass each block's key/value gradient sum goes home from t - 1 devices on in one
+permute. Each query sees at most w keys, so the contiguous layout is balanced there.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def forward(q, k, v, segment, ctx):
         jnp.full((q.shape[0], k.shape[2], qg.shape[3], q.shape[1]), NEG_INF, jnp.float32),
         jnp.int32(0),
     )
-    o, lse, tiles = _ring(n, step, init, (k, v, segment), ctx)
+    o, lse, tiles = _ring(ctx.ring_steps(s), step, init, (k, v, segment), ctx)
     o = o.reshape(out_shape(q, v)).astype(q.dtype)
     return o, (q, k, v, segment, o, lse), tiles
 
@@ -77,7 +82,8 @@ def backward(residuals, do, ctx):
     device adds its share to the sum that arrives for the block it holds, and passes it on at
     the start of the next step, beside the next key/value hop, so both transfers overlap that
     step's block; after the last step one more hop takes every sum home (n hops in all, in
-    float32: they are sums over every device's queries)."""
+    float32: they are sums over every device's queries; t, the last a permute t - 1 devices
+    back, when a sliding window stops the ring after t steps)."""
     q, k, v, segment, o, lse = residuals
     n, s, g = ctx.degree, q.shape[1] * ctx.degree, k.shape[2]
     rank = jax.lax.axis_index(ctx.axis)
@@ -100,14 +106,16 @@ def backward(residuals, do, ctx):
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     held, dq = (k, v, segment), jnp.zeros(qg.shape, jnp.float32)
-    if n == 1:
-        dq, sums = step(0, dq, held, zeros)
+    t = ctx.ring_steps(s)
+    if t == 1:
+        dq, sums = step(0, dq, held, zeros)  # the block seen is the device's own: its sums are home
     else:
         incoming = _pass_on(held, ctx)  # step 0: no sums have arrived yet
         dq, sums = step(0, dq, held, zeros)
-        dq, held, sums = jax.lax.fori_loop(1, n - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
-        dq, sums = step(n - 1, dq, held, _pass_on(sums, ctx))  # the last step: no block to fetch
-        sums = _pass_on(sums, ctx)  # home
+        dq, held, sums = jax.lax.fori_loop(1, t - 1, hop, jax.lax.optimization_barrier((dq, incoming, sums)))
+        dq, sums = step(t - 1, dq, held, _pass_on(sums, ctx))  # the last step: no block to fetch
+        # home: the block held now came from t - 1 devices back (the next device, round a whole ring)
+        sums = send(sums, ctx.axis, [(i, (i - (t - 1)) % n) for i in range(n)], ctx.ring_hop)
     return dq.reshape(q.shape).astype(q.dtype), sums[0].astype(k.dtype), sums[1].astype(v.dtype)
 
 
