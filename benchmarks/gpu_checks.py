@@ -2,7 +2,7 @@
 
   1. pallas: the fused Pallas (Triton) attention block forward against its plain
      reference, the pure-JAX block forward: output and log-normaliser error, and time
-     side by side (same inputs, same run).
+     side by side (same inputs, same run); one case with a sliding window of 1024.
   2. grouped: the dropless experts' grouped matmul (jax.lax.ragged_dot, custom VJP)
      against a per-group loop of matmuls, values and gradients, and its time against
      running every row through every expert (the reference's dense cost).
@@ -15,7 +15,8 @@
      jax.nn.dot_product_attention(implementation="cudnn"), against the plain reference
      attention (scores materialised, softmax in float32) in the same dtype, both measured
      against that reference in float32: output and dq, dk, dv errors, bf16 and fp16,
-     causal and not, grouped-query heads; forward and forward+backward time side by side.
+     causal and not, grouped-query heads, a sliding window; forward and forward+backward
+     time side by side.
      Packed documents are not checked: jaxpar's cuDNN path takes no segment ids (attend
      refuses them, and the checks refuse attention=cudnn with data.eos_id set).
 
@@ -83,12 +84,13 @@ def pallas_rows(repeats: int) -> list[dict]:
     from jaxpar.kernels.attention.tiles import Masking
 
     rows = []
-    for s, d, dtype, causal, packed in [
-        (2048, 128, "bfloat16", True, False),
-        (8192, 128, "bfloat16", True, False),
-        (8192, 128, "bfloat16", False, False),
-        (8192, 64, "bfloat16", True, True),
-        (4096, 128, "float32", True, False),
+    for s, d, dtype, causal, packed, window in [
+        (2048, 128, "bfloat16", True, False, 0),
+        (8192, 128, "bfloat16", True, False, 0),
+        (8192, 128, "bfloat16", False, False, 0),
+        (8192, 64, "bfloat16", True, True, 0),
+        (4096, 128, "float32", True, False, 0),
+        (8192, 128, "bfloat16", True, False, 1024),  # a sliding window (Mistral's, Gemma 3's local 1024)
     ]:
         b, g, r = 1, 2, 4
         k = jax.random.split(jax.random.key(s + d), 3)
@@ -98,15 +100,15 @@ def pallas_rows(repeats: int) -> list[dict]:
         index = jnp.arange(s, dtype=jnp.int32)
         seg = (jnp.arange(s, dtype=jnp.int32)[None] * 3 // s).repeat(b, 0) if packed else None
         args = (q, kk, v, index, index, seg, seg)
-        plain = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512)))
-        fused = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512, kernel="pallas")))
+        plain = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512, window=window)))
+        fused = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512, kernel="pallas", window=window)))
         # the reference in float32: both kernels accumulate in float32
-        want = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512)))(
+        want = jax.jit(lambda *a: blocks.forward(*a, Masking(causal, 512, 512, window=window)))(
             *(x.astype(jnp.float32) for x in args[:3]), *args[3:]
         )
         got_plain, got_fused = plain(*args), fused(*args)
         rows.append({
-            "seq": s, "head_dim": d, "dtype": dtype, "causal": causal, "packed": packed,
+            "seq": s, "head_dim": d, "dtype": dtype, "causal": causal, "packed": packed, "window": window,
             "pallas_out_error": rel_error(got_fused[0], want[0]),
             "jax_out_error": rel_error(got_plain[0], want[0]),
             "pallas_lse_error": rel_error(got_fused[1], want[1]),
@@ -201,17 +203,19 @@ def offload_rows(steps: int = 12) -> list[dict]:
     return rows
 
 
-# batch, seq, heads, kv heads, head dim, dtype, causal: mfu.py's attention first (GQA 2:1)
+# batch, seq, heads, kv heads, head dim, dtype, causal, sliding window (0: none): mfu.py's
+# attention first (GQA 2:1)
 CUDNN_CASES = [
-    (4, 2048, 16, 8, 128, "bfloat16", True),
-    (1, 8192, 16, 8, 128, "bfloat16", True),
-    (2, 4096, 16, 8, 128, "bfloat16", False),
-    (4, 2048, 16, 8, 128, "float16", True),
-    (2, 4096, 32, 4, 64, "bfloat16", True),
+    (4, 2048, 16, 8, 128, "bfloat16", True, 0),
+    (1, 8192, 16, 8, 128, "bfloat16", True, 0),
+    (2, 4096, 16, 8, 128, "bfloat16", False, 0),
+    (4, 2048, 16, 8, 128, "float16", True, 0),
+    (2, 4096, 32, 4, 64, "bfloat16", True, 0),
+    (1, 8192, 16, 8, 128, "bfloat16", True, 1024),  # the second case's, windowed: its time against it
 ]
 
 
-def attention_as_jaxpar_runs_it(impl: str, causal: bool):
+def attention_as_jaxpar_runs_it(impl: str, causal: bool, window: int = 0):
     """`attend` under a one-device layout whose attention is `impl`: the call the models make,
     so this checks whatever jaxpar's cudnn path is, not a copy of it."""
     import jax
@@ -224,7 +228,7 @@ def attention_as_jaxpar_runs_it(impl: str, causal: bool):
 
     def fn(q, k, v):
         with use_layout(layout):
-            return attend(q, k, v, causal=causal)
+            return attend(q, k, v, causal=causal, window=window)
 
     return fn
 
@@ -240,7 +244,7 @@ def fwd_bwd(fn):
     return jax.jit(both)
 
 
-def cudnn_case(b, s, h, g, d, dtype, causal, repeats: int, impl: str) -> dict:
+def cudnn_case(b, s, h, g, d, dtype, causal, window, repeats: int, impl: str) -> dict:
     import re
 
     import jax
@@ -253,8 +257,8 @@ def cudnn_case(b, s, h, g, d, dtype, causal, repeats: int, impl: str) -> dict:
     kk, v = (jax.random.normal(key, (b, s, g, d), dtype) for key in k[1:3])
     dy = jax.random.normal(k[3], (b, s, h, d), dtype)
     args = (q, kk, v, dy)
-    fused_fn = attention_as_jaxpar_runs_it(impl, causal)
-    plain_fn = lambda q, k, v: reference_attention(q, k, v, causal=causal)  # noqa: E731
+    fused_fn = attention_as_jaxpar_runs_it(impl, causal, window)
+    plain_fn = lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window)  # noqa: E731
     fused, plain = fwd_bwd(fused_fn), fwd_bwd(plain_fn)
     want = plain(*(x.astype(jnp.float32) for x in args))  # the ground truth: the reference in float32
     got, same_dtype = fused(*args), plain(*args)
@@ -276,10 +280,11 @@ def cudnn_case(b, s, h, g, d, dtype, causal, repeats: int, impl: str) -> dict:
 def cudnn_rows(repeats: int, cases=CUDNN_CASES, impl: str = "cudnn") -> list[dict]:
     """One row a case; a case cuDNN refuses (a dtype, a head dim) records why, the rest go on."""
     rows = []
-    for b, s, h, g, d, dtype, causal in cases:
-        row = {"batch": b, "seq": s, "heads": h, "kv_heads": g, "head_dim": d, "dtype": dtype, "causal": causal}
+    for b, s, h, g, d, dtype, causal, window in cases:
+        row = {"batch": b, "seq": s, "heads": h, "kv_heads": g, "head_dim": d, "dtype": dtype, "causal": causal,
+               "window": window}
         try:
-            row.update(cudnn_case(b, s, h, g, d, dtype, causal, repeats, impl))
+            row.update(cudnn_case(b, s, h, g, d, dtype, causal, window, repeats, impl))
         except Exception as e:  # noqa: BLE001  (recorded: an unsupported case is a result too)
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
