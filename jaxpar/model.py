@@ -57,6 +57,8 @@ Fields some parts read where a config has them (a decoder's shape):
   num_experts    routed experts (0 without): the planner's expert layouts, explain's
                  all-to-all formula.
   remat          the name of the jaxpar.nn remat policy the model applies ("none" without).
+  sliding_window the keys each query sees (0 without: all earlier ones), for explain's
+                 context traffic (a ring over the contiguous order stops early).
 
 A model family (a config class with its Hugging Face architectures, planner presets and
 recipes) registers once with `jaxpar.families.register`.
@@ -142,7 +144,7 @@ MEMBERS: dict[str, Any] = {
     "hf_training_fields": (),
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
-    "num_experts": 0, "remat": "none",
+    "num_experts": 0, "remat": "none", "sliding_window": 0,
 }
 HF_FORMAT = ("hf_architectures", "from_hf", "to_hf", "hf_weights")  # declared together, or none of them
 _DEFAULT = object()

@@ -321,7 +321,7 @@ class LatentAttention(nnx.Module):
         k_rope = jnp.broadcast_to(rotate(k_rope[:, :, None, :], positions, freq, scale), (*k_nope.shape[:-1], rope_dim))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
         q, k, v = (checkpoint_name(constrain(t, Q_NAMES), "qkv") for t in (q, k, v))
-        o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")
+        o = checkpoint_name(attend(q, k, v, segment_ids, window=cfg.sliding_window), "attention_out")
         return row_project(constrain(o, Q_NAMES), self.wo, Q_NAMES)
 
 
@@ -427,7 +427,8 @@ def _yarn_from_hf(hf: dict) -> dict:
 
 
 def deepseek_to_hf(cfg: DeepSeekConfig) -> dict:
-    refuse_parts(cfg, "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, router_scores="sigmoid", activation="silu")
+    refuse_parts(cfg, "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, router_scores="sigmoid", activation="silu",
+                 sliding_window=0)
     refuse_scaled_tied_head(cfg, "DeepSeek-V3")
     hf = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,

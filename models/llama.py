@@ -76,6 +76,9 @@ class LlamaConfig:
     qk_norm: bool = False  # an RMSNorm (head_dim wide) over each query and key head, before RoPE
     qkv_bias: bool = False  # biases on the query, key and value projections
     activation: Activation = "silu"  # the gated MLP's (ACTIVATIONS)
+    # Each query sees only the last sliding_window keys up to itself (Mistral's and Mixtral's
+    # sliding_window; every attention kernel skips the rest); 0: every earlier key.
+    sliding_window: int = 0
 
     # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
     # and the fields each mesh axis splits.
@@ -95,6 +98,9 @@ class LlamaConfig:
         for field in self.SIZES:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}={getattr(self, field)} must be a positive integer")
+        if self.sliding_window < 0:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} must be a number of keys, e.g. 4096, "
+                              "or 0 for none")
         for field, example in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5"), ("rope_low_freq_factor", "1"),
                                ("rope_original_max_positions", "8192")):
             if not 0 < getattr(self, field) < float("inf"):
@@ -118,7 +124,7 @@ class LlamaConfig:
         return llama_from_hf(cls, hf)
 
     def to_hf(self) -> dict:
-        refuse_parts(self, "LlamaForCausalLM", qk_norm=False, qkv_bias=False)
+        refuse_parts(self, "LlamaForCausalLM", qk_norm=False, qkv_bias=False, sliding_window=0)
         return llama_to_hf(self, "LlamaForCausalLM", "llama")
 
     def hf_weights(self) -> dict:
@@ -165,8 +171,10 @@ class LlamaConfig:
 
     def attention_flops(self, seq_len: int) -> float:
         """One layer's attention scores and values, training FLOPs per token: two matmuls of
-        the query heads over seq_len keys, 2 FLOPs a multiply-add, x 3 for the backward."""
-        return 12 * self.num_heads * self.head_dim * seq_len
+        the query heads over seq_len keys (at most sliding_window of them), 2 FLOPs a
+        multiply-add, x 3 for the backward."""
+        keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+        return 12 * self.num_heads * self.head_dim * keys
 
 
 class RMSNorm(nnx.Module):
@@ -249,7 +257,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
-        o = checkpoint_name(attend(q, k, v, segment_ids), "attention_out")  # context parallel if "seq" is sharded
+        o = checkpoint_name(attend(q, k, v, segment_ids, window=cfg.sliding_window), "attention_out")  # context parallel if "seq" is sharded
         o = constrain(o, Q_NAMES)
         return row_project(o, self.wo, Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce
 
@@ -375,7 +383,7 @@ def llama_from_hf(cls, hf: dict, **extra):
         rope_original_max_positions=int(rope.get("original_max_position_embeddings", 8192)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
         scale_tied_logits=not tied,  # Hugging Face never scales a tied head (untied, the field is unused)
-        activation=activation,
+        activation=activation, sliding_window=int(hf.get("sliding_window") or 0),
     )
     return cls(**{**fields, **extra})
 
@@ -398,8 +406,8 @@ def refuse_scaled_tied_head(cfg: LlamaConfig, model: str) -> None:
 
 
 def llama_to_hf(cfg: LlamaConfig, architecture: str, model_type: str) -> dict:
-    """Llama's config.json keys, for `architecture`; the q/k norms and q/k/v biases are the
-    family's to write (Llama has neither)."""
+    """Llama's config.json keys, for `architecture`; the q/k norms, q/k/v biases and sliding
+    window are the family's to write (Llama has none)."""
     refuse_scaled_tied_head(cfg, "Llama")
     hf = {
         "architectures": [architecture], "model_type": model_type, "vocab_size": cfg.vocab_size,

@@ -306,9 +306,6 @@ def mixtral_from_hf(cls, hf: dict) -> MoEConfig:
         raise ConfigError("config.json has num_experts_per_tok=1: Mixtral renormalises a single gate to 1, where "
                           "jaxpar keeps the router's probability (which gives the router a gradient); jaxpar imports "
                           "Mixtral models of top-k >= 2")
-    if hf.get("sliding_window") is not None:
-        raise ConfigError(f"config.json has sliding_window={hf['sliding_window']}; jaxpar's attention is full causal "
-                          "attention, so it imports Mixtral models without a sliding window")
     aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
     return llama_from_hf(cls, hf, num_experts=value(hf, "num_local_experts"), top_k=k, routing="dropless",
                          renormalize=True, shared_experts=0, aux_loss_weight=aux, z_loss_weight=0.0, bias_update_rate=0.0)
@@ -326,7 +323,7 @@ def mixtral_to_hf(cfg: MoEConfig) -> dict:
         hf.pop(key)
     if cfg.head_dim == cfg.embed // cfg.num_heads:  # Mixtral's default; written only where it differs
         hf.pop("head_dim")
-    return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "sliding_window": None,
+    return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "sliding_window": cfg.sliding_window or None,
             "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": cfg.aux_loss_weight > 0}
 
 

@@ -32,7 +32,11 @@ LAYOUTS = {
                    ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
     "llama_untied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
                                                                    "parallel.context_impl=ulysses"]],
-    "mixtral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+    # the sliding window (6 keys of 16) under the zigzag ring beside experts, and (mistral, 5 keys)
+    # under a ring over the contiguous order that stops after 2 of its 4 blocks
+    "mixtral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]],
+    "mistral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
+                                                             "parallel.context_layout=contiguous"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers

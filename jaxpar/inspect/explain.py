@@ -278,7 +278,8 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
     b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
     per_layer = formulas.context_traffic_elements(
-        impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim, n
+        impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim, n,
+        window=declared(model, "sliding_window"), layout=config.parallel.context_layout,
     )
     forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
     remat = declared(model, "remat")

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 
@@ -77,25 +79,30 @@ def activation_bytes_per_layer(
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: int) -> dict[str, dict[str, float]]:
+def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: int, window: int = 0,
+                             layout: str = "zigzag") -> dict[str, dict[str, float]]:
     """Per-device elements one attention layer sends over a context axis of n devices,
     {"forward"|"backward": {collective kind: elements}}. s is the whole sequence, b the
     batch per device, hq / hkv the query / key-value widths (heads x head dim) per device.
 
-    ring (reference.md; Liu et al.): K and V hop n-1 times forward, 2(s/n)·b·hkv·(n-1); the
-      backward hops them again and sends dK, dV n times (home with their block).
+    ring (reference.md; Liu et al.): K and V hop t-1 times forward, 2(s/n)·b·hkv·(t-1); the
+      backward hops them again and sends dK, dV t times (home with their block). t = n, but
+      under a sliding window of w keys over the contiguous layout only the device's own
+      block and the ceil((w-1)/(s/n)) before it are seen: t = min(n, 1 + that).
     ulysses (DeepSpeed blog, 4sh/n for MHA): all-to-alls of q, k, v and o, each sending
       (n-1)/n of its s/n shard: (2hq + 2hkv)·(s/n)·b·(n-1)/n; the backward mirrors it.
     allgather: K and V gathered, 2·s·b·hkv·(n-1)/n; gathered again backward and their
       gradients reduce-scattered.
+    (A window leaves Ulysses' and all-gather's traffic as it is: it saves their FLOPs.)
     """
     if n <= 1:
         return {"forward": {}, "backward": {}}
     shard = s // n * b
     if impl == "ring":
         kv = 2 * shard * hkv
-        return {"forward": {"collective-permute": kv * (n - 1)},
-                "backward": {"collective-permute": kv * (n - 1) + kv * n}}
+        t = n if not window or layout != "contiguous" else min(n, 1 + math.ceil((window - 1) / (s // n)))
+        return {"forward": {"collective-permute": kv * (t - 1)},
+                "backward": {"collective-permute": kv * (t - 1) + kv * t if t > 1 else 0}}
     if impl == "ulysses":
         each = (2 * hq + 2 * hkv) * shard * (n - 1) / n
         return {"forward": {"all-to-all": each}, "backward": {"all-to-all": each}}
@@ -103,6 +110,14 @@ def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: in
         kv = 2 * s * b * hkv * (n - 1) / n
         return {"forward": {"all-gather": kv}, "backward": {"all-gather": kv, "reduce-scatter": kv}}
     raise ValueError(f"context impl {impl!r}; use ring, ulysses or allgather")
+
+
+def windowed_tile_pairs(chunk: int, block: int, window: int) -> int:
+    """(query tile, key tile) pairs a device's block kernel computes under a sliding window of
+    w keys, for `chunk` queries in tiles of `block` that do not touch the sequence's start:
+    each query tile sees its own key tile and the ceil((w-1)/block) before it (against
+    chunk/block x (chunk/block + 1) / 2 and more for causal attention)."""
+    return chunk // block * (1 + math.ceil((window - 1) / block))
 
 
 def expert_traffic_elements(tokens: int, top_k: int, hidden: int, capacity_factor: float) -> float:

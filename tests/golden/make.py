@@ -8,8 +8,8 @@ own, from the repository root:
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
 
-(The DeepSeek-V3 cases were made with transformers 5.24.0 and torch 2.13.0 (CPU); the
-others with the versions of their day.)
+(The DeepSeek-V3, Mistral and Mixtral cases were made with transformers 5.24.0 and torch
+2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
 
@@ -44,10 +44,14 @@ CASES = {
     # Llama 2 style: untied head, no scaling; saved in several files with an index.
     "llama_untied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         COMMON, intermediate_size=128, tie_word_embeddings=False, rope_theta=500000.0), "100KB"),
-    # Mixtral: 4 experts, top 2 (renormalised), dropless.
+    # Mixtral: 4 experts, top 2 (renormalised), dropless, a sliding window of 6 keys (the batch: 16).
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-        rope_theta=1e6), "5GB"),
+        rope_theta=1e6, sliding_window=6), "5GB"),
+    # Mistral: Llama's shape with a sliding window of 5 keys, heads of 16 (not hidden / heads = 8).
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
+        COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0,
+        sliding_window=5), "5GB"),
     # DeepSeek-V3: 1 dense layer then 2 MoE layers of 8 experts (top 2 within 2 of 4 groups, gates
     # x 2.5, one shared expert), MLA with a query latent, YaRN x 4 over 8 original positions
     # (the 16-token batch runs past them), RoPE pairs interleaved, a drawn correction bias.
