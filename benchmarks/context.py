@@ -14,8 +14,14 @@ ring, Ulysses and all-gather attention kernels, and whole-model memory of `llama
      the compiled program against jaxpar.inspect.formulas.context_traffic_elements.
   4. llama_long (compile only): the recipe's whole training step at sequence 8k to 128k on
      8 devices (context=8, ring): per-device memory from the compiled step.
+  5. window: a sliding window of w = s/8 keys on a context of 8 (ring, Ulysses, all-gather;
+     zigzag and contiguous order): collective bytes per device from the compiled layer
+     against the formula (the contiguous ring stops after 2 of 8 blocks), and attention
+     FLOPs per device from the kernel's tile count against formulas.windowed_tile_pairs,
+     beside causal attention without a window.
 
   python benchmarks/context.py [--out benchmarks/results/context.json]
+  python benchmarks/context.py --only window --out benchmarks/results/context_window.json
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seqs", default="4096,8192,16384,32768,65536", help="sequence lengths for the memory table")
     p.add_argument("--long-seqs", default="8192,16384,32768,65536,131072", help="llama_long sequence lengths")
     p.add_argument("--out", default="benchmarks/results/context.json")
+    p.add_argument("--only", choices=["window"], help="only this section (the others take about an hour)")
     return p.parse_args()
 
 
@@ -50,6 +57,12 @@ def main() -> None:
     import jax
     from tqdm import tqdm
 
+    setup = {"heads": HEADS, "head_dim": HEAD_DIM, "batch": 1, "block": BLOCK, "dtype": "float32",
+             "platform": jax.devices()[0].platform, "jax": jax.__version__, "machine": platform.machine(),
+             "date": time.strftime("%Y-%m-%d")}
+    window = [window_row(impl, layout, w) for impl, layout, w in tqdm(WINDOW_CASES, desc="windowed layers", leave=False)]
+    if args.only == "window":
+        return finish({"setup": setup, "window": window}, args.out)
     seqs = [int(x) for x in args.seqs.split(",")]
     long_seqs = [int(x) for x in args.long_seqs.split(",")]
     work = [(impl, n, s) for impl in IMPLS for n in (2, 4, 8) for s in seqs]
@@ -64,23 +77,62 @@ def main() -> None:
     add_slopes(memory)
     balance = [balance_row(impl, layout, n) for impl in IMPLS for layout in ("zigzag", "contiguous") for n in (2, 4, 8)]
     long = [long_row(s) for s in tqdm(long_seqs, desc="llama_long steps", leave=False)]
-    doc = {
-        "setup": {"heads": HEADS, "head_dim": HEAD_DIM, "batch": 1, "block": BLOCK, "dtype": "float32",
-                  "platform": jax.devices()[0].platform, "jax": jax.__version__, "machine": platform.machine(),
-                  "date": time.strftime("%Y-%m-%d")},
-        "memory": memory,
-        "balance": balance,
-        "traffic": traffic,
-        "llama_long": long,
-    }
+    finish({"setup": setup, "memory": memory, "balance": balance, "traffic": traffic, "llama_long": long,
+            "window": window}, args.out)
+
+
+def finish(doc: dict, out: str) -> None:
     print(render(doc))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"\nwrote {out}")
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {path}")
 
 
-def layer_fn(impl: str, n: int, layout: str = "zigzag", block: int = BLOCK):
+WINDOW_SEQ, WINDOW_DEVICES = 16384, 8
+# (impl, order, window): causal attention without a window first, the baseline
+WINDOW_CASES = [("ring", "zigzag", 0), ("ring", "zigzag", WINDOW_SEQ // 8), ("ring", "contiguous", WINDOW_SEQ // 8),
+                ("ulysses", "contiguous", WINDOW_SEQ // 8), ("allgather", "contiguous", WINDOW_SEQ // 8)]
+
+
+def window_row(impl: str, layout: str, window: int, s: int = WINDOW_SEQ, n: int = WINDOW_DEVICES) -> dict:
+    """One causal layer with a sliding window on context=n: collective bytes per device
+    (compiled, forward + backward) against formulas.context_traffic_elements, and the
+    forward's attention FLOPs per device from the kernel's tile count (run with 1 head of 8
+    and scaled to HEADS x HEAD_DIM, as balance_row) against formulas.windowed_tile_pairs."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.inspect.formulas import context_traffic_elements, windowed_tile_pairs
+    from jaxpar.inspect.hlo import collectives
+    from jaxpar.kernels.attention import executed_tiles
+    from jaxpar.kernels.attention.order import chunk_length
+    from jaxpar.kernels.attention.tiles import tile
+
+    mesh, f, spec = layer_fn(impl, n, layout, window=window)
+    sharding = NamedSharding(mesh, P(None, "context"))
+    arg = jax.ShapeDtypeStruct((1, s, HEADS, HEAD_DIM), "float32", sharding=sharding)
+    compiled = jax.jit(f, out_shardings=sharding).lower(arg, arg, arg, arg).compile()
+    sent = sum(c.bytes_per_step for c in collectives(compiled.as_text(), mesh) if c.axes == ("context",))
+    formula = context_traffic_elements(impl, s, 1, HEADS * HEAD_DIM, HEADS * HEAD_DIM, n, window, layout)
+    want = 4 * sum(sum(part.values()) for part in formula.values())
+    small = jax.random.normal(jax.random.key(0), (1, s, n, 8))  # the tile count needs no more than n heads of 8
+    tiles = np.asarray(jax.jit(lambda q: executed_tiles(q, q, q, None, spec))(small)).astype(np.int64)
+    heads = HEADS // n if impl == "ulysses" else HEADS  # Ulysses: every device the whole sequence, 1/n of the heads
+    bq = tile(chunk_length(layout, n, s), BLOCK)  # the kernels' tiles divide the layout's chunks
+    per_tile = 4 * bq * bq * HEAD_DIM * heads  # QK^T and PV
+    # a device away from the sequence's start; Ulysses' devices each hold the whole sequence
+    pairs = (windowed_tile_pairs(s, bq, window, start=0) if impl == "ulysses" else windowed_tile_pairs(s // n, bq, window)
+             ) if window else None
+    return {"impl": impl, "layout": layout, "window": window, "devices": n, "seq": s,
+            "measured_bytes": sent, "formula_bytes": want, "bytes_ratio": sent / want if want else None,
+            "flops_per_device": (tiles * per_tile).tolist(), "max_flops": float(tiles.max() * per_tile),
+            "formula_flops": pairs * per_tile if pairs else None}
+
+
+def layer_fn(impl: str, n: int, layout: str = "zigzag", block: int = BLOCK, window: int = 0):
     """(mesh, f(q, k, v, do) -> (o, dq, dk, dv)) for one causal attention layer."""
     import jax
     from jax.sharding import AxisType
@@ -89,17 +141,19 @@ def layer_fn(impl: str, n: int, layout: str = "zigzag", block: int = BLOCK):
     from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, reference_attention
 
     mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+    spec = None
     if impl == "plain":
         attend = lambda q, k, v: reference_attention(q, k, v, None, True)  # noqa: E731
     else:
-        spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout, Masking(True, block, block))
+        spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout,
+                           Masking(True, block, block, window=window))
         attend = lambda q, k, v: context_attention(q, k, v, None, spec)  # noqa: E731
 
     def f(q, k, v, do):
         o, vjp = jax.vjp(attend, q, k, v)
         return (o, *vjp(do))
 
-    return mesh, f
+    return mesh, f, spec
 
 
 def compile_layer(impl: str, n: int, s: int):
@@ -107,7 +161,7 @@ def compile_layer(impl: str, n: int, s: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh, f = layer_fn(impl, n)
+    mesh, f, _ = layer_fn(impl, n)
     sharding = NamedSharding(mesh, P(None, "context"))
     arg = jax.ShapeDtypeStruct((1, s, HEADS, HEAD_DIM), "float32", sharding=sharding)
     return jax.jit(f, out_shardings=sharding).lower(arg, arg, arg, arg).compile(), mesh
@@ -216,8 +270,11 @@ def _mib(x: float) -> str:
 
 
 def render(doc: dict) -> str:
-    lines = ["per-device memory of one causal attention layer, forward + backward "
-             f"(batch 1, {HEADS} heads x {HEAD_DIM}, fp32, tiles {BLOCK})",
+    lines = render_window(doc["window"]) if doc.get("window") else []
+    if "memory" not in doc:
+        return "\n".join(lines)
+    lines += ["", "per-device memory of one causal attention layer, forward + backward "
+              f"(batch 1, {HEADS} heads x {HEAD_DIM}, fp32, tiles {BLOCK})",
              f"{'impl':<18}{'n':>3}{'seq':>8}{'MiB/device':>12}{'B per token held':>18}{'largest buf / (s/n)^2':>23}{'s x s?':>8}"]
     for r in doc["memory"]:
         slope = "" if r["bytes_per_local_token"] is None else f"{r['bytes_per_local_token']:,.0f}"
@@ -242,6 +299,19 @@ def render(doc: dict) -> str:
         lines.append(f"{r['seq']:>8}{_mib(r['bytes_per_device']):>12}{_mib(r['temporaries']):>13}"
                      f"{r['bytes_x_8_over_s']:>11,.0f}{r['compile_seconds']:>11.1f}")
     return "\n".join(lines)
+
+
+def render_window(rows: list[dict]) -> list[str]:
+    lines = [f"a sliding window over context={rows[0]['devices']}, seq {rows[0]['seq']}: one causal layer, forward + "
+             "backward (bytes) and the forward's attention FLOPs per device",
+             f"{'impl':<11}{'order':<12}{'window':>7}{'MiB sent':>10}{'formula':>10}{'ratio':>7}"
+             f"{'GFLOP max':>11}{'formula':>9}{'ratio':>7}"]
+    for r in rows:
+        fl = r["formula_flops"]
+        flops = f"{fl / 1e9:>9.2f}{r['max_flops'] / fl:>7.3f}" if fl else f"{'-':>9}{'-':>7}"
+        lines.append(f"{r['impl']:<11}{r['layout']:<12}{r['window'] or '-':>7}{_mib(r['measured_bytes']):>10}"
+                     f"{_mib(r['formula_bytes']):>10}{r['bytes_ratio']:>7.3f}{r['max_flops'] / 1e9:>11.2f}{flops}")
+    return lines
 
 
 if __name__ == "__main__":

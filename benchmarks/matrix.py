@@ -6,6 +6,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --list               # the cells and their overrides, nothing run
   python benchmarks/matrix.py --only 1f1b --only zero3 --jobs 2 --out /tmp/m.json
   python benchmarks/matrix.py --only deepseek      # DeepSeek-V3's family
+  python benchmarks/matrix.py --only mistral       # a sliding window under context parallelism
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -19,7 +20,9 @@ devices, a triple on 8, so no axis the cell does not name is > 1):
 Cells with `expert` use the moe recipe, the others the llama recipe, each with its own model
 shape, seq_len and global batch; the cells marked [deepseek] (every pair with expert, and
 pipeline x data x expert and fsdp x expert x tensor) run DeepSeek-V3's family in small
-(recipes/deepseek.py: latent attention, DeepSeekMoE, multi-token prediction); every run forces train.compute_dtype=float32,
+(recipes/deepseek.py: latent attention, DeepSeekMoE, multi-token prediction); the cells marked
+[mistral] (ring beside every strategy but expert, and Ulysses x tensor, all-gather x fsdp) run
+recipes/mistral.py (a sliding window of 16 keys, the ring in the contiguous order); every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
@@ -112,10 +115,15 @@ DEEPSEEK_TRIPLES = (
 )
 
 
+# Mistral (recipes/mistral.py: a sliding window of 16 of 64 keys), on the cells where the
+# window changes the kernel's work: context parallelism beside every other strategy but expert.
+MISTRAL_PAIRS = (("ulysses", "tensor"), ("allgather", "fsdp"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     strategies: tuple[str, ...]  # in mesh axis order
-    family: str = ""  # "" (the llama and moe recipes) or "deepseek"
+    family: str = ""  # "" (the llama and moe recipes), "deepseek" or "mistral"
 
     @property
     def name(self) -> str:
@@ -180,6 +188,9 @@ def cells() -> list[Cell]:
     out += [Cell(c.strategies, "deepseek") for c in out if "expert" in c.strategies and len(c.strategies) == 2]
     for groups in DEEPSEEK_TRIPLES:
         out += [Cell(tuple(sorted(combo, key=order.get)), "deepseek") for combo in itertools.product(*groups)]
+    plain = [c for c in out if not c.family and len(c.strategies) == 2]
+    out += [Cell(c.strategies, "mistral") for c in plain if "ring" in c.strategies and "expert" not in c.strategies]
+    out += [Cell(tuple(sorted(pair, key=order.get)), "mistral") for pair in MISTRAL_PAIRS]
     return out
 
 

@@ -229,19 +229,26 @@ def test_ring_with_the_pallas_block_kernel_equals_dot_product_attention():
         assert tree_error(unpermute(a, "zigzag", 4), w) <= RTOL, name
 
 
-@pytest.mark.parametrize("impl", ["ring", "ulysses", "allgather"])
-def test_collective_bytes_match_the_formula(impl):
-    """One attention layer forward + backward on context=4, compiled: bytes each device
-    sends over the context axis, per collective kind, within 5% of
-    jaxpar.inspect.formulas.context_traffic_elements (reference.md's ring / Ulysses / all-gather)."""
+@pytest.mark.parametrize("impl, n, layout, windowed", [("ring", 4, "zigzag", False), ("ulysses", 4, "zigzag", False),
+                                                         ("allgather", 4, "zigzag", False),
+                                                         ("ring", 8, "contiguous", True)])
+def test_collective_bytes_match_the_formula(impl, n, layout, windowed):
+    """One attention layer forward + backward, compiled: bytes each device sends over the
+    context axis, per collective kind, within 5% of jaxpar.inspect.formulas.context_traffic_elements
+    (reference.md's ring / Ulysses / all-gather). With a sliding window of s/8 over a ring of
+    8 in the contiguous order the ring stops after 2 blocks (1 hop of 7), and the score
+    tiles each device computes are formulas.windowed_tile_pairs (the first device, whose
+    window runs past the sequence's start, fewer)."""
     from jax.sharding import NamedSharding
 
-    from jaxpar.inspect.formulas import context_traffic_elements
+    from jaxpar.inspect.formulas import context_traffic_elements, windowed_tile_pairs
     from jaxpar.inspect.hlo import collectives
 
-    b, s, h, g, kd, n = 2, 64, 8, 4, 8, 4
+    b, s, h, g, kd = 2, 64, 8, 4, 8
+    window = s // 8 if windowed else 0
     mesh = mesh_of(context=n)
-    spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), "zigzag", Masking(True, 8, 8))
+    spec = ContextSpec(impl, mesh, ("context",), P(None, "context"), P(None, "context"), layout,
+                       Masking(True, 4, 4, window=window))
 
     def layer(q, k, v, do):
         o, vjp = jax.vjp(lambda *a: context_attention(*a, None, spec), q, k, v)
@@ -256,12 +263,19 @@ def test_collective_bytes_match_the_formula(impl):
         if c.axes == ("context",):
             sent[c.kind] = sent.get(c.kind, 0) + c.bytes_per_step
     want = {}
-    for part in context_traffic_elements(impl, s, b, h * kd, g * kd, n).values():
+    for part in context_traffic_elements(impl, s, b, h * kd, g * kd, n, window, layout).values():
         for kind, elements in part.items():
             want[kind] = want.get(kind, 0) + 4 * elements
     assert set(sent) == set(want), (sent, want)
     for kind in want:
         assert abs(sent[kind] / want[kind] - 1) <= 0.05, (kind, sent[kind], want[kind])
+    if windowed:
+        full = context_traffic_elements(impl, s, b, h * kd, g * kd, n)
+        # forward 1 hop of 7, backward 1 + 2 of 7 + 8: 4/22 of the whole ring's elements
+        assert sum(want.values()) / 4 == pytest.approx(4 / 22 * sum(sum(p.values()) for p in full.values()))
+        x = jnp.ones((b, s, h, kd)), jnp.ones((b, s, g, kd))
+        tiles = np.asarray(jax.jit(lambda q, k: executed_tiles(q, k, k, None, spec))(*x))
+        assert (tiles[1:] == windowed_tile_pairs(s // n, 4, window)).all() and tiles[0] < tiles[1], tiles
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -112,12 +112,17 @@ def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: in
     raise ValueError(f"context impl {impl!r}; use ring, ulysses or allgather")
 
 
-def windowed_tile_pairs(chunk: int, block: int, window: int) -> int:
-    """(query tile, key tile) pairs a device's block kernel computes under a sliding window of
-    w keys, for `chunk` queries in tiles of `block` that do not touch the sequence's start:
-    each query tile sees its own key tile and the ceil((w-1)/block) before it (against
-    chunk/block x (chunk/block + 1) / 2 and more for causal attention)."""
-    return chunk // block * (1 + math.ceil((window - 1) / block))
+def windowed_tile_pairs(queries: int, block: int, window: int, start: int | None = None) -> int:
+    """(query tile, key tile) pairs a block kernel computes under a sliding window of w keys,
+    for `queries` consecutive queries in tiles of `block`: each query tile sees its own key
+    tile and the m = ceil((w-1)/block) before it, fewer where the sequence starts (`start`:
+    the first query's place; None: far from the start). Causal attention without a window
+    computes about queries/block x (queries/block + 1) / 2 over a whole sequence."""
+    m, tiles = math.ceil((window - 1) / block), queries // block
+    if start is None:
+        return tiles * (1 + m)
+    first = start // block
+    return sum(1 + min(first + i, m) for i in range(tiles))
 
 
 def expert_traffic_elements(tokens: int, top_k: int, hidden: int, capacity_factor: float) -> float:
