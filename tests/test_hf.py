@@ -296,3 +296,20 @@ def test_the_swappable_parts_are_counted_and_mapped(parts):
     assert llama_to_hf(cfg, "X", "x")["hidden_act"] == cfg.activation
     with pytest.raises(ConfigError, match=r"model.(qk_norm|qkv_bias)=True: LlamaForCausalLM.s format holds only model.\1=False"):
         cfg.to_hf()
+
+
+def test_a_sliding_window_is_refused_where_it_cannot_be_held():
+    """A negative window is refused before compile; Llama's and DeepSeek-V3's formats have no
+    window, so their exports refuse one (a windowed Llama exports as a Mistral); Mistral's
+    writes none as null, as transformers does."""
+    from jaxpar.checks import validate
+    from jaxpar.models.deepseek import DeepSeekConfig
+    from jaxpar.models.mistral import MistralConfig
+
+    with pytest.raises(ConfigError, match=r"model\.sliding_window=-1 must be a number of keys"):
+        validate(apply_overrides(Config(model=LlamaConfig()), ["model.sliding_window=-1"]), 8)
+    for model in (LlamaConfig(sliding_window=4), DeepSeekConfig(sliding_window=4)):
+        with pytest.raises(ConfigError, match=r"model\.sliding_window=4: .*format holds only model\.sliding_window=0"):
+            model.to_hf()
+    assert MistralConfig().to_hf()["sliding_window"] is None and MistralConfig(sliding_window=4).to_hf()["sliding_window"] == 4
+    assert MistralConfig.from_hf(MistralConfig(sliding_window=4).to_hf()) == MistralConfig(sliding_window=4)
