@@ -7,6 +7,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only 1f1b --only zero3 --jobs 2 --out /tmp/m.json
   python benchmarks/matrix.py --only deepseek      # DeepSeek-V3's family
   python benchmarks/matrix.py --only mistral       # a sliding window under context parallelism
+  python benchmarks/matrix.py --only qwen3         # QK-norm while tensor + SP splits the heads
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -22,7 +23,9 @@ shape, seq_len and global batch; the cells marked [deepseek] (every pair with ex
 pipeline x data x expert and fsdp x expert x tensor) run DeepSeek-V3's family in small
 (recipes/deepseek.py: latent attention, DeepSeekMoE, multi-token prediction); the cells marked
 [mistral] (ring beside every strategy but expert, and Ulysses x tensor, all-gather x fsdp) run
-recipes/mistral.py (a sliding window of 16 keys, the ring in the contiguous order); every run forces train.compute_dtype=float32,
+recipes/mistral.py (a sliding window of 16 keys, the ring in the contiguous order); the cells
+marked [qwen3] (tensor+sp beside every strategy but expert) run recipes/qwen3.py (QK-norm, a
+tied head); every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
@@ -123,7 +126,7 @@ MISTRAL_PAIRS = (("ulysses", "tensor"), ("allgather", "fsdp"))
 @dataclasses.dataclass(frozen=True)
 class Cell:
     strategies: tuple[str, ...]  # in mesh axis order
-    family: str = ""  # "" (the llama and moe recipes), "deepseek" or "mistral"
+    family: str = ""  # "" (the llama and moe recipes), or a family's recipe: "deepseek", "mistral", "qwen3"
 
     @property
     def name(self) -> str:
@@ -191,6 +194,7 @@ def cells() -> list[Cell]:
     plain = [c for c in out if not c.family and len(c.strategies) == 2]
     out += [Cell(c.strategies, "mistral") for c in plain if "ring" in c.strategies and "expert" not in c.strategies]
     out += [Cell(tuple(sorted(pair, key=order.get)), "mistral") for pair in MISTRAL_PAIRS]
+    out += [Cell(c.strategies, "qwen3") for c in plain if "tensor+sp" in c.strategies and "expert" not in c.strategies]
     return out
 
 

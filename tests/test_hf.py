@@ -37,6 +37,11 @@ LAYOUTS = {
     "mixtral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]],
     "mistral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
                                                              "parallel.context_layout=contiguous"]],
+    # QK-norm: its scale per head_dim whole on every rank whatever splits the heads
+    "qwen3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                            "parallel.sequence_parallel=true"]],
+    "qwen3_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                                 "parallel.context_impl=ulysses"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
@@ -80,7 +85,7 @@ def test_import_then_export_is_bitwise_and_reimports_to_the_same_logits(case, tm
     assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     assert not (tmp_path / "out.partial").exists()
     original, exported = _tensors(folder), _tensors(tmp_path / "out")
-    ignored = {"lm_head.weight"} if case == "llama_tied" else set()
+    ignored = {"lm_head.weight"} if case in ("llama_tied", "qwen3_tied") else set()
     added = {n for n in exported if n.startswith(MTP_LAYER.get(case, "-"))}
     assert set(exported) - added == set(original) - ignored and bool(added) == (case in MTP_LAYER)
     for name, value in ((n, v) for n, v in exported.items() if n not in added):
@@ -313,3 +318,15 @@ def test_a_sliding_window_is_refused_where_it_cannot_be_held():
             model.to_hf()
     assert MistralConfig().to_hf()["sliding_window"] is None and MistralConfig(sliding_window=4).to_hf()["sliding_window"] == 4
     assert MistralConfig.from_hf(MistralConfig(sliding_window=4).to_hf()) == MistralConfig(sliding_window=4)
+    # Qwen3: a window for every layer or none; one for some layers is refused
+    from jaxpar.models.qwen3 import Qwen3Config
+
+    hf = json.loads((GOLDEN / "qwen3" / "config.json").read_text())
+    assert Qwen3Config.from_hf({**hf, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
+                                "layer_types": None}).sliding_window == 8
+    assert Qwen3Config.from_hf({**hf, "sliding_window": 8, "layer_types": None}).sliding_window == 0  # not used
+    for bad in (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None),
+                dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"])):
+        with pytest.raises(ConfigError, match="a window per layer is not supported yet"):
+            Qwen3Config.from_hf({**hf, **bad})
+    assert Qwen3Config.from_hf(Qwen3Config(sliding_window=4).to_hf()) == Qwen3Config(sliding_window=4)

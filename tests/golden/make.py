@@ -8,7 +8,7 @@ own, from the repository root:
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
 
-(The DeepSeek-V3, Mistral and Mixtral cases were made with transformers 5.24.0 and torch
+(The DeepSeek-V3, Mistral, Mixtral and Qwen3 cases were made with transformers 5.24.0 and torch
 2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
@@ -52,6 +52,12 @@ CASES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
         COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0,
         sliding_window=5), "5GB"),
+    # Qwen3: an RMSNorm over each query and key head before RoPE, heads of 16 (not hidden / heads
+    # = 8), untied; and tied.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=False, rope_theta=1e6), "5GB"),
+    "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=True, rope_theta=1e6), "5GB"),
     # DeepSeek-V3: 1 dense layer then 2 MoE layers of 8 experts (top 2 within 2 of 4 groups, gates
     # x 2.5, one shared expert), MLA with a query latent, YaRN x 4 over 8 original positions
     # (the 16-token batch runs past them), RoPE pairs interleaved, a drawn correction bias.

@@ -1,0 +1,20 @@
+"""A small Qwen3 on data x fsdp x tensor with Megatron sequence parallelism (8 devices): the
+llama recipe's shape with QK-norm, heads wider than width / heads, and a tied head.
+
+  jaxpar train qwen3 --set train.steps=30
+"""
+
+from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.mesh import MeshConfig
+from jaxpar.models.qwen3 import Qwen3Config
+
+
+def recipe() -> Config:
+    return Config(
+        model=Qwen3Config(vocab_size=256, embed=128, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=16, mlp=384,
+                          tie_embeddings=True, scale_tied_logits=False),
+        mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
+        parallel=ParallelConfig(sequence_parallel=True),
+        train=TrainConfig(steps=60, global_batch=32, seq_len=64, compute_dtype="bfloat16"),
+        optim=OptimConfig(lr=3e-3, warmup_steps=10),
+    )
