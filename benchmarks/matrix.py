@@ -24,8 +24,8 @@ pipeline x data x expert and fsdp x expert x tensor) run DeepSeek-V3's family in
 (recipes/deepseek.py: latent attention, DeepSeekMoE, multi-token prediction); the cells marked
 [mistral] (ring beside every strategy but expert, and Ulysses x tensor, all-gather x fsdp) run
 recipes/mistral.py (a sliding window of 16 keys, the ring in the contiguous order); the cells
-marked [qwen3] (tensor+sp beside every strategy but expert) run recipes/qwen3.py (QK-norm, a
-tied head); every run forces train.compute_dtype=float32,
+marked [qwen3] (tensor+sp beside every strategy but expert) run recipes/qwen3.py (QK-norm,
+wide heads); every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
