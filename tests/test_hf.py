@@ -42,6 +42,7 @@ LAYOUTS = {
                                                             "parallel.sequence_parallel=true"]],
     "qwen3_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
                                                                  "parallel.context_impl=ulysses"]],
+    "qwen3_moe": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
@@ -330,3 +331,18 @@ def test_a_sliding_window_is_refused_where_it_cannot_be_held():
         with pytest.raises(ConfigError, match="a window per layer is not supported yet"):
             Qwen3Config.from_hf({**hf, **bad})
     assert Qwen3Config.from_hf(Qwen3Config(sliding_window=4).to_hf()) == Qwen3Config(sliding_window=4)
+
+
+def test_qwen3_moe_refuses_dense_layers_and_a_lone_renormalised_gate():
+    """Dense layers among the MoE ones, and top-1 with norm_topk_prob (a gate of 1, no
+    router gradient), are refused in one line; transformers 4's num_experts reads as 5's
+    num_local_experts."""
+    from jaxpar.models.qwen3_moe import Qwen3MoeConfig
+
+    hf = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
+    for bad, needle in ((dict(decoder_sparse_step=2), "decoder_sparse_step=2"), (dict(mlp_only_layers=[0]), r"\[0\]"),
+                        (dict(num_experts_per_tok=1), "num_experts_per_tok=1 with norm_topk_prob=true")):
+        with pytest.raises(ConfigError, match=needle):
+            Qwen3MoeConfig.from_hf({**hf, **bad})
+    old = {k: v for k, v in hf.items() if k != "num_local_experts"}
+    assert Qwen3MoeConfig.from_hf({**old, "num_experts": 4}) == Qwen3MoeConfig.from_hf(hf)

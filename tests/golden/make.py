@@ -8,7 +8,7 @@ own, from the repository root:
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
 
-(The DeepSeek-V3, Mistral, Mixtral and Qwen3 cases were made with transformers 5.24.0 and torch
+(The DeepSeek-V3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases were made with transformers 5.24.0 and torch
 2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
@@ -58,6 +58,10 @@ CASES = {
         COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=False, rope_theta=1e6), "5GB"),
     "qwen3_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
         COMMON, intermediate_size=96, head_dim=16, tie_word_embeddings=True, rope_theta=1e6), "5GB"),
+    # Qwen3-MoE: Qwen3's attention over 4 experts a layer, top 2 renormalised (norm_topk_prob).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, head_dim=16, tie_word_embeddings=False, rope_theta=1e6), "5GB"),
     # DeepSeek-V3: 1 dense layer then 2 MoE layers of 8 experts (top 2 within 2 of 4 groups, gates
     # x 2.5, one shared expert), MLA with a query latent, YaRN x 4 over 8 original positions
     # (the 16-token batch runs past them), RoPE pairs interleaved, a drawn correction bias.
