@@ -109,6 +109,11 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
     deepseek = {c.strategies: c for c in cells if c.family == "deepseek"}  # every pair with expert, two triples
     assert {frozenset(k) for k in deepseek if len(k) == 2} == {p for p in expected if "expert" in p}
     assert [o for o, _ in deepseek[("1f1b", "data", "expert")].adapted] == ["train.microbatches=2"]  # MTP on too
+    # the window's cells (ring beside all but expert, and two more) and QK-norm's (tensor+sp beside all but expert)
+    mistral = [c.strategies for c in cells if c.family == "mistral"]
+    assert len(mistral) == 14 and all("ring" in s for s in mistral[:12]) and ("ulysses", "tensor") in mistral
+    qwen3 = [c.strategies for c in cells if c.family == "qwen3"]
+    assert len(qwen3) == 13 and all("tensor+sp" in s and "expert" not in s for s in qwen3)
     for name in COMPILED:
         assert name in names
     pipelined = [c for c in cells if "stage" in c.axes]
@@ -123,7 +128,8 @@ def test_list_prints_every_cell_and_runs_nothing(capsys):
     assert out[0].startswith("gpipe x data ") and "mesh.stage=2 mesh.data=2" in out[0]
     assert matrix.main(["--list", "--only", "zero3 x tensor"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [line.split("  ")[0].strip() for line in out[:-1]] == ["zero3 x tensor", "zero3 x tensor+sp"]
+    assert [line.split("  ")[0].strip() for line in out[:-1]] == ["zero3 x tensor", "zero3 x tensor+sp",
+                                                                   "zero3 x tensor+sp [qwen3]"]
 
 
 def test_the_cells_that_abort_most_compile_in_forked_children(tmp_path):
