@@ -106,9 +106,18 @@ def force_cpu_devices(n: int) -> None:
     peers arrive; with fewer threads than blocked collectives, two devices can wait in
     different all-gathers forever. With the default pool (one thread per core) FSDP x ring
     on 4 devices of a 2-core machine aborted in about half the runs ("Termination timeout
-    for collective permute"), also with 4 threads; with 8, 0 aborts in 21 runs."""
+    for collective permute"), also with 4 threads; with 8, 0 aborts in 21 runs.
+
+    And it turns off XLA's concurrency-optimised scheduler for the CPU (unless XLA_FLAGS
+    sets it): it let devices reach their collectives in different orders, so top-k
+    gradient compression over two hosts beside tensor parallelism (the matrix's `topk x
+    tensor`) aborted in a rendezvous or segfaulted in 5 of 9 runs and finished with
+    run-to-run different losses; without it, 0 of 4, the same losses each time."""
     if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
         os.environ["PJRT_NPROC"] = str(max(2 * n, os.cpu_count() or 1))
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:
