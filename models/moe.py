@@ -329,16 +329,20 @@ def mixtral_to_hf(cfg: MoEConfig) -> dict:
 
 def mixtral_hf_weights(cfg: MoEConfig) -> dict[str, Weight]:
     """Mixtral's block_sparse_moe: a router [E, D] and each expert's w1 (gate), w3 (up), w2 (down)."""
+    moe = "model.layers.{layer}.block_sparse_moe."
+    return experts_hf_weights(cfg, "Mixtral", moe + "gate.weight", moe + "experts.{expert}.", ("w1", "w3", "w2"))
+
+
+def experts_hf_weights(cfg: MoEConfig, model: str, router: str, expert: str, names: tuple[str, str, str]
+                       ) -> dict[str, Weight]:
+    """A format of routed experts without shared ones: the attention's tensors, the router
+    [E, D] at `router`, and under `expert` (with {layer} and {expert}) each expert's gate,
+    up and down projections, named `names`."""
     if cfg.shared_experts:
-        raise ConfigError(f"model.shared_experts={cfg.shared_experts}: Mixtral's format has no shared experts")
-    moe, expert = "model.layers.{layer}.block_sparse_moe.", "model.layers.{layer}.block_sparse_moe.experts.{expert}."
-    weights = {
-        **attention_weights(cfg),
-        "layers.moe.router": Weight(moe + "gate.weight", order=(1, 0)),
-        "layers.moe.w_gate": Weight(expert + "w1.weight", order=(1, 0)),
-        "layers.moe.w_up": Weight(expert + "w3.weight", order=(1, 0)),
-        "layers.moe.w_down": Weight(expert + "w2.weight", order=(1, 0)),
-    }
+        raise ConfigError(f"model.shared_experts={cfg.shared_experts}: {model}'s format has no shared experts")
+    gate, up, down = (Weight(expert + name + ".weight", order=(1, 0)) for name in names)
+    weights = {**attention_weights(cfg), "layers.moe.router": Weight(router, order=(1, 0)),
+               "layers.moe.w_gate": gate, "layers.moe.w_up": up, "layers.moe.w_down": down}
     if cfg.has_router_bias:
         weights["layers.moe.router_bias"] = Weight(None)
     return weights

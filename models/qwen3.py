@@ -34,11 +34,16 @@ class Qwen3Config(LlamaConfig):
         refuse_scaled_tied_head(self, "Qwen3")
         hf = llama_to_hf(self, "Qwen3ForCausalLM", "qwen3")
         hf.pop("mlp_bias")  # not in Qwen3's config: it has no MLP biases
-        window = self.sliding_window or None
-        return {**hf, "use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+        return {**hf, **qwen3_window_keys(self)}
 
     def hf_weights(self) -> dict:
         return llama_hf_weights(self)
+
+
+def qwen3_window_keys(cfg: LlamaConfig) -> dict:
+    """config.json's window keys for `cfg`'s one window (every layer from the first, or none)."""
+    window = cfg.sliding_window or None
+    return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
 
 
 def qwen3_window(hf: dict) -> int | None:

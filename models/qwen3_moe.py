@@ -15,10 +15,9 @@ import dataclasses
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import value
-from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import attention_weights, llama_from_hf, llama_to_hf, refuse_parts, refuse_scaled_tied_head
-from jaxpar.models.moe import MoEConfig
-from jaxpar.models.qwen3 import qwen3_window
+from jaxpar.models.llama import llama_from_hf, llama_to_hf, refuse_parts, refuse_scaled_tied_head
+from jaxpar.models.moe import MoEConfig, experts_hf_weights
+from jaxpar.models.qwen3 import qwen3_window, qwen3_window_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +53,16 @@ class Qwen3MoeConfig(MoEConfig):
         refuse_scaled_tied_head(self, "Qwen3-MoE")
         hf = llama_to_hf(self, "Qwen3MoeForCausalLM", "qwen3_moe")
         hf.pop("mlp_bias")
-        window = self.sliding_window or None
         # intermediate_size is the dense MLP's, which no layer has here: written as the experts'
         return {**hf, "moe_intermediate_size": self.mlp, "num_experts": self.num_experts,
                 "num_experts_per_tok": self.top_k, "norm_topk_prob": self.renormalize, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "router_aux_loss_coef": self.aux_loss_weight,
-                "output_router_logits": self.aux_loss_weight > 0, "use_sliding_window": window is not None,
-                "sliding_window": window, "max_window_layers": 0}
+                "output_router_logits": self.aux_loss_weight > 0, **qwen3_window_keys(self)}
 
     def hf_weights(self) -> dict:
-        if self.shared_experts:
-            raise ConfigError(f"model.shared_experts={self.shared_experts}: Qwen3-MoE's format has no shared experts")
-        mlp, expert = "model.layers.{layer}.mlp.", "model.layers.{layer}.mlp.experts.{expert}."
-        weights = {
-            **attention_weights(self),
-            "layers.moe.router": Weight(mlp + "gate.weight", order=(1, 0)),
-            "layers.moe.w_gate": Weight(expert + "gate_proj.weight", order=(1, 0)),
-            "layers.moe.w_up": Weight(expert + "up_proj.weight", order=(1, 0)),
-            "layers.moe.w_down": Weight(expert + "down_proj.weight", order=(1, 0)),
-        }
-        if self.has_router_bias:
-            weights["layers.moe.router_bias"] = Weight(None)
-        return weights
+        mlp = "model.layers.{layer}.mlp."
+        return experts_hf_weights(self, "Qwen3-MoE", mlp + "gate.weight", mlp + "experts.{expert}.",
+                                  ("gate_proj", "up_proj", "down_proj"))
 
 
 register(Family("qwen3-moe", Qwen3MoeConfig, presets={

@@ -80,10 +80,9 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
                 acc = acc * jnp.moveaxis(scale, -1, 1)[..., None] + pv
                 return acc, m_new, l
 
-            acc, m, l = jax.lax.cond(
-                tile_visible(qi_t, ki_t, masking.causal, masking.window), compute, lambda *c: c, acc, m, l
-            )
-            return (acc, m, l, count + tile_visible(qi_t, ki_t, masking.causal, masking.window).astype(jnp.int32)), None
+            seen = tile_visible(qi_t, ki_t, masking.causal, masking.window)
+            acc, m, l = jax.lax.cond(seen, compute, lambda *c: c, acc, m, l)
+            return (acc, m, l, count + seen.astype(jnp.int32)), None
 
         init = (
             jnp.zeros((b, bq, g, r, d), jnp.float32),
