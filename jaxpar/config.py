@@ -161,6 +161,10 @@ class DataConfig:
     # Tokens then attend only inside their document, RoPE positions restart at each one,
     # and no token is trained to predict the next document's first token.
     eos_id: int = -1
+    # text: the id put before each document (-1: none), as the model's tokenizer adds it
+    # (Gemma's and Llama 3's <bos>; Qwen has none): the recipe hf:FOLDER reads it from the
+    # tokenizer, and `jaxpar sample` puts it before the prompt too.
+    bos_id: int = -1
     # tokens: the last eval_fraction of the file is held out (0 < f < 1): training windows
     # are drawn only from the rest, held-out batches only from it (jaxpar.data.heldout).
     # 0: the whole file trains. Synthetic sources hold out a random stream of their own.

@@ -48,6 +48,10 @@ default.
   hf_ignored()   checkpoint tensors the import may leave unread (a tied model's lm_head; a name
                  ending in "." leaves every tensor under it: a layer the model has no place for).
   hf_training_fields  fields free to differ from the checkpoint's config (remat, routing).
+  hf_renames()   {prefix of a checkpoint's tensor names: the prefix hf_weights uses}, applied
+                 before matching (transformers' checkpoint conversion mapping: the text model
+                 of a Gemma3ForConditionalGeneration under language_model.model. or
+                 model.language_model.).
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
@@ -59,6 +63,10 @@ Fields some parts read where a config has them (a decoder's shape):
   remat          the name of the jaxpar.nn remat policy the model applies ("none" without).
   sliding_window the keys each query sees (0 without: all earlier ones), for explain's
                  context traffic (a ring over the contiguous order stops early).
+  layer_windows()  each layer's window in the model's order, for a model whose layers
+                 differ (Gemma 3's local and global ones; default: sliding_window for every
+                 layer): explain's traffic formulas sum over them, and a layer that picks its
+                 kind with jaxpar.nn.by_kind has each branch counted by its share of layers.
 
 A model family (a config class with its Hugging Face architectures, planner presets and
 recipes) registers once with `jaxpar.families.register`.
@@ -104,6 +112,9 @@ class ModelConfig(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+FIRST_LAYER = "first_layer"  # a pipeline stage's batch key (PipelineStages)
+
+
 @runtime_checkable
 class PipelineStages(Protocol):
     """What a module declaring STAGES offers the pipeline (jaxpar.pipeline.stages). Its
@@ -118,6 +129,11 @@ class PipelineStages(Protocol):
     it was given: {"loss": its share of aux["penalty"] summed under batch["weights"],
     "sums": {"token_metrics": {name: its share of the weighted sum}}, "per_layer":
     {"counts": {name: [its layers, ...]}}} (models.moe.MoETransformer.apply_layers).
+
+    A stage's `batch` also holds FIRST_LAYER, the index (in the model's order, a traced
+    integer) of the first layer of its chunk of `layers`, for a model whose layers differ by
+    their place (Gemma 3's local and global attention, jaxpar.nn.scan_layers' first_layer);
+    a module holding all its layers starts at 0.
 
     Optionally `output_report(x, batch)`, on the last stage beside the output: a loss of
     the module's own computed from the last hidden states and the batch (DeepSeek-V3's
@@ -141,10 +157,10 @@ MEMBERS: dict[str, Any] = {
     "sequence_length": None, "input_shape": None, "batch_fields": None, "head_param_count": None,
     "layer_param_count": None, "update": None, "summarise": None,
     "hf_architectures": (), "from_hf": None, "to_hf": None, "hf_weights": None, "hf_ignored": None,
-    "hf_training_fields": (),
+    "hf_training_fields": (), "hf_renames": None,
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
-    "num_experts": 0, "remat": "none", "sliding_window": 0,
+    "num_experts": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
 }
 HF_FORMAT = ("hf_architectures", "from_hf", "to_hf", "hf_weights")  # declared together, or none of them
 _DEFAULT = object()
@@ -161,6 +177,15 @@ def declared(model: Any, member: str, default: Any = _DEFAULT) -> Any:
     if value is not None:
         return value
     return MEMBERS[member] if default is _DEFAULT else default
+
+
+def layer_windows(model: Any) -> tuple[int, ...]:
+    """Each layer's window: the model's layer_windows(), else its sliding_window for each of
+    its num_layers (none without them)."""
+    own = declared(model, "layer_windows")
+    if own is not None:
+        return tuple(own())
+    return (declared(model, "sliding_window"),) * (declared(model, "num_layers") or 0)
 
 
 def has(model: Any, member: str) -> bool:

@@ -24,7 +24,7 @@ of every layer and undo the sharding. Every policy saves hpZ's in-host secondary
 
 from __future__ import annotations
 
-from typing import Any, Callable, get_args
+from typing import Any, Callable, Sequence, get_args
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +114,13 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
     return make(rngs)
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none", unroll: bool = False) -> Any:
+def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none", unroll: bool = False,
+                first_layer: jax.Array | int | None = None) -> Any:
     """Run a stack made by `stack_layers`: x = layer_i(x, *args) for each layer in turn.
+
+    `first_layer`: each layer is called with its index in the whole model as a last
+    argument, first_layer + i (a traced integer), for a model whose layers differ by kind
+    (Gemma 3's local and global attention); a pipeline stage's stack starts past 0.
 
     Each step sees one layer's parameters, so FSDP gathers (`compute_value`) happen one
     layer at a time, and the remat policy applies per layer. A layer may return (x, report):
@@ -134,15 +139,41 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     leaves, treedef = jax.tree.flatten(stacked)
     states, hooks = take_layer_hooks(leaves)
 
-    def body(carry: jax.Array, xs: tuple[list, list]) -> tuple[jax.Array, Any]:
+    def body(carry: jax.Array, xs: tuple[list, list, Any]) -> tuple[jax.Array, Any]:
         carry = checkpoint_name(carry, OFFLOADED_NAME)
-        layer = [x if hook is None else hook(x, state) for x, state, hook in zip(*xs, hooks)]
-        out = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))(carry, *args)
+        leaves, states, index = xs
+        layer = [x if hook is None else hook(x, state) for x, state, hook in zip(leaves, states, hooks)]
+        extra = () if index is None else (index,)
+        out = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))(carry, *args, *extra)
         return out if isinstance(out, tuple) else (out, None)
 
     # In a loop XLA cannot merge the recomputed forward with the first one, so prevent_cse's
     # barriers are needed (and paid for) only when unrolled, and only where the policy
     # recomputes more than layout changes.
     step = jax.checkpoint(body, policy=policy, prevent_cse=unroll and remat != "none")
-    out, reports = jax.lax.scan(step, x, (leaves, states), unroll=unroll)
+    n = leaves[0].shape[0]
+    index = None if first_layer is None else jnp.asarray(first_layer, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+    out, reports = jax.lax.scan(step, x, (leaves, states, index), unroll=unroll)
     return out if reports is None else (out, reports)
+
+
+# The named scope of a layer's switch over its kinds: jaxpar.inspect counts each branch by the
+# share of layers of its kind (the model's layer_windows), not once each.
+KIND_SCOPE = "layer_kind"
+
+
+def window_kinds(windows: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the distinct windows of a model's layers, ascending; each layer's index among them): a
+    layer's kind, the branch `by_kind` runs for it."""
+    distinct = tuple(sorted(set(windows)))
+    return distinct, tuple(distinct.index(w) for w in windows)
+
+
+def by_kind(kind: Any, branches: Sequence[Callable], *operands: Any) -> Any:
+    """branches[kind](*operands): the branch alone where `kind` is a Python int, else a
+    `lax.switch` (under KIND_SCOPE) whose branches each keep their static choices (a window
+    every attention kernel sees fixed), for a layer whose kind is its traced index's."""
+    if isinstance(kind, int):
+        return branches[kind](*operands)
+    with jax.named_scope(KIND_SCOPE):
+        return jax.lax.switch(kind, list(branches), *operands)

@@ -67,8 +67,8 @@ class LlamaConfig:
     rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = False  # the head is the embedding table, transposed
-    # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale);
-    # Hugging Face's Llama does not scale them, and its importer sets this False.
+    # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale;
+    # unscaled, at embed**-0.5); Hugging Face's Llama does not scale them, and its importer sets this False.
     scale_tied_logits: bool = True
     remat: Remat = "none"  # the layers' policy (jaxpar.nn)
     unroll_layers: bool = False  # the layers in line, not a loop (jaxpar.nn.scan_layers): slower to compile, and not faster on an H200 (docs/performance.md)
@@ -148,6 +148,10 @@ class LlamaConfig:
         """A layer's MLP, called as (x)."""
         return MLP(self, rngs=rngs)
 
+    def norm_module(self, dim: int, rngs: nnx.Rngs, name: str = "embed") -> nnx.Module:
+        """Every RMSNorm of the model (Gemma's store w and scale by 1 + w)."""
+        return RMSNorm(dim, self.norm_eps, rngs=rngs, name=name)
+
     def param_count(self, include_embedding: bool = True) -> int:
         d, f, v = self.embed, self.mlp, self.vocab_size
         per_layer = self.attention_param_count() + 3 * d * f + 2 * d
@@ -178,26 +182,30 @@ class LlamaConfig:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) x scale over the last axis, of logical name `name` (the model's width; a
-    q/k norm's is head_dim)."""
+    """x / rms(x) x (offset + scale) over the last axis, of logical name `name` (the model's
+    width; a q/k norm's is head_dim). Offset 0 (Llama): the scale starts at one; offset 1
+    (Gemma's `(1 + w)` norms): it starts at zero and is stored as Hugging Face stores it."""
 
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, name: str = "embed"):
-        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (name,))(rngs.params(), (dim,)))
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, name: str = "embed", offset: float = 0.0):
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = nnx.Param(nnx.with_partitioning(init, (name,))(rngs.params(), (dim,)))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * compute_value(self.scale).astype(jnp.float32)).astype(x.dtype)
+        scale = compute_value(self.scale).astype(jnp.float32)
+        return (y * (self.offset + scale if self.offset else scale)).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, cfg: LlamaConfig) -> jax.Array:
+def rope_frequencies(head_dim: int, cfg: LlamaConfig, theta: float | None = None) -> jax.Array:
     """RoPE's angular frequencies [head_dim / 2], theta^(-2i/head_dim), with Llama 3.1's
     scaling when cfg.rope_scaling_factor > 1: a frequency whose wavelength exceeds
     original / low_freq_factor is divided by the factor, one shorter than original /
-    high_freq_factor is kept, and those between are blended linearly in original / wavelength."""
+    high_freq_factor is kept, and those between are blended linearly in original / wavelength.
+    `theta`: another base than cfg.rope_theta (Gemma 3's local layers)."""
     half = head_dim // 2
-    freq = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq = (cfg.rope_theta if theta is None else theta) ** (-jnp.arange(half, dtype=jnp.float32) / half)
     factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     if factor == 1:
         return freq
@@ -208,11 +216,6 @@ def rope_frequencies(head_dim: int, cfg: LlamaConfig) -> jax.Array:
     blended = (1 - smooth) * slowed / factor + smooth * slowed
     between = (wavelength >= original / high) & (wavelength <= original / low)
     return jnp.where(between, blended, slowed)
-
-
-def rope(x: jax.Array, positions: jax.Array, cfg: LlamaConfig) -> jax.Array:
-    """Rotary embedding on x[B, S, N, K] ("rotate half" layout) for positions[B, S] or [S]."""
-    return rotate(x, positions, rope_frequencies(x.shape[-1], cfg))
 
 
 def rotate(x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -228,7 +231,8 @@ def rotate(x: jax.Array, positions: jax.Array, freq: jax.Array, scale: float = 1
 class Attention(nnx.Module):
     """Grouped-query causal self-attention; column-parallel QKV, row-parallel output. With
     cfg.qkv_bias, biases on q, k, v; with cfg.qk_norm, an RMSNorm over each q and k head
-    before RoPE (one scale for all heads, as in Qwen3)."""
+    before RoPE (one scale for all heads, as in Qwen3). Its three steps are methods a family
+    may recombine (models/gemma3.py: a window and RoPE base per layer)."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, h, kv, k = cfg.embed, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -242,23 +246,35 @@ class Attention(nnx.Module):
             self.bk = nnx.Param(nnx.with_partitioning(zeros, ("kv_heads", "head_dim"))(None, (kv, k), jnp.float32))
             self.bv = nnx.Param(nnx.with_partitioning(zeros, ("kv_heads", "head_dim"))(None, (kv, k), jnp.float32))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(k, cfg.norm_eps, rngs=rngs, name="head_dim")
-            self.k_norm = RMSNorm(k, cfg.norm_eps, rngs=rngs, name="head_dim")
+            self.q_norm = cfg.norm_module(k, rngs, name="head_dim")
+            self.k_norm = cfg.norm_module(k, rngs, name="head_dim")
         self.cfg = cfg
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        cfg = self.cfg
+        q, k, v = self.qkv(x_BSD)
+        freq = rope_frequencies(self.cfg.head_dim, self.cfg)
+        return self.output(self.mix(q, k, v, positions, segment_ids, freq, self.cfg.sliding_window))
+
+    def qkv(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values [B, S, heads, K], biased and normed, before RoPE."""
         # Column-parallel (SP: the sequence is all-gathered on the way in, once for all three).
         # The parameters themselves: the projection gathers them (in FP8 where it multiplies in FP8).
         q, k, v = column_project(x_BSD, [self.wq, self.wk, self.wv], [Q_NAMES, KV_NAMES, KV_NAMES])
-        if cfg.qkv_bias:
+        if self.cfg.qkv_bias:
             q, k, v = (t + compute_value(b).astype(t.dtype) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
-        if cfg.qk_norm:
+        if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, cfg), rope(k, positions, cfg)
+        return q, k, v
+
+    def mix(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+            freq: jax.Array, window: int) -> jax.Array:
+        """RoPE at angular frequencies `freq`, then attention over the last `window` keys (0: all)."""
+        q, k = rotate(q, positions, freq), rotate(k, positions, freq)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
-        o = checkpoint_name(attend(q, k, v, segment_ids, window=cfg.sliding_window), "attention_out")  # context parallel if "seq" is sharded
-        o = constrain(o, Q_NAMES)
+        o = checkpoint_name(attend(q, k, v, segment_ids, window=window), "attention_out")  # context parallel if "seq" is sharded
+        return constrain(o, Q_NAMES)
+
+    def output(self, o: jax.Array) -> jax.Array:
         return row_project(o, self.wo, Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce
 
 
@@ -282,9 +298,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.attn_norm = cfg.norm_module(cfg.embed, rngs)
         self.attn = cfg.attention_module(rngs)
-        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.mlp_norm = cfg.norm_module(cfg.embed, rngs)
         self.mlp = cfg.mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -296,12 +312,15 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        init = nnx.initializers.normal(stddev=1.0)
+        # Unit scale where a scaled tied head or a head of its own follows; a tied head that is
+        # not scaled multiplies by the table itself, drawn at embed**-0.5 for logits of unit scale.
+        unscaled_tied = cfg.tie_embeddings and not cfg.scale_tied_logits
+        init = nnx.initializers.normal(stddev=cfg.embed**-0.5 if unscaled_tied else 1.0)
         self.embedding = nnx.Param(
             nnx.with_partitioning(init, ("vocab", "embed"))(rngs.params(), (cfg.vocab_size, cfg.embed), jnp.float32)
         )
         self.layers = stack_layers(lambda r: cfg.block(r), cfg.num_layers, rngs)
-        self.final_norm = RMSNorm(cfg.embed, cfg.norm_eps, rngs=rngs)
+        self.final_norm = cfg.norm_module(cfg.embed, rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), cfg.embed)
 

@@ -22,7 +22,7 @@ def test_unknown_key_is_rejected_with_valid_keys(capsys):
 
 def test_unknown_recipe(capsys):
     assert main(["train", "nope"]) == 2
-    assert "unknown recipe 'nope'; use one of deepseek, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3" in capsys.readouterr().err
+    assert "unknown recipe 'nope'; use one of deepseek, gemma3, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe" in capsys.readouterr().err
 
 
 def test_train_writes_metrics(tmp_path, capsys):

@@ -42,6 +42,10 @@ LAYOUTS = {
                                                             "parallel.sequence_parallel=true"]],
     "qwen3_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
                                                                  "parallel.context_impl=ulysses"]],
+    # local and global layers on one stage (the second: global, local), and under one ring over
+    # the contiguous order that stops early in the local layers and goes round in the global one
+    "gemma3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
+                                                             "parallel.context_layout=contiguous"]],
     "qwen3_moe": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
@@ -346,3 +350,95 @@ def test_qwen3_moe_refuses_dense_layers_and_a_lone_renormalised_gate():
             Qwen3MoeConfig.from_hf({**hf, **bad})
     old = {k: v for k, v in hf.items() if k != "num_local_experts"}
     assert Qwen3MoeConfig.from_hf({**old, "num_experts": 4}) == Qwen3MoeConfig.from_hf(hf)
+
+
+def test_gemma3_reads_both_spellings_and_refuses_what_it_does_not_compute():
+    """transformers 4's keys (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern) read as 5's (rope_parameters by layer type, layer_types); a
+    layer pattern that is not every n-th layer global, attention soft-capping, another RoPE
+    type and attention biases are refused in one line naming the key. The parameters the
+    model holds are those its format lists, and param_count counts them; the 27B preset has
+    Gemma 3 27B's text parameters."""
+    from flax import nnx
+
+    from jaxpar.models.gemma3 import Gemma3Config
+
+    hf = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
+    ours = Gemma3Config.from_hf(hf)
+    assert (ours.global_every, ours.sliding_window, ours.rope_linear_factor, ours.rope_local_theta, ours.rope_theta,
+            ours.query_pre_attn_scalar, ours.final_logit_softcap) == (3, 5, 4.0, 1e4, 1e6, 24, 30.0)
+    assert ours.local_layers() == (True, True, False, True)
+    v4 = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
+    v4.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0},
+              sliding_window_pattern=3)
+    assert Gemma3Config.from_hf(v4) == ours == Gemma3Config.from_hf(ours.to_hf())
+    for bad, needle in ((dict(layer_types=["full_attention", "sliding_attention"] * 2), r"every n-th layer global"),
+                        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+                        (dict(attention_bias=True), "attention_bias=True"),
+                        (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}), "'yarn'")):
+        with pytest.raises(ConfigError, match=needle):
+            Gemma3Config.from_hf({**hf, **bad})
+    with nnx.use_eager_sharding(False):
+        state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: ours.build(nnx.Rngs(0))), nnx.Param))
+    shapes = {jax.tree_util.keystr(k, simple=True, separator="."): v.shape
+              for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert set(shapes) == set(ours.hf_weights()) and sum(math.prod(s) for s in shapes.values()) == ours.param_count()
+    from jaxpar.families import presets
+
+    assert round(presets()["gemma3-27b"].param_count() / 1e9, 1) == 27.0
+
+
+def test_each_family_puts_its_own_begin_token_before_documents(tmp_path):
+    """config.json says bos_token_id=1 for all three golden checkpoints, but only Gemma's
+    tokenizer puts it before a text (Qwen's puts nothing, nor does this Llama 2-style one):
+    the recipe hf:FOLDER takes data.bos_id from the tokenizer itself; text data then starts
+    each document with it (after the last one's end-of-text id) and is otherwise the stream
+    without it; one past the vocabulary is refused naming the field and the id to use."""
+    from jaxpar.data.text import TextSpec, tokenize
+    from jaxpar.hf.recipe import recipe
+
+    assert {c: recipe(str(GOLDEN / c)).data.bos_id for c in ("gemma3", "qwen3", "llama_tied")} == {
+        "gemma3": 1, "qwen3": -1, "llama_tied": -1}
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("The old ship", "sails home", "at night")))
+    tokenizer = str(GOLDEN / "gemma3" / "tokenizer.json")
+    plain = tokenize(TextSpec(str(corpus), tokenizer, eos_id=2))
+    framed = tokenize(TextSpec(str(corpus), tokenizer, eos_id=2, bos_id=1))
+    starts = np.flatnonzero(framed == 1)
+    assert starts.tolist() == [0, *(np.flatnonzero(framed == 2)[:-1] + 1).tolist()] and len(starts) == 3
+    np.testing.assert_array_equal(framed[framed != 1], plain)
+    with pytest.raises(ConfigError, match=r"data.bos_id=500 is not a token id .* use 1, the id it puts before a text"):
+        tokenize(TextSpec(str(corpus), tokenizer, eos_id=2, bos_id=500))
+
+
+def test_the_text_model_of_an_image_and_text_gemma3_imports_and_exports_alone(tmp_path):
+    """Gemma 3 4B to 27B are published as Gemma3ForConditionalGeneration: the text model is read
+    from its text_config (which lists only what differs from transformers' defaults) and its
+    language_model.model. tensors (also under model.language_model., as transformers 5 holds
+    them), the vision tower and projector are left unread; logits equal transformers' (its
+    forward on text alone) to 1e-5. It exports as a Gemma3ForCausalLM holding the text tensors
+    bit for bit under the text model's names. transformers' image-and-text model caps no logits
+    (the text model's final_logit_softcapping, 30 here, is not applied): nor does the import."""
+    from jaxpar.models.gemma3 import Gemma3Config
+
+    folder = GOLDEN / "gemma3_multimodal"
+    trainer = hf_trainer(folder)
+    text_only = Gemma3Config.from_hf(json.loads((GOLDEN / "gemma3" / "config.json").read_text()))
+    assert trainer.config.model == dataclasses.replace(text_only, final_logit_softcap=0.0)  # as transformers runs it
+    golden = np.load(folder / "logits.npy")
+    state = prepare_import(trainer, folder)()
+    np.testing.assert_allclose(logits(trainer, state, folder), golden, rtol=1e-5, atol=1e-5)
+    renamed = tmp_path / "renamed"  # transformers 5's names in memory
+    renamed.mkdir()
+    shutil.copy(folder / "config.json", renamed)
+    original = _tensors(folder)
+    save_file({(k.replace("language_model.model.", "model.language_model.", 1) if k.startswith("language_model.")
+                else "model." + k): v for k, v in original.items()}, renamed / "model.safetensors")
+    np.testing.assert_array_equal(logits(trainer, prepare_import(trainer, renamed)(), folder),
+                                  logits(trainer, state, folder))
+    export(trainer, state, tmp_path / "out")
+    exported = _tensors(tmp_path / "out")
+    text = {k.replace("language_model.model.", "model.", 1): v for k, v in original.items() if k.startswith("language_model.")}
+    assert set(exported) == set(text) and all(exported[k].tobytes() == text[k].tobytes() for k in text)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    assert model_config(tmp_path / "out") == trainer.config.model

@@ -114,6 +114,10 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
     assert len(mistral) == 14 and all("ring" in s for s in mistral[:12]) and ("ulysses", "tensor") in mistral
     qwen3 = [c.strategies for c in cells if c.family == "qwen3"]
     assert len(qwen3) == 13 and all("tensor+sp" in s and "expert" not in s for s in qwen3)
+    qwen3_moe = {frozenset(c.strategies) for c in cells if c.family == "qwen3_moe"}  # expert beside all but context
+    assert qwen3_moe == {p for p in expected if "expert" in p and not p & {"ring", "ulysses", "allgather"}}
+    gemma3 = [c.strategies for c in cells if c.family == "gemma3"]  # the ring beside all but expert, and three more
+    assert len(gemma3) == 15 and all("ring" in s for s in gemma3[:12]) and ("interleaved", "tensor") in gemma3
     for name in COMPILED:
         assert name in names
     pipelined = [c for c in cells if "stage" in c.axes]

@@ -227,12 +227,23 @@ def test_bad_input_is_one_line_naming_the_argument(checkpoint_dir, large_tokeniz
     assert len(err.splitlines()) == 1 and message.format(**names) in err, err
 
 
-def test_a_hugging_face_checkpoint_samples_as_published(capsys):
-    """hf:FOLDER: the recipe hf:FOLDER's model, its weights read onto the mesh, its tokenizer."""
-    assert main([f"hf:{GOLDEN}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
+def test_a_hugging_face_checkpoint_samples_as_published(capsys, monkeypatch):
+    """hf:FOLDER: the recipe hf:FOLDER's model, its weights read onto the mesh, its tokenizer,
+    and the id that tokenizer puts before a text (Gemma 3's <bos>, data.bos_id) before the
+    prompt's own ids."""
+    import jaxpar.train.sample
+
+    folder, seen = GOLDEN.parent / "gemma3", []
+    monkeypatch.setattr(jaxpar.train.sample, "generate", lambda trainer, params, prompt, *a, **k: (
+        seen.append(list(prompt)), generate(trainer, params, prompt, *a, **k))[1])
+    assert main([f"hf:{folder}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
     header, text = capsys.readouterr().out.splitlines()
-    assert header == f"hf:{GOLDEN} as published: LlamaConfig | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy"
+    assert header == f"hf:{folder} as published: Gemma3Config | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy"
     assert text.startswith("The old ship") and len(text) > len("The old ship")
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("The old ship").ids  # <bos> first, as Gemma's
+    assert seen == [ids] and ids[0] == 1 and 1 not in ids[1:]
 
 
 def test_a_relative_tokenizer_path_of_an_older_run_is_one_line_naming_the_folder_before_any_restore(

@@ -116,6 +116,22 @@ def eos_in_vocabulary(config, sizes) -> None:
 
 
 @rule(
+    "bos-in-vocabulary",
+    fields=["data.bos_id", "model.vocab_size"],
+    summary="data.bos_id (put before each text document and each sampled prompt) is a token id of the model's "
+    "vocabulary, or -1 for none.",
+    example=["data.bos_id=128"],
+)
+def bos_in_vocabulary(config, sizes) -> None:
+    bos = config.data.bos_id
+    if bos != -1 and not 0 <= bos < config.model.vocab_size:
+        raise ConfigError(
+            f"data.bos_id={bos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
+            "or -1 for none"
+        )
+
+
+@rule(
     "eval-fraction-range",
     fields=["data.eval_fraction"],
     summary="The held-out share of a token file is a fraction below 1, or 0 for none.",

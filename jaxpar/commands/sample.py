@@ -70,10 +70,11 @@ def run(args) -> int:
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
     tokenizer = _load_tokenizer(args, run_config.data, declared(run_config.model, "vocab_size"))
     prompt_ids = _encode(tokenizer, args.prompt)
-    config = sampling_config(run_config, len(devices), len(prompt_ids) + args.max_new_tokens)
+    begin = [run_config.data.bos_id] if run_config.data.bos_id >= 0 else []  # as training put it before each document
+    config = sampling_config(run_config, len(devices), len(begin + prompt_ids) + args.max_new_tokens)
     trainer = build(config, devices)
     params, which = _published_weights(trainer, run_config) if published else _run_weights(trainer, args)
-    drawn = generate(trainer, params, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+    drawn = generate(trainer, params, begin + prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                      args.seed, eos_id=run_config.data.eos_id,
                      vocab_limit=tokenizer.get_vocab_size(with_added_tokens=True))
     how = "greedy" if args.temperature == 0 else (
@@ -153,7 +154,8 @@ def _load_tokenizer(args, data, model_vocab: int | None):
         recorded_file(data.tokenizer, "data.tokenizer", recorded_in(args, "data.tokenizer"), "--tokenizer PATH")
     name = "--tokenizer" if given is not None else "data.tokenizer"
     path = given if given is not None else data.tokenizer
-    tokenizer = load_tokenizer(TextSpec("", path, eos_id=data.eos_id, names=CONFIG_NAMES._replace(tokenizer=name)))
+    tokenizer = load_tokenizer(TextSpec("", path, eos_id=data.eos_id, names=CONFIG_NAMES._replace(tokenizer=name),
+                                        bos_id=data.bos_id))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     if model_vocab is not None and vocab > model_vocab:
         raise ConfigError(f"{name}={path!r} has {vocab} tokens, more than the checkpoint's model.vocab_size="
@@ -162,7 +164,8 @@ def _load_tokenizer(args, data, model_vocab: int | None):
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:
-    """The prompt's ids as training encodes documents: no special tokens added."""
+    """The prompt's ids as training encodes a document's text: no special tokens added (the run's
+    data.bos_id goes before them, as before each document)."""
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise ConfigError(f"--prompt={prompt!r} encodes to no tokens with this tokenizer; give text it has tokens for")

@@ -1,7 +1,7 @@
 """`jaxpar tokenize`: text tokenized once, in parallel, into a token file for data.source=tokens.
 
 The ids are those data.source=text makes when a run starts (jaxpar.data.text: the same
-documents in the same order, each followed by --eos-id), written as uint16 where the
+documents in the same order, each after --bos-id and followed by --eos-id), written as uint16 where the
 vocabulary fits, else uint32. The file appears whole or not at all: it is written beside its
 destination under a temporary name and renamed into place when complete; an error or Ctrl-C
 removes the temporary file. A side file beside it, its name with .json added (corpus.bin.json),
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from jaxpar.data import text
 from jaxpar.errors import ConfigError
 
-NAMES = text.Names(path="PATH", tokenizer="--tokenizer", text_field="--text-field", eos_id="--eos-id")
+NAMES = text.Names(path="PATH", tokenizer="--tokenizer", text_field="--text-field", eos_id="--eos-id", bos_id="--bos-id")
 OUTPUTS = (".bin", ".npy")
 CHUNK = 256  # documents per task: enough to keep a worker busy, few enough for a smooth progress bar
 
@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the JSONL key or Parquet column of each document (default text)")
     p.add_argument("--eos-id", type=int, default=-1, metavar="ID",
                    help="the id written after each document, to train with data.eos_id=ID (default -1: none)")
+    p.add_argument("--bos-id", type=int, default=-1, metavar="ID",
+                   help="the id written before each document, as the model's tokenizer puts it (its <bos>); "
+                        "train with data.bos_id=ID (default -1: none)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="processes tokenizing at once (default: one per CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -55,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """Tokenize args.path into args.out and its sidecar; print one line saying how to train on it.
     Bad input raises ConfigError, before anything is written where it can."""
-    spec = text.TextSpec(args.path, args.tokenizer, args.text_field, args.eos_id, NAMES)
+    spec = text.TextSpec(args.path, args.tokenizer, args.text_field, args.eos_id, NAMES, args.bos_id)
     out = pathlib.Path(args.out)
     check_out(out)
     if args.workers < 1:
@@ -74,10 +77,11 @@ def run(args) -> int:
         finally:
             parts.close()  # stops the workers now, also when writing failed
     sidecar = {"tokenizer": str(pathlib.Path(spec.tokenizer).resolve()), "vocab_size": vocab, "dtype": dtype.name,
-               "eos_id": spec.eos_id, "documents": total, "tokens": count, "source": spec.path,
+               "eos_id": spec.eos_id, "bos_id": spec.bos_id, "documents": total, "tokens": count, "source": spec.path,
                "text_field": spec.text_field}
     _write_atomically(side_file(out), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
     eos = f" --set data.eos_id={spec.eos_id}" if spec.eos_id >= 0 else ""
+    eos += f" --set data.bos_id={spec.bos_id}" if spec.bos_id >= 0 else ""
     print(f"jaxpar tokenize: {total} documents, {count} tokens ({dtype.name}) in {out}; train on it with "
           f"--set data.source=tokens --set data.path={out} --set data.dtype={dtype.name}{eos}", flush=True)
     return 0
@@ -114,7 +118,7 @@ def _encoded(tokenizer, spec: text.TextSpec, files, dtype, workers: int, bar) ->
     chunks = (list(c) for c in itertools.batched(text.documents(files, spec), CHUNK))
     if workers == 1:
         for docs in chunks:
-            yield text.encode(tokenizer, docs, spec.eos_id, dtype)
+            yield text.encode(tokenizer, docs, spec.eos_id, dtype, spec.bos_id)
             bar.update(len(docs))
         return
     # spawn: a forked child would inherit the parent's threads (JAX's, the tokenizer's) mid-state
@@ -125,17 +129,18 @@ def _encoded(tokenizer, spec: text.TextSpec, files, dtype, workers: int, bar) ->
             bar.update(n_docs)
 
 
-_WORKER: dict = {}  # in each worker process: its tokenizer, eos id and dtype, set once by _start_worker
+_WORKER: dict = {}  # in each worker process: its tokenizer, spec and dtype, set once by _start_worker
 
 
 def _start_worker(spec: text.TextSpec, dtype) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism: no thread pool each
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
-    _WORKER.update(tokenizer=text.load_tokenizer(spec), eos_id=spec.eos_id, dtype=dtype)
+    _WORKER.update(tokenizer=text.load_tokenizer(spec), spec=spec, dtype=dtype)
 
 
 def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, int]:
-    return text.encode(_WORKER["tokenizer"], docs, _WORKER["eos_id"], _WORKER["dtype"]), len(docs)
+    spec = _WORKER["spec"]
+    return text.encode(_WORKER["tokenizer"], docs, spec.eos_id, _WORKER["dtype"], spec.bos_id), len(docs)
 
 
 def write_tokens(out: pathlib.Path, parts: Iterable[np.ndarray], dtype) -> int:

@@ -35,35 +35,38 @@ class Names(NamedTuple):
     tokenizer: str
     text_field: str
     eos_id: str
+    bos_id: str = "--bos-id"
 
 
-CONFIG_NAMES = Names("data.path", "data.tokenizer", "data.text_field", "data.eos_id")
+CONFIG_NAMES = Names("data.path", "data.tokenizer", "data.text_field", "data.eos_id", "data.bos_id")
 
 
 @dataclasses.dataclass(frozen=True)
 class TextSpec:
     """What to tokenize: `path` a file, a folder or a glob; `tokenizer` a tokenizer.json;
     `text_field` the JSONL key or Parquet column of each document; `eos_id` the id appended
-    after each document (-1: none)."""
+    after each document, `bos_id` the one put before it (-1: none)."""
 
     path: str
     tokenizer: str
     text_field: str = "text"
     eos_id: int = -1
     names: Names = CONFIG_NAMES
+    bos_id: int = -1
 
     @classmethod
     def from_config(cls, data) -> "TextSpec":
-        return cls(data.path, data.tokenizer, data.text_field, data.eos_id)
+        return cls(data.path, data.tokenizer, data.text_field, data.eos_id, bos_id=data.bos_id)
 
 
 def tokenize(spec: TextSpec, model_vocab: int | None = None, chunk: int = 1024) -> np.ndarray:
     """The corpus as one stream of token ids (uint16 where the vocabulary fits, else uint32):
-    each document's ids, then spec.eos_id when >= 0, documents in file order."""
+    spec.bos_id when >= 0, each document's ids, then spec.eos_id when >= 0, documents in file
+    order."""
     tokenizer = load_tokenizer(spec, model_vocab)
     dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
     docs = documents(document_files(spec), spec)
-    parts = [encode(tokenizer, list(part), spec.eos_id, dtype) for part in itertools.batched(docs, chunk)]
+    parts = [encode(tokenizer, list(part), spec.eos_id, dtype, spec.bos_id) for part in itertools.batched(docs, chunk)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -71,15 +74,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def encode(tokenizer, docs: list[str], eos_id: int, dtype) -> np.ndarray:
-    """The documents' ids, end to end, with eos_id (when >= 0) after each; no special tokens
-    added by the tokenizer. Each document's ids depend on it alone, so any split of the corpus
-    into parts gives the same stream."""
+def encode(tokenizer, docs: list[str], eos_id: int, dtype, bos_id: int = -1) -> np.ndarray:
+    """The documents' ids, end to end, with bos_id before and eos_id after each (when >= 0);
+    no other special tokens added by the tokenizer. Each document's ids depend on it alone, so
+    any split of the corpus into parts gives the same stream."""
     encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets
     ids = [e.ids for e in encode_batch(docs, add_special_tokens=False)]
-    end = [eos_id] if eos_id >= 0 else []
-    count = sum(map(len, ids)) + len(end) * len(ids)
-    return np.fromiter(itertools.chain.from_iterable(i + end for i in ids), dtype, count=count)
+    start, end = [bos_id] if bos_id >= 0 else [], [eos_id] if eos_id >= 0 else []
+    count = sum(map(len, ids)) + (len(start) + len(end)) * len(ids)
+    return np.fromiter(itertools.chain.from_iterable(start + i + end for i in ids), dtype, count=count)
+
+
+def begin_id(tokenizer) -> int:
+    """The one id the tokenizer's own template puts before a text (its <bos>), or -1 where it
+    puts none (Qwen's) or more than one."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[0] if start == 1 else -1
+    return -1
 
 
 # ------------------------------------------------------------------ the tokenizer
@@ -111,6 +125,9 @@ def load_tokenizer(spec: TextSpec, model_vocab: int | None = None):
     if not -1 <= spec.eos_id < vocab:
         raise ConfigError(f"{n.eos_id}={spec.eos_id} is not a token id of {n.tokenizer}={path!r} (0 to {vocab - 1}); "
                           f"{_eos_hint(tokenizer, n.eos_id)}")
+    if not -1 <= spec.bos_id < vocab:
+        raise ConfigError(f"{n.bos_id}={spec.bos_id} is not a token id of {n.tokenizer}={path!r} (0 to {vocab - 1}); "
+                          f"use {begin_id(tokenizer)}, the id it puts before a text itself (-1: none)")
     return tokenizer
 
 

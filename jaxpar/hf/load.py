@@ -67,7 +67,7 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
                           f"{model_name(model)} reads {', '.join(model.hf_architectures)}; train the recipe hf:{folder}, "
                           "whose model is the checkpoint's")
     check_same_model(model, type(model).from_hf(hf), folder)
-    entries = tensor_index(folder)
+    entries = renamed(tensor_index(folder), declared(model, "hf_renames", lambda: {})())
     weights = model.hf_weights()
     abstract_state = trainer.abstract_state()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_params(abstract_state))
@@ -90,6 +90,16 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
         return trainer.start_from(jax.tree.unflatten(treedef, arrays))
 
     return start
+
+
+def renamed(entries: dict[str, Entry], renames: dict[str, str]) -> dict[str, Entry]:
+    """The checkpoint's tensors under the names the model's hf_weights() uses: each name
+    starting with a key of `renames` has that prefix replaced by its value."""
+    def name(n: str) -> str:
+        old = next((p for p in renames if n.startswith(p)), None)
+        return n if old is None else renames[old] + n[len(old):]
+
+    return {name(n): e for n, e in entries.items()}
 
 
 def _drawn(trainer, paths: set[str]) -> dict[str, Any]:

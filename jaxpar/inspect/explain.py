@@ -18,7 +18,7 @@ from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
 from jaxpar.kernels.quantized import entries
-from jaxpar.model import declared, has
+from jaxpar.model import declared, has, layer_windows
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
@@ -277,24 +277,35 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
         return {}
     impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
     b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
-    per_layer = formulas.context_traffic_elements(
-        impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim, n,
-        window=declared(model, "sliding_window"), layout=config.parallel.context_layout,
-    )
-    forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
     remat = declared(model, "remat")
-    again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
-    formula = model.num_layers * micro * (forward + again + backward)
-    kinds = set(per_layer["forward"]) | set(per_layer["backward"])
+    formula, kinds = 0.0, set()
+    for window in layer_windows(model):  # Gemma 3's local and global layers send differently
+        per_layer = formulas.context_traffic_elements(
+            impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim,
+            n, window=window, layout=config.parallel.context_layout,
+        )
+        forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
+        again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
+        formula += micro * (forward + again + backward)
+        kinds |= set(per_layer["forward"]) | set(per_layer["backward"])
     over_context = [c for c in report.collectives if c.axes == ("context",)]
     measured = sum(c.bytes_per_step / itemsize(c) for c in over_context if c.kind in kinds)
     grads = sum(c.bytes_per_step / itemsize(c) for c in over_context if c.kind == "all-reduce")
     return {
         "context_traffic": _row(f"elements over context ({impl} attention)", measured, formula),
-        "context_traffic_formula": f"{impl} per layer (docs/context_parallel.md) x {model.num_layers} layers x {micro} "
+        "context_traffic_formula": f"{impl} per layer (docs/context_parallel.md) x {_layers_by_window(model)} x {micro} "
         f"microbatch{'es' if micro > 1 else ''}" + (f", with the forward again (remat {remat})" if again else ""),
         "context_gradient_traffic": _row("gradient elements over context (all-reduce)", grads, 2 * psi_t * (n - 1) / n),
     }
+
+
+def _layers_by_window(model) -> str:
+    """"4 layers", or where their windows differ "3 layers of window 16 and 1 of every key"."""
+    windows = layer_windows(model)
+    if len(set(windows)) == 1:
+        return f"{len(windows)} layers"
+    parts = [f"{windows.count(w)} of {f'window {w}' if w else 'every key'}" for w in sorted(set(windows), reverse=True)]
+    return parts[0].replace(" of", " layers of", 1) + "".join(f" and {p}" for p in parts[1:])
 
 
 def _pipeline_expert_passes(program) -> float:

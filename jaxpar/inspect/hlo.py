@@ -32,7 +32,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-BranchShares = Mapping[int, Sequence[float]]  # a conditional's branch count -> share of its runs per branch
+# A conditional's branch count (the pipeline executor's switch), or the named scope it was traced
+# under (jaxpar.nn.KIND_SCOPE: a layer's switch over its kinds) -> the share of its runs per branch.
+BranchShares = Mapping[int | str, Sequence[float]]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "collective-broadcast", "ragged-all-to-all")
@@ -373,13 +375,27 @@ def callees(ins: _Instr) -> list[tuple[str, str]]:
     return found
 
 
+def _shares_of(ins: _Instr, count: int, branch_shares: BranchShares | None) -> Sequence[float] | None:
+    """The share of runs of each of the `count` branches of `ins`, where `branch_shares` knows
+    them: by the scope the conditional itself was traced under (not one it sits inside), else
+    by its branch count."""
+    if ins.opcode != "conditional" or not branch_shares:
+        return None
+    name = _op_name(ins.attrs)
+    for key, shares in branch_shares.items():
+        if isinstance(key, str) and name.endswith(f"/{key}/cond") and len(shares) == count:
+            return shares
+    return branch_shares.get(count)
+
+
 def executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | None = None) -> dict[str, tuple[float, bool]]:
     """Computation -> (runs per step, all trip counts known), for those reachable from a root.
 
     A while body runs n times and its condition n + 1 (n from `known_trip_count`, 1 if absent);
-    conditional branches each count once (an upper bound), unless `branch_shares` gives, for
-    conditionals with that many branches, the fraction of runs each branch takes (the
-    pipeline executor's switch: how often the average device runs each op); several call
+    conditional branches each count once (an upper bound), unless `branch_shares` gives the
+    fraction of runs each branch takes, for conditionals with that many branches (the
+    pipeline executor's switch: how often the average device runs each op) or traced under
+    that scope (a layer's switch over its kinds: the share of layers of each); several call
     sites add up.
     """
     callers: dict[str, list[tuple[str, float, bool]]] = defaultdict(list)
@@ -387,7 +403,7 @@ def executions(comps: dict[str, list[_Instr]], branch_shares: BranchShares | Non
         trip = _TRIP.search(ins.attrs)
         n = int(trip.group(1)) if trip else 1
         called = callees(ins)
-        shares = (branch_shares or {}).get(sum(role == "branch" for role, _ in called)) if ins.opcode == "conditional" else None
+        shares = _shares_of(ins, sum(role == "branch" for role, _ in called), branch_shares)
         branch = 0
         for role, callee in called:
             mult = {"body": n, "condition": n + 1}.get(role, 1) if trip else 1

@@ -25,6 +25,8 @@ from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
 from jaxpar.inspect.findings import Finding, captured_stderr, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
+from jaxpar.model import layer_windows
+from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.xla_options import layer_params
 
 
@@ -149,6 +151,8 @@ def inspect_step(trainer) -> StepReport:
     # device (and each stage) runs them.
     program = trainer.pipeline
     each = [None] if program is None else [program.branch_shares()] + [program.branch_shares(s) for s in range(program.timeline.p)]
+    stages = [None] if program is None else [None, *range(program.timeline.p)]
+    each = [{**(shares or {}), **kind_shares(trainer.config.model, program, s)} or None for shares, s in zip(each, stages)]
     shares = each[0]
     (flops, _), *stage_flops = matmul_flops_each(text, each)
     colls = collectives(text, mesh, host_of_positions(mesh, num_hosts), shares)
@@ -196,3 +200,17 @@ def shard_bytes(tree: Any, memory_kind: str | None = None) -> int:
         for x in jax.tree.leaves(tree)
         if memory_kind is None or x.sharding.memory_kind == memory_kind
     )
+
+
+def kind_shares(model, program=None, stage: int | None = None) -> dict[str, tuple[float, ...]]:
+    """{jaxpar.nn.KIND_SCOPE: the share of each kind among the layers of the model (stage None)
+    or of a pipeline stage (its virtual stages stage, stage + p, ...)}, for a model whose
+    layers differ (jaxpar.model's layer_windows), else {}."""
+    distinct, kinds = window_kinds(layer_windows(model))
+    if len(distinct) < 2:
+        return {}
+    if stage is not None:
+        p, v = program.timeline.p, program.timeline.v
+        per_chunk = len(kinds) // (p * v)
+        kinds = tuple(kinds[c * per_chunk + i] for c in range(stage, p * v, p) for i in range(per_chunk))
+    return {KIND_SCOPE: tuple(kinds.count(k) / len(kinds) for k in range(len(distinct)))}

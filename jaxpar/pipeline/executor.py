@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.model import FIRST_LAYER
 from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
 
 STAGE, DATA = "stage", "data"
@@ -50,6 +51,12 @@ class Stages:
     mid: Callable[[Any, Any, jax.Array, dict], Any]
     last: Callable[[Any, Any, jax.Array, dict], tuple]
     aux: bool = False  # the functions also return their layers' reports (above)
+
+
+def at_layer(mb: dict, first_layer: Any) -> dict:
+    """The microbatch as a stage's layers see it: with "first_layer", the model-order index of
+    the first layer of the chunk it runs (jaxpar.model.PipelineStages)."""
+    return {**mb, FIRST_LAYER: first_layer}
 
 
 def no_report() -> dict:
@@ -223,6 +230,7 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
         start = row["chunk"] * per_chunk
         chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0), layers)
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
+        mb = at_layer(mb, (row["chunk"] * p + jax.lax.axis_index(STAGE)) * per_chunk)  # chunk c is virtual stage c p + s
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
         out, back, (d_layers, d_other, _, sums, per_layer), l, w = jax.lax.switch(
@@ -288,12 +296,12 @@ def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, mic
         total = weight = 0.0
         for i in range(m):
             mb = jax.tree.map(lambda a: a[i], micro)
-            x, rep = stages.first(chunk(layers, 0), other, mb)
+            x, rep = stages.first(chunk(layers, 0), other, at_layer(mb, 0))
             total = total + rep["loss"]
             for vs in range(1, p * v - 1):
-                x, rep = stages.mid(chunk(layers, vs), other, x, mb)
+                x, rep = stages.mid(chunk(layers, vs), other, x, at_layer(mb, vs * per_chunk))
                 total = total + rep["loss"]
-            l, w, rep = stages.last(chunk(layers, p * v - 1), other, x, mb)
+            l, w, rep = stages.last(chunk(layers, p * v - 1), other, x, at_layer(mb, (p * v - 1) * per_chunk))
             total, weight = total + l + rep["loss"], weight + w
         return total, weight
 

@@ -8,15 +8,16 @@ own, from the repository root:
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
 
-(The DeepSeek-V3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases were made with transformers 5.24.0 and torch
+(The DeepSeek-V3, Gemma 3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases were made with transformers 5.24.0 and torch
 2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
 
 Each folder holds what `save_pretrained` writes (config.json, safetensors, an index where
 sharded), `tokens.npy` (a fixed batch [2, 16]) and `logits.npy`, the float32 logits
-transformers computes for it. llama_tied also holds a tokenizer.json (a byte-level BPE of
-vocab 128 trained on corpus.txt) for the text and sampling tests. Weights are drawn with
+transformers computes for it. llama_tied, gemma3 and qwen3 also hold a tokenizer.json (a
+byte-level BPE of vocab 128 trained on corpus.txt; TOKENIZERS) for the text and sampling
+tests: `make.py --tokenizers` re-makes only those. Weights are drawn with
 a fixed seed at a larger scale than transformers' default, so the logits are far from zero
 and a mistake in any weight shows.
 """
@@ -62,6 +63,27 @@ CASES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, head_dim=16, tie_word_embeddings=False, rope_theta=1e6), "5GB"),
+    # Gemma 3: 4 layers, local local global local (window 5 of the batch's 16), local RoPE base
+    # 10^4, global 10^6 slowed 4x (linear), QK-norm, (1 + w) norms around each sublayer, GeGLU,
+    # embeddings x 8, scores x 24**-0.5 (heads of 16), tied, logits capped at 30.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        COMMON, num_hidden_layers=4, intermediate_size=96, head_dim=16, tie_word_embeddings=True, pad_token_id=0,
+        sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "5GB"),
+    # Gemma 3 as the 4B to 27B are published: a Gemma3ForConditionalGeneration whose text model
+    # is the case above's, beside a tiny SigLIP vision tower and projector (the import reads the
+    # text model and leaves these); logits of text alone.
+    "gemma3_multimodal": (transformers.Gemma3Config, transformers.Gemma3ForConditionalGeneration, dict(
+        text_config=dict(COMMON, model_type="gemma3_text", num_hidden_layers=4, intermediate_size=96, head_dim=16,
+                         pad_token_id=0, sliding_window=5, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                         final_logit_softcapping=30.0,
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, tie_word_embeddings=True), "5GB"),
     # DeepSeek-V3: 1 dense layer then 2 MoE layers of 8 experts (top 2 within 2 of 4 groups, gates
     # x 2.5, one shared expert), MLA with a query latent, YaRN x 4 over 8 original positions
     # (the 16-token batch runs past them), RoPE pairs interleaved, a drawn correction bias.
@@ -87,8 +109,9 @@ def make(name: str) -> None:
     torch.manual_seed(sum(map(ord, name)))
     model = model_cls(config_cls(**fields)).float().eval()
     with torch.no_grad():
+        centre = 0.0 if name.startswith("gemma") else 1.0  # a Gemma norm scales by 1 + its weight
         for p in model.parameters():  # norms too: a wrong norm mapping must show
-            p.copy_(torch.randn_like(p) * (0.5 if p.ndim == 1 else p.shape[-1] ** -0.5) + (1.0 if p.ndim == 1 else 0.0))
+            p.copy_(torch.randn_like(p) * (0.5 if p.ndim == 1 else p.shape[-1] ** -0.5) + (centre if p.ndim == 1 else 0.0))
         for buffer, b in model.named_buffers():  # DeepSeek's routing bias: sways the choice of experts
             if buffer.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
@@ -97,11 +120,12 @@ def make(name: str) -> None:
     for old in out.glob("*.safetensors*"):
         old.unlink()
     model.save_pretrained(out, max_shard_size=shard)
-    tokens = np.random.default_rng(0).integers(0, fields["vocab_size"], size=(2, 16))
+    vocab = fields["vocab_size"] if "vocab_size" in fields else fields["text_config"]["vocab_size"]
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 16))
     np.save(out / "tokens.npy", tokens.astype(np.int32))
     np.save(out / "logits.npy", logits(model, tokens))
-    if name == "llama_tied":
-        make_tokenizer(out)
+    if name in TOKENIZERS:
+        make_tokenizer(out, *TOKENIZERS[name])
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {out}")
 
 
@@ -110,16 +134,30 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
-def make_tokenizer(out: pathlib.Path) -> None:
-    """A byte-level BPE of 128 ids: <unk>, <s>, </s> first (ids 0, 1, 2 as in config.json)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Each case's tokenizer.json: its special tokens first (ids 0, 1, 2 as in config.json), and the
+# template the family's tokenizer wraps a text in: Llama 2's <s>-less BPE here, Gemma's <bos>
+# before it, Qwen's nothing (config.json's bos_token_id notwithstanding).
+TOKENIZERS = {
+    "llama_tied": (["<unk>", "<s>", "</s>"], None),
+    "gemma3": (["<pad>", "<bos>", "<eos>"], "<bos> $A"),
+    "qwen3": (["<|pad|>", "<|im_start|>", "<|endoftext|>"], None),
+}
 
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+
+def make_tokenizer(out: pathlib.Path, specials: list[str], template: str | None) -> None:
+    """A byte-level BPE of 128 ids trained on corpus.txt, `specials` first, `template` (a
+    TemplateProcessing single-text template) as its post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=specials[0] if specials[0] == "<unk>" else None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0], show_progress=False)
     tokenizer.train([str(HERE / "corpus.txt")], trainer)
+    if template:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[(t, tokenizer.token_to_id(t)) for t in specials if t in template])
     tokenizer.save(str(out / "tokenizer.json"))
 
 
@@ -139,10 +177,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", metavar="DIR")
     parser.add_argument("--case", default="llama_tied", help="with --check: the golden case it was imported from")
+    parser.add_argument("--tokenizers", action="store_true", help="re-make only the TOKENIZERS' tokenizer.json files")
     parser.add_argument("cases", nargs="*", choices=[[], *CASES], help="the cases to make (default: all)")
     args = parser.parse_args()
     if args.check:
         check(args.check, args.case)
+        sys.exit(0)
+    if args.tokenizers:
+        for case, (specials, template) in TOKENIZERS.items():
+            make_tokenizer(HERE / case, specials, template)
         sys.exit(0)
     for case in args.cases or CASES:
         make(case)
