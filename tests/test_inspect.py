@@ -63,10 +63,12 @@ def test_zero1_accumulates_unreduced_and_reduces_once(bf16_llama):
 
 def test_hybrid_sharding_crosses_hosts_a_quarter_of_zero3_or_less(tiny_llama):
     """Two simulated hosts of four. Flat ZeRO-3 gathers and reduce-scatters across hosts;
-    hybrid sharding (fsdp inside a host, data across) sends only gradient all-reduces across."""
+    hybrid sharding (fsdp inside a host, data across) sends only gradient all-reduces across.
+    (The model is tests/test_gradient_compression.py's cross-host one, whose uncompressed
+    ZeRO-0 step is this hybrid step: the suite compiles it once.)"""
 
     def crossing(overrides):
-        report = inspect_step(build(apply_overrides(tiny_llama, overrides)))
+        report = inspect_step(build(apply_overrides(tiny_llama, overrides + ["model.embed=64", "model.mlp=256"])))
         return report, report.cross_host_bytes()
 
     _, flat = crossing(["mesh.data=1", "mesh.fsdp=8", "mesh.hosts.fsdp=2"])
