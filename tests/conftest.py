@@ -113,6 +113,7 @@ LONGEST_FIRST = (
     "tests/test_matrix.py::test_the_cells_that_abort_most_compile_in_forked_children",
     "tests/test_checkpoint.py::test_killed_anywhere_and_resumed",
     "tests/test_deepseek.py::test_latent_attention_and_deepseek_moe_equal_single_device",
+    "tests/test_gemma3.py::test_local_and_global_layers_in_an_interleaved_pipeline",
     "tests/test_pipeline.py::test_pipelined_training_equals_single_device",
     "tests/test_pipeline.py::test_llama_pp_recipe_trains_in_bfloat16",
     "tests/test_fp8.py::test_fp8_loss_within_one_percent_of_bf16",

@@ -130,7 +130,7 @@ def error(spec: str) -> str:
 def test_missing_file_names_the_path_and_the_shipped_recipes(tmp_path):
     message = error(str(tmp_path / "nowhere.py"))
     assert str(tmp_path / "nowhere.py") in message and "not found" in message
-    assert "deepseek, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3" in message
+    assert "deepseek, gemma3, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe" in message
 
 
 def test_not_a_python_file(tmp_path):
@@ -178,7 +178,7 @@ def test_function_must_return_a_config(recipe_file):
 
 def test_unknown_names_and_modules():
     message = error("lama")
-    assert message.startswith("unknown recipe 'lama'; use one of deepseek, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3")
+    assert message.startswith("unknown recipe 'lama'; use one of deepseek, gemma3, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe")
     assert "package.module:function" in message
     assert "recipe module 'no_such_pkg.recipes' not found" in error("no_such_pkg.recipes:small")
     assert "is not a shipped name" in error("two words")
@@ -189,15 +189,17 @@ def test_plan_model_takes_the_same_specs(recipe_file):
     shipped = pathlib.Path(__file__).resolve().parent.parent / "recipes" / "llama.py"
     model, config = resolve_model(str(shipped))
     assert model.num_layers == 4 and config == resolve_model("llama")[1]
-    with pytest.raises(ConfigError, match=r"--model='llama3-7b'; use one of llama3-8b.*a recipe \(deepseek, llama"):
+    with pytest.raises(ConfigError, match=r"--model='llama3-7b'; use one of llama3-8b.*a recipe \(deepseek, gemma3, llama"):
         resolve_model("llama3-7b")
 
 
 def test_recipes_command_says_paths_work(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:8] == ["deepseek", "llama", "llama_long", "llama_pp", "mistral", "mlp_dp", "moe", "qwen3"]
-    assert "llama3-8b, llama3-70b" in out[8] and "mixtral-8x7b" in out[8] and "deepseek-v3" in out[8] and "mistral-7b" in out[8]
+    assert out[:10] == ["deepseek", "gemma3", "llama", "llama_long", "llama_pp", "mistral", "mlp_dp", "moe", "qwen3", "qwen3_moe"]
+    presets = out[10]
+    assert "llama3-8b, llama3-70b" in presets and "mixtral-8x7b" in presets and "deepseek-v3" in presets
+    assert "mistral-7b" in presets and "gemma3-27b" in presets
     assert "path to a .py file" in out[-1] and "module:function" in out[-1]
 
 

@@ -90,6 +90,22 @@ def test_top_k_one_is_greedy_and_draws_are_reproducible(tiny_llama):
     assert max(generate(trainer, params, PROMPT, 6, temperature=1.0, seed=0, vocab_limit=10)) < 10
 
 
+def test_prompts_of_different_lengths_in_one_batch_continue_as_each_alone(tiny_llama):
+    """Three prompts of 5, 2 and 8 tokens in one buffer (4 rows over data=2 x tensor=4): each
+    row reads its next token at its own position and continues as it does alone, token for
+    token; a row that draws the end-of-text id stops there while the others go on."""
+    from jaxpar.train.sample import generate_batch
+
+    trainer = build(apply_overrides(tiny_llama, ["mesh.tensor=4"]))
+    params = initial_state(trainer).params
+    prompts = [PROMPT, PROMPT[:2], [7, 8, 9, 10, 11, 12, 13, 14]]
+    together = generate_batch(trainer, params, prompts, 5, length=16)
+    assert together == [generate_batch(trainer, params, [p], 5, length=16)[0] for p in prompts]
+    eos = together[1][1]
+    stopped = generate_batch(trainer, params, prompts, 5, eos_id=eos, length=16)
+    assert stopped == [d[:d.index(eos) + 1] if eos in d else d for d in together] and len(stopped[1]) == 2
+
+
 def test_draws_stay_within_the_top_k():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=64), jnp.float32)
     keys = jax.random.split(jax.random.key(0), 2000)
@@ -130,13 +146,24 @@ def checkpoint_dir(tmp_path_factory, tokenizer_file) -> tuple[str, object]:
     return directory, config
 
 
-def test_sample_command_prints_the_continuation_from_the_checkpoint_alone(checkpoint_dir, capsys):
+def test_sample_command_prints_the_continuation_from_the_checkpoint_alone(checkpoint_dir, capsys, tmp_path):
     directory, config = checkpoint_dir
     assert saved_config(directory) == config  # the model's class and every section, as trained
     assert main([directory, "--prompt", "the cat sat", "--max-new-tokens", "5", "--set", "mesh.tensor=4"]) == 0
     header, text = capsys.readouterr().out.splitlines()
     assert "step 3: LlamaConfig | mesh data=2 tensor=4 on 8 cpu devices | 5 tokens, greedy" in header
     assert text.startswith("the cat sat ") and len(text.split()) == 3 + 5
+    # --file: many prompts of different lengths, --batch of them a buffer, one JSON line an answer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a dog", "the cat sat", "the big red house and")))
+    out = tmp_path / "answers.jsonl"
+    assert main([directory, "--file", str(prompts), "--out", str(out), "--batch", "2", "--max-new-tokens", "5",
+                 "--set", "mesh.tensor=4"]) == 0
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a["prompt"] for a in answers] == ["a dog", "the cat sat", "the big red house and"]
+    assert answers[1]["prompt"] + answers[1]["completion"] == text  # as that prompt alone
+    assert all(a["tokens"] == 5 and not a["stopped"] for a in answers) and not (tmp_path / "answers.jsonl.partial").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote 3 answers to {out}"
 
 
 def test_sample_command_draws_with_temperature_and_top_k(checkpoint_dir, capsys):
@@ -209,6 +236,10 @@ def large_tokenizer(tmp_path_factory) -> str:
     (["{ckpt}", "--prompt", ""], "--prompt='' is empty"),
     (["{ckpt}", "--prompt", "   "], "--prompt='   ' encodes to no tokens"),
     (["{ckpt}", "--prompt", "the", "--max-new-tokens", "0"], "--max-new-tokens=0; give at least 1"),
+    (["{ckpt}", "--file", "{bad_prompts}"], "--file='{bad_prompts}' line 2 has no \"prompt\" text"),
+    (["{ckpt}", "--file", "{missing}"], "--file='{missing}' is not a file"),
+    (["{ckpt}", "--prompt", "the", "--out", "{missing}"], "--out applies to --file's prompts"),
+    (["{ckpt}", "--file", "{bad_prompts}", "--batch", "0"], "--batch=0; give at least 1"),
     (["{ckpt}", "--prompt", "the", "--set", "mesh.tensor=3"],
      "mesh.data=-1 cannot fill 8 devices: the other axes multiply to 3"),
     (["{golden}", "--prompt", "the"], "CHECKPOINT='{golden}' is a Hugging Face checkpoint (config.json and safetensors "
@@ -220,8 +251,10 @@ def large_tokenizer(tmp_path_factory) -> str:
 def test_bad_input_is_one_line_naming_the_argument(checkpoint_dir, large_tokenizer, tmp_path, capsys, args, message):
     (tmp_path / "empty").mkdir()
     names = {"missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"), "ckpt": checkpoint_dir[0],
-             "large": large_tokenizer, "checkpoint_file": str(tmp_path / "not_json"), "golden": str(GOLDEN)}
+             "large": large_tokenizer, "checkpoint_file": str(tmp_path / "not_json"), "golden": str(GOLDEN),
+             "bad_prompts": str(tmp_path / "prompts.jsonl")}
     (tmp_path / "not_json").write_text("not a tokenizer")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the"}\n{"text": "the"}\n')
     assert main([a.format(**names) for a in args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message.format(**names) in err, err
@@ -234,8 +267,9 @@ def test_a_hugging_face_checkpoint_samples_as_published(capsys, monkeypatch):
     import jaxpar.train.sample
 
     folder, seen = GOLDEN.parent / "gemma3", []
-    monkeypatch.setattr(jaxpar.train.sample, "generate", lambda trainer, params, prompt, *a, **k: (
-        seen.append(list(prompt)), generate(trainer, params, prompt, *a, **k))[1])
+    batch = jaxpar.train.sample.generate_batch
+    monkeypatch.setattr(jaxpar.train.sample, "generate_batch", lambda trainer, params, prompts, *a, **k: (
+        seen.extend(list(p) for p in prompts), batch(trainer, params, prompts, *a, **k))[1])
     assert main([f"hf:{folder}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
     header, text = capsys.readouterr().out.splitlines()
     assert header == f"hf:{folder} as published: Gemma3Config | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy"

@@ -30,7 +30,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("sample", help="continue a prompt with a trained checkpoint")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a run's checkpoint.dir, or hf:FOLDER for a Hugging Face checkpoint's weights as published")
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    given.add_argument("--file", metavar="PROMPTS.jsonl",
+                       help='many prompts, a JSON object a line with its "prompt"; answered in batches, one JSON line '
+                            'each ({"prompt", "completion", "tokens", "stopped"}) to --out or stdout')
+    parser.add_argument("--out", metavar="FILE", help="with --file: where the answers go (default: stdout)")
+    parser.add_argument("--batch", type=int, default=8, metavar="N",
+                        help="with --file: prompts continued at once, a row each (default 8)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
@@ -48,7 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """Check the arguments, rebuild the run's config, restore its weights (or read hf:FOLDER's)
     on this machine's mesh, and print the mesh, then the prompt and its continuation."""
-    _check_arguments(args)
+    texts = _check_arguments(args)
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
@@ -59,7 +66,6 @@ def run(args) -> int:
     from jaxpar.mesh import describe
     from jaxpar.train import build
     from jaxpar.train.checkpoint import saved_config
-    from jaxpar.train.sample import generate
 
     devices = jax.devices()
     published = args.checkpoint.startswith("hf:")
@@ -69,20 +75,59 @@ def run(args) -> int:
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} holds a {type(run_config.model).__name__} with model.task="
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
     tokenizer = _load_tokenizer(args, run_config.data, declared(run_config.model, "vocab_size"))
-    prompt_ids = _encode(tokenizer, args.prompt)
+    ids = [_encode(tokenizer, text, f"--prompt={text!r}" if args.file is None else f"--file={args.file!r}: {text!r}")
+           for text in texts]
     begin = [run_config.data.bos_id] if run_config.data.bos_id >= 0 else []  # as training put it before each document
-    config = sampling_config(run_config, len(devices), len(begin + prompt_ids) + args.max_new_tokens)
+    config = sampling_config(run_config, len(devices), len(begin) + max(map(len, ids)) + args.max_new_tokens)
     trainer = build(config, devices)
     params, which = _published_weights(trainer, run_config) if published else _run_weights(trainer, args)
-    drawn = generate(trainer, params, begin + prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     args.seed, eos_id=run_config.data.eos_id,
-                     vocab_limit=tokenizer.get_vocab_size(with_added_tokens=True))
+    drawn = _continue(trainer, params, [begin + i for i in ids], args, run_config.data.eos_id,
+                      tokenizer.get_vocab_size(with_added_tokens=True))
     how = "greedy" if args.temperature == 0 else (
         f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
-    print(f"{args.checkpoint} {which}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
-          f"{len(devices)} {devices[0].platform} devices | {len(drawn)} tokens, {how}", flush=True)
-    print(args.prompt + _completion(tokenizer, prompt_ids, drawn), flush=True)
+    counted = f"{len(drawn[0])} tokens" if args.file is None else f"{len(drawn)} prompts, {sum(map(len, drawn))} tokens"
+    header = (f"{args.checkpoint} {which}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
+              f"{len(devices)} {devices[0].platform} devices | {counted}, {how}")
+    if args.file is None:
+        print(header, flush=True)
+        print(args.prompt + _completion(tokenizer, ids[0], drawn[0]), flush=True)
+    else:
+        _write_answers(args, header, [{"prompt": text, "completion": _completion(tokenizer, i, d), "tokens": len(d),
+                                       "stopped": d[-1] == run_config.data.eos_id} for text, i, d in zip(texts, ids, drawn)])
     return 0
+
+
+def _continue(trainer, params, prompts: list[list[int]], args, eos_id: int, vocab: int) -> list[list[int]]:
+    """Each prompt's drawn tokens, --batch prompts at a time in one buffer length (one compile)."""
+    from tqdm import tqdm
+
+    from jaxpar.train.sample import generate_batch
+
+    out, batches = [], range(0, len(prompts), args.batch)
+    for start in tqdm(batches, unit="batch", disable=len(batches) == 1 or None, dynamic_ncols=True):
+        out += generate_batch(trainer, params, prompts[start:start + args.batch], args.max_new_tokens, args.temperature,
+                              args.top_k, args.seed, eos_id=eos_id, vocab_limit=vocab, length=trainer.config.train.seq_len)
+    return out
+
+
+def _write_answers(args, header: str, answers: list[dict]) -> None:
+    """One JSON line an answer to --out (written whole, then renamed into place) or stdout;
+    the header to stdout, or stderr where stdout carries the answers."""
+    import json
+    import os
+    import sys
+
+    lines = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
+    if args.out is None:
+        print(header, file=sys.stderr, flush=True)
+        sys.stdout.write(lines)
+        sys.stdout.flush()
+        return
+    out = pathlib.Path(args.out)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(lines)
+    os.replace(partial, out)
+    print(f"{header}\nwrote {len(answers)} answers to {out}", flush=True)
 
 
 def _run_weights(trainer, args) -> tuple:
@@ -113,10 +158,17 @@ def sampling_config(config, num_devices: int, tokens: int):
     return dataclasses.replace(config, train=train, data=DataConfig(), checkpoint=CheckpointConfig())
 
 
-def _check_arguments(args) -> None:
-    """Everything that needs no JAX, before devices start."""
-    if not args.prompt:
+def _check_arguments(args) -> list[str]:
+    """Everything that needs no JAX, before devices start; returns the prompts."""
+    if args.prompt is not None and not args.prompt:
         raise ConfigError("--prompt='' is empty; give text to continue, e.g. --prompt 'Once upon a time'")
+    if args.file is None and (args.out is not None or args.batch != 8):
+        raise ConfigError(f"{'--out' if args.out is not None else '--batch'} applies to --file's prompts; with --prompt "
+                          "the continuation is printed")
+    if args.batch < 1:
+        raise ConfigError(f"--batch={args.batch}; give at least 1 prompt a batch, e.g. --batch 8")
+    if args.out is not None and not pathlib.Path(args.out).parent.is_dir():
+        raise ConfigError(f"--out={args.out!r}: its folder {str(pathlib.Path(args.out).parent)!r} does not exist")
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature={args.temperature}; use 0 for greedy, or a positive value such as 0.8")
     if args.top_k < 0:
@@ -138,6 +190,30 @@ def _check_arguments(args) -> None:
     elif not pathlib.Path(args.checkpoint).is_dir():
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} is not a directory; give the checkpoint.dir of a run that "
                           "saved checkpoints, or hf:FOLDER for a Hugging Face checkpoint")
+    return [args.prompt] if args.file is None else read_prompts(args.file)
+
+
+def read_prompts(path: str) -> list[str]:
+    """The "prompt" of each line of a JSONL file; a line that is not one is refused, naming it."""
+    import json
+
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--file={path!r} is not a file; give a JSONL file, one {{\"prompt\": TEXT}} a line")
+    prompts = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"--file={path!r} line {n} is not JSON ({e}); give one {{\"prompt\": TEXT}} a line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise ConfigError(f"--file={path!r} line {n} has no \"prompt\" text; give one {{\"prompt\": TEXT}} a line")
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ConfigError(f"--file={path!r} holds no prompts; give one {{\"prompt\": TEXT}} a line")
+    return prompts
 
 
 def _load_tokenizer(args, data, model_vocab: int | None):
@@ -163,12 +239,12 @@ def _load_tokenizer(args, data, model_vocab: int | None):
     return tokenizer
 
 
-def _encode(tokenizer, prompt: str) -> list[int]:
+def _encode(tokenizer, prompt: str, where: str) -> list[int]:
     """The prompt's ids as training encodes a document's text: no special tokens added (the run's
     data.bos_id goes before them, as before each document)."""
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
-        raise ConfigError(f"--prompt={prompt!r} encodes to no tokens with this tokenizer; give text it has tokens for")
+        raise ConfigError(f"{where} encodes to no tokens with this tokenizer; give text it has tokens for")
     return ids
 
 

@@ -6,12 +6,14 @@ No KV cache: every new token runs the whole forward pass again over a fixed-leng
 so n new tokens cost n full forward passes. It is for looking at what a model learned (after
 a fine-tune, say), not for serving.
 
-The buffer holds the prompt, the tokens drawn so far, then padding; its length (the prompt
-plus max_new_tokens, rounded up to what the layout splits) is fixed, so the step compiles
-once. Causal attention keeps the padding after a position out of that position's logits; a
-model whose tokens meet other than through causal attention (MoE routing with a capacity
-limit, where padding competes for expert slots) can see it. Every row of the batch holds the
-prompt, as many rows as the batch axes (mesh data x fsdp x expert) split; row 0 is read.
+The buffer holds a prompt a row (`generate_batch`: prompts of different lengths at once;
+`generate`: one), the tokens drawn so far, then padding; its length (the longest prompt plus
+max_new_tokens, rounded up to what the layout splits) is fixed, so the step compiles once,
+and each row's next token is read at its own position. Causal attention keeps the padding
+after a position out of that position's logits; a model whose tokens meet other than
+through causal attention (MoE routing with a capacity limit, where padding and other rows
+compete for expert slots) can see it. Rows are rounded up to what the batch axes (mesh data
+x fsdp x expert) split, the extra rows repeating the first prompt.
 
 Under pipeline stages (mesh.stage > 1) the forward pass runs the whole model at once, not
 stage by stage: every device gathers every stage's layers (jaxpar.train.pipelined.unpipelined),
@@ -48,20 +50,39 @@ def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, t
     `vocab_limit`: only ids below it are chosen (a tokenizer's vocabulary, where the model's
     is larger: ids past it decode to nothing). `params`: the weights where they rest, as a
     TrainState holds them (`state.params`)."""
-    _check_arguments(trainer, prompt_ids, max_new_tokens, temperature, top_k)
+    return generate_batch(trainer, params, [prompt_ids], max_new_tokens, temperature, top_k, seed, eos_id,
+                          vocab_limit)[0]
+
+
+def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                   top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None,
+                   length: int | None = None) -> list[list[int]]:
+    """`generate` for several prompts of any lengths at once, one a row: row r's next token is
+    read at its own position, so each prompt's continuation is the one `generate` gives it
+    alone (greedy; a draw's key is the seed's at that row and position). `length`: the
+    buffer's (default the longest prompt plus max_new_tokens, rounded up to what the layout
+    splits); calls with one length and as many rows compile once."""
+    _check_arguments(trainer, prompts, max_new_tokens, temperature, top_k)
     _warn_of_gathered_stages(trainer, params)
-    start = len(prompt_ids)
-    length = _round_up(start + max_new_tokens, sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel))
-    tokens = np.zeros((batch_rows(trainer), length), np.int32)
-    tokens[:, :start] = prompt_ids
+    multiple = sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel)
+    need = max(map(len, prompts)) + max_new_tokens
+    length = _round_up(max(length or 0, need), multiple)
+    rows = _round_up(len(prompts), batch_rows(trainer))
+    starts = np.array([len(p) for p in prompts] + [len(prompts[0])] * (rows - len(prompts)), np.int32)
+    tokens = np.zeros((rows, length), np.int32)
+    for r, p in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):  # the extra rows repeat the first
+        tokens[r, :len(p)] = p
     tokens = jax.device_put(tokens, trainer.batch.shardings["inputs"])
-    step, key, drawn = next_token_step(trainer), jax.random.key(seed), []
+    step, key = next_token_step(trainer), jax.random.key(seed)
     limit = np.iinfo(np.int32).max if vocab_limit is None else vocab_limit
     settings = (np.float32(temperature), np.int32(top_k), np.int32(limit), key)  # one dtype each: one trace
-    for position in range(start, start + max_new_tokens):
-        tokens, token = step(params, tokens, np.int32(position), *settings)
-        drawn.append(int(token))
-        if drawn[-1] == eos_id:
+    drawn = [[] for _ in prompts]
+    for t in range(max_new_tokens):
+        tokens, token = step(params, tokens, starts + np.int32(t), *settings)
+        for r, x in enumerate(np.asarray(token)[:len(prompts)].tolist()):
+            if not drawn[r] or drawn[r][-1] != eos_id:
+                drawn[r].append(x)
+        if all(d and d[-1] == eos_id for d in drawn):
             break
     return drawn
 
@@ -86,17 +107,20 @@ def _warn_of_gathered_stages(trainer, params: Any) -> None:
 
 
 def next_token_step(trainer) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """jit((params, tokens [B, L], position, temperature, top_k, vocab_limit, key) -> (tokens
-    with column `position` filled, the token)): the token after tokens[0, :position]. All but
-    the arrays' shapes are traced, so one compile serves every call of a buffer shape."""
+    """jit((params, tokens [B, L], positions [B], temperature, top_k, vocab_limit, key) ->
+    (tokens with row r's column positions[r] filled, the B tokens)): each row's token after
+    its tokens before positions[r]. All but the arrays' shapes are traced, so one compile
+    serves every call of a buffer shape."""
     logits_of = forward(trainer)
 
-    def step(params, tokens, position, temperature, top_k, vocab_limit, key):
+    def step(params, tokens, positions, temperature, top_k, vocab_limit, key):
         logits = logits_of(params, {"inputs": tokens})  # [B, L, V]
-        last = jax.lax.dynamic_index_in_dim(logits[0], position - 1, keepdims=False).astype(jnp.float32)
-        last = jnp.where(jnp.arange(last.shape[0]) < vocab_limit, last, -jnp.inf)
-        token = choose(last, temperature, top_k, jax.random.fold_in(key, position))
-        return tokens.at[:, position].set(token), token
+        last = jnp.take_along_axis(logits, (positions - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_limit, last, -jnp.inf)
+        rows = jnp.arange(tokens.shape[0])
+        keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, p), r))(rows, positions)
+        token = jax.vmap(choose, in_axes=(0, None, None, 0))(last, temperature, top_k, keys)
+        return tokens.at[rows, positions].set(token), token
 
     return jax.jit(step)
 
@@ -134,15 +158,15 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _check_arguments(trainer, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int) -> None:
+def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int) -> None:
     model = trainer.config.model
     if model.task != "lm":
         raise ConfigError(f"generate needs a language model (model.task='lm'); {type(model).__name__} has "
                           f"model.task={model.task!r}")
-    if not prompt_ids:
+    if not prompts or not all(prompts):
         raise ConfigError("prompt_ids=[] is empty; give at least one token to continue")
     vocab = declared(model, "vocab_size")
-    outside = [t for t in prompt_ids if t < 0 or (vocab is not None and t >= vocab)]
+    outside = [t for p in prompts for t in p if t < 0 or (vocab is not None and t >= vocab)]
     if outside:
         raise ConfigError(f"prompt_ids hold {outside[0]}, outside model.vocab_size={vocab}; give ids in [0, {vocab})")
     if max_new_tokens < 1:
