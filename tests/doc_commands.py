@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/models/ too
 ENTRY = ".venv/bin/jaxpar"
 # what a check cannot know: paths earlier commands of the same page create
 MADE_BY_EARLIER_COMMANDS = re.compile(r"runs/")
