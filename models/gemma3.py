@@ -34,10 +34,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless
 from jaxpar.hf.weights import Weight
-from jaxpar.model import FIRST_LAYER
 from jaxpar.models.llama import (RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, llama_from_hf,
                                  llama_hf_weights, llama_to_hf, refuse_parts, refuse_scaled_tied_head, rope_frequencies)
-from jaxpar.nn import by_kind, scan_layers, window_kinds
+from jaxpar.nn import by_kind, window_kinds
 from jaxpar.sharding import constrain
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
@@ -121,8 +120,7 @@ class Gemma3Config(LlamaConfig):
         global_theta, factor, local_theta = gemma3_rope(hf)
         plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
         return llama_from_hf(
-            cls, {**plain, "rope_theta": global_theta, "hidden_act": activation,
-                  "tie_word_embeddings": hf.get("tie_word_embeddings", True)},
+            cls, {**plain, "rope_theta": global_theta, "hidden_act": activation},
             qk_norm=True, global_every=gemma3_period(hf), rope_local_theta=local_theta, rope_linear_factor=factor,
             query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar") or 0),
             final_logit_softcap=float(hf.get("final_logit_softcapping") or 0))
@@ -250,14 +248,7 @@ class Gemma3(Llama):
         x = super().lookup(table, tokens_BS)
         return x * jnp.asarray(self.cfg.embed**0.5, x.dtype)  # in the table's dtype, as Hugging Face rounds it
 
-    def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:
-        return self.run_layers(x, batch.get("positions"), batch.get("segment_ids"), batch.get(FIRST_LAYER, 0))[0]
-
-    def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, first_layer=0):
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers,
-                          first_layer=first_layer)
-        return out, None
+    indexed_layers = True  # a layer's kind is its index's
 
     def project(self, h: jax.Array, table: jax.Array | None) -> jax.Array:
         logits, cap = super().project(h, table), self.cfg.final_logit_softcap

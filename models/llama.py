@@ -35,7 +35,7 @@ from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.weights import Weight
 from jaxpar.mesh import divisors
-from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
+from jaxpar.model import ATTENTION, FIRST_LAYER, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import attend, column_project, compute_value, constrain, lookup, row_project
 from jaxpar.sharding.projections import GATHERED, SCATTERED
@@ -310,6 +310,8 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
+    indexed_layers = False  # each layer called with its index in the model (run_layers)
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         # Unit scale where a scaled tied head or a head of its own follows; a tied head that is
@@ -346,7 +348,7 @@ class Llama(nnx.Module):
         return self.lookup(compute_value(self.embedding), batch["inputs"])
 
     def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:
-        return self.run_layers(x, batch.get("positions"), batch.get("segment_ids"))[0]
+        return self.run_layers(x, batch.get("positions"), batch.get("segment_ids"), batch.get(FIRST_LAYER, 0))[0]
 
     def output(self, x: jax.Array) -> jax.Array:
         return self.logits(x, compute_value(self.embedding) if self.cfg.tie_embeddings else None)
@@ -357,11 +359,13 @@ class Llama(nnx.Module):
         # partitioner replicate the table's gradient.
         return constrain(constrain(lookup(table, tokens_BS), HIDDEN), RESIDUAL)
 
-    def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
-        """(x through every layer in `self.layers`, what each layer reported or None)."""
+    def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, first_layer=0):
+        """(x through every layer in `self.layers`, what each layer reported or None). Layers
+        that differ by their place (`indexed_layers`, Gemma 3's) are told their index in the
+        model, counted from `first_layer` (a pipeline stage's chunk starts past 0)."""
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat,
-                          unroll=self.cfg.unroll_layers)
+        out = scan_layers(self.layers, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers,
+                          first_layer=first_layer if self.indexed_layers else None)
         return out if isinstance(out, tuple) else (out, None)
 
     def logits(self, x: jax.Array, table: jax.Array | None) -> jax.Array:

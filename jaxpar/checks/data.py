@@ -107,12 +107,15 @@ def eos_needs_language_model(config, sizes) -> None:
     example=["data.eos_id=128"],
 )
 def eos_in_vocabulary(config, sizes) -> None:
-    eos = config.data.eos_id
-    if eos != -1 and not 0 <= eos < config.model.vocab_size:
-        raise ConfigError(
-            f"data.eos_id={eos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
-            "or -1 for unpacked rows"
-        )
+    _token_in_vocabulary(config, "eos_id", "unpacked rows")
+
+
+def _token_in_vocabulary(config, field: str, minus_one: str) -> None:
+    """data.<field> is a token id of the model's vocabulary or -1 (`minus_one` says what that means)."""
+    value = getattr(config.data, field)
+    if value != -1 and not 0 <= value < config.model.vocab_size:
+        raise ConfigError(f"data.{field}={value} must be a token id (0 to model.vocab_size - 1 = "
+                          f"{config.model.vocab_size - 1}), or -1 for {minus_one}")
 
 
 @rule(
@@ -123,12 +126,7 @@ def eos_in_vocabulary(config, sizes) -> None:
     example=["data.bos_id=128"],
 )
 def bos_in_vocabulary(config, sizes) -> None:
-    bos = config.data.bos_id
-    if bos != -1 and not 0 <= bos < config.model.vocab_size:
-        raise ConfigError(
-            f"data.bos_id={bos} must be a token id (0 to model.vocab_size - 1 = {config.model.vocab_size - 1}), "
-            "or -1 for none"
-        )
+    _token_in_vocabulary(config, "bos_id", "none")
 
 
 @rule(

@@ -23,6 +23,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.model import declared
 
 BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
+BATCH = 8  # --file's prompts continued at once, unless --batch says
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,8 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help='many prompts, a JSON object a line with its "prompt"; answered in batches, one JSON line '
                             'each ({"prompt", "completion", "tokens", "stopped"}) to --out or stdout')
     parser.add_argument("--out", metavar="FILE", help="with --file: where the answers go (default: stdout)")
-    parser.add_argument("--batch", type=int, default=8, metavar="N",
-                        help="with --file: prompts continued at once, a row each (default 8)")
+    parser.add_argument("--batch", type=int, metavar="N",
+                        help=f"with --file: prompts continued at once, a row each (default {BATCH})")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
@@ -103,9 +104,10 @@ def _continue(trainer, params, prompts: list[list[int]], args, eos_id: int, voca
 
     from jaxpar.train.sample import generate_batch
 
-    out, batches = [], range(0, len(prompts), args.batch)
+    size = args.batch or BATCH
+    out, batches = [], range(0, len(prompts), size)
     for start in tqdm(batches, unit="batch", disable=len(batches) == 1 or None, dynamic_ncols=True):
-        out += generate_batch(trainer, params, prompts[start:start + args.batch], args.max_new_tokens, args.temperature,
+        out += generate_batch(trainer, params, prompts[start:start + size], args.max_new_tokens, args.temperature,
                               args.top_k, args.seed, eos_id=eos_id, vocab_limit=vocab, length=trainer.config.train.seq_len)
     return out
 
@@ -162,10 +164,10 @@ def _check_arguments(args) -> list[str]:
     """Everything that needs no JAX, before devices start; returns the prompts."""
     if args.prompt is not None and not args.prompt:
         raise ConfigError("--prompt='' is empty; give text to continue, e.g. --prompt 'Once upon a time'")
-    if args.file is None and (args.out is not None or args.batch != 8):
+    if args.file is None and (args.out is not None or args.batch is not None):
         raise ConfigError(f"{'--out' if args.out is not None else '--batch'} applies to --file's prompts; with --prompt "
                           "the continuation is printed")
-    if args.batch < 1:
+    if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch={args.batch}; give at least 1 prompt a batch, e.g. --batch 8")
     if args.out is not None and not pathlib.Path(args.out).parent.is_dir():
         raise ConfigError(f"--out={args.out!r}: its folder {str(pathlib.Path(args.out).parent)!r} does not exist")

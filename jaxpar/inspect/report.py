@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.inspect.buffers import temporaries
 from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
@@ -27,6 +28,7 @@ from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summa
 from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
+from jaxpar.pipeline.executor import to_pipeline_order
 from jaxpar.xla_options import layer_params
 
 
@@ -209,8 +211,7 @@ def kind_shares(model, program=None, stage: int | None = None) -> dict[str, tupl
     distinct, kinds = window_kinds(layer_windows(model))
     if len(distinct) < 2:
         return {}
-    if stage is not None:
+    if stage is not None:  # device `stage` holds row `stage` of the layers in pipeline order
         p, v = program.timeline.p, program.timeline.v
-        per_chunk = len(kinds) // (p * v)
-        kinds = tuple(kinds[c * per_chunk + i] for c in range(stage, p * v, p) for i in range(per_chunk))
+        kinds = tuple(to_pipeline_order(np.asarray(kinds), p, v).reshape(p, -1)[stage].tolist())
     return {KIND_SCOPE: tuple(kinds.count(k) / len(kinds) for k in range(len(distinct)))}

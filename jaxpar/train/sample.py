@@ -67,10 +67,10 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     multiple = sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel)
     need = max(map(len, prompts)) + max_new_tokens
     length = _round_up(max(length or 0, need), multiple)
-    rows = _round_up(len(prompts), batch_rows(trainer))
-    starts = np.array([len(p) for p in prompts] + [len(prompts[0])] * (rows - len(prompts)), np.int32)
-    tokens = np.zeros((rows, length), np.int32)
-    for r, p in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):  # the extra rows repeat the first
+    padded = prompts + [prompts[0]] * (_round_up(len(prompts), batch_rows(trainer)) - len(prompts))  # repeat the first
+    starts = np.array([len(p) for p in padded], np.int32)
+    tokens = np.zeros((len(padded), length), np.int32)
+    for r, p in enumerate(padded):
         tokens[r, :len(p)] = p
     tokens = jax.device_put(tokens, trainer.batch.shardings["inputs"])
     step, key = next_token_step(trainer), jax.random.key(seed)
