@@ -146,13 +146,21 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: DataSource = "synthetic"  # where batches come from: synthetic (drawn from seed and step), tokens or text (path)
+    # where batches come from: synthetic (drawn from seed and step), tokens, text or chat (path)
+    source: DataSource = "synthetic"
     # tokens: a .npy or .bin file of token ids; text: a .txt, .jsonl or .parquet file, a
-    # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer.
+    # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer; chat:
+    # .jsonl or .parquet conversations (jaxpar.data.chat), rendered with the chat template.
     path: str = ""
     dtype: str = "uint16"  # tokens: element type of a .bin file
     tokenizer: str = ""  # text: a Hugging Face tokenizer.json
     text_field: str = "text"  # text: the JSONL key or Parquet column that holds each document
+    # chat: the key of each record's conversation ([{"role", "content"}, ...]); records with
+    # "prompt" and "completion" instead are trained on the completion.
+    messages_field: str = "messages"
+    # chat: the template's file (a .jinja, or a tokenizer_config.json); "": the tokenizer's own,
+    # chat_template.jinja or tokenizer_config.json beside data.tokenizer.
+    chat_template: str = ""
     # tokens and text: how rows are drawn from the token stream. windows: seq_len + 1 tokens
     # at random positions drawn from (seed, step); epochs: the stream cut into consecutive
     # rows, every row once per epoch, in an order shuffled from (seed, epoch).

@@ -24,7 +24,8 @@ of every layer and undo the sharding. Every policy saves hpZ's in-host secondary
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, get_args
+from collections.abc import Callable, Sequence
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from jaxpar.choices import Remat
 from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.kernels.experts.exchange import EXCHANGED_NAME
 from jaxpar.sharding import HPZ_NAME
+from jaxpar.sharding.kv_cache import active_cache, run_nested
 from jaxpar.sharding.layer_hooks import take_layer_hooks
 
 REMAT_POLICIES = get_args(Remat)
@@ -138,14 +140,18 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     graphdef, stacked = nnx.split(layers)
     leaves, treedef = jax.tree.flatten(stacked)
     states, hooks = take_layer_hooks(leaves)
+    cache = active_cache()  # sampling: the stack's key/value cache entry, a layer's slice a step
 
-    def body(carry: jax.Array, xs: tuple[list, list, Any]) -> tuple[jax.Array, Any]:
+    def body(carry: jax.Array, xs: tuple[list, list, Any, Any]) -> tuple[jax.Array, Any]:
         carry = checkpoint_name(carry, OFFLOADED_NAME)
-        leaves, states, index = xs
+        leaves, states, index, cached = xs
         layer = [x if hook is None else hook(x, state) for x, state, hook in zip(leaves, states, hooks)]
         extra = () if index is None else (index,)
-        out = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))(carry, *args, *extra)
-        return out if isinstance(out, tuple) else (out, None)
+        call = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))
+        out, cached = (call(carry, *args, *extra), None) if cache is None else \
+            run_nested(cache, cached, call, carry, *args, *extra)
+        out, report = out if isinstance(out, tuple) else (out, None)
+        return out, (report, cached)
 
     # In a loop XLA cannot merge the recomputed forward with the first one, so prevent_cse's
     # barriers are needed (and paid for) only when unrolled, and only where the policy
@@ -153,7 +159,10 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     step = jax.checkpoint(body, policy=policy, prevent_cse=unroll and remat != "none")
     n = leaves[0].shape[0]
     index = None if first_layer is None else jnp.asarray(first_layer, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
-    out, reports = jax.lax.scan(step, x, (leaves, states, index), unroll=unroll)
+    given = None if cache is None else cache.next_given()
+    out, (reports, cached) = jax.lax.scan(step, x, (leaves, states, index, given), unroll=unroll)
+    if cache is not None:
+        cache.made.append(cached)
     return out if reports is None else (out, reports)
 
 
@@ -175,5 +184,13 @@ def by_kind(kind: Any, branches: Sequence[Callable], *operands: Any) -> Any:
     every attention kernel sees fixed), for a layer whose kind is its traced index's."""
     if isinstance(kind, int):
         return branches[kind](*operands)
+    cache = active_cache()  # sampling: the branches' key/value cache entries leave through the switch
+    if cache is not None:
+        given = cache.next_given()
+        branches = [lambda *ops, branch=branch: run_nested(cache, given, branch, *ops) for branch in branches]
     with jax.named_scope(KIND_SCOPE):
-        return jax.lax.switch(kind, list(branches), *operands)
+        out = jax.lax.switch(kind, list(branches), *operands)
+    if cache is None:
+        return out
+    cache.made.append(out[1])
+    return out[0]

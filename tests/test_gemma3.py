@@ -6,6 +6,9 @@ against one device (fp32; losses and first-step gradients within 1e-5 relative, 
 layout test). Its logits against transformers' are tests/test_hf.py's (golden gemma3).
 """
 
+import jax
+import numpy as np
+
 from jaxpar.config import Config, TrainConfig, apply_overrides
 from jaxpar.models.gemma3 import Gemma3Config
 from jaxpar.testing import check, compare, run_layout
@@ -46,3 +49,23 @@ def test_explain_counts_each_kind_of_layer_by_its_share():
     doc = explain(trainer, inspect_step(trainer))
     assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]
     assert "3 layers of window 5 and 1 of every key" in doc["context_traffic_formula"]
+
+
+def test_local_and_global_layers_sample_with_the_cache_as_without():
+    """Each layer's kind is a switch (jaxpar.nn.by_kind) whose branches hand their key/value
+    cache entries out: windows of 5 in the local layers, the whole cache in the global one;
+    prompts longer than the window, greedy, data 4 x tensor 2 (the cache's heads split)."""
+    from jaxpar.testing import initial_state
+    from jaxpar.train import build
+    from jaxpar.train.sample import cached_steps, generate_batch
+
+    trainer = build(apply_overrides(GEMMA, ["mesh.data=4", "mesh.tensor=2"]))
+    params = initial_state(trainer).params
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]]
+    cached = generate_batch(trainer, params, prompts, 7, kv_cache=True)
+    assert cached == generate_batch(trainer, params, prompts, 7, kv_cache=False)
+    prefill = cached_steps(trainer)[0]
+    settings = (np.float32(0), np.int32(0), np.float32(1), np.int32(128), jax.random.key(0))
+    cache, _ = prefill(params, np.zeros((4, 8), np.int32), np.full(4, 8, np.int32), *settings, length=16)
+    [[[(keys, values)]]] = cache  # the stack: a switch in each layer, one attention call in each branch
+    assert keys.shape == (4, 4, 16, 2, 8) and keys.sharding.spec[3] == "tensor"

@@ -49,8 +49,9 @@ def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama
     trainers = {name: build(apply_overrides(tiny_llama, layout)) for name, layout in layouts.items()}
     states = {name: initial_state(trainer) for name, trainer in trainers.items()}  # random weights, the same in each
     want = _greedy_on_one_device(unsharded_model(trainers["tensor4"], states["tensor4"]), PROMPT, 6)
-    for name, trainer in trainers.items():
+    for name, trainer in trainers.items():  # with the key/value cache (the default) and without
         assert generate(trainer, states[name].params, PROMPT, 6) == want, name
+        assert generate(trainer, states[name].params, PROMPT, 6, kv_cache=False) == want, name
     tensor4, params = trainers["tensor4"], states["tensor4"].params
     assert generate(tensor4, params, PROMPT, 6, eos_id=want[2]) == want[:3]  # stops at eos, eos included
 
@@ -109,11 +110,11 @@ def test_prompts_of_different_lengths_in_one_batch_continue_as_each_alone(tiny_l
 def test_draws_stay_within_the_top_k():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=64), jnp.float32)
     keys = jax.random.split(jax.random.key(0), 2000)
-    draw = jax.vmap(choose, in_axes=(None, None, None, 0))
+    draw = jax.vmap(choose, in_axes=(None, None, None, None, 0))
     top3 = set(np.argsort(-np.asarray(logits))[:3].tolist())
-    assert set(np.asarray(draw(logits, 2.0, 3, keys)).tolist()) == top3  # every one of them, nothing else
-    assert len(set(np.asarray(draw(logits, 2.0, 0, keys)).tolist())) > 10  # top_k=0: the whole vocabulary
-    assert set(np.asarray(draw(logits, 0.0, 3, keys)).tolist()) == {int(jnp.argmax(logits))}  # greedy
+    assert set(np.asarray(draw(logits, 2.0, 3, 1.0, keys)).tolist()) == top3  # every one of them, nothing else
+    assert len(set(np.asarray(draw(logits, 2.0, 0, 1.0, keys)).tolist())) > 10  # top_k=0: the whole vocabulary
+    assert set(np.asarray(draw(logits, 0.0, 3, 1.0, keys)).tolist()) == {int(jnp.argmax(logits))}  # greedy
 
 
 # ------------------------------------------------------------------ the command
@@ -272,7 +273,8 @@ def test_a_hugging_face_checkpoint_samples_as_published(capsys, monkeypatch):
         seen.extend(list(p) for p in prompts), batch(trainer, params, prompts, *a, **k))[1])
     assert main([f"hf:{folder}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
     header, text = capsys.readouterr().out.splitlines()
-    assert header == f"hf:{folder} as published: Gemma3Config | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy"
+    assert header == (f"hf:{folder} as published: Gemma3Config | mesh data=2 tensor=4 on 8 cpu devices | 4 tokens, greedy, "
+                      "kv cache")
     assert text.startswith("The old ship") and len(text) > len("The old ship")
     from tokenizers import Tokenizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
+from jaxpar.data.batch import packs_documents
 from jaxpar.sharding.rules import parse_table
 from jaxpar.model import ATTENTION, supports
 
@@ -40,8 +41,9 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
             return f"cuDNN attention needs a CUDA GPU of compute capability 8.0 or more, not {device.device_kind}"
     if not supports(model, ATTENTION):
         return f"model {type(model).__name__} does not route attention through jaxpar's helper (capability 'attention')"
-    if config.data.eos_id >= 0:
-        return f"data.eos_id={config.data.eos_id} packs documents, whose segment ids cuDNN attention does not take"
+    if packs_documents(config.data):
+        return (f"data.source={config.data.source} with data.eos_id={config.data.eos_id} packs documents, whose segment "
+                "ids cuDNN attention does not take")
     if dtype not in ("bfloat16", "float16"):
         return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
     if model.head_dim % 8 or model.head_dim > 128:
@@ -51,7 +53,7 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
 
 @rule(
     "cudnn-attention-applies",
-    fields=["parallel.attention", "train.compute_dtype", "data.eos_id", "model.head_dim"],
+    fields=["parallel.attention", "train.compute_dtype", "data.eos_id", "data.source", "model.head_dim"],
     summary="attention=cudnn needs GPUs, a Llama-family model, no packed documents, bf16/fp16 and head dims that "
     "are multiples of 8 up to 128.",
     example=["parallel.attention=cudnn"],

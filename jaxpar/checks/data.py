@@ -12,6 +12,7 @@ rule = collector(RULES)
 FILE_SOURCES = {
     "tokens": "a .npy or .bin file of token ids",
     "text": "a .txt, .jsonl or .parquet file, a folder of them, or a glob",
+    "chat": "a .jsonl or .parquet file of conversations, a folder of them, or a glob",
 }
 
 
@@ -42,20 +43,21 @@ def tokens_need_path(config, sizes) -> None:
     if source in FILE_SOURCES and not path:
         raise ConfigError(f"data.source={source} needs data.path, {FILE_SOURCES[source]}")
     if source not in FILE_SOURCES and path:  # else the file would be ignored, silently
-        raise ConfigError(f"data.path={path!r} is read only with data.source=tokens or text, but "
-                          f"data.source={source!r}; set data.source=tokens (token ids) or text, or drop data.path")
+        raise ConfigError(f"data.path={path!r} is read only with data.source=tokens, text or chat, but "
+                          f"data.source={source!r}; set data.source=tokens (token ids), text or chat, or drop data.path")
 
 
 @rule(
     "text-needs-tokenizer",
     fields=["data.source", "data.tokenizer"],
-    summary="data.source=text is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` and "
-    "`jaxpar export` also read, with any source).",
+    summary="data.source=text or chat is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` "
+    "and `jaxpar export` also read, with any source).",
     example=["data.source=text", "data.path=corpus.jsonl"],
+    also=[["data.source=chat", "data.path=chats.jsonl"]],
 )
 def text_needs_tokenizer(config, sizes) -> None:
-    if config.data.source == "text" and not config.data.tokenizer:
-        raise ConfigError("data.source=text needs data.tokenizer, a Hugging Face tokenizer.json "
+    if config.data.source in ("text", "chat") and not config.data.tokenizer:
+        raise ConfigError(f"data.source={config.data.source} needs data.tokenizer, a Hugging Face tokenizer.json "
                           "(the one beside the model's weights)")
 
 
@@ -69,6 +71,26 @@ def text_field_named(config, sizes) -> None:
     if not config.data.text_field:
         raise ConfigError("data.text_field='' names no key; set it to the JSONL key or Parquet column that holds "
                           "each document's text, e.g. data.text_field=text")
+
+
+@rule(
+    "chat-settings-need-chat",
+    fields=["data.chat_template", "data.messages_field", "data.source"],
+    summary="data.chat_template and data.messages_field are read with data.source=chat; the field names a key.",
+    example=["data.chat_template=template.jinja"],
+    also=[["data.source=chat", "data.path=chats.jsonl", "data.tokenizer=tokenizer.json", "data.messages_field="]],
+)
+def chat_settings_need_chat(config, sizes) -> None:
+    data = config.data
+    if data.source != "chat" and data.chat_template:  # else the template would be ignored, silently
+        raise ConfigError(f"data.chat_template={data.chat_template!r} renders conversations, read only with "
+                          f"data.source=chat, but data.source={data.source!r}; set data.source=chat, or drop it")
+    if data.source != "chat" and data.messages_field != "messages":
+        raise ConfigError(f"data.messages_field={data.messages_field!r} names conversations, read only with "
+                          f"data.source=chat, but data.source={data.source!r}; set data.source=chat, or drop it")
+    if not data.messages_field:
+        raise ConfigError("data.messages_field='' names no key; set it to the JSONL key or Parquet column that holds "
+                          "each conversation, e.g. data.messages_field=messages")
 
 
 @rule(

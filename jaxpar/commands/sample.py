@@ -1,6 +1,6 @@
 """`jaxpar sample CHECKPOINT --prompt TEXT`: continue a prompt with a trained checkpoint, on a
-mesh of this machine's devices (jaxpar.train.sample; no KV cache: for looking at what a
-model learned, not for serving).
+mesh of this machine's devices (jaxpar.train.sample: with a key/value cache where the layout
+allows it, `--no-kv-cache` to run the whole sequence again for every token).
 
 The checkpoint directory alone describes the run (jaxpar.train.checkpoint.saved_config);
 `--set` changes its config as `jaxpar train` does (naming any mesh.* axis replaces the saved
@@ -17,8 +17,15 @@ import dataclasses
 import math
 import pathlib
 
-from jaxpar.commands.common import (add_cpu_devices, add_overrides, check_cpu_devices, hf_checkpoint, recorded_file,
-                                    recorded_in, restore)
+from jaxpar.commands.common import (
+    add_cpu_devices,
+    add_overrides,
+    check_cpu_devices,
+    hf_checkpoint,
+    recorded_file,
+    recorded_in,
+    restore,
+)
 from jaxpar.errors import ConfigError
 from jaxpar.model import declared
 
@@ -39,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", metavar="FILE", help="with --file: where the answers go (default: stdout)")
     parser.add_argument("--batch", type=int, metavar="N",
                         help=f"with --file: prompts continued at once, a row each (default {BATCH})")
+    parser.add_argument("--chat", action="store_true",
+                        help="each prompt is a user's message, rendered with the chat template (the run's "
+                             "data.chat_template, else the tokenizer's own) and its generation prompt")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
@@ -46,7 +56,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="0 (default): greedy; above 0: draw from softmax(logits / T)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K",
                         help="draw only among the K likeliest tokens (default 0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="draw only among the likeliest tokens whose probabilities sum to P (default 1: all)")
     parser.add_argument("--seed", type=int, default=0, help="the random draws' seed (default 0)")
+    parser.add_argument("--no-kv-cache", dest="kv_cache", action="store_false", default=None,
+                        help="run the whole sequence again for every new token instead of reading a key/value cache "
+                             "(the cache is used wherever the layout allows it: not under mesh.context > 1)")
     parser.add_argument("--step", type=int, metavar="STEP", help="the checkpoint step (default: the newest)")
     add_overrides(parser, "mesh.tensor=4")
     add_cpu_devices(parser)
@@ -76,16 +91,22 @@ def run(args) -> int:
         raise ConfigError(f"CHECKPOINT={args.checkpoint!r} holds a {type(run_config.model).__name__} with model.task="
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
     tokenizer = _load_tokenizer(args, run_config.data, declared(run_config.model, "vocab_size"))
-    ids = [_encode(tokenizer, text, f"--prompt={text!r}" if args.file is None else f"--file={args.file!r}: {text!r}")
-           for text in texts]
-    begin = [run_config.data.bos_id] if run_config.data.bos_id >= 0 else []  # as training put it before each document
+    where = [f"--prompt={text!r}" if args.file is None else f"--file={args.file!r}: {text!r}" for text in texts]
+    if args.chat:  # the template writes its own begin-of-text
+        ids, begin = _chat_prompts(texts, where, tokenizer, args, run_config.data), []
+    else:
+        ids = [_encode(tokenizer, text, w) for text, w in zip(texts, where)]
+        begin = [run_config.data.bos_id] if run_config.data.bos_id >= 0 else []  # as training put it before each document
     config = sampling_config(run_config, len(devices), len(begin) + max(map(len, ids)) + args.max_new_tokens)
     trainer = build(config, devices)
     params, which = _published_weights(trainer, run_config) if published else _run_weights(trainer, args)
     drawn = _continue(trainer, params, [begin + i for i in ids], args, run_config.data.eos_id,
                       tokenizer.get_vocab_size(with_added_tokens=True))
+    from jaxpar.train.sample import uses_kv_cache
+
     how = "greedy" if args.temperature == 0 else (
-        f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
+        f"temperature {args.temperature}, top-k {args.top_k or 'all'}, top-p {args.top_p:g}, seed {args.seed}")
+    how += ", kv cache" if uses_kv_cache(trainer, args.kv_cache) else ", no kv cache"
     counted = f"{len(drawn[0])} tokens" if args.file is None else f"{len(drawn)} prompts, {sum(map(len, drawn))} tokens"
     header = (f"{args.checkpoint} {which}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
               f"{len(devices)} {devices[0].platform} devices | {counted}, {how}")
@@ -108,7 +129,8 @@ def _continue(trainer, params, prompts: list[list[int]], args, eos_id: int, voca
     out, batches = [], range(0, len(prompts), size)
     for start in tqdm(batches, unit="batch", disable=len(batches) == 1 or None, dynamic_ncols=True):
         out += generate_batch(trainer, params, prompts[start:start + size], args.max_new_tokens, args.temperature,
-                              args.top_k, args.seed, eos_id=eos_id, vocab_limit=vocab, length=trainer.config.train.seq_len)
+                              args.top_k, args.seed, eos_id=eos_id, vocab_limit=vocab, length=trainer.config.train.seq_len,
+                              top_p=args.top_p, kv_cache=args.kv_cache)
     return out
 
 
@@ -175,6 +197,8 @@ def _check_arguments(args) -> list[str]:
         raise ConfigError(f"--temperature={args.temperature}; use 0 for greedy, or a positive value such as 0.8")
     if args.top_k < 0:
         raise ConfigError(f"--top-k={args.top_k}; use 0 for the whole vocabulary, or a positive count such as 40")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p={args.top_p}; use 1 for the whole vocabulary, or a probability mass such as 0.9")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
     check_cpu_devices(args)
@@ -239,6 +263,20 @@ def _load_tokenizer(args, data, model_vocab: int | None):
         raise ConfigError(f"{name}={path!r} has {vocab} tokens, more than the checkpoint's model.vocab_size="
                           f"{model_vocab}; give the tokenizer the model was trained with (ids below {model_vocab})")
     return tokenizer
+
+
+def _chat_prompts(texts: list[str], where: list[str], tokenizer, args, data) -> list[list[int]]:
+    """Each text as a user's message, rendered with the chat template and its generation
+    prompt, tokenized as training tokenizes conversations (jaxpar.data.chat)."""
+    from jaxpar.data.chat import Template, find_template, special_tokens
+
+    path = args.tokenizer or data.tokenizer
+    template = Template(find_template(path, data.chat_template), special_tokens(path))
+    ids = []
+    for text, w in zip(texts, where):
+        rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids.append(_encode(tokenizer, rendered, w))
+    return ids
 
 
 def _encode(tokenizer, prompt: str, where: str) -> list[int]:

@@ -25,9 +25,15 @@ FIELDS = {
 FIELDS["lm_packed"] = {**FIELDS["lm"], "segment_ids": ("seq", np.int32), "positions": ("seq", np.int32)}
 
 
-def batch_kind(task: str, eos_id: int) -> str:
+def packs_documents(data: Any) -> bool:
+    """Whether a data config's rows hold packed documents (segment ids and positions): text or
+    tokens with an end-of-document id (data.eos_id), and conversations (data.source=chat)."""
+    return data.eos_id >= 0 or data.source == "chat"
+
+
+def batch_kind(task: str, packed: bool) -> str:
     """The FIELDS key of a config's batches."""
-    return "lm_packed" if task == "lm" and eos_id >= 0 else task
+    return "lm_packed" if task == "lm" and packed else task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +46,14 @@ class Field:
     names: tuple[str | None, ...]
 
 
-def batch_fields(model: Any, seq_len: int, eos_id: int) -> dict[str, Field]:
+def batch_fields(model: Any, seq_len: int, packed: bool) -> dict[str, Field]:
     """What a batch holds for `model`: its own `batch_fields(seq_len)` if it declares them
     (jaxpar.model), else its task's: lm token rows of seq_len (with packed documents'
-    positions and segment ids when `eos_id` >= 0), or classify inputs of the model's
+    positions and segment ids when `packed`: packs_documents), or classify inputs of the model's
     `input_shape` (default (in_features,)) with one target per example."""
     if has(model, "batch_fields"):
         return dict(model.batch_fields(seq_len))
-    kind = batch_kind(model.task, eos_id)
+    kind = batch_kind(model.task, packed)
     if kind not in FIELDS:
         raise ConfigError(f"model.task={model.task!r}: jaxpar knows the batches of 'lm' and 'classify'; "
                           "give the model config batch_fields(seq_len) for others (jaxpar.model)")

@@ -29,7 +29,8 @@ import jax
 
 from jaxpar.data.batch import BatchLayout
 from jaxpar.data.order import Epochs, Windows
-from jaxpar.data.sources import TokenFile, TokenRows, make_source
+from jaxpar.data.chat import ChatRows
+from jaxpar.data.sources import ChatSource, Source, TokenFile, TokenRows, make_source
 from jaxpar.data.user import UserBatches, UserData, check_batch
 from jaxpar.errors import ConfigError
 
@@ -55,6 +56,22 @@ class HeldOutTokens(TokenRows):
         super().__init__(source.batch, source.held_out, order, data.eos_id)
 
 
+class HeldOutChat(Source):
+    """The held-out conversations of a chat source, packed: held-out batch i holds their rows
+    i * B to (i + 1) * B - 1 in order, wrapping round."""
+
+    def __init__(self, source: ChatSource):
+        if source.held_out is None:
+            raise ConfigError(f"data.eval_fraction=0 holds none of data.path={source.data.path!r} out of training; "
+                              "set data.eval_fraction=0.01 (its last 1%)")
+        super().__init__(source.batch)
+        self.reader = ChatRows(source.held_out, "epochs", source.batch.global_batch, source.seed, shuffle=False,
+                               first_step=HELD_OUT_STEP)
+
+    def local(self, step: int, rows: slice) -> dict:
+        return self.reader.local(step, rows)
+
+
 def held_out_batches(batch: BatchLayout, config: Any, eval_data: UserData | None = None, source=None) -> HeldOut:
     """i -> held-out global batch i, laid out as `batch`, for 0 <= i < train.eval_batches:
     from `eval_data` when given (checked now), else from the config's source (see the
@@ -65,6 +82,8 @@ def held_out_batches(batch: BatchLayout, config: Any, eval_data: UserData | None
     source = make_source(batch, config) if source is None else source
     if isinstance(source, TokenFile):
         source = HeldOutTokens(source)
+    if isinstance(source, ChatSource):
+        source = HeldOutChat(source)
     return lambda i: source(HELD_OUT_STEP + i)
 
 

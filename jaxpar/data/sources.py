@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
+from jaxpar.data.chat import chat_rows
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
@@ -104,6 +105,20 @@ class TextSource(TokenFile):
 
     def read(self, data: Any, vocab_size: int) -> np.ndarray:
         return tokenize(TextSpec.from_config(data), vocab_size)
+
+
+class ChatSource(Source):
+    """data.source=chat: the conversations of data.path rendered, tokenized and packed into
+    rows when the run starts (jaxpar.data.chat), the loss on the assistant's tokens; the last
+    data.eval_fraction of them held out (`held_out`, packed rows, read by jaxpar.data.heldout)."""
+
+    def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
+        super().__init__(batch)
+        self.data, self.seed = data, seed
+        self.reader, self.held_out = chat_rows(batch, data, vocab_size, seed)
+
+    def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.reader.local(step, rows)
 
 
 class SyntheticClasses(Source):
@@ -202,4 +217,5 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
         return SyntheticClasses(batch, model.num_classes, seed)
     if config.data.source == "synthetic":
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
-    return {"tokens": TokenFile, "text": TextSource}[config.data.source](batch, config.data, model.vocab_size, seed)
+    sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource}
+    return sources[config.data.source](batch, config.data, model.vocab_size, seed)

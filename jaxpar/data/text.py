@@ -197,7 +197,7 @@ def count_documents(files: Iterable[pathlib.Path], spec: TextSpec) -> int:
             with open(file, "rb") as f:
                 total += sum(1 for line in f if line.strip())
         else:
-            total += _parquet_file(file, spec).metadata.num_rows
+            total += parquet_file(file, spec).metadata.num_rows
     return total
 
 
@@ -246,7 +246,7 @@ def _jsonl_documents(file: pathlib.Path, spec: TextSpec) -> Iterator[str]:
             yield record[key]
 
 
-def _parquet_file(file: pathlib.Path, spec: TextSpec):
+def parquet_file(file: pathlib.Path, spec: TextSpec):
     n = spec.names
     try:
         import pyarrow.parquet as pq
@@ -264,7 +264,7 @@ def _parquet_documents(file: pathlib.Path, spec: TextSpec) -> Iterator[str]:
     import pyarrow as pa
 
     n, column = spec.names, spec.text_field
-    parquet = _parquet_file(file, spec)
+    parquet = parquet_file(file, spec)
     schema = parquet.schema_arrow
     if column not in schema.names:
         raise ConfigError(f"{n.text_field}={column!r}: {str(file)!r} has no column {column!r} (its columns are "

@@ -20,6 +20,7 @@ from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, fl
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout
+from jaxpar.sharding.kv_cache import active_cache, attend_cached
 
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
@@ -53,7 +54,12 @@ def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=
     """Grouped-query attention; `segment_ids[B, S]` keeps packed sequences apart; `window` > 0
     shows each query only the last `window` keys up to itself (a sliding window, as Mistral's
     and Gemma's local layers; every kernel skips the work outside it). Values may have a head
-    size of their own (MLA), which the output then has."""
+    size of their own (MLA), which the output then has. Under a key/value cache
+    (jaxpar.sharding.kv_cache, sampling) the keys and values go into it and the queries
+    attend over it."""
+    cache = active_cache()
+    if cache is not None:
+        return attend_cached(cache, q_BSHK, k_BSGK, v_BSGK, causal, window)
     layout = active_layout()
     if layout is not None and sequence_degree(layout) > 1:
         return context_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, context_spec(layout, causal, window))

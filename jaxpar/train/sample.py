@@ -2,13 +2,23 @@
 trainer's mesh, in any layout `jaxpar.train.inference.forward` runs (tensor, sequence and
 context parallel, FSDP, experts, pipeline stages).
 
-No KV cache: every new token runs the whole forward pass again over a fixed-length buffer,
-so n new tokens cost n full forward passes. It is for looking at what a model learned (after
-a fine-tune, say), not for serving.
+Two ways to run the model, the same tokens either way (tests/test_kv_cache.py):
+
+  * **with a key/value cache** (the default where the layout allows): one pass over the
+    prompts (prefill) fills a cache of every layer's keys and values, then each new token
+    is one pass over that token alone, attending over the cache
+    (jaxpar.sharding.kv_cache). Every model whose attention goes through
+    `jaxpar.sharding.attend` gets it. The cache rests like keys and values do: rows over
+    the batch axes, heads over mesh.tensor. Not under context parallelism (mesh.context >
+    1: a token a step has no sequence to split), nor for a model whose tokens meet other
+    than through that attention call (refused where it makes none).
+  * **without** (`kv_cache=False`, and under mesh.context > 1): every new token runs the
+    whole forward pass again over a fixed-length buffer, so n new tokens cost n full
+    passes; every layout, context parallelism included.
 
 The buffer holds a prompt a row (`generate_batch`: prompts of different lengths at once;
 `generate`: one), the tokens drawn so far, then padding; its length (the longest prompt plus
-max_new_tokens, rounded up to what the layout splits) is fixed, so the step compiles once,
+max_new_tokens, rounded up to what the layout splits) is fixed, so each step compiles once,
 and each row's next token is read at its own position. Causal attention keeps the padding
 after a position out of that position's logits; a model whose tokens meet other than
 through causal attention (MoE routing with a capacity limit, where padding and other rows
@@ -24,15 +34,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.model import declared
-from jaxpar.train.inference import forward
+from jaxpar.sharding import use_layout
+from jaxpar.sharding.kv_cache import caching
+from jaxpar.train.inference import forward, whole_model
+from jaxpar.train.loss import model_outputs
 from jaxpar.train.replicas import without_axis
 from jaxpar.units import byte_size
 
@@ -42,27 +57,31 @@ class StagesGathered(JaxparWarning):
 
 
 def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None) -> list[int]:
+             top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None, top_p: float = 1.0,
+             kv_cache: bool | None = None) -> list[int]:
     """The tokens that follow `prompt_ids`, at most `max_new_tokens` of them, ending early
     with `eos_id` (included) when it is drawn. Temperature 0 is greedy (argmax); above 0 each
     token is drawn from softmax(logits / temperature) over the `top_k` largest logits (0: the
-    whole vocabulary; ties with the k-th are kept), with jax.random keys from `seed`.
-    `vocab_limit`: only ids below it are chosen (a tokenizer's vocabulary, where the model's
-    is larger: ids past it decode to nothing). `params`: the weights where they rest, as a
+    whole vocabulary; ties with the k-th are kept) and, of those, the fewest likeliest whose
+    probabilities reach `top_p` (1: all), with jax.random keys from `seed`. `vocab_limit`:
+    only ids below it are chosen (a tokenizer's vocabulary, where the model's is larger: ids
+    past it decode to nothing). `kv_cache`: True, False, or None for the cache where the
+    layout allows it (the module's docstring). `params`: the weights where they rest, as a
     TrainState holds them (`state.params`)."""
     return generate_batch(trainer, params, [prompt_ids], max_new_tokens, temperature, top_k, seed, eos_id,
-                          vocab_limit)[0]
+                          vocab_limit, top_p=top_p, kv_cache=kv_cache)[0]
 
 
 def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                    top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None,
-                   length: int | None = None) -> list[list[int]]:
+                   length: int | None = None, top_p: float = 1.0, kv_cache: bool | None = None) -> list[list[int]]:
     """`generate` for several prompts of any lengths at once, one a row: row r's next token is
     read at its own position, so each prompt's continuation is the one `generate` gives it
     alone (greedy; a draw's key is the seed's at that row and position). `length`: the
     buffer's (default the longest prompt plus max_new_tokens, rounded up to what the layout
     splits); calls with one length and as many rows compile once."""
-    _check_arguments(trainer, prompts, max_new_tokens, temperature, top_k)
+    _check_arguments(trainer, prompts, max_new_tokens, temperature, top_k, top_p)
+    cached = uses_kv_cache(trainer, kv_cache)
     _warn_of_gathered_stages(trainer, params)
     multiple = sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel)
     need = max(map(len, prompts)) + max_new_tokens
@@ -72,19 +91,51 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     tokens = np.zeros((len(padded), length), np.int32)
     for r, p in enumerate(padded):
         tokens[r, :len(p)] = p
-    tokens = jax.device_put(tokens, trainer.batch.shardings["inputs"])
-    step, key = next_token_step(trainer), jax.random.key(seed)
     limit = np.iinfo(np.int32).max if vocab_limit is None else vocab_limit
-    settings = (np.float32(temperature), np.int32(top_k), np.int32(limit), key)  # one dtype each: one trace
+    # one dtype each: one trace
+    settings = (np.float32(temperature), np.int32(top_k), np.float32(top_p), np.int32(limit), jax.random.key(seed))
+    steps = (_cached_tokens if cached else _recomputed_tokens)(trainer, params, tokens, starts, settings, multiple)
     drawn = [[] for _ in prompts]
-    for t in range(max_new_tokens):
-        tokens, token = step(params, tokens, starts + np.int32(t), *settings)
-        for r, x in enumerate(np.asarray(token)[:len(prompts)].tolist()):
+    for _, token in zip(range(max_new_tokens), steps):
+        for r, x in enumerate(token[:len(prompts)].tolist()):
             if not drawn[r] or drawn[r][-1] != eos_id:
                 drawn[r].append(x)
         if all(d and d[-1] == eos_id for d in drawn):
             break
     return drawn
+
+
+def uses_kv_cache(trainer, kv_cache: bool | None) -> bool:
+    """Whether sampling runs with the key/value cache: as asked, or (None) where the layout
+    allows it. Asking for it where the sequence is split is refused."""
+    context = trainer.layout.mesh.shape["context"]
+    if kv_cache and context > 1:
+        raise ConfigError(f"kv_cache=True with mesh.context={context}: a cached step runs one token a row, which "
+                          "has no sequence to split; sample with mesh.context=1, or without the cache (kv_cache=False)")
+    return context == 1 if kv_cache is None else kv_cache
+
+
+def _recomputed_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple, multiple: int):
+    """Each step's drawn tokens [B] (numpy), the whole buffer run again for each, until the
+    buffer is full."""
+    step = next_token_step(trainer)
+    tokens = jax.device_put(tokens, trainer.batch.shardings["inputs"])
+    for t in range(tokens.shape[1] - int(starts.max())):
+        tokens, token = step(params, tokens, starts + np.int32(t), *settings)
+        yield np.asarray(token)
+
+
+def _cached_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple, multiple: int):
+    """Each step's drawn tokens [B] (numpy), until the buffer is full: the prompts once, into
+    the cache (their longest rounded up to what the layout splits), then a token a row a step
+    against it."""
+    prefill, decode = cached_steps(trainer)
+    prompt = jax.device_put(tokens[:, :_round_up(int(starts.max()), multiple)], trainer.batch.shardings["inputs"])
+    cache, token = prefill(params, prompt, starts, *settings, length=tokens.shape[1])
+    yield np.asarray(token)
+    for t in range(1, tokens.shape[1] - int(starts.max())):
+        cache, token = decode(params, cache, token, starts + np.int32(t), *settings)
+        yield np.asarray(token)
 
 
 def _warn_of_gathered_stages(trainer, params: Any) -> None:
@@ -106,33 +157,101 @@ def _warn_of_gathered_stages(trainer, params: Any) -> None:
                   "over mesh.fsdp or mesh.tensor", StagesGathered, stacklevel=3)
 
 
+def derived(trainer, name: str, make: Callable[[], Any]) -> Any:
+    """make(), once a trainer (Trainer.derived): later calls reuse its compiles."""
+    if name not in trainer.derived:
+        trainer.derived[name] = make()
+    return trainer.derived[name]
+
+
 def next_token_step(trainer) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """jit((params, tokens [B, L], positions [B], temperature, top_k, vocab_limit, key) ->
-    (tokens with row r's column positions[r] filled, the B tokens)): each row's token after
-    its tokens before positions[r]. All but the arrays' shapes are traced, so one compile
-    serves every call of a buffer shape."""
+    """jit((params, tokens [B, L], positions [B], temperature, top_k, top_p, vocab_limit, key)
+    -> (tokens with row r's column positions[r] filled, the B tokens)): each row's token
+    after its tokens before positions[r], the whole buffer run again. All but the arrays'
+    shapes are traced, so one compile serves every call of a buffer shape; one a trainer."""
+    return derived(trainer, "next_token_step", lambda: _next_token_step(trainer))
+
+
+def _next_token_step(trainer) -> Callable:
     logits_of = forward(trainer)
 
-    def step(params, tokens, positions, temperature, top_k, vocab_limit, key):
+    def step(params, tokens, positions, *settings):
         logits = logits_of(params, {"inputs": tokens})  # [B, L, V]
-        last = jnp.take_along_axis(logits, (positions - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_limit, last, -jnp.inf)
-        rows = jnp.arange(tokens.shape[0])
-        keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, p), r))(rows, positions)
-        token = jax.vmap(choose, in_axes=(0, None, None, 0))(last, temperature, top_k, keys)
-        return tokens.at[rows, positions].set(token), token
+        token = draw(jnp.take_along_axis(logits, (positions - 1)[:, None, None], axis=1)[:, 0], positions, *settings)
+        token = everywhere(trainer, token)
+        return tokens.at[jnp.arange(tokens.shape[0]), positions].set(token), token
 
     return jax.jit(step)
 
 
-def choose(logits_V: jax.Array, temperature: jax.Array, top_k: jax.Array, key: jax.Array) -> jax.Array:
+def cached_steps(trainer) -> tuple[Callable, Callable]:
+    """(prefill, decode), jitted, one pair a trainer:
+
+      prefill(params, prompts [B, P], starts [B], *settings, length=L) -> (cache, tokens
+          [B]): the prompts (row b's first starts[b] tokens, then anything) into a new cache
+          of L places a row, and each row's token at place starts[b];
+      decode(params, cache, tokens [B], places [B], *settings) -> (cache, tokens [B]): each
+          row's token at places[b] - 1 into the cache (donated), and the row's next.
+    """
+    return derived(trainer, "cached_steps", lambda: _cached_steps(trainer))
+
+
+def _cached_steps(trainer) -> tuple[Callable, Callable]:
+    def run(params, tokens_BS, positions_BS, given, length):
+        params, layout = whole_model(trainer, params)
+        with use_layout(layout), caching(positions_BS, length, given) as cache:
+            logits = model_outputs(nnx.merge(trainer.graphdef, params), {"inputs": tokens_BS, "positions": positions_BS})
+        if not cache.made:
+            raise ConfigError(f"kv_cache: {type(trainer.config.model).__name__} makes no attention call through "
+                              "jaxpar.sharding.attend, so there is nothing to cache; sample with kv_cache=False")
+        return logits, cache.made
+
+    def prefill(params, prompts, starts, *settings, length):
+        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
+        logits, cache = run(params, prompts, positions, None, length)
+        last = jnp.take_along_axis(logits, (starts - 1)[:, None, None], axis=1)[:, 0]
+        return cache, everywhere(trainer, draw(last, starts, *settings))
+
+    def decode(params, cache, tokens, places, *settings):
+        logits, cache = run(params, tokens[:, None], (places - 1)[:, None], cache, cache_length(cache))
+        return cache, everywhere(trainer, draw(logits[:, 0], places, *settings))
+
+    return jax.jit(prefill, static_argnames="length"), jax.jit(decode, donate_argnums=(1,))
+
+
+def cache_length(cache: list) -> int:
+    """Places a row of a cache (every entry's keys: [..., B, L, heads, K])."""
+    return jax.tree.leaves(cache)[0].shape[-3]
+
+
+def draw(logits_BV: jax.Array, places: jax.Array, temperature, top_k, top_p, vocab_limit, key) -> jax.Array:
+    """Each row's token from its logits, for place places[b]: ids at or past vocab_limit are
+    never chosen; a draw's key is the seed's folded with the place, then the row."""
+    logits = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV.astype(jnp.float32), -jnp.inf)
+    rows = jnp.arange(logits.shape[0])
+    keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, p), r))(rows, places)
+    return jax.vmap(choose, in_axes=(0, None, None, None, 0))(logits, temperature, top_k, top_p, keys)
+
+
+def everywhere(trainer, token_B: jax.Array) -> jax.Array:
+    """The drawn tokens on every device: each process reads them all (several processes)."""
+    return jax.lax.with_sharding_constraint(token_B, trainer.layout.sharding((None,)))
+
+
+def choose(logits_V: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array) -> jax.Array:
     """Greedy at temperature 0; else one draw from softmax(logits / temperature) restricted
-    to the top_k largest logits (0: all of them)."""
+    to the top_k largest logits (0: all of them) and, of those, the fewest likeliest whose
+    probabilities sum to top_p or more (nucleus sampling; 1: all)."""
     vocab = logits_V.shape[0]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     threshold = jnp.sort(logits_V)[vocab - k]  # the k-th largest
-    kept = jnp.where(logits_V >= threshold, logits_V, -jnp.inf)
-    drawn = jax.random.categorical(key, kept / jnp.maximum(temperature, 1e-6))
+    kept = jnp.where(logits_V >= threshold, logits_V, -jnp.inf) / jnp.maximum(temperature, 1e-6)
+    probs = jax.nn.softmax(kept)
+    descending = jnp.sort(probs)[::-1]
+    before = jnp.cumsum(descending) - descending  # the mass of the likelier tokens
+    floor = jnp.min(jnp.where(before < top_p, descending, jnp.inf))  # the least likely token kept
+    kept = jnp.where(probs >= floor, kept, -jnp.inf)
+    drawn = jax.random.categorical(key, kept)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits_V)).astype(jnp.int32)
 
 
@@ -158,7 +277,8 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int) -> None:
+def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int,
+                     top_p: float) -> None:
     model = trainer.config.model
     if model.task != "lm":
         raise ConfigError(f"generate needs a language model (model.task='lm'); {type(model).__name__} has "
@@ -175,3 +295,5 @@ def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, tem
         raise ConfigError(f"temperature={temperature}; use 0 for greedy, or a positive value such as 0.8 to sample")
     if top_k < 0:
         raise ConfigError(f"top_k={top_k}; use 0 for the whole vocabulary, or a positive count such as 40")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p}; use 1 for the whole vocabulary, or a probability mass in (0, 1] such as 0.9")

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
-from jaxpar.data.batch import BatchLayout, batch_fields
+from jaxpar.data.batch import BatchLayout, batch_fields, packs_documents
 from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
@@ -82,6 +82,9 @@ class Trainer:
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
     reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.train.reduction)
     init_compression: Any = None  # () -> the compression state's start, in its shardings
+    # Programs made from this trainer when first asked for (sampling's steps: jaxpar.train.sample),
+    # kept so that later calls reuse their compiles.
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def mesh(self):
@@ -144,7 +147,7 @@ def build(
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
                             compressor.shardings() if compressor else None)
-    fields = batch_fields(config.model, config.train.seq_len, config.data.eos_id)
+    fields = batch_fields(config.model, config.train.seq_len, packs_documents(config.data))
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks

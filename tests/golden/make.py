@@ -7,6 +7,7 @@ own, from the repository root:
     python -m venv /tmp/golden && /tmp/golden/bin/pip install torch transformers tokenizers safetensors
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
+    /tmp/golden/bin/python tests/golden/make.py --chat          # re-make tests/golden/chat (needs jinja2)
 
 (The DeepSeek-V3, Gemma 3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases were made with transformers 5.24.0 and torch
 2.13.0 (CPU); the others with the versions of their day.)
@@ -161,6 +162,81 @@ def make_tokenizer(out: pathlib.Path, specials: list[str], template: str | None)
     tokenizer.save(str(out / "tokenizer.json"))
 
 
+# Chat templates (written here, in the styles of three families) and the token ids transformers'
+# apply_chat_template gives for a few conversations: tests/test_chat.py renders them with
+# jaxpar.data.chat and compares. Each: (special tokens, the tokenizer_config's named ones, template).
+CHATML = ("{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+          "{%- endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+HEADERS = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+           "{{ m['content'] | trim }}{{ '<|eot_id|>' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+TURNS = ("{{ bos_token }}{% for m in messages %}"
+         "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+         "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+         "{{ '<start_of_turn>' + role + '\\n' + (m['content'] | trim) + '<end_of_turn>\\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+MARKED = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+          "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+          "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATS = {
+    "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+               CHATML),
+    "headers": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"), HEADERS),
+    "turns": (["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+              dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"), TURNS),
+    # {% generation %} marks the assistant's text: transformers' assistant mask is golden too
+    "marked": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], dict(eos_token="<|im_end|>"), MARKED),
+}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What does the mesh hold?"},
+     {"role": "assistant", "content": "Devices, named by axis: data, fsdp and tensor."}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Pipeline stages?"},
+     {"role": "assistant", "content": "Layers split over mesh.stage."}],
+    [{"role": "user", "content": "  Two turns, one.  "}, {"role": "assistant", "content": "First answer\nof two lines."},
+     {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Second: ünïcode, done. "}],
+]
+
+
+def make_chats() -> None:
+    """tests/golden/chat/CASE: tokenizer.json, tokenizer_config.json and chat_template.jinja as
+    transformers saves them ("chatml" keeps its template inside tokenizer_config.json instead),
+    and expected.json: each conversation's ids from apply_chat_template, whole and as a prompt
+    (all but its last turn, with the generation prompt), or the template's error."""
+    import json
+
+    for case, (specials, named, template) in CHATS.items():
+        out = HERE / "chat" / case
+        out.mkdir(parents=True, exist_ok=True)
+        make_tokenizer(out, specials, None)
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), **named)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(out))
+        if case == "chatml":  # the older place: the template inside tokenizer_config.json
+            config = json.loads((out / "tokenizer_config.json").read_text())
+            config["chat_template"] = template
+            (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+            (out / "chat_template.jinja").unlink(missing_ok=True)
+        expected = []
+        for messages in CONVERSATIONS:
+            try:
+                whole = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+                prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False)
+                expected.append({"messages": messages, "ids": list(whole), "prompt_ids": list(prompt)})
+                if "{% generation %}" in template:
+                    marked = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                           return_assistant_tokens_mask=True)
+                    expected[-1]["assistant_mask"] = list(marked["assistant_masks"])
+            except Exception as e:  # the template's raise_exception
+                expected.append({"messages": messages, "error": str(e)})
+        (out / "expected.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+        print(f"chat {case}: {len(expected)} conversations -> {out}")
+
+
 def check(directory: str, case: str = "llama_tied") -> None:
     """Load an export with transformers and print its logits on `case`'s batch beside the
     golden ones (an export of an import of that case gives them back)."""
@@ -178,10 +254,14 @@ if __name__ == "__main__":
     parser.add_argument("--check", metavar="DIR")
     parser.add_argument("--case", default="llama_tied", help="with --check: the golden case it was imported from")
     parser.add_argument("--tokenizers", action="store_true", help="re-make only the TOKENIZERS' tokenizer.json files")
+    parser.add_argument("--chat", action="store_true", help="re-make only tests/golden/chat (CHATS)")
     parser.add_argument("cases", nargs="*", choices=[[], *CASES], help="the cases to make (default: all)")
     args = parser.parse_args()
     if args.check:
         check(args.check, args.case)
+        sys.exit(0)
+    if args.chat:
+        make_chats()
         sys.exit(0)
     if args.tokenizers:
         for case, (specials, template) in TOKENIZERS.items():

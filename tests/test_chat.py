@@ -1,0 +1,171 @@
+"""Chat data (jaxpar.data.chat, data.source=chat): conversations rendered with the chat
+template as transformers renders them (golden ids: tests/golden/make.py --chat), the loss on
+the assistant's tokens only, packing, held-out rows, and bad input refused in one line.
+Training on them under a sharded layout equals one device (fp32, 1e-5, as every layout test)."""
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from jaxpar.config import Config, DataConfig, TrainConfig, apply_overrides
+from jaxpar.data.chat import (
+    ChatEncoder,
+    Conversation,
+    Template,
+    find_template,
+    lm_rows,
+    pack,
+    read_conversations,
+    special_tokens,
+)
+from jaxpar.data.text import TextSpec, load_tokenizer
+from jaxpar.errors import ConfigError
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "chat"
+CASES = sorted(p.name for p in GOLDEN.iterdir())
+# What each template writes after an assistant turn's content: the loss covers it too (the
+# model learns to end its turn).
+TURN_END = {"chatml": "<|im_end|>\n", "headers": "<|eot_id|>", "turns": "<end_of_turn>\n", "marked": "<|im_end|>"}
+TRIMS = {"chatml": False, "headers": True, "turns": True, "marked": False}  # the template trims each content
+
+
+def encoder(case: str) -> ChatEncoder:
+    path = str(GOLDEN / case / "tokenizer.json")
+    tokenizer = load_tokenizer(TextSpec("", path))
+    return ChatEncoder(tokenizer, lambda: Template(find_template(path), special_tokens(path)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_conversations_tokenize_as_transformers_renders_them(case):
+    """Each conversation's ids equal apply_chat_template's (whole, and as a prompt with the
+    generation prompt); the loss mask covers exactly each assistant turn's content and the
+    template's end of turn; a conversation the template refuses is refused with its words."""
+    chat = encoder(case)
+    expected = json.loads((GOLDEN / case / "expected.json").read_text())
+    for n, want in enumerate(expected):
+        where = f"conversation {n}"
+        if "error" in want:
+            with pytest.raises(ConfigError, match=rf"^{where}: the chat template refuses the conversation: ") as refused:
+                chat.encode({"messages": want["messages"]}, where)
+            assert "roles must alternate" in want["error"] and "roles must alternate" in str(refused.value)
+            continue
+        got = chat.encode({"messages": want["messages"]}, where)
+        assert got.ids.tolist() == want["ids"], where
+        if "assistant_mask" in want:  # the template marks the assistant's text ({% generation %})
+            assert got.mask.astype(int).tolist() == want["assistant_mask"], where
+        prompt = chat.tokenizer.encode(chat.template.render(want["messages"][:-1], True), add_special_tokens=False).ids
+        assert prompt == want["prompt_ids"], where
+        answers = [m["content"].strip() if TRIMS[case] else m["content"] for m in want["messages"] if m["role"] == "assistant"]
+        spans = np.split(got.ids, np.flatnonzero(np.diff(got.mask.astype(int))) + 1)
+        masked = [s for s, on in zip(spans, np.split(got.mask, np.flatnonzero(np.diff(got.mask.astype(int))) + 1))
+                  if on[0]]
+        decoded = [chat.tokenizer.decode(s.tolist(), skip_special_tokens=False) for s in masked]
+        assert decoded == [chat.tokenizer.decode(chat.tokenizer.encode(a + TURN_END[case]).ids, skip_special_tokens=False)
+                           for a in answers], where
+    assert any("error" in w for w in expected) == (case == "turns")  # its roles must alternate: no system turn
+
+
+def test_packing_keeps_conversations_apart_and_weighs_the_assistant_alone():
+    """Three conversations of 5, 4 and 7 tokens into rows of 9: [5 + 4], [7 + padding]; the
+    third is cut to... nothing: it fits. Targets weigh 1 only where the loss covers the target
+    and its input is of the same conversation; positions restart; padding is a segment of its own."""
+    conversations = [Conversation(np.arange(1, 6, dtype=np.int32), np.array([0, 0, 1, 1, 1], bool)),
+                     Conversation(np.arange(11, 15, dtype=np.int32), np.array([0, 1, 1, 0], bool)),
+                     Conversation(np.arange(21, 28, dtype=np.int32), np.array([0, 0, 0, 0, 1, 1, 1], bool))]
+    rows = pack(conversations, seq_len=8)
+    assert rows.ids.tolist() == [[1, 2, 3, 4, 5, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26, 27, 0, 0]] and rows.cut == 0
+    batch = lm_rows(rows.ids, rows.mask, rows.segments)
+    assert batch["weights"].tolist() == [[0, 1, 1, 1, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
+    assert batch["positions"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 0]]
+    assert batch["segment_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 2]]
+    long = pack([Conversation(np.arange(12, dtype=np.int32), np.ones(12, bool))], seq_len=8)
+    assert long.cut == 1 and long.ids.tolist() == [list(range(9))]
+
+
+def chat_config(tmp_path, records: list[dict], case: str = "chatml", **data) -> Config:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    from jaxpar.models.llama import LlamaConfig
+
+    return Config(
+        model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64),
+        train=TrainConfig(steps=2, global_batch=8, seq_len=160, compute_dtype="float32"),
+        data=DataConfig(source="chat", path=str(path), tokenizer=str(GOLDEN / case / "tokenizer.json"), **data))
+
+
+def test_sft_on_conversations_equals_one_device_and_trains_only_on_the_assistant(tmp_path, reference):
+    """fsdp 2 x tensor 4 on packed conversations against one device (losses and first-step
+    gradients 1e-5). Changing what a user token is to predict leaves the loss as it was;
+    changing an assistant token's target moves it. Held-out rows are the last conversations."""
+    import jax
+
+    from jaxpar.data.heldout import held_out_batches
+    from jaxpar.data.sources import make_source
+    from jaxpar.testing import check, compare, initial_state, run_layout
+    from jaxpar.train import build
+
+    conversations = json.loads((GOLDEN / "chatml" / "expected.json").read_text())
+    records = [{"messages": c["messages"]} for c in conversations] * 3 + [
+        {"prompt": "Plain prompt: ", "completion": "a plain completion."}]
+    config = chat_config(tmp_path, records, eval_fraction=0.2)
+    check(compare(run_layout(apply_overrides(config, ["mesh.fsdp=2", "mesh.tensor=4"])), reference(config)))
+
+    trainer = build(apply_overrides(config, ["mesh.data=8"]))
+    batch = make_source(trainer.batch, config)(0)
+    params = initial_state(trainer).params
+    loss = lambda b: trainer.evaluate(params, b)[0]
+    targets, segments = np.asarray(batch["targets"]), np.asarray(batch["segment_ids"])
+    # Row 0's first conversation opens with the template's system turn and ends with an
+    # assistant turn's "<|im_end|>\n": its 4th target is the system prompt's, its last the assistant's.
+    user, assistant = (0, 3), (0, int(np.flatnonzero(segments[0] == 0)[-1]) - 1)
+    before = float(loss(batch))
+
+    def changed(at):
+        t = targets.copy()
+        t[at] = (t[at] + 1) % 128
+        return {**batch, "targets": jax.device_put(t, batch["targets"].sharding)}
+
+    assert float(loss(changed(user))) == before and float(loss(changed(assistant))) != before
+    held = held_out_batches(trainer.batch, config)(0)
+    assert float(np.asarray(held["weights"]).sum()) > 0
+
+
+@pytest.mark.parametrize("records, data, message", [
+    ([{"messages": [{"role": "user", "content": "hi"}]}], {},
+     r"line 1: the conversation has no assistant turn, nothing to train on"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+     {"chat_template": "/no/such.jinja"}, r"^data.chat_template='/no/such.jinja' is not a file"),
+    ([{"text": "hi"}], {}, r"line 1 holds no conversation \(its keys: 'text'\); give 'messages'"),
+    ([{"messages": "hi"}], {}, r"line 1: 'messages' is not a list of messages"),
+    ([{"prompt": "q", "completion": ""}], {}, r"line 1: the completion is empty"),
+])
+def test_bad_conversations_are_refused_in_one_line(tmp_path, records, data, message):
+    with pytest.raises(ConfigError, match=message):
+        read_conversations(chat_config(tmp_path, records, **data).data, 128)
+
+
+def test_a_tokenizer_without_a_template_is_refused(tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text((GOLDEN / "chatml" / "tokenizer.json").read_text())
+    config = chat_config(tmp_path, [{"messages": [{"role": "user", "content": "a"},
+                                                  {"role": "assistant", "content": "b"}]}])
+    data = dataclasses.replace(config.data, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='.*' has no chat template beside it \(chat_template.jinja, "
+                                          r"or tokenizer_config.json's chat_template\); give one with data.chat_template"):
+        read_conversations(data, 128)
+
+
+def test_parquet_conversations_read_as_jsonl_lines(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": m["messages"]} for m in json.loads((GOLDEN / "chatml" / "expected.json").read_text())]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet")
+    data = chat_config(tmp_path, records).data
+    from_parquet = read_conversations(dataclasses.replace(data, path=str(tmp_path / "chats.parquet")), 128)
+    from_jsonl = read_conversations(data, 128)
+    assert [c.ids.tolist() for c in from_parquet] == [c.ids.tolist() for c in from_jsonl]
+    assert [c.mask.tolist() for c in from_parquet] == [c.mask.tolist() for c in from_jsonl]
