@@ -36,7 +36,7 @@ OnNonfinite = Literal["stop", "skip"]
 # optim (the update rules of jaxpar.train.optim)
 Optimizer = Literal["adam", "adamw", "lion", "sgd"]
 # data
-DataSource = Literal["synthetic", "tokens", "text", "chat"]
+DataSource = Literal["synthetic", "tokens", "text", "chat", "preference"]
 DataOrder = Literal["windows", "epochs"]
 # compiler
 CompilerPreset = Literal["auto", "overlap", "none"]  # auto: overlap on GPUs, none elsewhere

@@ -123,6 +123,9 @@ class TrainConfig:
     # held-out global batches, never trained on (jaxpar.data.heldout): `eval_loss` in the
     # progress bar and the metrics.
     eval_every: int = 0
+    # DPO's beta on data.source=preference (jaxpar.train.preference): how far the policy's
+    # log-ratios to the reference are scaled before the sigmoid.
+    dpo_beta: float = 0.1
     eval_batches: int = 4
     # "START:STOP": a jax.profiler trace of steps START..STOP-1 into profile_dir, for
     # TensorBoard's profile plugin or Perfetto (jaxpar.train.profile). "": none.

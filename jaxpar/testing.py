@@ -100,6 +100,10 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     trainer = build(config, devices)
     source = make_source(trainer.batch, trainer.config)
     state = initial_state(trainer)
+    if config.data.source == "preference":  # DPO's reference: the starting weights
+        from jaxpar.train.preference import attach_reference
+
+        attach_reference(source, trainer, state.params)
     losses, grads = [], None
     for i in range(steps):  # one compile: the step that also returns its gradients
         state, metrics, step_grads = trainer.step_and_grads(state, source(i))

@@ -5,7 +5,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import apply_overrides
-from jaxpar.data.batch import BatchLayout, batch_fields, local_rows, packs_documents
+from jaxpar.data.batch import BatchLayout, batch_fields, local_rows
 from jaxpar.data.sources import check_ids, SyntheticTokens, TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
@@ -30,7 +30,7 @@ def test_a_source_needs_only_a_batch_layout_and_the_config(trainer):
     """No Trainer: a layout made by hand on a 2-device mesh gives the trainer's batches,
     laid out as it says."""
     config = trainer.config
-    fields = batch_fields(config.model, config.train.seq_len, packs_documents(config.data))
+    fields = batch_fields(config.model, config.train.seq_len, config.data)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
     layout = BatchLayout(fields, config.train.global_batch, {k: NamedSharding(mesh, P("data")) for k in fields})
     by_hand, built = make_source(layout, config)(3), make_source(trainer.batch, config)(3)

@@ -13,6 +13,7 @@ FILE_SOURCES = {
     "tokens": "a .npy or .bin file of token ids",
     "text": "a .txt, .jsonl or .parquet file, a folder of them, or a glob",
     "chat": "a .jsonl or .parquet file of conversations, a folder of them, or a glob",
+    "preference": "a .jsonl or .parquet file of {prompt, chosen, rejected} records, a folder of them, or a glob",
 }
 
 
@@ -56,7 +57,7 @@ def tokens_need_path(config, sizes) -> None:
     also=[["data.source=chat", "data.path=chats.jsonl"]],
 )
 def text_needs_tokenizer(config, sizes) -> None:
-    if config.data.source in ("text", "chat") and not config.data.tokenizer:
+    if config.data.source in ("text", "chat", "preference") and not config.data.tokenizer:
         raise ConfigError(f"data.source={config.data.source} needs data.tokenizer, a Hugging Face tokenizer.json "
                           "(the one beside the model's weights)")
 
@@ -82,7 +83,7 @@ def text_field_named(config, sizes) -> None:
 )
 def chat_settings_need_chat(config, sizes) -> None:
     data = config.data
-    if data.source != "chat" and data.chat_template:  # else the template would be ignored, silently
+    if data.source not in ("chat", "preference") and data.chat_template:  # else the template would be ignored, silently
         raise ConfigError(f"data.chat_template={data.chat_template!r} renders conversations, read only with "
                           f"data.source=chat, but data.source={data.source!r}; set data.source=chat, or drop it")
     if data.source != "chat" and data.messages_field != "messages":
@@ -91,6 +92,18 @@ def chat_settings_need_chat(config, sizes) -> None:
     if not data.messages_field:
         raise ConfigError("data.messages_field='' names no key; set it to the JSONL key or Parquet column that holds "
                           "each conversation, e.g. data.messages_field=messages")
+
+
+@rule(
+    "dpo-beta-positive",
+    fields=["train.dpo_beta"],
+    summary="DPO's beta scales the policy's log-ratios to the reference: a positive number (0.1 is usual).",
+    example=["train.dpo_beta=0"],
+)
+def dpo_beta_positive(config, sizes) -> None:
+    if not config.train.dpo_beta > 0:
+        raise ConfigError(f"train.dpo_beta={config.train.dpo_beta} must be positive (0.1 is usual); it scales the "
+                          "log-ratios of the policy to the reference in the DPO loss")
 
 
 @rule(
@@ -175,6 +188,9 @@ def eval_fraction_range(config, sizes) -> None:
 )
 def eval_fraction_needs_token_file(config, sizes) -> None:
     fraction = config.data.eval_fraction
+    if fraction and config.data.source == "preference":
+        raise ConfigError(f"data.eval_fraction={fraction}: preference pairs have no held-out part yet; leave "
+                          "data.eval_fraction=0 (and train.eval_every=0)")
     if fraction and (config.data.source not in FILE_SOURCES or config.model.task != "lm"):
         raise ConfigError(
             f"data.eval_fraction={fraction} holds out the end of a token file or text, but data.source="

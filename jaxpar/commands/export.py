@@ -4,7 +4,7 @@ The checkpoint's own config (jaxpar.train.checkpoint.saved_config) builds the tr
 its saved mesh unless --set mesh.* names another; the chosen step (default the newest) is
 restored onto it and exported (jaxpar.hf.export). config.json keeps the keys of the
 checkpoint the run started from (checkpoint.init_from: token ids, context length) under the
-model's own, and the tokenizer's files (data.tokenizer) are copied beside the weights.
+model's own, and the tokenizer's files (data.tokenizer, its chat template) are copied beside the weights.
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ def _export(args) -> int:
     state, step = restore(trainer, args.checkpoint, args.step)
     files = export(trainer, state, args.out, args.dtype, int(args.max_shard_gb * 1e9),
                    base_config=_base_config(config), tokenizer=config.data.tokenizer or None)
+    if config.data.chat_template and jax.process_index() == 0:  # the run's own template, where transformers reads one
+        from jaxpar.data.chat import TEMPLATE_FILE, find_template
+
+        (pathlib.Path(args.out) / TEMPLATE_FILE).write_text(find_template(config.data.tokenizer,
+                                                                          config.data.chat_template))
     if jax.process_index() == 0:
         size = sum(f.stat().st_size for f in files)
         print(f"exported step {step} of {args.checkpoint} to {args.out}: {len(files)} safetensors "

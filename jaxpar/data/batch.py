@@ -23,17 +23,25 @@ FIELDS = {
 
 # Packed documents add, per token, its document within the row and its place in it.
 FIELDS["lm_packed"] = {**FIELDS["lm"], "segment_ids": ("seq", np.int32), "positions": ("seq", np.int32)}
+# Preference pairs: a row a pair (chosen, then rejected, as two segments) and the reference
+# model's log-probabilities of the two answers (jaxpar.train.preference).
+FIELDS["lm_preference"] = {**FIELDS["lm_packed"], "reference": ((2,), np.float32)}
 
 
 def packs_documents(data: Any) -> bool:
     """Whether a data config's rows hold packed documents (segment ids and positions): text or
-    tokens with an end-of-document id (data.eos_id), and conversations (data.source=chat)."""
-    return data.eos_id >= 0 or data.source == "chat"
+    tokens with an end-of-document id (data.eos_id), conversations (data.source=chat) and
+    preference pairs (data.source=preference)."""
+    return data.eos_id >= 0 or data.source in ("chat", "preference")
 
 
-def batch_kind(task: str, packed: bool) -> str:
-    """The FIELDS key of a config's batches."""
-    return "lm_packed" if task == "lm" and packed else task
+def batch_kind(task: str, data: Any) -> str:
+    """The FIELDS key of the batches of a task on a data config."""
+    if task != "lm":
+        return task
+    if data.source == "preference":
+        return "lm_preference"
+    return "lm_packed" if packs_documents(data) else "lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +54,15 @@ class Field:
     names: tuple[str | None, ...]
 
 
-def batch_fields(model: Any, seq_len: int, packed: bool) -> dict[str, Field]:
+def batch_fields(model: Any, seq_len: int, data: Any) -> dict[str, Field]:
     """What a batch holds for `model`: its own `batch_fields(seq_len)` if it declares them
     (jaxpar.model), else its task's: lm token rows of seq_len (with packed documents'
-    positions and segment ids when `packed`: packs_documents), or classify inputs of the model's
+    positions and segment ids where `data` packs documents, and the reference's
+    log-probabilities for preference pairs: batch_kind), or classify inputs of the model's
     `input_shape` (default (in_features,)) with one target per example."""
     if has(model, "batch_fields"):
         return dict(model.batch_fields(seq_len))
-    kind = batch_kind(model.task, packed)
+    kind = batch_kind(model.task, data)
     if kind not in FIELDS:
         raise ConfigError(f"model.task={model.task!r}: jaxpar knows the batches of 'lm' and 'classify'; "
                           "give the model config batch_fields(seq_len) for others (jaxpar.model)")

@@ -471,6 +471,51 @@ class ChatRows:
         return lm_rows(self.rows.ids[ids], self.rows.mask[ids], self.rows.segments[ids])
 
 
+def read_pairs(data: Any, model_vocab: int | None = None) -> list[tuple[Conversation, Conversation]]:
+    """Every preference record of data.path ({"prompt", "chosen", "rejected"}: texts, or a
+    prompt of messages and answers as texts or messages) as (chosen, rejected) Conversations,
+    each the prompt followed by its answer, the mask on the answer."""
+    spec = TextSpec(data.path, data.tokenizer, eos_id=data.eos_id, bos_id=data.bos_id, names=CONFIG_NAMES)
+    tokenizer = load_tokenizer(spec, model_vocab)
+    encoder = ChatEncoder(tokenizer, lambda: Template(find_template(data.tokenizer, data.chat_template),
+                                                      special_tokens(data.tokenizer)), data.bos_id, data.eos_id)
+    pairs = []
+    for record, where in records(spec):
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
+        if missing:
+            raise ConfigError(f"{where} has no {', '.join(map(repr, missing))}; give a preference record "
+                              "{\"prompt\", \"chosen\", \"rejected\"}")
+        empty = [k for k in ("chosen", "rejected") if not record[k]]
+        if empty:
+            raise ConfigError(f"{where}: {empty[0]!r} is empty; give each answer its text")
+        prompt = record["prompt"]
+        answers = [record[k] if isinstance(prompt, str) or not isinstance(record[k], str)
+                   else [{"role": "assistant", "content": record[k]}] for k in ("chosen", "rejected")]
+        pairs.append(tuple(encoder.encode({"prompt": prompt, "completion": a}, f"{where} ({k})")
+                           for a, k in zip(answers, ("chosen", "rejected"))))
+    if not pairs:
+        raise ConfigError(f"data.path={data.path!r} holds no preference records; give a {CHAT_KINDS} file with some")
+    return pairs
+
+
+def pack_pairs(pairs: list[tuple[Conversation, Conversation]], seq_len: int) -> PackedRows:
+    """A row a pair, of seq_len + 1 tokens: the chosen conversation (segment 0), then the
+    rejected one (segment 1), then padding. A pair longer than a row has each side cut to half
+    of it, and is counted."""
+    width, cut = seq_len + 1, 0
+    ids = np.zeros((len(pairs), width), np.int32)
+    mask = np.zeros((len(pairs), width), bool)
+    segments = np.full((len(pairs), width), -1, np.int32)
+    for r, pair in enumerate(pairs):
+        if sum(len(c.ids) for c in pair) > width:
+            pair, cut = tuple(Conversation(c.ids[:width // 2], c.mask[:width // 2]) for c in pair), cut + 1
+        at = 0
+        for s, c in enumerate(pair):
+            ids[r, at:at + len(c.ids)], mask[r, at:at + len(c.ids)], segments[r, at:at + len(c.ids)] = c.ids, c.mask, s
+            at += len(c.ids)
+    return PackedRows(ids, mask, segments, cut)
+
+
 def split_conversations(conversations: list[Conversation], fraction: float, path: str) -> tuple[list, list]:
     """(training, held out): the last `fraction` of the conversations held out (0: none)."""
     if not fraction:

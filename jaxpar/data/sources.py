@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
-from jaxpar.data.chat import chat_rows
+from jaxpar.data.chat import ChatRows, chat_rows, lm_rows, pack_pairs, read_pairs
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
@@ -121,6 +121,37 @@ class ChatSource(Source):
         return self.reader.local(step, rows)
 
 
+class PreferenceSource(Source):
+    """data.source=preference: a row a {"prompt", "chosen", "rejected"} record of data.path, the
+    chosen conversation then the rejected one (jaxpar.data.chat.pack_pairs), rows in
+    data.order. Its batches carry `reference` [B, 2], the reference model's log-probabilities
+    of both answers, which the run computes once from its starting weights before the first
+    step (jaxpar.train.preference.attach_reference); until then it has none to give."""
+
+    def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
+        super().__init__(batch)
+        self.data, self.seed = data, seed
+        self.pairs = pack_pairs(read_pairs(data, vocab_size), batch.shapes["inputs"][1])
+        if self.pairs.cut:
+            import warnings
+
+            from jaxpar.errors import JaxparWarning
+
+            warnings.warn(f"data.path={data.path!r}: {self.pairs.cut} of {len(self.pairs)} preference pairs are longer "
+                          f"than train.seq_len + 1 = {batch.shapes['inputs'][1] + 1} tokens; each side was cut to half of "
+                          "it; raise train.seq_len to keep them whole", JaxparWarning, stacklevel=2)
+        self.reader = ChatRows(self.pairs, data.order, batch.global_batch, seed)
+        self.reference: np.ndarray | None = None  # [pairs, 2]
+
+    def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        if self.reference is None:
+            raise ConfigError("data.source=preference: the reference log-probabilities are not computed yet; "
+                              "jaxpar.train.preference.attach_reference(source, trainer, params) first")
+        ids = self.reader.row_ids(step, rows)
+        return {**lm_rows(self.pairs.ids[ids], self.pairs.mask[ids], self.pairs.segments[ids]),
+                "reference": self.reference[ids]}
+
+
 class SyntheticClasses(Source):
     """Gaussian inputs (of any shape per example: features, images) labelled by a fixed
     random linear teacher of the flattened input: learnable to ~100%."""
@@ -217,5 +248,5 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
         return SyntheticClasses(batch, model.num_classes, seed)
     if config.data.source == "synthetic":
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
-    sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource}
+    sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource, "preference": PreferenceSource}
     return sources[config.data.source](batch, config.data, model.vocab_size, seed)

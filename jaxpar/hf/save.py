@@ -32,7 +32,7 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "
 # Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
 # transformers' spellings, so no stale one wins over ours).
 REWRITTEN = ("dtype", "torch_dtype", "rope_parameters", "rope_scaling", "rope_theta", "transformers_version")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float32", max_shard_bytes: int = 5 << 30,

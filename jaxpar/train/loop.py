@@ -74,6 +74,10 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
     if not resuming:
         state = fresh()
+    if cfg.data.source == "preference" and data is None:  # DPO's reference: the starting weights, frozen
+        from jaxpar.train.preference import attach_reference
+
+        attach_reference(source, trainer, (state if not start else fresh()).params)
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
@@ -209,6 +213,8 @@ def log_line(record: dict, steps: int, skipped: int = 0) -> str:
         parts.append(f"mfu {record['mfu']:.1%}")
     if "moe_load" in record:
         parts.append(f"drop {record['moe_dropped']:.1%} load {record['moe_load']:.2f}")
+    if "reward_margin" in record:  # DPO (jaxpar.train.preference)
+        parts.append(f"margin {record['reward_margin']:.3g} accuracy {record['reward_accuracy']:.0%}")
     if skipped:
         parts.append(f"skipped {skipped}")
     return " | ".join(parts)

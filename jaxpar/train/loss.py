@@ -68,11 +68,13 @@ def chunked_task_loss(output: Callable[[jax.Array], jax.Array], hidden: jax.Arra
     return chunked_cross_entropy_sum(hidden, output, batch["targets"], batch["weights"], chunks)
 
 
-LossFn = Callable[[Any, dict], tuple[jax.Array, jax.Array]]
-"""(model outputs, batch) -> (sum of the per-example losses, their total weight). The step
-divides the one by the other over the whole global batch, so microbatches and replicas add
-up exactly. `task_loss` is the default; `jaxpar.train.build(config, loss_fn=...)` takes
-another."""
+LossFn = Callable[[Any, dict], tuple]
+"""(model outputs, batch) -> (sum of the per-example losses, their total weight) or (sum,
+weight, {metric name: its sum over the examples}). The step divides each by the weight over
+the whole global batch, so microbatches and replicas add up exactly; the metrics join the
+step's (jaxpar.train.preference's reward margin and accuracy, say; not under pipeline
+stages, whose last stage keeps the loss and weight alone). `task_loss` is the default;
+`jaxpar.train.build(config, loss_fn=...)` takes another."""
 
 
 def apply_model(model: Any, batch: dict) -> Any:
@@ -108,13 +110,14 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
         return chunked_model_loss(model, batch, loss_chunks)
     out = apply_model(model, batch)
     outputs, aux = out if isinstance(out, tuple) else (out, None)
-    total, weight = loss_fn(outputs, batch)
+    total, weight, *reported = loss_fn(outputs, batch)
+    metrics = reported[0] if reported else {}  # the loss's own metric sums (LossFn)
     if aux is None:
-        return total, (weight, {})
+        return total, (weight, jax.lax.stop_gradient({"token_metrics": metrics}) if metrics else {})
     weights = batch["weights"].astype(jnp.float32)
     total = total + jnp.sum(aux["penalty"] * weights)
     sums = {
-        "token_metrics": {k: jnp.sum(v * weights) for k, v in aux["token_metrics"].items()},
+        "token_metrics": {**{k: jnp.sum(v * weights) for k, v in aux["token_metrics"].items()}, **metrics},
         "counts": aux["counts"],
     }
     return total, (weight, jax.lax.stop_gradient(sums))

@@ -77,4 +77,4 @@ def stage_score(loss_fn: LossFn, loss_chunks: int) -> Score:
     loss in `loss_chunks` groups of tokens."""
     if loss_chunks > 1:
         return lambda output, hidden, mb: chunked_task_loss(output, hidden, mb, loss_chunks)
-    return lambda output, hidden, mb: loss_fn(output(hidden), mb)
+    return lambda output, hidden, mb: tuple(loss_fn(output(hidden), mb)[:2])  # a loss's own metrics stay out

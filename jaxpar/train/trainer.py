@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
-from jaxpar.data.batch import BatchLayout, batch_fields, packs_documents
+from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
@@ -108,26 +108,38 @@ class Trainer:
         return state.params if state.master is None else state.master
 
 
+def data_loss(config: Config) -> LossFn:
+    """The loss a config's data calls for: DPO for preference pairs, else the task's own."""
+    if config.data.source == "preference":
+        from jaxpar.train.preference import dpo_loss
+
+        return dpo_loss(config.train.dpo_beta)
+    return task_loss
+
+
 def build(
     config: Config,
     devices: Sequence[jax.Device] | None = None,
     tx: optax.GradientTransformation | None = None,
     lr_schedule: optax.Schedule | None = None,
-    loss_fn: LossFn = task_loss,
+    loss_fn: LossFn | None = None,
 ) -> Trainer:
     """Everything checked and every sharding derived before the first compile.
 
     `tx` replaces the optimizer the config describes (give its `lr_schedule` too for the
     learning_rate metric); `loss_fn(outputs, batch) -> (loss sum, weight)` replaces the
-    task's cross-entropy (jaxpar.train.loss)."""
+    loss the data calls for: the task's cross-entropy (jaxpar.train.loss), or DPO on
+    preference pairs (jaxpar.train.preference, train.dpo_beta)."""
+    loss_fn = data_loss(config) if loss_fn is None else loss_fn
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
     options = step_options(config, devices[0].platform)
     warn_if_offload_is_a_no_op(config, devices)
     layout = layout_for(config, devices, sizes)
     if config.train.loss_chunks > 1 and loss_fn is not task_loss:
-        raise ConfigError(f"train.loss_chunks={config.train.loss_chunks} splits the built-in loss, but build() was "
-                          "given its own loss_fn, which scores whole outputs; set train.loss_chunks=1")
+        whose = "DPO's (data.source=preference)" if config.data.source == "preference" else "build()'s own loss_fn"
+        raise ConfigError(f"train.loss_chunks={config.train.loss_chunks} splits the built-in loss, but this run's loss is "
+                          f"{whose}, which scores whole outputs; set train.loss_chunks=1")
     clip_norm = 0.0  # a tx given here clips as it likes
     if tx is None:
         tx, lr_schedule = update_rule(config.optim, config.train.steps)
@@ -147,7 +159,7 @@ def build(
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
                             compressor.shardings() if compressor else None)
-    fields = batch_fields(config.model, config.train.seq_len, packs_documents(config.data))
+    fields = batch_fields(config.model, config.train.seq_len, config.data)
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
