@@ -75,17 +75,17 @@ def follow_launcher(env=os.environ) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-LAUNCHED = ("train", "export")  # the commands that run as one process of several
+LAUNCHED = ("train", "export", "sample")  # the commands that run as one process of several
 
 
 def child_command(nproc: int, command: list[str], cpu_devices_per_proc: int) -> list[str]:
-    """The command line each process runs: `jaxpar train ...` (or export) with its CPU device count."""
+    """The command line each process runs: `jaxpar train ...` (or export, or sample) with its CPU device count."""
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} must be at least 1")
     if cpu_devices_per_proc < 1:
         raise ConfigError(f"--cpu-devices-per-proc={cpu_devices_per_proc} must be at least 1")
     if not command or command[0] not in LAUNCHED:
-        raise ConfigError(f"jaxpar launch runs {' or '.join(LAUNCHED)}, got {' '.join(command) or 'nothing'}; "
+        raise ConfigError(f"jaxpar launch runs {', '.join(LAUNCHED)}, got {' '.join(command) or 'nothing'}; "
                           "e.g. jaxpar launch --nproc 2 -- train llama")
     if any(arg == "--cpu-devices" or arg.startswith("--cpu-devices=") for arg in command):
         raise ConfigError("--cpu-devices inside a launched command; give --cpu-devices-per-proc to jaxpar launch instead")

@@ -122,6 +122,7 @@ LONGEST_FIRST = (
     "tests/test_your_model.py::test_explain_accounts_for_a_user_model_on_a_pipeline",
     "tests/test_distributed.py::test_each_process_reads_only_its_rows",
     "tests/test_finetune.py::test_a_hugging_face_llama_is_fine_tuned",
+    "tests/test_preference.py::test_dpo_starts_at_log_2",
 )
 
 

@@ -76,7 +76,7 @@ def test_slurm_host_lists_give_the_first_host():
 
 
 def test_launch_refuses_what_it_cannot_run():
-    with pytest.raises(ConfigError, match="runs train or export, got explain llama"):
+    with pytest.raises(ConfigError, match="runs train, export, sample, got explain llama"):
         child_command(2, ["explain", "llama"], 4)
     with pytest.raises(ConfigError, match="--cpu-devices-per-proc"):
         child_command(2, ["train", "llama", "--cpu-devices", "4"], 4)

@@ -1,4 +1,4 @@
-"""`jaxpar launch --nproc N -- train RECIPE ...`: run `train` (or `export`) in several local
+"""`jaxpar launch --nproc N -- train RECIPE ...`: run `train` (or `export`, or `sample`) in several local
 processes joined by jax.distributed (jaxpar.launch)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 
 def add_parser(sub) -> None:
-    launch = sub.add_parser("launch", help="run `train` (or `export`) in several local processes joined by jax.distributed")
+    launch = sub.add_parser("launch", help="run `train` (or `export`, or `sample`) in several local processes joined by jax.distributed")
     launch.add_argument("--nproc", type=int, required=True, metavar="N", help="processes to start")
     launch.add_argument("--cpu-devices-per-proc", type=int, metavar="K",
                         help="virtual CPU devices per process when no accelerator is present (default 8 // N, at least 1)")
@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                         "every process's messages as a process dies); by default they are left out and a message "
                         "several processes print alike is shown once")
     launch.add_argument("command_line", nargs=argparse.REMAINDER,
-                        help="-- train RECIPE [train options], or -- export CHECKPOINT OUT [export options]")
+                        help="-- train RECIPE [train options], -- export CHECKPOINT OUT [export options], or -- sample "
+                             "CHECKPOINT [sample options]")
 
 
 def run(args) -> int:

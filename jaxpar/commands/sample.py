@@ -21,7 +21,9 @@ from jaxpar.commands.common import (
     add_cpu_devices,
     add_overrides,
     check_cpu_devices,
+    distributed_settings,
     hf_checkpoint,
+    in_cluster,
     recorded_file,
     recorded_in,
     restore,
@@ -69,12 +71,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    """Check the arguments, rebuild the run's config, restore its weights (or read hf:FOLDER's)
-    on this machine's mesh, and print the mesh, then the prompt and its continuation."""
+    """Check the arguments, then sample: alone, or as one of several processes (jaxpar launch
+    --nproc N -- sample ...: every one restores its shards and runs each step, process 0
+    prints)."""
     texts = _check_arguments(args)
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(args.cpu_devices)  # only the CPU backend reads it; accelerators win if present
+    from jaxpar.config import Config
+
+    return in_cluster(lambda: _sample(args, texts), lambda: distributed_settings(Config(), args.overrides))
+
+
+def _sample(args, texts: list[str]) -> int:
+    """Rebuild the run's config, restore its weights (or read hf:FOLDER's) on the mesh, and
+    print the mesh, then the prompt and its continuation."""
     import jax
 
     from jaxpar import recipes
@@ -110,6 +121,8 @@ def run(args) -> int:
     counted = f"{len(drawn[0])} tokens" if args.file is None else f"{len(drawn)} prompts, {sum(map(len, drawn))} tokens"
     header = (f"{args.checkpoint} {which}: {type(config.model).__name__} | mesh {describe(trainer.layout.mesh)} on "
               f"{len(devices)} {devices[0].platform} devices | {counted}, {how}")
+    if jax.process_index() != 0:  # every process drew the same tokens; one prints or writes them
+        return 0
     if args.file is None:
         print(header, flush=True)
         print(args.prompt + _completion(tokenizer, ids[0], drawn[0]), flush=True)
