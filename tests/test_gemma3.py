@@ -66,6 +66,6 @@ def test_local_and_global_layers_sample_with_the_cache_as_without():
     assert cached == generate_batch(trainer, params, prompts, 7, kv_cache=False)
     prefill = cached_steps(trainer)[0]
     settings = (np.float32(0), np.int32(0), np.float32(1), np.int32(128), jax.random.key(0))
-    cache, _ = prefill(params, np.zeros((4, 8), np.int32), np.full(4, 8, np.int32), *settings, length=16)
+    cache, _ = prefill(params, np.zeros((4, 16), np.int32), np.full(4, 8, np.int32), *settings)
     [[[(keys, values)]]] = cache  # the stack: a switch in each layer, one attention call in each branch
     assert keys.shape == (4, 4, 16, 2, 8) and keys.sharding.spec[3] == "tensor"

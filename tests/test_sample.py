@@ -102,6 +102,10 @@ def test_prompts_of_different_lengths_in_one_batch_continue_as_each_alone(tiny_l
     prompts = [PROMPT, PROMPT[:2], [7, 8, 9, 10, 11, 12, 13, 14]]
     together = generate_batch(trainer, params, prompts, 5, length=16)
     assert together == [generate_batch(trainer, params, [p], 5, length=16)[0] for p in prompts]
+    from jaxpar.train.sample import cached_steps
+
+    # compiled once a buffer shape, whatever the prompts' lengths: [4, 16] (three prompts) and [2, 16] (one)
+    assert [step._cache_size() for step in cached_steps(trainer)] == [2, 2]
     eos = together[1][1]
     stopped = generate_batch(trainer, params, prompts, 5, eos_id=eos, length=16)
     assert stopped == [d[:d.index(eos) + 1] if eos in d else d for d in together] and len(stopped[1]) == 2

@@ -5,7 +5,7 @@ context parallel, FSDP, experts, pipeline stages).
 Two ways to run the model, the same tokens either way (tests/test_kv_cache.py):
 
   * **with a key/value cache** (the default where the layout allows): one pass over the
-    prompts (prefill) fills a cache of every layer's keys and values, then each new token
+    buffer of prompts (prefill) fills a cache of every layer's keys and values, then each new token
     is one pass over that token alone, attending over the cache
     (jaxpar.sharding.kv_cache). Every model whose attention goes through
     `jaxpar.sharding.attend` gets it. The cache rests like keys and values do: rows over
@@ -94,7 +94,7 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     limit = np.iinfo(np.int32).max if vocab_limit is None else vocab_limit
     # one dtype each: one trace
     settings = (np.float32(temperature), np.int32(top_k), np.float32(top_p), np.int32(limit), jax.random.key(seed))
-    steps = (_cached_tokens if cached else _recomputed_tokens)(trainer, params, tokens, starts, settings, multiple)
+    steps = (_cached_tokens if cached else _recomputed_tokens)(trainer, params, tokens, starts, settings)
     drawn = [[] for _ in prompts]
     for _, token in zip(range(max_new_tokens), steps):
         for r, x in enumerate(token[:len(prompts)].tolist()):
@@ -115,7 +115,7 @@ def uses_kv_cache(trainer, kv_cache: bool | None) -> bool:
     return context == 1 if kv_cache is None else kv_cache
 
 
-def _recomputed_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple, multiple: int):
+def _recomputed_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple):
     """Each step's drawn tokens [B] (numpy), the whole buffer run again for each, until the
     buffer is full."""
     step = next_token_step(trainer)
@@ -125,13 +125,13 @@ def _recomputed_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, 
         yield np.asarray(token)
 
 
-def _cached_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple, multiple: int):
-    """Each step's drawn tokens [B] (numpy), until the buffer is full: the prompts once, into
-    the cache (their longest rounded up to what the layout splits), then a token a row a step
-    against it."""
+def _cached_tokens(trainer, params, tokens: np.ndarray, starts: np.ndarray, settings: tuple):
+    """Each step's drawn tokens [B] (numpy), until the buffer is full: the whole buffer once
+    into the cache (its shape, not the prompts' lengths, fixes the compile: batches of other
+    prompts reuse it; places past a prompt hold padding's keys, which the mask keeps out and
+    the tokens drawn there overwrite), then a token a row a step against it."""
     prefill, decode = cached_steps(trainer)
-    prompt = jax.device_put(tokens[:, :_round_up(int(starts.max()), multiple)], trainer.batch.shardings["inputs"])
-    cache, token = prefill(params, prompt, starts, *settings, length=tokens.shape[1])
+    cache, token = prefill(params, jax.device_put(tokens, trainer.batch.shardings["inputs"]), starts, *settings)
     yield np.asarray(token)
     for t in range(1, tokens.shape[1] - int(starts.max())):
         cache, token = decode(params, cache, token, starts + np.int32(t), *settings)
@@ -187,9 +187,9 @@ def _next_token_step(trainer) -> Callable:
 def cached_steps(trainer) -> tuple[Callable, Callable]:
     """(prefill, decode), jitted, one pair a trainer:
 
-      prefill(params, prompts [B, P], starts [B], *settings, length=L) -> (cache, tokens
-          [B]): the prompts (row b's first starts[b] tokens, then anything) into a new cache
-          of L places a row, and each row's token at place starts[b];
+      prefill(params, buffer [B, L], starts [B], *settings) -> (cache, tokens [B]): the
+          buffer (row b's prompt in its first starts[b] places, then anything) into a new
+          cache of L places a row, and each row's token at place starts[b];
       decode(params, cache, tokens [B], places [B], *settings) -> (cache, tokens [B]): each
           row's token at places[b] - 1 into the cache (donated), and the row's next.
     """
@@ -206,9 +206,9 @@ def _cached_steps(trainer) -> tuple[Callable, Callable]:
                               "jaxpar.sharding.attend, so there is nothing to cache; sample with kv_cache=False")
         return logits, cache.made
 
-    def prefill(params, prompts, starts, *settings, length):
-        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
-        logits, cache = run(params, prompts, positions, None, length)
+    def prefill(params, buffer, starts, *settings):
+        positions = jnp.broadcast_to(jnp.arange(buffer.shape[1], dtype=jnp.int32), buffer.shape)
+        logits, cache = run(params, buffer, positions, None, buffer.shape[1])
         last = jnp.take_along_axis(logits, (starts - 1)[:, None, None], axis=1)[:, 0]
         return cache, everywhere(trainer, draw(last, starts, *settings))
 
@@ -216,7 +216,7 @@ def _cached_steps(trainer) -> tuple[Callable, Callable]:
         logits, cache = run(params, tokens[:, None], (places - 1)[:, None], cache, cache_length(cache))
         return cache, everywhere(trainer, draw(logits[:, 0], places, *settings))
 
-    return jax.jit(prefill, static_argnames="length"), jax.jit(decode, donate_argnums=(1,))
+    return jax.jit(prefill), jax.jit(decode, donate_argnums=(1,))
 
 
 def cache_length(cache: list) -> int:
