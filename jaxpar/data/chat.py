@@ -421,6 +421,12 @@ def pack(conversations: list[Conversation], seq_len: int) -> PackedRows:
             used = 0
         rows[-1].append(c)
         used += len(c.ids)
+    return filled(rows, width, cut)
+
+
+def filled(rows: list[list[Conversation]], width: int, cut: int) -> PackedRows:
+    """Rows of `width` tokens, each its conversations one after another (segments 0, 1, ...),
+    then padding (segment -1)."""
     ids = np.zeros((len(rows), width), np.int32)
     mask = np.zeros((len(rows), width), bool)
     segments = np.full((len(rows), width), -1, np.int32)
@@ -502,18 +508,11 @@ def pack_pairs(pairs: list[tuple[Conversation, Conversation]], seq_len: int) -> 
     """A row a pair, of seq_len + 1 tokens: the chosen conversation (segment 0), then the
     rejected one (segment 1), then padding. A pair longer than a row has each side cut to half
     of it, and is counted."""
-    width, cut = seq_len + 1, 0
-    ids = np.zeros((len(pairs), width), np.int32)
-    mask = np.zeros((len(pairs), width), bool)
-    segments = np.full((len(pairs), width), -1, np.int32)
-    for r, pair in enumerate(pairs):
-        if sum(len(c.ids) for c in pair) > width:
-            pair, cut = tuple(Conversation(c.ids[:width // 2], c.mask[:width // 2]) for c in pair), cut + 1
-        at = 0
-        for s, c in enumerate(pair):
-            ids[r, at:at + len(c.ids)], mask[r, at:at + len(c.ids)], segments[r, at:at + len(c.ids)] = c.ids, c.mask, s
-            at += len(c.ids)
-    return PackedRows(ids, mask, segments, cut)
+    width = seq_len + 1
+    long = [sum(len(c.ids) for c in pair) > width for pair in pairs]
+    rows = [[Conversation(c.ids[:width // 2], c.mask[:width // 2]) for c in pair] if cut else list(pair)
+            for pair, cut in zip(pairs, long)]
+    return filled(rows, width, sum(long))
 
 
 def split_conversations(conversations: list[Conversation], fraction: float, path: str) -> tuple[list, list]:
