@@ -41,14 +41,17 @@ def test_dpo_starts_at_log_2_and_prefers_the_chosen_answers(tmp_path, reference)
     plain = dataclasses.replace(config, optim=OptimConfig())  # the layout tests' optimizer
     check(compare(run_layout(apply_overrides(plain, ["mesh.fsdp=2", "mesh.tensor=4"])), reference(plain)))
 
+    import shutil
+
     saved = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), every=3,
                                                                     async_save=False))
     trainer = build(saved)
-    history = run(trainer, steps=3, progress=False) + run(trainer, steps=6, progress=False)
+    history = run(trainer, progress=False)  # uninterrupted, saving at steps 3 and 6
     assert abs(history[0]["loss"] - math.log(2)) < 1e-6 and history[0]["reward_margin"] == pytest.approx(0, abs=1e-6)
     assert history[-1]["reward_margin"] > 0.05 and history[-1]["reward_accuracy"] > 0.5
-    whole = run(build(config), progress=False)
-    np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in whole], rtol=1e-6)
+    shutil.rmtree(tmp_path / "ckpt" / "6")  # as if stopped after step 3
+    resumed = run(trainer, progress=False)
+    np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in history[3:]], rtol=1e-6)
 
 
 def test_pairs_are_rows_of_two_segments_weighted_on_the_answers():
