@@ -284,7 +284,7 @@ class Relay:
 
     def _copy(self, process: int, stream, out, prefix: str) -> None:
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-        dropping = [False]  # inside a chatter message's continuation lines
+        dropping = [False, False]  # inside a chatter message's continuation lines; the last line was Gloo's
         pending, started = "", False  # the unfinished line; whether its start is out already
         while chunk := stream.read1(65536):
             *lines, pending = (pending + decode(chunk)).split("\n")
@@ -314,7 +314,10 @@ class Relay:
         if dropping[0] and CONTINUED.match(line):
             return True
         dropping[0] = False
-        gloo = ("[Gloo]" in line or "peer ranks" in line) and GLOO.fullmatch(line)
+        # a Gloo line, or what a thread wrote of one after another thread's newline ended it (a count, nothing)
+        gloo = (("[Gloo]" in line or "peer ranks" in line) and GLOO.fullmatch(line)) or (
+            dropping[1] and re.fullmatch(r"\s*\d*\s*", line))
+        dropping[1] = bool(gloo)
         return bool(gloo or FRAMES.match(line))
 
     def _repeated(self, process: int, line: str) -> bool:
