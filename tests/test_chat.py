@@ -14,12 +14,10 @@ from jaxpar.config import Config, DataConfig, TrainConfig, apply_overrides
 from jaxpar.data.chat import (
     ChatEncoder,
     Conversation,
-    Template,
-    find_template,
     lm_rows,
     pack,
     read_conversations,
-    special_tokens,
+    template_for,
 )
 from jaxpar.data.text import TextSpec, load_tokenizer
 from jaxpar.errors import ConfigError
@@ -35,7 +33,7 @@ TRIMS = {"chatml": False, "headers": True, "turns": True, "marked": False}  # th
 def encoder(case: str) -> ChatEncoder:
     path = str(GOLDEN / case / "tokenizer.json")
     tokenizer = load_tokenizer(TextSpec("", path))
-    return ChatEncoder(tokenizer, lambda: Template(find_template(path), special_tokens(path)))
+    return ChatEncoder(tokenizer, lambda: template_for(path))
 
 
 @pytest.mark.parametrize("case", CASES)

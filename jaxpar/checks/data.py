@@ -44,8 +44,9 @@ def tokens_need_path(config, sizes) -> None:
     if source in FILE_SOURCES and not path:
         raise ConfigError(f"data.source={source} needs data.path, {FILE_SOURCES[source]}")
     if source not in FILE_SOURCES and path:  # else the file would be ignored, silently
-        raise ConfigError(f"data.path={path!r} is read only with data.source=tokens, text or chat, but "
-                          f"data.source={source!r}; set data.source=tokens (token ids), text or chat, or drop data.path")
+        sources = ", ".join(list(FILE_SOURCES)[:-1]) + f" or {list(FILE_SOURCES)[-1]}"
+        raise ConfigError(f"data.path={path!r} is read only with data.source={sources}, but data.source={source!r}; "
+                          f"set data.source to one of them (tokens: token ids), or drop data.path")
 
 
 @rule(
@@ -77,7 +78,8 @@ def text_field_named(config, sizes) -> None:
 @rule(
     "chat-settings-need-chat",
     fields=["data.chat_template", "data.messages_field", "data.source"],
-    summary="data.chat_template and data.messages_field are read with data.source=chat; the field names a key.",
+    summary="data.chat_template is read with data.source=chat or preference, data.messages_field with chat; the "
+    "field names a key.",
     example=["data.chat_template=template.jinja"],
     also=[["data.source=chat", "data.path=chats.jsonl", "data.tokenizer=tokenizer.json", "data.messages_field="]],
 )
@@ -85,7 +87,8 @@ def chat_settings_need_chat(config, sizes) -> None:
     data = config.data
     if data.source not in ("chat", "preference") and data.chat_template:  # else the template would be ignored, silently
         raise ConfigError(f"data.chat_template={data.chat_template!r} renders conversations, read only with "
-                          f"data.source=chat, but data.source={data.source!r}; set data.source=chat, or drop it")
+                          f"data.source=chat or preference, but data.source={data.source!r}; set data.source=chat, or "
+                          "drop it")
     if data.source != "chat" and data.messages_field != "messages":
         raise ConfigError(f"data.messages_field={data.messages_field!r} names conversations, read only with "
                           f"data.source=chat, but data.source={data.source!r}; set data.source=chat, or drop it")

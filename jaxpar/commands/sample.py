@@ -281,10 +281,9 @@ def _load_tokenizer(args, data, model_vocab: int | None):
 def _chat_prompts(texts: list[str], where: list[str], tokenizer, args, data) -> list[list[int]]:
     """Each text as a user's message, rendered with the chat template and its generation
     prompt, tokenized as training tokenizes conversations (jaxpar.data.chat)."""
-    from jaxpar.data.chat import Template, find_template, special_tokens
+    from jaxpar.data.chat import template_for
 
-    path = args.tokenizer or data.tokenizer
-    template = Template(find_template(path, data.chat_template), special_tokens(path))
+    template = template_for(args.tokenizer or data.tokenizer, data.chat_template)
     ids = []
     for text, w in zip(texts, where):
         rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
-from jaxpar.data.order import EPOCH_STREAM
+from jaxpar.data.order import whole_rows_order
 from jaxpar.data.text import (
     CONFIG_NAMES,
     TextSpec,
@@ -164,6 +164,11 @@ class Template:
         return "".join(blocks), spans
 
 
+def template_for(tokenizer_path: str, chat_template: str = "") -> Template:
+    """The chat template of a run (find_template) with the tokenizer's special tokens."""
+    return Template(find_template(tokenizer_path, chat_template), special_tokens(tokenizer_path))
+
+
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TRACKING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_chat_generation", default=None)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
@@ -273,13 +278,13 @@ class ChatEncoder:
     def encode(self, record: dict, where: str, messages_field: str = "messages") -> Conversation:
         if messages_field in record:
             messages = _messages(record[messages_field], where, messages_field)
-            return self._rendered(messages, len(messages), where)
+            return self._rendered(messages, where)
         if "prompt" in record and "completion" in record:
             prompt, completion = record["prompt"], record["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):
                 return self._plain(prompt, completion, where)
             messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
-            return self._rendered(messages, len(messages), where, completion_from=len(prompt))
+            return self._rendered(messages, where, completion_from=len(prompt))
         keys = ", ".join(map(repr, record)) or "none"
         raise ConfigError(f"{where} holds no conversation (its keys: {keys}); give {messages_field!r} (a list of "
                           "{\"role\", \"content\"}) or \"prompt\" and \"completion\"")
@@ -294,11 +299,11 @@ class ChatEncoder:
         return Conversation(np.asarray(first + second, np.int32),
                             np.asarray([False] * len(first) + [True] * len(second)))
 
-    def _rendered(self, messages: list[dict], count: int, where: str, completion_from: int = 0) -> Conversation:
+    def _rendered(self, messages: list[dict], where: str, completion_from: int = 0) -> Conversation:
         """The whole conversation's ids; the mask covers the text each assistant turn at or after
         `completion_from` adds."""
         self.template = self.template or self.load_template()
-        turns = [i for i in range(completion_from, count) if messages[i]["role"] == "assistant"]
+        turns = [i for i in range(completion_from, len(messages)) if messages[i]["role"] == "assistant"]
         if not turns:
             raise ConfigError(f"{where}: the conversation has no assistant turn, nothing to train on; give each "
                               "conversation at least one {\"role\": \"assistant\", ...} message")
@@ -379,12 +384,18 @@ def _parquet_records(file: pathlib.Path, spec: TextSpec) -> Iterator[tuple[dict,
             row += 1
 
 
-def read_conversations(data: Any, model_vocab: int | None = None) -> list[Conversation]:
-    """Every record of data.path as a Conversation, with data.tokenizer and the chat template."""
+def _encoder(data: Any, model_vocab: int | None) -> tuple[TextSpec, ChatEncoder]:
+    """(where data.path's records are, their encoder): data.tokenizer, loaded and checked as
+    text's is, and the chat template, read when a record first needs it."""
     spec = TextSpec(data.path, data.tokenizer, eos_id=data.eos_id, bos_id=data.bos_id, names=CONFIG_NAMES)
     tokenizer = load_tokenizer(spec, model_vocab)
-    encoder = ChatEncoder(tokenizer, lambda: Template(find_template(data.tokenizer, data.chat_template),
-                                                      special_tokens(data.tokenizer)), data.bos_id, data.eos_id)
+    return spec, ChatEncoder(tokenizer, lambda: template_for(data.tokenizer, data.chat_template), data.bos_id,
+                             data.eos_id)
+
+
+def read_conversations(data: Any, model_vocab: int | None = None) -> list[Conversation]:
+    """Every record of data.path as a Conversation, with data.tokenizer and the chat template."""
+    spec, encoder = _encoder(data, model_vocab)
     conversations = [encoder.encode(record, where, data.messages_field) for record, where in records(spec)]
     if not conversations:
         raise ConfigError(f"data.path={data.path!r} holds no conversations; give a {CHAT_KINDS} file with some")
@@ -405,6 +416,10 @@ class PackedRows:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def fields(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch fields of rows `ids` (lm_rows)."""
+        return lm_rows(self.ids[ids], self.mask[ids], self.segments[ids])
 
 
 def pack(conversations: list[Conversation], seq_len: int) -> PackedRows:
@@ -453,38 +468,25 @@ def lm_rows(ids: np.ndarray, mask: np.ndarray, segments: np.ndarray) -> dict[str
 
 
 class ChatRows:
-    """Packed rows read by step: data.order=epochs (every row once per epoch, an order drawn
-    from (seed, epoch); unshuffled, held-out batches) or windows (rows drawn from (seed, step))."""
+    """Packed rows read by step in data.order (jaxpar.data.order.whole_rows_order): epochs,
+    every row once per epoch in an order drawn from (seed, epoch) (unshuffled: held-out
+    batches), or windows, rows drawn from (seed, step)."""
 
     def __init__(self, rows: PackedRows, order: str, batch: int, seed: int, shuffle: bool = True, first_step: int = 0):
-        self.rows, self.order, self.batch, self.seed = rows, order, batch, seed
-        self.shuffle, self.first_step = shuffle, first_step
+        self.rows, self.order = rows, whole_rows_order(order, len(rows), batch, seed, shuffle, first_step)
 
     def row_ids(self, step: int, rows: slice) -> np.ndarray:
-        n = len(self.rows)
-        if self.order == "windows":
-            return np.random.default_rng([self.seed, step]).integers(0, n, size=self.batch)[rows]
-        first = (step - self.first_step) * self.batch
-        epoch, index = np.divmod(np.arange(first + rows.start, first + rows.stop, dtype=np.int64), n)
-        if self.shuffle:
-            for e in np.unique(epoch):
-                where = epoch == e
-                index[where] = np.random.default_rng([self.seed, int(e), EPOCH_STREAM]).permutation(n)[index[where]]
-        return index
+        return self.order.starts(step, rows)
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        ids = self.row_ids(step, rows)
-        return lm_rows(self.rows.ids[ids], self.rows.mask[ids], self.rows.segments[ids])
+        return self.rows.fields(self.row_ids(step, rows))
 
 
 def read_pairs(data: Any, model_vocab: int | None = None) -> list[tuple[Conversation, Conversation]]:
     """Every preference record of data.path ({"prompt", "chosen", "rejected"}: texts, or a
     prompt of messages and answers as texts or messages) as (chosen, rejected) Conversations,
     each the prompt followed by its answer, the mask on the answer."""
-    spec = TextSpec(data.path, data.tokenizer, eos_id=data.eos_id, bos_id=data.bos_id, names=CONFIG_NAMES)
-    tokenizer = load_tokenizer(spec, model_vocab)
-    encoder = ChatEncoder(tokenizer, lambda: Template(find_template(data.tokenizer, data.chat_template),
-                                                      special_tokens(data.tokenizer)), data.bos_id, data.eos_id)
+    spec, encoder = _encoder(data, model_vocab)
     pairs = []
     for record, where in records(spec):
         missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
@@ -527,18 +529,29 @@ def split_conversations(conversations: list[Conversation], fraction: float, path
     return conversations[:-held], conversations[-held:]
 
 
-def chat_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -> tuple[ChatRows, PackedRows]:
+def chat_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -> tuple[ChatRows, PackedRows | None]:
     """(the training rows, the held-out rows packed) of data.path, for batches laid out as `batch`."""
     conversations = read_conversations(data, vocab_size)
     training, held_out = split_conversations(conversations, data.eval_fraction, data.path)
     seq = batch.shapes["inputs"][1]
     rows = pack(training, seq)
-    if rows.cut:
+    _warn_of_cuts(data.path, rows.cut, len(training), "conversations", seq, "were cut to it")
+    return ChatRows(rows, data.order, batch.global_batch, seed), pack(held_out, seq) if held_out else None
+
+
+def preference_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -> ChatRows:
+    """data.path's preference pairs, a row each (pack_pairs), for batches laid out as `batch`."""
+    seq = batch.shapes["inputs"][1]
+    rows = pack_pairs(read_pairs(data, vocab_size), seq)
+    _warn_of_cuts(data.path, rows.cut, len(rows), "preference pairs", seq, "had each side cut to half of it")
+    return ChatRows(rows, data.order, batch.global_batch, seed)
+
+
+def _warn_of_cuts(path: str, cut: int, total: int, what: str, seq: int, how: str) -> None:
+    if cut:
         import warnings
 
         from jaxpar.errors import JaxparWarning
 
-        warnings.warn(f"data.path={data.path!r}: {rows.cut} of {len(training)} conversations are longer than "
-                      f"train.seq_len + 1 = {seq + 1} tokens and were cut to it; raise train.seq_len to keep them whole",
-                      JaxparWarning, stacklevel=2)
-    return ChatRows(rows, data.order, batch.global_batch, seed), pack(held_out, seq) if held_out else None
+        warnings.warn(f"data.path={path!r}: {cut} of {total} {what} are longer than train.seq_len + 1 = {seq + 1} "
+                      f"tokens and {how}; raise train.seq_len to keep them whole", JaxparWarning, stacklevel=3)

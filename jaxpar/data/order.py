@@ -74,6 +74,16 @@ def row_order(order: str, n_tokens: int, seq_len: int, batch: int, seed: int) ->
     return Windows(n_tokens, seq_len, batch, seed) if order == "windows" else Epochs(n_tokens, seq_len, batch, seed)
 
 
+def whole_rows_order(order: str, n_rows: int, batch: int, seed: int, shuffle: bool = True,
+                     first_step: int = 0) -> Windows | Epochs:
+    """data.order over `n_rows` whole rows (packed conversations, preference pairs): `starts`
+    gives row numbers. A row is one unit of the stream: windows draw rows 0 .. n_rows - 1 from
+    (seed, step), epochs go through every row once per epoch."""
+    if order == "windows":
+        return Windows(n_rows, 0, batch, seed)
+    return Epochs(n_rows + 1, 1, batch, seed, shuffle, first_step)
+
+
 def split_tokens(tokens: np.ndarray, fraction: float, seq_len: int, path: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(training part, held-out part) of a file's tokens: the last `fraction` of them,
     rounded down, held out; fraction 0 holds nothing out. Each part that is used holds a

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
-from jaxpar.data.chat import ChatRows, chat_rows, lm_rows, pack_pairs, read_pairs
+from jaxpar.data.chat import chat_rows, preference_rows
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import TextSpec, tokenize
 from jaxpar.errors import ConfigError
@@ -131,16 +131,8 @@ class PreferenceSource(Source):
     def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
         super().__init__(batch)
         self.data, self.seed = data, seed
-        self.pairs = pack_pairs(read_pairs(data, vocab_size), batch.shapes["inputs"][1])
-        if self.pairs.cut:
-            import warnings
-
-            from jaxpar.errors import JaxparWarning
-
-            warnings.warn(f"data.path={data.path!r}: {self.pairs.cut} of {len(self.pairs)} preference pairs are longer "
-                          f"than train.seq_len + 1 = {batch.shapes['inputs'][1] + 1} tokens; each side was cut to half of "
-                          "it; raise train.seq_len to keep them whole", JaxparWarning, stacklevel=2)
-        self.reader = ChatRows(self.pairs, data.order, batch.global_batch, seed)
+        self.reader = preference_rows(batch, data, vocab_size, seed)
+        self.pairs = self.reader.rows
         self.reference: np.ndarray | None = None  # [pairs, 2]
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
@@ -148,8 +140,7 @@ class PreferenceSource(Source):
             raise ConfigError("data.source=preference: the reference log-probabilities are not computed yet; "
                               "jaxpar.train.preference.attach_reference(source, trainer, params) first")
         ids = self.reader.row_ids(step, rows)
-        return {**lm_rows(self.pairs.ids[ids], self.pairs.mask[ids], self.pairs.segments[ids]),
-                "reference": self.reference[ids]}
+        return {**self.pairs.fields(ids), "reference": self.reference[ids]}
 
 
 class SyntheticClasses(Source):

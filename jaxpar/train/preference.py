@@ -63,29 +63,22 @@ def reference_logps(trainer, params: Any, source) -> np.ndarray:
     from jaxpar.train.inference import forward
 
     logits_of = forward(trainer)
-    logps = jax.jit(lambda p, b: answer_logps(logits_of(p, b), b))
+    everywhere = trainer.layout.sharding((None, None))  # each process reads them whole
+
+    @jax.jit
+    def logps(p, batch):
+        return jax.lax.with_sharding_constraint(answer_logps(logits_of(p, batch), batch), everywhere)
+
     pairs, rows = source.pairs, trainer.batch.global_batch
     out = np.zeros((len(pairs), 2), np.float32)
     local = source.batch.rows
     for start in range(0, len(pairs), rows):
         ids = np.arange(start, start + rows) % len(pairs)  # the last batch wraps round
-        fields = {k: v[local] for k, v in _rows(pairs, ids).items()}
+        fields = {k: v[local] for k, v in pairs.fields(ids).items()}
         batch = source.batch.to_global({**fields, "reference": np.zeros((len(fields["inputs"]), 2), np.float32)})
-        values = np.asarray(jax.device_get(_replicated(trainer, logps(params, batch))))
         take = min(rows, len(pairs) - start)
-        out[start:start + take] = values[:take]
+        out[start:start + take] = np.asarray(jax.device_get(logps(params, batch)))[:take]
     return out
-
-
-def _rows(pairs, ids: np.ndarray) -> dict:
-    from jaxpar.data.chat import lm_rows
-
-    return lm_rows(pairs.ids[ids], pairs.mask[ids], pairs.segments[ids])
-
-
-def _replicated(trainer, x: jax.Array) -> jax.Array:
-    """x on every device, so each process reads it whole."""
-    return jax.jit(lambda a: jax.lax.with_sharding_constraint(a, trainer.layout.sharding((None, None))))(x)
 
 
 def attach_reference(source, trainer, params: Any) -> None:
