@@ -6,7 +6,7 @@ timed calls, alternating the two ways each round. Before anything is timed the t
 tokens must be equal. Reports new tokens a second (rows x new tokens / wall time, the
 median round) and the ratio of the two, measured in one process.
 
-  python benchmarks/sampling.py [--recipe llama] [--layout "mesh.tensor=4"] [--batch 8]
+  python benchmarks/sampling.py [--recipe llama] [--shape recipe|0.9b] [--layout "mesh.tensor=4"] [--batch 8]
       [--prompt 64] [--new 64] [--rounds 5] [--dtype float32] [--devices 8]
       [--out benchmarks/results/sampling.json]
 """
@@ -14,6 +14,7 @@ median round) and the ratio of the two, measured in one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -29,6 +30,8 @@ from jaxpar.mesh import force_cpu_devices
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="llama")
+    p.add_argument("--shape", choices=["recipe", "0.9b"], default="recipe",
+                   help="the recipe's model, or benchmarks/mfu.py's 0.9B Llama in its place (GPUs)")
     p.add_argument("--layout", default="mesh.tensor=4", help="--set overrides, space-separated")
     p.add_argument("--batch", type=int, default=8, help="prompts continued at once")
     p.add_argument("--prompt", type=int, default=64, help="tokens a prompt")
@@ -54,6 +57,11 @@ def main() -> int:
 
     devices = jax.devices()
     config = resolve_config(args.recipe, args.layout.split() + [f"train.compute_dtype={args.dtype}"], len(devices))
+    if args.shape == "0.9b":
+        from benchmarks.mfu import SHAPE
+        from jaxpar.models.llama import LlamaConfig
+
+        config = dataclasses.replace(config, model=LlamaConfig(**SHAPE))
     config = sampling_config(config, len(devices), args.prompt + args.new)
     trainer = build(config, devices)
     params = initial_state(trainer).params
@@ -81,14 +89,14 @@ def main() -> int:
         "tokens_per_s": round(tokens / statistics.median(s), 1), "rounds_s": [round(x, 4) for x in s]}
         for cached, s in seconds.items()}
     speedup = rows["kv cache"]["tokens_per_s"] / rows["no cache"]["tokens_per_s"]
-    print(f"{args.recipe} ({args.layout}, {args.dtype}) on {len(devices)} {devices[0].platform} devices: "
+    print(f"{args.recipe}{' (0.9B shape)' if args.shape == '0.9b' else ''} ({args.layout}, {args.dtype}) on {len(devices)} {devices[0].platform} devices: "
           f"{args.batch} prompts of {args.prompt} tokens, {args.new} new tokens each, greedy, tokens equal")
     print(f"| way | first call (compiles) | median of {args.rounds} | new tokens/s |")
     print("|---|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['first_call_s']:.2f} s | {row['median_s']:.3f} s | {row['tokens_per_s']:.0f} |")
     print(f"kv cache / no cache: {speedup:.2f}x new tokens/s")
-    result = {"recipe": args.recipe, "layout": args.layout, "dtype": args.dtype, "batch": args.batch,
+    result = {"recipe": args.recipe, "shape": args.shape, "layout": args.layout, "dtype": args.dtype, "batch": args.batch,
               "prompt": args.prompt, "new": args.new, "rounds": args.rounds, "devices": len(devices),
               "platform": devices[0].platform, "device_kind": devices[0].device_kind, "jax": jax.__version__,
               "host": platform.node(), "cpus": __import__("os").cpu_count(), "tokens_equal": True, "ways": rows,

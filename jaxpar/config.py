@@ -218,6 +218,20 @@ class CompilerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    # Low-rank adapters (jaxpar.train.lora): rank > 0 freezes the targeted weights in the
+    # compute dtype (no gradient, master copy or optimizer state) and trains A [in, rank] and
+    # B [rank, out] beside each, added as (alpha / rank) * A @ B; 0: no adapters.
+    rank: int = 0
+    alpha: float = 16.0
+    # Comma-separated patterns (fnmatch) over parameter paths, e.g. '*.wq,*.wv'; a weight
+    # that matches is adapted. '': every projection, i.e. each weight of two or more
+    # dimensions, all named, with the residual axis ('embed') first or last; vocabulary
+    # tables, routers (an unnamed side) and expert weights left out.
+    targets: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=default_model)  # any jaxpar.model.ModelConfig
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -228,6 +242,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     compiler: CompilerConfig = dataclasses.field(default_factory=CompilerConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------- overrides

@@ -103,7 +103,7 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
     if config.data.source == "preference":  # DPO's reference: the starting weights
         from jaxpar.train.preference import attach_reference
 
-        attach_reference(source, trainer, state.params)
+        attach_reference(source, trainer, trainer.weights(state))
     losses, grads = [], None
     for i in range(steps):  # one compile: the step that also returns its gradients
         state, metrics, step_grads = trainer.step_and_grads(state, source(i))
@@ -117,6 +117,8 @@ def initial_state(trainer) -> Any:
     """`trainer.init()`'s state without compiling its random draws: the model's initial
     weights (initial_weights) placed as the state holds them, so the step's donated buffers
     are the state's own."""
+    if trainer.lora_targets:  # the adapters' draws: init's own
+        return trainer.init()
     weights = jax.device_put(initial_weights(trainer.config), trainer.master_params(trainer.state_shardings))
     return trainer.start_from(weights)
 

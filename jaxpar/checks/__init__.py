@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.checks import (backend, checkpoint, choices, data, devices, distributed, layout, model, optim, pipeline,
-                           train, zero)
+from jaxpar.checks import (backend, checkpoint, choices, data, devices, distributed, layout, lora, model, optim,
+                           pipeline, train, zero)
 from jaxpar.checks.rule import BASES, Rule
 from jaxpar.errors import ConfigError
 
@@ -29,6 +29,7 @@ CATALOGUE: tuple[Rule, ...] = (
     *data.RULES,
     *layout.RULES,
     *pipeline.RULES,
+    *lora.RULES,
     *backend.RULES,
 )
 

@@ -167,9 +167,11 @@ def restore(trainer, checkpoint: str, step: int | None):
     """(state, step): a run's checkpoint at `step` (None: the newest) restored onto `trainer`,
     read synchronously and closed after, as `sample` and `export` read one."""
     from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.loop import start_of, with_base
 
     checkpoints = Checkpoints.open(checkpoint, async_save=False)
     try:
-        return checkpoints.restore(trainer, step)
+        state, step = checkpoints.restore(trainer, step)
     finally:
         checkpoints.close()
+    return with_base(trainer, state, start_of(trainer)), step

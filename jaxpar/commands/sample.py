@@ -170,7 +170,7 @@ def _write_answers(args, header: str, answers: list[dict]) -> None:
 def _run_weights(trainer, args) -> tuple:
     """(params, 'step N'): the run's checkpoint at --step, else its newest, restored onto the trainer."""
     state, step = restore(trainer, args.checkpoint, args.step)
-    return state.params, f"step {step}"
+    return trainer.weights(state), f"step {step}"
 
 
 def _published_weights(trainer, run_config) -> tuple:
@@ -178,13 +178,14 @@ def _published_weights(trainer, run_config) -> tuple:
     checkpoint.init_from), read straight onto the trainer's mesh."""
     from jaxpar.hf import prepare_import
 
-    return prepare_import(trainer, run_config.checkpoint.init_from)().params, "as published"
+    return trainer.weights(prepare_import(trainer, run_config.checkpoint.init_from)()), "as published"
 
 
 def sampling_config(config, num_devices: int, tokens: int):
     """`config` for a forward pass: one batch of the fewest rows its mesh splits and a
     sequence of `tokens` rounded up to what the mesh splits; no data or checkpoint settings
-    (nothing is trained or saved)."""
+    (nothing is trained or saved) but where the weights started (a LoRA run's frozen base is
+    read from there)."""
     from jaxpar.config import CheckpointConfig, DataConfig
     from jaxpar.train.sample import sequence_multiple
 
@@ -192,7 +193,8 @@ def sampling_config(config, num_devices: int, tokens: int):
     multiple = sequence_multiple(sizes, config.parallel)
     rows = math.prod(sizes[a] for a in BATCH_AXES) * config.train.microbatches
     train = dataclasses.replace(config.train, seq_len=-(-tokens // multiple) * multiple, global_batch=rows)
-    return dataclasses.replace(config, train=train, data=DataConfig(), checkpoint=CheckpointConfig())
+    return dataclasses.replace(config, train=train, data=DataConfig(),
+                               checkpoint=CheckpointConfig(init_from=config.checkpoint.init_from))
 
 
 def _check_arguments(args) -> list[str]:

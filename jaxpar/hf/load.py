@@ -70,20 +70,20 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     entries = renamed(tensor_index(folder), declared(model, "hf_renames", lambda: {})())
     weights = model.hf_weights()
     abstract_state = trainer.abstract_state()
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_params(abstract_state))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_weights(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
+    weights, adapters = adapted(weights, shapes)
     fresh = check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
-    shardings = jax.tree.leaves(trainer.shardings.optimizer if abstract_state.master is not None
-                                else trainer.shardings.params)
+    shardings = [leaf.sharding for _, leaf in leaves]
     if fresh and jax.process_index() == 0:
         parts = sorted({p.split(".")[0] for p in fresh})
         print(f"{str(folder)!r} holds none of {', '.join(parts)} ({len(fresh)} parameters): they start from the model's "
               "own initialisation", flush=True)
 
     def start() -> Any:
-        drawn = _drawn(trainer, fresh)
+        drawn = _drawn(trainer, fresh | adapters)
         arrays = [
-            jax.device_put(drawn[path], sharding) if path in fresh else
+            jax.device_put(drawn[path], sharding) if path in drawn else
             jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
             for path, sharding in zip(shapes, shardings)
         ]
@@ -102,12 +102,27 @@ def renamed(entries: dict[str, Entry], renames: dict[str, str]) -> dict[str, Ent
     return {name(n): e for n, e in entries.items()}
 
 
+def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[str, Weight], set[str]]:
+    """(hf_weights() for a model whose weights may carry LoRA adapters (jaxpar.train.lora):
+    a frozen `path.base` reads the checkpoint's tensor for `path`; the paths of the adapters,
+    which no checkpoint of the base model holds and which start as drawn)."""
+    weights, adapters = dict(weights), set()
+    for path in shapes:
+        owner, _, leaf = path.rpartition(".")
+        if leaf == "base" and owner in weights:
+            weights[path] = weights[owner]
+        elif leaf in ("lora_a", "lora_b") and owner in weights:
+            weights[path] = Weight(None)  # drawn, not read
+            adapters.add(path)
+    return weights, adapters
+
+
 def _drawn(trainer, paths: set[str]) -> dict[str, Any]:
     """The parameters at `paths` as a fresh run draws them (the whole model is drawn once,
     in model order; only these are kept)."""
     if not paths:
         return {}
-    master = trainer.model_order(trainer.master_params(trainer.init()))
+    master = trainer.model_order(trainer.master_weights(trainer.init()))
     return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(master)[0]) if p in paths}
 
 

@@ -9,7 +9,6 @@ export cut short leaves nothing half-written behind.
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import pathlib
@@ -24,9 +23,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.hf.load import check_format
-from jaxpar.hf.safetensors import INDEX, NAMES, Planned, file_names, plan_files, write_file
+from jaxpar.hf.safetensors import (
+    INDEX,
+    NAMES,
+    Planned,
+    file_names,
+    plan_files,
+    write_file,
+)
 from jaxpar.hf.weights import Weight
 from jaxpar.pipeline.stages import relaid_layers
+from jaxpar.sharding.adapters import merge_adapters
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 # Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
@@ -88,9 +95,18 @@ def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
         raise ConfigError(f"{shown}: {str(above)!r} is not writable by this user; give a folder you can write")
 
 
+def merged_master(trainer, state: Any) -> Any:
+    """The float32 weights as the base model lays them out: with LoRA (jaxpar.train.lora),
+    each adapter folded into its frozen weight where the shards rest."""
+    if trainer.lora_targets is None:
+        return trainer.master_params(state)
+    scale = trainer.config.lora.alpha / trainer.config.lora.rank
+    return jax.jit(lambda w: merge_adapters(w, scale))(trainer.master_weights(state))
+
+
 def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
     """Every Hugging Face tensor, each with a function gathering its slab to the hosts."""
-    master = trainer.master_params(state)
+    master = merged_master(trainer, state)
     stages, chunks = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
     if trainer.pipeline is not None and chunks > 1:  # interleaved: layers back in model order, stages swapping chunks
         shardings = jax.tree.map(lambda x: x.sharding, master)

@@ -7,6 +7,7 @@ the CPU backend runs bf16 collectives in f32 (a GPU sends the bf16).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -14,11 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.inspect import formulas
-from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.report import StepReport
 from jaxpar.kernels.quantized import entries
 from jaxpar.model import declared, has, layer_windows
+from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
@@ -49,7 +50,15 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     m = report.memory
     if config.train.microbatches > 1:  # the accumulator is float32
         expected = formulas.ModelState(expected.params, expected.grads * 4 / compute_bytes, expected.master, expected.optimizer)
+    frozen = 0.0
+    if state.frozen is not None:  # LoRA: Ψ above is the adapters', which rest as their weights' sides do
+        sides = _split_ratio(trainer, state, mesh, fsdp * tensor * (data if stage >= 3 else 1))[0]
+        expected = formulas.ModelState(*(getattr(expected, f) * sides for f in ("params", "grads", "master", "optimizer")))
+        frozen = formulas.frozen_state(sum(math.prod(x.shape) for x in jax.tree.leaves(state.frozen)), stage, data,
+                                       fsdp * tensor, compute_bytes)
+    expected = dataclasses.replace(expected, frozen=frozen)
     memory_rows = [
+        *([("frozen weights (LoRA)", m.frozen, expected.frozen)] if state.frozen is not None else []),
         ("parameters", m.params, expected.params),
         ("gradients", m.gradients, expected.grads),
         ("fp32 master weights", m.master, expected.master),
@@ -112,7 +121,10 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "memory_formula": f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over "
         f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
         + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
-        + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else ""),
+        + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else "")
+        + ("; LoRA: the parameters are the adapters (16 bytes each in mixed precision, A split as its weight's "
+           f"input side, B as its output side), the frozen weights {compute_bytes} bytes each, no gradient, master "
+           "or optimizer state" if state.frozen is not None else ""),
         "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
         + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(*recompute)
@@ -149,6 +161,19 @@ def _split_fewer_ways(trainer, state, mesh: dict[str, int], ways: int) -> str | 
     ways (besides stage and expert, which it counts apart): the arrays the layout splits
     fewer ways (names no rule shards, such as norms and biases, or sizes the axis does not
     divide), and the ratio of measured to formula they make."""
+    ratio, arrays = _split_ratio(trainer, state, mesh, ways)
+    if not arrays:
+        return None
+    shown = ", ".join(arrays[:3]) + (f" and {len(arrays) - 3} more" if len(arrays) > 3 else "")
+    why = ("LoRA's A rests as its weight's input side, B as its output side" if state.frozen is not None
+           else "the layout keeps them (partly) whole")
+    return (f"{len(arrays)} parameter arrays are split fewer ways than {ways} ({shown}): {why}, so the parameters "
+            f"are {ratio:.3f} of the formula (their gradients' traffic is above its formula too)")
+
+
+def _split_ratio(trainer, state, mesh: dict[str, int], ways: int) -> tuple[float, list[str]]:
+    """(the parameters' bytes as the layout splits them over those of the formula, which
+    splits each `ways` ways; the arrays split fewer ways)."""
     formula, measured, arrays = 0.0, 0.0, []
     params = jax.tree_util.tree_flatten_with_path(state.params)[0]
     for (path, x), sharding in zip(params, jax.tree.leaves(trainer.state_shardings.params)):
@@ -159,12 +184,7 @@ def _split_fewer_ways(trainer, state, mesh: dict[str, int], ways: int) -> str | 
         formula, measured = formula + size / ways, measured + size / min(split, ways)
         if split < ways:
             arrays.append(jax.tree_util.keystr(path, simple=True, separator="."))
-    if not arrays:
-        return None
-    shown = ", ".join(arrays[:3]) + (f" and {len(arrays) - 3} more" if len(arrays) > 3 else "")
-    return (f"{len(arrays)} parameter arrays are split fewer ways than {ways} ({shown}): the layout keeps them (partly) "
-            f"whole, so the parameters are {measured / formula:.3f} of the formula (their gradients' traffic is above "
-            "its formula too)")
+    return (measured / formula if formula else 1.0), arrays
 
 
 def _params_named(trainer, state, name: str) -> int:
@@ -229,7 +249,8 @@ def _pipeline(trainer, mesh: dict[str, int], report: StepReport, itemsize, psi_o
     """The schedule as the papers draw it, its bubble, and the traffic over `stage`: the
     executor sends a microbatch's activation forward and a gradient back at every tick (in
     lockstep, idle ticks send zeros), and sums the replicated weights' gradients once."""
-    from jaxpar.pipeline import bubble_fraction, build_schedule, peak_in_flight, render as draw
+    from jaxpar.pipeline import bubble_fraction, build_schedule, peak_in_flight
+    from jaxpar.pipeline import render as draw
     from jaxpar.pipeline.schedule import published_bubble
 
     config, program = trainer.config, trainer.pipeline

@@ -25,10 +25,11 @@ class ModelState:
     grads: float
     master: float
     optimizer: float
+    frozen: float = 0.0  # LoRA's frozen weights
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.master + self.optimizer
+        return self.params + self.grads + self.master + self.optimizer + self.frozen
 
 
 def model_state(
@@ -51,6 +52,15 @@ def model_state(
         master=4 * at(1) if mixed else 0.0,
         optimizer=optimizer_bytes * at(1),
     )
+
+
+def frozen_state(psi_frozen: float, stage: int, zero_degree: int, sharded_degree: int = 1, compute_bytes: int = 2
+                 ) -> float:
+    """LoRA's frozen weights per device: `compute_bytes` each (no gradient, master or
+    optimizer state), resting as parameters do (over `zero_degree` too at ZeRO-3). With the
+    adapters' 16 bytes each (model_state of their count) this is QLoRA's 2 bytes per frozen
+    parameter plus 16 per trained one, over the sharding."""
+    return compute_bytes * psi_frozen / sharded_degree / (zero_degree if stage >= 3 else 1)
 
 
 def zero_paper_bytes(psi: float, stage: int, n: int) -> float:

@@ -49,10 +49,11 @@ class Memory:
     peak: int
     host_temporaries: int  # pinned-host buffers (offload); 0 on backends without host memory
     host_state: int  # of the model state, bytes resting in pinned host memory between steps
+    frozen: int = 0  # LoRA's frozen weights (jaxpar.train.lora), compute dtype
 
     @property
     def model_state(self) -> int:
-        return self.params + self.master + self.optimizer + self.gradients
+        return self.params + self.master + self.optimizer + self.gradients + self.frozen
 
     @property
     def total(self) -> int:
@@ -146,6 +147,7 @@ def inspect_step(trainer) -> StepReport:
         or stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
         host_temporaries=stats.host_temp_size_in_bytes,
         host_state=shard_bytes(state, memory_kind="pinned_host"),
+        frozen=shard_bytes(state.frozen),
     )
     text = compiled.as_text()
     findings = parse_findings(log) + temporary_findings(trainer, text, state)

@@ -27,6 +27,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
 from jaxpar.mesh import divisors, mesh_here
+from jaxpar.sharding.adapters import LoraWeight, merged
 from jaxpar.sharding.rules import Rules
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -176,9 +177,12 @@ def stored_value(param: nnx.Variable) -> tuple[jax.Array, tuple[str | None, ...]
     return value, names[len(names) - value.ndim :]
 
 
-def compute_value(param: nnx.Variable) -> jax.Array:
+def compute_value(param: nnx.Variable | LoraWeight) -> jax.Array:
     """A parameter's value laid out for use: FSDP shards are gathered here, at the point of
-    use (so inside a scanned layer stack, one layer at a time); tensor shards stay put."""
+    use (so inside a scanned layer stack, one layer at a time); tensor shards stay put. A
+    weight with a LoRA adapter (jaxpar.sharding.adapters) comes merged: W + scale * A @ B."""
+    if isinstance(param, LoraWeight):
+        return merged(param, compute_value)
     value, names = stored_value(param)
     layout = _ACTIVE.get()
     if layout is None:

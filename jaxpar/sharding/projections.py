@@ -15,7 +15,8 @@ transfers with partial matmuls. A column projection with several weights (QKV, g
 gathers its input once.
 
 A weight is either an array the model laid out (`compute_value(param)`) or the parameter
-itself, which the projection gathers: as `compute_value` would, or, when the projection
+itself, which the projection gathers (a weight with a LoRA adapter, jaxpar.sharding.adapters,
+multiplies unmerged: x @ W + scale * (x @ A) @ B): as `compute_value` would, or, when the projection
 multiplies in FP8 and the gather moves FSDP / ZeRO-3 shards, in FP8 (its shards quantized
 where they rest, one byte an element on the wire: jaxpar.kernels.fp8.fp8_tensordot).
 
@@ -43,6 +44,7 @@ from jaxpar.kernels.fp8 import fp8_tensordot
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries, gathered_axes
 from jaxpar.mesh import mesh_here
+from jaxpar.sharding.adapters import LoraWeight, adapter_output, check_inputs
 from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, stored_value, sum_over_replicas
 
 AXIS = "tensor"
@@ -128,6 +130,10 @@ def _tensordot(layout: Layout | None, low_precision: bool):
     fp8 = low_precision and layout is not None and layout.projections.dtype == "fp8"
 
     def dot(x: jax.Array, w, axes: int) -> jax.Array:
+        if isinstance(w, LoraWeight):  # unmerged: x @ W + scale * (x @ A) @ B, the adapter in the compute dtype
+            check_inputs(w, axes)
+            h = jnp.tensordot(x, compute_value(w.lora_a).astype(x.dtype), axes=axes)
+            return dot(x, w.base, axes) + adapter_output(h, compute_value(w.lora_b), w.scale)
         moves = fp8 and isinstance(w, nnx.Variable) and _fp8_gather(w, layout)
         if moves:
             value, gather, rest = moves
@@ -139,7 +145,9 @@ def _tensordot(layout: Layout | None, low_precision: bool):
 
 
 def _laid_out(w) -> jax.Array:
-    return compute_value(w) if isinstance(w, nnx.Variable) else w
+    """An array as given; a parameter laid out for use (a LoRA weight merged: the collective
+    matmul's ring multiplies one weight)."""
+    return compute_value(w) if isinstance(w, (nnx.Variable, LoraWeight)) else w
 
 
 def _fp8_gather(param: nnx.Variable, layout: Layout):

@@ -5,7 +5,9 @@ A checkpoint holds the TrainState (parameters, fp32 master weights, optimizer st
 in the model's layer order, gradient compression's state (residuals, PowerSGD factors) as an
 item of its own, and a JSON record of the step, the data position (batches are
 a function of the seed and the step: jaxpar.data.sources) and the config. Nothing in it is
-pickled: arrays are tensorstore files, the rest JSON.
+pickled: arrays are tensorstore files, the rest JSON. A LoRA run's checkpoints hold its
+adapters, not the frozen base (jaxpar.train.lora): the record names the base (`base`), and a
+resumed run reads it again from there (jaxpar.train.loop.with_base).
 
   * Atomic: orbax writes into a temporary directory and renames it when complete, so a run
     killed mid-save leaves the previous checkpoint whole; leftovers are removed on open.
@@ -79,6 +81,9 @@ class Checkpoints:
         if to_model_order is not None:
             state = to_model_order(state)
         items = {}
+        if state.frozen is not None:  # LoRA: adapters only; the base is where the run started (`base`)
+            meta["base"] = base_of(trainer.config)
+            state = dataclasses.replace(state, frozen=None)
         if state.compression is not None:  # its own item: a run that compresses differently starts it afresh
             items["compression"] = ocp.args.StandardSave(state.compression)
             meta["compression"] = compression_signature(trainer)
@@ -157,8 +162,9 @@ class Checkpoints:
                 f"separate master weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}, or use "
                 "another checkpoint.dir"
             )
+        _check_base(trainer, meta, step, self.directory)
         target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
-        items = {"state": ocp.args.StandardRestore(dataclasses.replace(target, compression=None))}
+        items = {"state": ocp.args.StandardRestore(dataclasses.replace(target, compression=None, frozen=None))}
         resume_compression = target.compression is not None and meta.get("compression") == compression_signature(trainer)
         if resume_compression:
             items["compression"] = ocp.args.StandardRestore(target.compression)
@@ -200,6 +206,27 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def base_of(config: Config) -> str:
+    """Where a LoRA run's frozen weights come from, which its checkpoints point to rather
+    than hold: the Hugging Face folder it started from, or its seed's initialisation."""
+    return config.checkpoint.init_from or f"the model's initialisation at train.seed={config.train.seed}"
+
+
+def _check_base(trainer, meta: dict, step: int, directory: pathlib.Path) -> None:
+    """A LoRA checkpoint resumes onto the base it was trained on, with the same adapters."""
+    saved = meta["config"]
+    ours = {k: _jsonable(v) for k, v in flatten(trainer.config).items() if k.startswith("lora.")}
+    for key, value in ours.items():
+        if saved.get(key, _jsonable(_default(type(trainer.config.lora)(), key[len("lora."):]))) != value:
+            raise ConfigError(f"checkpoint step {step} in {str(directory)!r} was written with {key}={saved.get(key)!r}, "
+                              f"but this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another "
+                              "checkpoint.dir")
+    if trainer.frozen_shardings is not None and meta.get("base", base_of(trainer.config)) != base_of(trainer.config):
+        raise ConfigError(f"checkpoint step {step} in {str(directory)!r} holds adapters trained on {meta['base']}, but "
+                          f"this run's frozen weights are {base_of(trainer.config)}; set checkpoint.init_from (and "
+                          "train.seed) as that run had them, or use another checkpoint.dir")
 
 
 def reorder_layers(trainer, to: str):

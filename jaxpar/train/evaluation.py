@@ -53,13 +53,14 @@ class Evaluation:
         """After `done` steps of a run that ends at `last`."""
         return done % self.every == 0 or done == last
 
-    def start(self, params: Any) -> Sums:
-        return dispatch(self.evaluate, params, self.batches, self.count)
+    def start(self, weights: Any) -> Sums:
+        """`weights`: Trainer.weights(state)."""
+        return dispatch(self.evaluate, weights, self.batches, self.count)
 
     def compile(self, trainer) -> Evaluation:
         """The same, with `trainer.evaluate` compiled now rather than at the first evaluation."""
-        params = trainer.abstract_state().params
-        return dataclasses.replace(self, evaluate=trainer.evaluate.lower(params, trainer.abstract_batch()).compile())
+        weights = trainer.weights(trainer.abstract_state())
+        return dataclasses.replace(self, evaluate=trainer.evaluate.lower(weights, trainer.abstract_batch()).compile())
 
 
 def open_evaluation(trainer, data: UserData | None = None, eval_data: UserData | None = None,

@@ -4,6 +4,7 @@ normalises it (`Gradient`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
+from jaxpar.train.lora import join
 from jaxpar.train.loss import LossFn, model_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.reduction import GradReduction, sum_replicas
@@ -43,17 +45,18 @@ GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Gradient]]  # (params, bat
 
 def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
                 hooks: LayerHooks | None = None, loss_chunks: int = 1) -> LossSum:
-    """(params, batch, layer state=None) -> (loss sum, (weight, sums)) of the model under
-    `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with
+    """(params, batch, layer state=None, frozen=None) -> (loss sum, (weight, sums)) of the
+    model under `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with
     `hooks` and a layer state ({parameter path: its state}), those parameters' hooks run in
-    the model's layer scan (jaxpar.sharding.layer_hooks)."""
+    the model's layer scan (jaxpar.sharding.layer_hooks); `frozen`: LoRA's frozen weights,
+    read beside `params` and not differentiated (jaxpar.train.lora)."""
 
-    def loss_sum(params, batch, layer_state=None):
+    def loss_sum(params, batch, layer_state=None, frozen=None):
         if task == "lm":  # sequences laid out as the context-parallel kernels expect
             batch = lay_out_sequences(batch, layout)
         bound = hooks.bind(params, layer_state) if hooks is not None and layer_state else None
         with use_layer_hooks(bound):  # bound here, inside any checkpoint: to the arrays the model gets
-            return model_loss(nnx.merge(graphdef, params), batch, loss_fn, loss_chunks)
+            return model_loss(nnx.merge(graphdef, join(params, frozen)), batch, loss_fn, loss_chunks)
 
     if remat == "none":
         # Outside the layer scan too, a gathered parameter (embedding, head) is gathered
@@ -80,13 +83,12 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     """
     if reduction.when == "compressed":
         raise ValueError("a compressed reduction's gradient is jaxpar.train.compressed's, not batch_gradients'")
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
     replicas, per_step = reduction.per_replica, reduction.when == "step"
     summed = reduction.replica_sum()  # "layers": summed over the replicas inside the backward pass
     reduce = sum_replicas(reduction, layout)
 
-    def microbatch(params, mb):
+    def microbatch(grad_fn, params, mb):
         """(loss sum, (weight, sums), gradient) of one microbatch; the gradient is [data, ...]
         per replica if reduced per step, else reduced to `reduce_to`."""
         if not replicas:
@@ -101,11 +103,14 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
             g = cast_floats(g, jnp.float32)
         return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
-    def grads(params, batch) -> tuple[jax.Array, dict, Gradient]:
+    def grads(params, batch, frozen=None) -> tuple[jax.Array, dict, Gradient]:
+        """`frozen`: LoRA's frozen weights, which the loss reads and nothing differentiates."""
+        bound = loss_sum if frozen is None else functools.partial(loss_sum, frozen=frozen)
+        one = functools.partial(microbatch, jax.value_and_grad(bound, has_aux=True))
         if microbatches == 1:
-            total, (weight, sums), g = microbatch(params, batch)
+            total, (weight, sums), g = one(params, batch)
         else:
-            total, (weight, sums), g = accumulate(microbatch, params, split_batch(batch, microbatches, names, layout),
+            total, (weight, sums), g = accumulate(one, params, split_batch(batch, microbatches, names, layout),
                                                   shardings.grads, per_step, layout.mesh.shape["data"])
         if per_step:
             g = reduce(g, shardings.optimizer)

@@ -33,14 +33,15 @@ MODEL_FIELDS = ("inputs", "positions", "segment_ids")  # what a forward pass rea
 def whole_model(trainer, params: Any) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (inside jit): without a
     pipeline the trainer's own; with one, jaxpar.train.pipelined.unpipelined."""
-    return unpipelined(params, trainer.layout, trainer.shardings.params, trainer.config.parallel.pipeline_chunks)
+    return unpipelined(params, trainer.layout, trainer.weight_shardings, trainer.config.parallel.pipeline_chunks)
 
 
 def forward(trainer) -> Callable[[Any, dict], Any]:
     """jit((params, batch) -> the model's outputs): logits [B, S, vocab] for a language
     model, [B, classes] for a classifier (a model that returns (outputs, aux) gives outputs).
 
-    `params` as a TrainState holds them (`state.params`, the trainer's parameter sharding);
+    `params` as `trainer.weights(state)` gives them (`state.params` in the trainer's parameter
+    sharding, with LoRA's frozen weights joined);
     `batch` holds "inputs" (and "positions", "segment_ids" if the model reads them; other
     fields are ignored), numpy or jax arrays, sharded as the trainer's batches: B must split
     over the batch axes (mesh.data x fsdp x expert) and, under context parallelism, S over
@@ -60,7 +61,7 @@ def forward(trainer) -> Callable[[Any, dict], Any]:
         outputs = out[0] if isinstance(out, tuple) else out
         return outputs if order is None else jnp.take(outputs, jnp.argsort(order), axis=1)
 
-    return jax.jit(apply, in_shardings=(trainer.shardings.params, None))
+    return jax.jit(apply, in_shardings=(trainer.weight_shardings, None))
 
 
 def unsharded_model(trainer, state: Any) -> nnx.Module:
@@ -71,7 +72,7 @@ def unsharded_model(trainer, state: Any) -> nnx.Module:
     if jax.process_count() > 1:
         raise ConfigError(f"unsharded_model gathers every weight into one process, but this run has "
                           f"{jax.process_count()} processes; use jaxpar.train.inference.forward(trainer)")
-    weights = trainer.model_order(jax.device_get(trainer.master_params(state)))
+    weights = trainer.model_order(jax.device_get(trainer.master_weights(state)))
     return nnx.merge(trainer.graphdef, jax.tree.map(jnp.asarray, weights))
 
 

@@ -7,8 +7,10 @@ a held-out evaluation after step i is queued before step i+1 and read with step 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+from typing import Any, Callable
 
 import jax
 from jax.experimental import multihost_utils
@@ -63,21 +65,16 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     state, start = _restored(checkpoints, trainer, steps, ckpt.dir) if resuming else (None, 0)  # before the compile
     if start >= steps:
         return []
-    fresh = trainer.init
-    if ckpt.init_from and not resuming:  # checked now, read after the compile
-        from jaxpar.hf import prepare_import
-
-        fresh = prepare_import(trainer, ckpt.init_from)
+    fresh = start_of(trainer)  # also on resume: LoRA's frozen base and DPO's reference are read from the start
 
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
-    if not resuming:
-        state = fresh()
+    state = fresh() if not resuming else with_base(trainer, state, fresh)
     if cfg.data.source == "preference" and data is None:  # DPO's reference: the starting weights, frozen
         from jaxpar.train.preference import attach_reference
 
-        attach_reference(source, trainer, (state if not start else fresh()).params)
+        attach_reference(source, trainer, trainer.weights(state if not start else fresh()))
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
@@ -123,7 +120,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
                         rows.check(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
                     checkpoints.save(trainer, state, done)
                 # Queued before the next step, which then waits for it: it reads this step's weights.
-                held_out = evaluation.start(state.params) if evaluation is not None and evaluation.due(done, steps) else None
+                held_out = evaluation.start(trainer.weights(state)) if evaluation is not None and evaluation.due(done, steps) else None
                 pending = (step, metrics, held_out)
     finally:
         stop.restore()
@@ -135,6 +132,24 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     if preempted_at is not None:
         raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None, stop.asked or "SIGTERM")
     return history
+
+
+def start_of(trainer: Trainer) -> Callable[[], Any]:
+    """() -> the run's state at step 0: the weights of its Hugging Face checkpoint
+    (checkpoint.init_from: checked now, read when called), else its seed's initialisation."""
+    if trainer.config.checkpoint.init_from:
+        from jaxpar.hf import prepare_import
+
+        return prepare_import(trainer, trainer.config.checkpoint.init_from)
+    return trainer.init
+
+
+def with_base(trainer: Trainer, state: Any, start: Callable[[], Any]) -> Any:
+    """A restored state with LoRA's frozen weights, which checkpoints do not hold (they point
+    to them: jaxpar.train.checkpoint.base_of), read again from where the run started."""
+    if trainer.frozen_shardings is None or state.frozen is not None:
+        return state
+    return dataclasses.replace(state, frozen=start().frozen)
 
 
 def _restored(checkpoints: Checkpoints, trainer: Trainer, steps: int, directory: str):

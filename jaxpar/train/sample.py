@@ -66,8 +66,8 @@ def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, t
     probabilities reach `top_p` (1: all), with jax.random keys from `seed`. `vocab_limit`:
     only ids below it are chosen (a tokenizer's vocabulary, where the model's is larger: ids
     past it decode to nothing). `kv_cache`: True, False, or None for the cache where the
-    layout allows it (the module's docstring). `params`: the weights where they rest, as a
-    TrainState holds them (`state.params`)."""
+    layout allows it (the module's docstring). `params`: the weights where they rest, as
+    `trainer.weights(state)` gives them (`state.params`, with LoRA's frozen weights joined)."""
     return generate_batch(trainer, params, [prompt_ids], max_new_tokens, temperature, top_k, seed, eos_id,
                           vocab_limit, top_p=top_p, kv_cache=kv_cache)[0]
 
@@ -148,7 +148,7 @@ def _warn_of_gathered_stages(trainer, params: Any) -> None:
     def per_device(x: jax.Array, sharding) -> int:
         return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
-    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(trainer.shardings.params)))
+    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(trainer.weight_shardings)))
     whole = sum(per_device(x, without_axis(s, "stage")) for x, s in leaves)
     resting = sum(per_device(x, s) for x, s in leaves)
     warnings.warn(f"mesh.stage={stages}: sampling runs the whole model on every device, not stage by stage, so each "

@@ -29,6 +29,10 @@ class TrainState:
     # Gradient compression's error-feedback residuals and factors
     # (jaxpar.train.compression.CompressionState); None without compression.
     compression: Any = None
+    # LoRA's frozen base weights (jaxpar.train.lora), compute dtype, parameter sharding: the
+    # forward pass reads them beside `params`; nothing differentiates or updates them. None
+    # without adapters.
+    frozen: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +45,11 @@ class StatePlacement:
 
 
 def place_state(tx: optax.GradientTransformation, abstract_params: Any, shardings: StateShardings, mesh,
-                mixed: bool, offload: bool, compression: Any = None) -> StatePlacement:
+                mixed: bool, offload: bool, compression: Any = None, frozen: Any = None) -> StatePlacement:
     """Shardings of every part of the state. Optimizer state that mirrors a parameter (Adam
     moments) is sharded like it; anything else (counts, adafactor's factored rows and
-    columns) is replicated. `compression`: the compression state's shardings, if any."""
+    columns) is replicated. `compression`: the compression state's shardings, if any;
+    `frozen`: LoRA's frozen weights' (never offloaded: every step reads them)."""
     replicated = NamedSharding(mesh, P())
     opt = optax.tree_map_params(
         tx,
@@ -60,14 +65,16 @@ def place_state(tx: optax.GradientTransformation, abstract_params: Any, sharding
 
     master = shardings.optimizer if mixed else None
     return StatePlacement(
-        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt), compression),
-        working=TrainState(replicated, shardings.params, master, opt, compression),
+        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt), compression,
+                           frozen),
+        working=TrainState(replicated, shardings.params, master, opt, compression, frozen),
     )
 
 
-def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: Any, compression: Any = None
-                  ) -> TrainState:
-    """Step 0 from the float32 weights (and the compression state's start, if any)."""
+def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: Any, compression: Any = None,
+                  frozen: Any = None) -> TrainState:
+    """Step 0 from the float32 weights (and the compression state's start, LoRA's frozen
+    weights, if any: those kept in the compute dtype only)."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -75,6 +82,7 @@ def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: 
         master=master if mixed else None,
         opt_state=tx.init(master),
         compression=compression,
+        frozen=None if frozen is None else cast_floats(frozen, compute_dtype),
     )
 
 

@@ -37,7 +37,9 @@ from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
+from jaxpar.train import lora
 from jaxpar.train.layout import layout_for
+from jaxpar.train.lora import join
 from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.train.compression import Compressor, make_compressor
 from jaxpar.train.gradients import batch_gradients, loss_sum_fn
@@ -82,6 +84,10 @@ class Trainer:
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
     reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.train.reduction)
     init_compression: Any = None  # () -> the compression state's start, in its shardings
+    # LoRA (jaxpar.train.lora): {path: Target} of the adapted weights, and the shardings of
+    # their frozen base (TrainState.frozen); None without adapters.
+    lora_targets: Any = None
+    frozen_shardings: Any = None
     # Programs made from this trainer when first asked for (sampling's steps: jaxpar.train.sample),
     # kept so that later calls reuse their compiles.
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -104,8 +110,22 @@ class Trainer:
         return self.batch.abstract()
 
     def master_params(self, state: TrainState) -> Any:
-        """The float32 weights, whichever field holds them."""
+        """The float32 weights, whichever field holds them (with LoRA: the trained ones)."""
         return state.params if state.master is None else state.master
+
+    def weights(self, state: TrainState) -> Any:
+        """What the model reads: the parameters, with LoRA's frozen weights joined in
+        (`evaluate`, sampling, inference take this tree)."""
+        return join(state.params, state.frozen)
+
+    def master_weights(self, state: TrainState) -> Any:
+        """`master_params` with LoRA's frozen weights joined in: the tree `start_from` takes."""
+        return join(self.master_params(state), state.frozen)
+
+    @property
+    def weight_shardings(self) -> Any:
+        """The shardings of `weights(state)`."""
+        return join(self.shardings.params, self.frozen_shardings)
 
 
 def data_loss(config: Config) -> LossFn:
@@ -145,30 +165,44 @@ def build(
         tx, lr_schedule = update_rule(config.optim, config.train.steps)
         clip_norm = config.optim.clip_norm
 
-    def make_model() -> nnx.Module:
+    def base_model() -> nnx.Module:
         with nnx.use_eager_sharding(False):  # shardings come from our rules, not from a global mesh
             return config.model.build(nnx.Rngs(config.train.seed))
+
+    targets = lora.plan(nnx.state(nnx.eval_shape(base_model)), config.lora, declared(config.model, "axis_names")) \
+        if config.lora.rank > 0 else None
+
+    def make_model() -> nnx.Module:
+        model = base_model()
+        return lora.adapt(model, targets, config.lora, config.train.seed) if targets else model
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names, abstract_params = param_names(abstract), nnx.to_pure_dict(abstract)
     check_params(config, names, abstract_params, layout)
-    tx = _train_params_only(tx, abstract)
+    frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
+    tx = _train_params_only(tx, abstract, frozen)
+    (names, frozen_names), (abstract_params, frozen_abstract) = (lora.split(t, frozen) for t in (names, abstract_params))
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
+    frozen_shardings = state_shardings(frozen_names, frozen_abstract, layout, config.parallel.zero_stage).params \
+        if frozen else None
     compressor = make_compressor(config.parallel, names, abstract_params, shardings.grads, layout.mesh, config.train.seed)
     reduction = grad_reduction(config, layout.mesh.shape, compressor)
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
-                            compressor.shardings() if compressor else None)
+                            compressor.shardings() if compressor else None, frozen_shardings)
     fields = batch_fields(config.model, config.train.seq_len, config.data)
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
     stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
     pipelined = stages > 1
 
-    def start_from(master: Any) -> TrainState:
+    def start_from(weights: Any) -> TrainState:
+        """From the float32 weights in model order (LoRA's frozen ones included)."""
         if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
-            master = in_pipeline_order(master, stages, chunks)
-        return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None)
+            weights = in_pipeline_order(weights, stages, chunks)
+        master, frozen_weights = lora.split(weights, frozen)
+        return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None,
+                             frozen_weights or None)
 
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
@@ -181,22 +215,25 @@ def build(
                        fused=fuses_multi_output_loops(devices[0].platform))
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
-        loss, sums, grad, compression = grads_fn(state.params, batch, state.compression)
+        loss, sums, grad, compression = grads_fn(state.params, batch, state.compression, state.frozen)
         return (*update(state, loss, sums, grad, compression), grad.value())
 
-    def grads(params, batch) -> tuple[jax.Array, Any]:
+    def grads(params, batch, frozen=None) -> tuple[jax.Array, Any]:
         """Under compression, from a fresh compression state (no residuals yet)."""
-        loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None)
+        loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None, frozen)
         return loss, g.value()
 
-    def evaluate(params, batch) -> tuple[jax.Array, jax.Array]:
-        """The loss without the pipeline schedule: the whole model at once."""
-        params, flat = unpipelined(params, layout, shardings.params, chunks)
+    weight_shardings = lora.join(shardings.params, frozen_shardings)
+
+    def evaluate(weights, batch) -> tuple[jax.Array, jax.Array]:
+        """The loss without the pipeline schedule: the whole model at once (`weights`:
+        Trainer.weights(state))."""
+        params, flat = unpipelined(weights, layout, weight_shardings, chunks)
         with use_layout(flat):
             total, (weight, _) = loss_sum(params, batch)
         return total, weight
 
-    jit = _jit_at_the_edge(placement.resting, shardings, batch_layout.shardings, options)
+    jit = _jit_at_the_edge(placement.resting, shardings, weight_shardings, batch_layout.shardings, options)
     return Trainer(
         config=config, layout=layout, graphdef=graphdef, tx=tx, lr_schedule=lr_schedule, param_names=names,
         shardings=shardings, state_shardings=placement.resting, batch=batch_layout,
@@ -212,6 +249,7 @@ def build(
         compiler_options=options,
         reduction=reduction,
         init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,
+        lora_targets=targets, frozen_shardings=frozen_shardings,
     )
 
 
@@ -234,7 +272,10 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     else:
         grads = batch_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, reduction)
         program = None
-    return loss_sum, lambda params, batch, compression: (*grads(params, batch), compression), program, reduction
+    with_frozen = program is None  # LoRA is refused in pipeline stages (jaxpar.checks.lora)
+    return (loss_sum, lambda params, batch, compression, frozen: (*(grads(params, batch, frozen) if with_frozen else
+                                                                     grads(params, batch)), compression),
+            program, reduction)
 
 
 def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
@@ -256,7 +297,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     averaged = compressed_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, compressor,
                                     weight_of)
 
-    def grads(params, batch, compression):
+    def grads(params, batch, compression, frozen):  # LoRA is refused with compression (jaxpar.checks)
         loss, sums, g, compression = averaged(params, batch, compression)
         g = g._replace(summed=jax.lax.with_sharding_constraint(g.summed, shardings.optimizer))
         return loss, sums, g, compression
@@ -264,7 +305,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     return loss_sum, grads, dataclasses.replace(reduction, compressor=compressor)
 
 
-def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, options: dict) -> dict:
+def _jit_at_the_edge(state: TrainState, shardings: StateShardings, weights: Any, batch: dict, options: dict) -> dict:
     """The jit wrappers of the Trainer's functions: shardings in and out, the state donated."""
     replicated = NamedSharding(state.step.mesh, P())
     compiler = options or None
@@ -274,18 +315,20 @@ def _jit_at_the_edge(state: TrainState, shardings: StateShardings, batch: dict, 
         "step_and_grads": lambda f: jax.jit(f, in_shardings=(state, batch),
                                             out_shardings=(state, replicated, shardings.optimizer),
                                             donate_argnums=0, compiler_options=compiler),
-        "grads": lambda f: jax.jit(f, in_shardings=(shardings.params, batch),
+        "grads": lambda f: jax.jit(f, in_shardings=(shardings.params, batch, *([state.frozen] if state.frozen else [])),
                                    out_shardings=(replicated, shardings.optimizer), compiler_options=compiler),
-        "evaluate": lambda f: jax.jit(f, in_shardings=(shardings.params, batch), out_shardings=(replicated, replicated)),
+        "evaluate": lambda f: jax.jit(f, in_shardings=(weights, batch), out_shardings=(replicated, replicated)),
     }
 
 
-def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State) -> optax.GradientTransformation:
+def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State, frozen: frozenset
+                       ) -> optax.GradientTransformation:
     """`tx` on the nnx.Params; other variables (an MoE router's balancing bias) are left to
-    their own rules: the optimizer changes them by zero (no weight decay creeps in)."""
-    fixed = nnx.to_pure_dict(
+    their own rules: the optimizer changes them by zero (no weight decay creeps in). LoRA's
+    `frozen` weights are not the optimizer's at all."""
+    fixed = lora.split(nnx.to_pure_dict(
         jax.tree.map(lambda v: not isinstance(v, nnx.Param), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    )
+    ), frozen)[0]
     if not any(jax.tree.leaves(fixed)):
         return tx
     # Zeroed after `tx` rather than routed around it, so the optimizer state keeps the

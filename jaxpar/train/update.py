@@ -51,7 +51,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
         return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state,
-                          compression=compression)
+                          compression=compression, frozen=state.frozen)
 
     def update(state: TrainState, loss: jax.Array, sums: dict, grad: Gradient, compression: Any = None
                ) -> tuple[TrainState, dict]:

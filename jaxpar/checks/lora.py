@@ -1,0 +1,59 @@
+"""The lora section: adapters' numbers, and the layouts that carry them (jaxpar.train.lora).
+Which weights the patterns match, and ranks against their shapes, are checked on the model
+itself when the trainer is built (jaxpar.train.lora.plan), still before the compile."""
+
+from __future__ import annotations
+
+from jaxpar.checks.rule import Rule, collector
+from jaxpar.errors import ConfigError
+
+RULES: list[Rule] = []
+rule = collector(RULES)
+
+
+@rule(
+    "lora-values",
+    fields=["lora.rank", "lora.alpha"],
+    summary="LoRA's rank is 0 (no adapters) or positive, and its alpha (the adapters' scale is alpha / rank) positive.",
+    example=["lora.rank=-4"],
+    also=[["lora.rank=8", "lora.alpha=0"]],
+)
+def lora_values(config, sizes) -> None:
+    lora = config.lora
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank={lora.rank} makes no sense; use 0 for no adapters, or a rank such as 8 or 16")
+    if lora.rank and not lora.alpha > 0:
+        raise ConfigError(f"lora.alpha={lora.alpha} must be positive (the adapters add alpha / rank x A @ B); 16 or "
+                          "2 x lora.rank are usual")
+
+
+@rule(
+    "lora-settings-need-rank",
+    fields=["lora.targets", "lora.rank"],
+    summary="lora.targets chooses weights to adapt, which needs lora.rank > 0.",
+    example=["lora.targets=*.wq"],
+)
+def lora_settings_need_rank(config, sizes) -> None:
+    if config.lora.targets and not config.lora.rank:
+        raise ConfigError(f"lora.targets={config.lora.targets!r} names weights to adapt, but lora.rank=0 adds no "
+                          "adapters; set lora.rank (e.g. 8), or leave lora.targets empty")
+
+
+@rule(
+    "lora-layouts",
+    fields=["lora.rank", "mesh.stage", "parallel.gradient_compression"],
+    summary="LoRA runs under data, FSDP, ZeRO, tensor, sequence, context and expert parallelism; not yet in "
+    "pipeline stages, and without gradient compression (its adapters' gradients are small already).",
+    example=["lora.rank=4", "mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=gpipe"],
+    also=[["lora.rank=4", "parallel.gradient_compression=powersgd", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4"]],
+)
+def lora_layouts(config, sizes) -> None:
+    if not config.lora.rank:
+        return
+    if sizes["stage"] > 1:
+        raise ConfigError(f"lora.rank={config.lora.rank} with mesh.stage={sizes['stage']}: adapters in pipeline stages "
+                          "are not built yet; use mesh.fsdp or mesh.tensor for the frozen model instead")
+    if config.parallel.gradient_compression != "none":
+        raise ConfigError(f"parallel.gradient_compression={config.parallel.gradient_compression} with lora.rank="
+                          f"{config.lora.rank}: the adapters' gradients are small already, and compression is not "
+                          "built for them; set parallel.gradient_compression=none")

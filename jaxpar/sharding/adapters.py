@@ -1,0 +1,83 @@
+"""A frozen weight with a low-rank adapter (LoRA): W + scale * A @ B.
+
+jaxpar.train.lora puts a `LoraWeight` where a model had the parameter it adapts. Models
+never see the difference: the projection helpers (jaxpar.sharding.projections) multiply
+it unmerged, x @ W + scale * (x @ A) @ B, and `compute_value` (a model that lays a weight
+out itself) gives the merged W + scale * A @ B. The base W is a `Frozen` variable: it is
+not an nnx.Param, so the trainer keeps it out of the gradient, the float32 master weights
+and the optimizer state, in the compute dtype only.
+
+A weight's dimensions split into an input side, which the adapter's A keeps, and an
+output side, which B keeps; the rank sits between them, unsharded:
+
+  W [*lead, *in, *out]   A [*lead, *in, r]   B [*lead, r, *out]
+
+`lead` are stacked dimensions (the layer stack's "layers"), which A and B share with W, so
+each layer has its own adapter and A and B rest like W on every dimension they share
+(FSDP's shards, tensor parallelism's heads).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Frozen(nnx.Variable):
+    """A weight the trainer does not train: no gradient, no master copy, no optimizer state."""
+
+
+class LoraWeight(nnx.Module):
+    """W (`base`, Frozen) + `scale` * A (`lora_a`) @ B (`lora_b`), A over W's first `inputs`
+    dimensions past the stacked ones (see the module's docstring)."""
+
+    def __init__(self, base: Frozen, lora_a: nnx.Param, lora_b: nnx.Param, scale: float, inputs: int):
+        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
+        self.scale, self.inputs = float(scale), int(inputs)  # static: part of the graph, not of the state
+
+
+def adapter_output(h: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
+    """(x @ A) [.., r] -> scale * (x @ A) @ B; B laid out for use (one layer's)."""
+    return jnp.tensordot(h * jnp.asarray(scale, h.dtype), lora_b.astype(h.dtype), axes=1)
+
+
+def check_inputs(weight: LoraWeight, axes: int) -> None:
+    """A projection contracts `axes` leading dimensions of the weight: its adapter must have
+    been split there (jaxpar.train.lora.split_of decides from the weight's names)."""
+    if weight.inputs != axes:
+        raise ValueError(
+            f"lora: a weight of shape {tuple(weight.base.shape)} is multiplied here over its first {axes} "
+            f"dimension(s), but its adapter's A takes {weight.inputs}; name the weight's residual axis 'embed' "
+            "(first for a column projection, last for a row projection), or leave it out of lora.targets"
+        )
+
+
+def merged(weight: LoraWeight, value_of: Callable[[nnx.Variable], jax.Array]) -> jax.Array:
+    """W + scale * A @ B, each read through `value_of` (compute_value: laid out for use)."""
+    base, a, b = value_of(weight.base), value_of(weight.lora_a), value_of(weight.lora_b)
+    return base + (low_rank_product(a, b, base.ndim) * weight.scale).astype(base.dtype)
+
+
+def low_rank_product(a: jax.Array, b: jax.Array, ndim: int) -> jax.Array:
+    """A [*lead, *in, r] @ B [*lead, r, *out] -> [*lead, *in, *out], of rank `ndim`; the lead
+    dimensions (as many as make the ranks add up) are batched, not contracted."""
+    lead = a.ndim + b.ndim - 2 - ndim
+    shape_in, shape_out, r = a.shape[lead:-1], b.shape[lead + 1:], a.shape[-1]
+    a2 = a.reshape(*a.shape[:lead], math.prod(shape_in), r)
+    b2 = b.reshape(*b.shape[:lead], r, math.prod(shape_out))
+    return jnp.matmul(a2, b2, preferred_element_type=jnp.float32).reshape(*a.shape[:lead], *shape_in, *shape_out)
+
+
+def merge_adapters(weights: dict, scale: float) -> dict:
+    """A pure-dict tree of weights with each {base, lora_a, lora_b} node replaced by
+    W + scale * A @ B, in float32: the base model's tree (jit it to merge sharded weights
+    where they rest)."""
+    if set(weights) == {"base", "lora_a", "lora_b"}:
+        base = jnp.asarray(weights["base"], jnp.float32)
+        product = low_rank_product(*(jnp.asarray(weights[k], jnp.float32) for k in ("lora_a", "lora_b")), base.ndim)
+        return base + scale * product
+    return {k: merge_adapters(v, scale) if isinstance(v, dict) else v for k, v in weights.items()}

@@ -1,0 +1,199 @@
+"""LoRA (jaxpar.train.lora, lora.*): adapters on the projections, the rest of the model frozen
+in the compute dtype. A sharded layout equals one device (fp32: losses and first-step
+gradients 1e-5; the adapters after three steps 1e-4, see below); the loss covers the
+assistant's tokens only; the model state of the compiled step is the formula's (2 bytes a
+frozen weight, 16 an adapter parameter) within 5%, with no float32 copy of a frozen weight;
+from a Hugging Face checkpoint, checkpoints hold the adapters only and resume exactly, the
+merged export re-imports to the adapted model's logits; bad input is one line each."""
+
+import dataclasses
+import math
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.commands import main
+from jaxpar.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
+from jaxpar.errors import ConfigError
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "chat"
+
+
+def chat_lora_config(**train) -> Config:
+    from jaxpar.models.llama import LlamaConfig
+
+    return apply_overrides(Config(
+        model=LlamaConfig(vocab_size=264, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64),
+        train=TrainConfig(steps=3, global_batch=8, seq_len=256, compute_dtype="float32", **train),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0),
+        data=DataConfig(source="chat", path=str(EXAMPLES / "conversations.jsonl"),
+                        tokenizer=str(EXAMPLES / "tokenizer.json"))), ["lora.rank=4", "lora.alpha=8"])
+
+
+def test_lora_sft_equals_one_device_and_trains_the_adapters_alone(reference):
+    """fsdp 2 x tensor 4 + SP on packed conversations against one device. Adam's first
+    updates of A divide gradients that start at exactly zero (B is zero) by their own size,
+    so float32 rounding shows in the adapters at 1e-5 after three steps: 1e-4 there. Only the
+    adapters are in the optimizer's state; the frozen weights are a tree of their own."""
+    from jaxpar.data.sources import make_source
+    from jaxpar.testing import check, compare, run_layout
+    from jaxpar.train import build
+
+    config = chat_lora_config()
+    sharded = run_layout(apply_overrides(config, ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"]))
+    check(compare(sharded, reference(config)), param_rtol=1e-4)
+    assert set(sharded.params["layers"]["attn"]["wq"]) == {"lora_a", "lora_b"} and "embedding" not in sharded.params
+    assert sharded.losses[-1] < sharded.losses[0]
+
+    trainer = build(apply_overrides(config, ["mesh.data=8"]))
+    state = trainer.init()
+    assert all(x.shape[-1] == 4 or x.shape[1] == 4 for x in jax.tree.leaves(state.opt_state) if x.ndim)  # adapters'
+    assert set(state.frozen) >= {"embedding", "head", "layers"} and "base" in state.frozen["layers"]["mlp"]["w_up"]
+    batch = make_source(trainer.batch, config)(0)
+    # B drawn non-zero, so the adapters change the outputs: the mask must still hold
+    state = dataclasses.replace(state, params=jax.tree.map(lambda x: x + 0.05, state.params))
+    loss = lambda b: float(trainer.evaluate(trainer.weights(state), b)[0])
+    targets, segments = np.asarray(batch["targets"]), np.asarray(batch["segment_ids"])
+    user, assistant = (0, 3), (0, int(np.flatnonzero(segments[0] == 0)[-1]) - 1)
+
+    def changed(at):
+        t = targets.copy()
+        t[at] = (t[at] + 1) % 256
+        return {**batch, "targets": jax.device_put(t, batch["targets"].sharding)}
+
+    before = loss(batch)
+    assert loss(changed(user)) == before and loss(changed(assistant)) != before
+
+
+def test_lora_model_state_is_the_formula_s_and_holds_no_float32_frozen_weight():
+    """bf16, data 2 x fsdp 2 x tensor 2 at ZeRO-1: the compiled step's arguments (the state
+    and the batch) against 2 bytes per frozen weight and 16 per adapter parameter over their
+    shardings (jaxpar explain's rows), within 5%; no float32 array of a frozen weight's shape
+    anywhere in the compiled step, and the optimizer's moments are the adapters' alone."""
+    from jaxpar.recipes import load
+
+    from jaxpar.inspect.explain import explain
+    from jaxpar.inspect.report import inspect_step, shard_bytes
+    from jaxpar.train import build
+
+    config = apply_overrides(load("llama"), ["lora.rank=8", "parallel.zero_stage=1"])
+    trainer = build(config)
+    report = inspect_step(trainer)
+    rows = {r["name"]: r for r in explain(trainer, report)["memory"]}
+    state = trainer.abstract_state()
+    formula = rows["model state"]["formula"] - rows["gradients"]["formula"]  # held across steps: all but the gradient
+    compiled = report.memory.arguments - shard_bytes(trainer.abstract_batch())
+    assert abs(compiled / formula - 1) < 0.05, (compiled, formula)
+    assert abs(rows["frozen weights (LoRA)"]["ratio"] - 1) < 0.05 and abs(rows["model state"]["ratio"] - 1) < 0.05
+    frozen = jax.tree.leaves(state.frozen)
+    assert {str(x.dtype) for x in frozen} == {"bfloat16"}
+    text = trainer.step.lower(state, trainer.abstract_batch()).compile().as_text()
+    big = {tuple(x.sharding.shard_shape(x.shape)) for x in frozen if x.ndim >= 3}
+    held = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"f32\[([\d,]+)\]", text)}
+    assert big and not big & held, big & held
+    adapters = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    moments = sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert moments == 2 * adapters and adapters < 0.2 * sum(math.prod(x.shape) for x in frozen)
+
+
+def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tmp_path, capsys, monkeypatch):
+    """From tests/golden/llama_tied under fsdp 2 x tensor 4: with B zero the adapted model's
+    logits are transformers' (the base read into the frozen weights); six steps saved at 3
+    and 6 hold no frozen weight and name the base; resumed at 3 the run repeats steps 4-6
+    exactly; `jaxpar export` folds the adapters in, and the export, imported without LoRA,
+    gives the trained adapted model's logits; `jaxpar sample` reads the base again."""
+    from jaxpar.recipes import load
+
+    from jaxpar.hf import prepare_import
+    from jaxpar.train import build, run
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.inference import forward
+
+    monkeypatch.chdir(GOLDEN.parents[1])
+    ckpt = tmp_path / "ckpt"
+    overrides = ["mesh.fsdp=2", "mesh.tensor=4", "data.source=text", f"data.path={GOLDEN / 'corpus.txt'}",
+                 "train.steps=6", "train.global_batch=8", "train.seq_len=32", "train.compute_dtype=float32",
+                 "optim.lr=1e-2", "optim.warmup_steps=0", "lora.rank=4", "lora.targets=*.wq,*.wv,*.w_down",
+                 f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.async_save=false"]
+    config = apply_overrides(load(f"hf:{GOLDEN / 'llama_tied'}"), overrides)
+    trainer = build(config)
+    assert sorted(trainer.lora_targets) == ["layers.attn.wq", "layers.attn.wv", "layers.mlp.w_down"]
+    apply = forward(trainer)
+    tokens = np.load(GOLDEN / "llama_tied" / "tokens.npy")
+    rows = np.tile(tokens, (8 // len(tokens) + 1, 1))[:8]
+    start = prepare_import(trainer, config.checkpoint.init_from)()
+    np.testing.assert_allclose(np.asarray(apply(trainer.weights(start), {"inputs": rows}))[:len(tokens)],
+                               np.load(GOLDEN / "llama_tied" / "logits.npy"), rtol=2e-4, atol=2e-4)
+
+    history = run(trainer, progress=False)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.3
+    checkpoints = Checkpoints.open(ckpt)
+    assert str(GOLDEN / "llama_tied") in checkpoints.meta(6)["base"]
+    saved, _ = checkpoints.restore(trainer)
+    checkpoints.close()
+    assert saved.frozen is None  # what the files hold: adapters and their optimizer state
+    import shutil
+
+    shutil.rmtree(ckpt / "6")
+    resumed = run(trainer, progress=False)
+    np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in history[3:]], rtol=1e-6)
+
+    assert main(["export", str(ckpt), str(tmp_path / "merged")]) == 0
+    plain = build(apply_overrides(load(f"hf:{tmp_path / 'merged'}"), overrides[:4] + ["train.compute_dtype=float32"]))
+    merged = prepare_import(plain, tmp_path / "merged")()
+    checkpoints = Checkpoints.open(ckpt)
+    trained, _ = checkpoints.restore(trainer)
+    checkpoints.close()
+    from jaxpar.train.loop import start_of, with_base
+
+    trained = with_base(trainer, trained, start_of(trainer))
+    ours = np.asarray(apply(trainer.weights(trained), {"inputs": rows}))
+    np.testing.assert_allclose(np.asarray(forward(plain)(plain.weights(merged), {"inputs": rows})), ours, atol=2e-5)
+    assert np.abs(ours[:len(tokens)] - np.load(GOLDEN / "llama_tied" / "logits.npy")).max() > 0.01  # it trained
+
+    assert main(["sample", str(ckpt), "--prompt", "The old ship", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("The old ship")
+
+
+def test_dpo_with_lora_starts_at_log_2_and_raises_the_margin():
+    """The reference is the base (B zero at the start: the adapters off); the margin grows."""
+    from jaxpar.testing import run_layout
+
+    config = apply_overrides(chat_lora_config(), ["data.source=preference", f"data.path={EXAMPLES / 'preferences.jsonl'}",
+                                                  "train.seq_len=512", "data.eos_id=258", "train.steps=4"])
+    result = run_layout(config, steps=4)
+    assert abs(result.losses[0] - math.log(2)) < 1e-6 and result.losses[-1] < result.losses[0]
+    assert result.metrics["reward_margin"] > 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.rank=4", "lora.targets=*.wq,*.nothing"],
+     r"^lora.targets: '\*.nothing' matches no parameter; the model's parameters are named like embedding, "),
+    (["lora.rank=80"], r"^lora.rank=80 is above the smaller side of layers.attn.wk \(4, 128, 8, 8\) \(64\); use lora.rank "
+                       r"<= 64, or leave that weight out of lora.targets"),
+    (["lora.rank=4", "lora.targets=*_norm.scale"], r"^lora.targets='\*_norm.scale' matches final_norm.scale, whose "
+                                                   r"names \('embed',\) do not say its input and output sides"),
+    (["lora.rank=4", "mesh.stage=2", "mesh.data=1", "train.microbatches=2"], r"^lora.rank=4 with mesh.stage=2: adapters in pipeline stages"),
+])
+def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
+    from jaxpar.recipes import load
+
+    from jaxpar.train import build
+
+    with pytest.raises(ConfigError, match=message):
+        build(apply_overrides(load("llama"), overrides))
+
+
+def test_expert_weights_are_refused_and_left_out_by_default():
+    from jaxpar.recipes import load
+
+    from jaxpar.train import build
+
+    config = apply_overrides(load("moe"), ["lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"matches layers.moe.w_up, an expert weight"):
+        build(apply_overrides(config, ["lora.targets=*.w_up"]))
+    assert not any("moe" in path for path in build(config).lora_targets)
