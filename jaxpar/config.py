@@ -229,6 +229,10 @@ class LoraConfig:
     # dimensions, all named, with the residual axis ('embed') first or last; vocabulary
     # tables, routers (an unnamed side) and expert weights left out.
     targets: str = ""
+    # A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) whose A and B
+    # the run starts from instead of drawing them; its base is checkpoint.init_from
+    # (jaxpar.hf.peft). Its r and lora_alpha must be lora.rank and lora.alpha.
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

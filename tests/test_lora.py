@@ -117,7 +117,7 @@ def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tm
     ckpt = tmp_path / "ckpt"
     overrides = ["mesh.fsdp=2", "mesh.tensor=4", "data.source=text", f"data.path={GOLDEN / 'corpus.txt'}",
                  "train.steps=6", "train.global_batch=8", "train.seq_len=32", "train.compute_dtype=float32",
-                 "optim.lr=1e-2", "optim.warmup_steps=0", "lora.rank=4", "lora.targets=*.wq,*.wv,*.w_down",
+                 "optim.lr=1e-2", "optim.warmup_steps=0", "lora.rank=4", "lora.alpha=8", "lora.targets=*.wq,*.wv,*.w_down",
                  f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.async_save=false"]
     config = apply_overrides(load(f"hf:{GOLDEN / 'llama_tied'}"), overrides)
     trainer = build(config)
@@ -142,7 +142,10 @@ def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tm
     resumed = run(trainer, progress=False)
     np.testing.assert_allclose([h["loss"] for h in resumed], [h["loss"] for h in history[3:]], rtol=1e-6)
 
-    assert main(["export", str(ckpt), str(tmp_path / "merged")]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "merged")]) == 2  # a LoRA run says how: --merge or --adapter
+    assert "export them folded into the weights with --merge" in capsys.readouterr().err
+    assert main(["export", str(ckpt), str(tmp_path / "merged"), "--merge"]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter"]) == 0
     plain = build(apply_overrides(load(f"hf:{tmp_path / 'merged'}"), overrides[:4] + ["train.compute_dtype=float32"]))
     merged = prepare_import(plain, tmp_path / "merged")()
     checkpoints = Checkpoints.open(ckpt)
@@ -153,10 +156,45 @@ def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tm
     trained = with_base(trainer, trained, start_of(trainer))
     ours = np.asarray(apply(trainer.weights(trained), {"inputs": rows}))
     np.testing.assert_allclose(np.asarray(forward(plain)(plain.weights(merged), {"inputs": rows})), ours, atol=2e-5)
+    # our PEFT export read back as a starting adapter: the trained model again
+    again = build(apply_overrides(config, [f"lora.init_from={tmp_path / 'adapter'}", "checkpoint.dir="]))
+    np.testing.assert_allclose(np.asarray(forward(again)(again.weights(prepare_import(again, config.checkpoint.init_from)()),
+                                                         {"inputs": rows})), ours, atol=2e-5)
     assert np.abs(ours[:len(tokens)] - np.load(GOLDEN / "llama_tied" / "logits.npy")).max() > 0.01  # it trained
 
     assert main(["sample", str(ckpt), "--prompt", "The old ship", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("The old ship")
+
+
+def test_a_peft_adapter_imports_to_peft_s_logits(tmp_path):
+    """tests/golden/peft_llama_tied (made by peft: r 4, alpha 8 on q_proj, v_proj, down_proj)
+    onto llama_tied: the adapted model's logits are the PeftModel's; a rank or alpha other
+    than the adapter's, or targets it lacks tensors for, are refused in one line."""
+    from jaxpar.recipes import load
+
+    from jaxpar.hf import prepare_import
+    from jaxpar.train import build
+    from jaxpar.train.inference import forward
+
+    adapter = GOLDEN / "peft_llama_tied"
+    base = ["train.compute_dtype=float32", "mesh.tensor=2", "mesh.fsdp=4", f"lora.init_from={adapter}",
+            "lora.rank=4", "lora.alpha=8", "lora.targets=*.wq,*.wv,*.w_down"]
+    config = apply_overrides(load(f"hf:{GOLDEN / 'llama_tied'}"), base)
+    trainer = build(config)
+    tokens = np.load(GOLDEN / "llama_tied" / "tokens.npy")
+    rows = np.tile(tokens, (4, 1))[:8]
+    logits = np.asarray(forward(trainer)(trainer.weights(prepare_import(trainer, config.checkpoint.init_from)()),
+                                         {"inputs": rows}))[:len(tokens)]
+    golden = np.load(adapter / "logits.npy")
+    np.testing.assert_allclose(logits, golden, rtol=2e-4, atol=2e-4)
+    assert np.abs(golden - np.load(GOLDEN / "llama_tied" / "logits.npy")).max() > 1  # the adapter matters
+    for extra, message in ((["lora.rank=8"], r"was trained with r=4, but this run has lora.rank=8; set lora.rank=4"),
+                           (["lora.targets=*.wq,*.wv,*.w_down,*.wk"], r"has no tensor 'base_model.model.model.layers.0."
+                                                                        r"self_attn.k_proj.lora_A.weight'"),
+                           (["lora.targets=*.wq"], r"holds 8 tensors the model has no place for")):
+        with pytest.raises(ConfigError, match=message):
+            candidate = build(apply_overrides(config, extra))
+            prepare_import(candidate, config.checkpoint.init_from)
 
 
 def test_dpo_with_lora_starts_at_log_2_and_raises_the_margin():

@@ -29,14 +29,30 @@ def lora_values(config, sizes) -> None:
 
 @rule(
     "lora-settings-need-rank",
-    fields=["lora.targets", "lora.rank"],
-    summary="lora.targets chooses weights to adapt, which needs lora.rank > 0.",
+    fields=["lora.targets", "lora.init_from", "lora.rank"],
+    summary="lora.targets and lora.init_from shape adapters, which need lora.rank > 0.",
     example=["lora.targets=*.wq"],
+    also=[["lora.init_from=/adapters/a"]],
 )
 def lora_settings_need_rank(config, sizes) -> None:
-    if config.lora.targets and not config.lora.rank:
-        raise ConfigError(f"lora.targets={config.lora.targets!r} names weights to adapt, but lora.rank=0 adds no "
-                          "adapters; set lora.rank (e.g. 8), or leave lora.targets empty")
+    for field in ("targets", "init_from"):
+        value = getattr(config.lora, field)
+        if value and not config.lora.rank:
+            raise ConfigError(f"lora.{field}={value!r} shapes adapters, but lora.rank=0 adds none; set lora.rank (the "
+                              f"adapter's r), or leave lora.{field} empty")
+
+
+@rule(
+    "lora-adapter-needs-base",
+    fields=["lora.init_from", "checkpoint.init_from"],
+    summary="An adapter to start from (lora.init_from) adapts the Hugging Face checkpoint it was trained on, "
+    "checkpoint.init_from.",
+    example=["lora.rank=4", "lora.init_from=/adapters/a"],
+)
+def lora_adapter_needs_base(config, sizes) -> None:
+    if config.lora.init_from and not config.checkpoint.init_from:
+        raise ConfigError(f"lora.init_from={config.lora.init_from!r} is an adapter of a Hugging Face checkpoint, but "
+                          "checkpoint.init_from is empty; train the recipe hf:BASE (the adapter's base model folder)")
 
 
 @rule(

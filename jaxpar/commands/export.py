@@ -1,4 +1,6 @@
-"""`jaxpar export CHECKPOINT OUT`: a jaxpar checkpoint as a Hugging Face checkpoint.
+"""`jaxpar export CHECKPOINT OUT`: a jaxpar checkpoint as a Hugging Face checkpoint (a LoRA
+run's: `--merge`, the adapters folded in, or `--adapter`, the adapters alone in PEFT's format,
+jaxpar.hf.peft).
 
 The checkpoint's own config (jaxpar.train.checkpoint.saved_config) builds the trainer, on
 its saved mesh unless --set mesh.* names another; the chosen step (default the newest) is
@@ -25,6 +27,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="float32", help="float32 (default: the weights as trained), bfloat16 or float16")
     export.add_argument("--max-shard-gb", type=float, default=5.0, metavar="G",
                         help="largest safetensors file in GB (default 5, as transformers writes)")
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument("--merge", action="store_true", help="a LoRA run: fold the adapters into the weights (a full "
+                      "Hugging Face checkpoint)")
+    lora.add_argument("--adapter", action="store_true", help="a LoRA run: the adapters alone, in PEFT's format "
+                      "(adapter_config.json, adapter_model.safetensors)")
     add_overrides(export, "mesh.fsdp=8 to restore onto another layout")
     add_cpu_devices(export)
     return export
@@ -70,8 +77,17 @@ def _export(args) -> int:
                       "--set data.tokenizer=PATH to the run's tokenizer.json")
     check_format(config.model)
     config.model.to_hf()  # what the format cannot hold is refused before anything is restored
+    _check_lora_choice(args, config)
     trainer = build(config)
     state, step = restore(trainer, args.checkpoint, args.step)
+    if args.adapter:
+        from jaxpar.hf.save import export_adapter
+
+        written = export_adapter(trainer, state, args.out, DTYPES[args.dtype], config.checkpoint.init_from)
+        if jax.process_index() == 0:
+            print(f"exported the LoRA adapters of step {step} of {args.checkpoint} to {args.out} in PEFT's format: "
+                  f"{written.stat().st_size / 2**20:.2f} MiB {args.dtype}, rank {config.lora.rank}")
+        return 0
     files = export(trainer, state, args.out, args.dtype, int(args.max_shard_gb * 1e9),
                    base_config=_base_config(config), tokenizer=config.data.tokenizer or None)
     if config.data.chat_template and jax.process_index() == 0:  # the run's own template, where transformers reads one
@@ -84,6 +100,17 @@ def _export(args) -> int:
         print(f"exported step {step} of {args.checkpoint} to {args.out}: {len(files)} safetensors "
               f"file{'s' if len(files) > 1 else ''}, {size / 2**20:.1f} MiB {args.dtype}")
     return 0
+
+
+def _check_lora_choice(args, config) -> None:
+    """A LoRA run exports its adapters merged or alone, as asked; another has none."""
+    if config.lora.rank and not (args.merge or args.adapter):
+        raise ConfigError(f"{args.checkpoint!r} trained LoRA adapters (lora.rank={config.lora.rank}); export them "
+                          "folded into the weights with --merge (a full Hugging Face checkpoint), or alone with "
+                          "--adapter (PEFT's format)")
+    if not config.lora.rank and (args.merge or args.adapter):
+        raise ConfigError(f"--{'merge' if args.merge else 'adapter'}: {args.checkpoint!r} trained no LoRA adapters "
+                          "(lora.rank=0); export it without the flag")
 
 
 def _base_config(config) -> dict:

@@ -21,6 +21,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, View, architectures
 from jaxpar.families import register as register_family
 from jaxpar.hf.config import architecture, check_same_model, read_config
+from jaxpar.hf.peft import adapter_settings, adapter_weights
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
 from jaxpar.model import HF_FORMAT, declared, has, model_name
@@ -74,6 +75,9 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
     weights, adapters = adapted(weights, shapes)
     fresh = check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
+    if trainer.config.lora.init_from:  # the adapters read from a PEFT folder, not drawn
+        given, adapter_entries = read_adapter(trainer, weights, {p: shapes[p + ".base"] for p in trainer.lora_targets})
+        weights, entries, adapters = {**weights, **given}, {**entries, **adapter_entries}, set()
     shardings = [leaf.sharding for _, leaf in leaves]
     if fresh and jax.process_index() == 0:
         parts = sorted({p.split(".")[0] for p in fresh})
@@ -168,3 +172,25 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
 
 def _path(keys) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in keys)
+
+
+def read_adapter(trainer, weights: dict[str, Weight], base_shapes: dict[str, tuple]) -> tuple[dict, dict]:
+    """(Weights of our adapter paths, the adapter folder's tensors) for lora.init_from: its
+    rank and alpha checked against lora.rank and lora.alpha, and every tensor there in the
+    shape ours takes, none left over (jaxpar.hf.load.check_tensors)."""
+    lora = trainer.config.lora
+    folder = pathlib.Path(lora.init_from)
+    settings = adapter_settings(folder)
+    for key, ours, theirs in (("rank", lora.rank, settings.get("r")), ("alpha", lora.alpha, settings.get("lora_alpha"))):
+        if theirs is None or float(theirs) != float(ours):
+            raise ConfigError(f"lora.init_from={str(folder)!r} was trained with {'r' if key == 'rank' else 'lora_alpha'}="
+                              f"{theirs}, but this run has lora.{key}={ours}; set lora.{key}={theirs}")
+    adapters = adapter_weights(weights, trainer.lora_targets, base_shapes, lora.rank)
+    entries = tensor_index(folder)
+    shapes = {}
+    for path, t in trainer.lora_targets.items():
+        shape, cut = base_shapes[path], t.lead + t.inputs
+        shapes[path + ".lora_a"] = (*shape[:cut], lora.rank)
+        shapes[path + ".lora_b"] = (*shape[:t.lead], lora.rank, *shape[cut:])
+    check_tensors(shapes, adapters, entries, folder, ())
+    return adapters, entries

@@ -23,6 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.hf.load import check_format
+from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
+from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
+from jaxpar.hf.peft import adapter_config, adapter_weights
 from jaxpar.hf.safetensors import (
     INDEX,
     NAMES,
@@ -56,7 +59,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     check_target(folder)
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
     hf_config = {**kept, **model.to_hf(), "torch_dtype": dtype}
-    tensors = planned_tensors(trainer, state, model.hf_weights(), DTYPES[dtype])
+    tensors = planned_tensors(trainer, merged_master(trainer, state), model.hf_weights(), DTYPES[dtype])
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
     leader = jax.process_index() == 0
@@ -104,9 +107,9 @@ def merged_master(trainer, state: Any) -> Any:
     return jax.jit(lambda w: merge_adapters(w, scale))(trainer.master_weights(state))
 
 
-def planned_tensors(trainer, state: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
-    """Every Hugging Face tensor, each with a function gathering its slab to the hosts."""
-    master = merged_master(trainer, state)
+def planned_tensors(trainer, master: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
+    """Every Hugging Face tensor of `weights`, each with a function gathering its slab of
+    `master` (a tree of float32 weights as the trainer lays them out) to the hosts."""
     stages, chunks = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
     if trainer.pipeline is not None and chunks > 1:  # interleaved: layers back in model order, stages swapping chunks
         shardings = jax.tree.map(lambda x: x.sharding, master)
@@ -157,3 +160,38 @@ def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files
 
 
 __all__ = ["DTYPES", "NAMES", "check_target", "export"]
+
+
+def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dtype, base: str = "") -> pathlib.Path:
+    """Write the trainer's adapters (`state`'s float32 ones) into `folder` in PEFT's format;
+    `base`: the base model's folder or name, for adapter_config.json."""
+    lora, model = trainer.config.lora, trainer.config.model
+    weights = model.hf_weights()
+    frozen = trainer.abstract_state().frozen
+    shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
+    adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
+    tensors = planned_tensors(trainer, trainer.master_params(state), adapters, dtype)
+    config = adapter_config(lora, weights, trainer.lora_targets, base)
+    folder = pathlib.Path(folder)
+    leader = jax.process_index() == 0
+    partial = folder.with_name(folder.name + ".partial")
+    if leader:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    try:
+        write_file(partial / ADAPTER_WEIGHTS if leader else None, tensors, {"format": "pt"})
+        if leader:
+            (partial / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            if folder.exists():
+                folder.rmdir()
+            partial.rename(folder)
+    finally:
+        if leader:
+            shutil.rmtree(partial, ignore_errors=True)
+    return folder / ADAPTER_WEIGHTS
+
+
+def _leaf(tree: dict, path: str) -> Any:
+    for key in path.split("."):
+        tree = tree[key]
+    return tree

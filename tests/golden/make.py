@@ -13,6 +13,14 @@ own, from the repository root:
 2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
+    /tmp/golden/bin/python tests/golden/make.py --peft          # re-make tests/golden/peft_llama_tied (needs peft)
+    /tmp/golden/bin/python tests/golden/make.py --check-adapter ADAPTER --merged DIR   # our PEFT export in peft
+
+peft_llama_tied is a LoRA adapter peft 0.21.2 made for llama_tied (r 4, alpha 8, on q_proj,
+v_proj and down_proj, B drawn too so it changes the outputs), with the PeftModel's logits
+on llama_tied's tokens. --check-adapter loads a jaxpar `export --adapter` folder onto its base
+with peft and compares the logits with those transformers gives for the `export --merge`
+folder of the same step.
 
 Each folder holds what `save_pretrained` writes (config.json, safetensors, an index where
 sharded), `tokens.npy` (a fixed batch [2, 16]) and `logits.npy`, the float32 logits
@@ -237,6 +245,53 @@ def make_chats() -> None:
         print(f"chat {case}: {len(expected)} conversations -> {out}")
 
 
+PEFT = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, bias="none",
+            init_lora_weights=False)  # False: B drawn like A, so the adapter is no identity
+
+
+def make_peft() -> None:
+    """tests/golden/peft_llama_tied: adapter_config.json, adapter_model.safetensors and the
+    adapted model's logits (logits.npy) on llama_tied's tokens."""
+    import json
+
+    import peft
+
+    torch.manual_seed(1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(HERE / "llama_tied", dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **PEFT)).eval()
+    with torch.no_grad():  # larger than peft's draw, so a wrong layout shows far above float32 noise
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(4.0)
+    out = HERE / "peft_llama_tied"
+    model.save_pretrained(out)
+    (out / "README.md").unlink(missing_ok=True)  # peft's model card
+    settings = json.loads((out / "adapter_config.json").read_text())
+    settings["base_model_name_or_path"] = "tests/golden/llama_tied"  # from the repository root, not this machine's path
+    (out / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    tokens = np.load(HERE / "llama_tied" / "tokens.npy")
+    np.save(out / "logits.npy", logits(model, tokens))
+    print(f"peft_llama_tied (peft {peft.__version__}) -> {out}")
+
+
+def check_adapter(adapter: str, merged: str, case: str = "llama_tied") -> None:
+    """Our adapter folder loaded by peft onto its base (adapter_config.json's
+    base_model_name_or_path, else `case`), against transformers' logits of our merged export."""
+    import json
+
+    import peft
+
+    base_path = json.loads((pathlib.Path(adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path or HERE / case, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, adapter).eval()
+    folded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    tokens = np.load(HERE / case / "tokens.npy")
+    theirs, ours = logits(adapted, tokens), logits(folded, tokens)
+    moved = np.max(np.abs(theirs - np.load(HERE / case / "logits.npy")))
+    print(f"{adapter}: loaded by peft {peft.__version__} onto {base_path or case}; logits max |difference| from the "
+          f"merged export {merged}: {np.max(np.abs(theirs - ours)):.3g} (from the base's: {moved:.3g})")
+
+
 def check(directory: str, case: str = "llama_tied") -> None:
     """Load an export with transformers and print its logits on `case`'s batch beside the
     golden ones (an export of an import of that case gives them back)."""
@@ -255,6 +310,9 @@ if __name__ == "__main__":
     parser.add_argument("--case", default="llama_tied", help="with --check: the golden case it was imported from")
     parser.add_argument("--tokenizers", action="store_true", help="re-make only the TOKENIZERS' tokenizer.json files")
     parser.add_argument("--chat", action="store_true", help="re-make only tests/golden/chat (CHATS)")
+    parser.add_argument("--peft", action="store_true", help="re-make only tests/golden/peft_llama_tied (needs peft)")
+    parser.add_argument("--check-adapter", metavar="ADAPTER", help="a jaxpar export --adapter folder, loaded by peft")
+    parser.add_argument("--merged", metavar="DIR", help="with --check-adapter: the export --merge of the same step")
     parser.add_argument("cases", nargs="*", choices=[[], *CASES], help="the cases to make (default: all)")
     args = parser.parse_args()
     if args.check:
@@ -262,6 +320,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if args.chat:
         make_chats()
+        sys.exit(0)
+    if args.peft:
+        make_peft()
+        sys.exit(0)
+    if args.check_adapter:
+        check_adapter(args.check_adapter, args.merged, args.case)
         sys.exit(0)
     if args.tokenizers:
         for case, (specials, template) in TOKENIZERS.items():
