@@ -1,4 +1,4 @@
-"""The lora section: adapters' numbers, and the layouts that carry them (jaxpar.train.lora).
+"""The lora section: adapters' numbers, and what they combine with (jaxpar.train.lora).
 Which weights the patterns match, and ranks against their shapes, are checked on the model
 itself when the trainer is built (jaxpar.train.lora.plan), still before the compile."""
 
@@ -56,19 +56,14 @@ def lora_adapter_needs_base(config, sizes) -> None:
 
 
 @rule(
-    "lora-layouts",
-    fields=["lora.rank", "mesh.stage", "parallel.gradient_compression"],
-    summary="LoRA runs under data, FSDP, ZeRO, tensor, sequence, context and expert parallelism; not yet in "
-    "pipeline stages, and without gradient compression (its adapters' gradients are small already).",
-    example=["lora.rank=4", "mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=gpipe"],
-    also=[["lora.rank=4", "parallel.gradient_compression=powersgd", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4"]],
+    "lora-without-compression",
+    fields=["lora.rank", "parallel.gradient_compression"],
+    summary="LoRA runs under every layout; not with gradient compression (the adapters' gradients are small already).",
+    example=["lora.rank=4", "parallel.gradient_compression=powersgd", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4"],
 )
-def lora_layouts(config, sizes) -> None:
+def lora_without_compression(config, sizes) -> None:
     if not config.lora.rank:
         return
-    if sizes["stage"] > 1:
-        raise ConfigError(f"lora.rank={config.lora.rank} with mesh.stage={sizes['stage']}: adapters in pipeline stages "
-                          "are not built yet; use mesh.fsdp or mesh.tensor for the frozen model instead")
     if config.parallel.gradient_compression != "none":
         raise ConfigError(f"parallel.gradient_compression={config.parallel.gradient_compression} with lora.rank="
                           f"{config.lora.rank}: the adapters' gradients are small already, and compression is not "

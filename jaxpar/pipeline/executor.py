@@ -69,15 +69,15 @@ def _with_aux(stages: Stages) -> Stages:
     if stages.aux:
         return stages
     return Stages(
-        first=lambda c, o, mb: (stages.first(c, o, mb), no_report()),
-        mid=lambda c, o, x, mb: (stages.mid(c, o, x, mb), no_report()),
-        last=lambda c, o, x, mb: (*stages.last(c, o, x, mb), no_report()),
+        first=lambda c, o, mb, **kw: (stages.first(c, o, mb, **kw), no_report()),
+        mid=lambda c, o, x, mb, **kw: (stages.mid(c, o, x, mb, **kw), no_report()),
+        last=lambda c, o, x, mb, **kw: (*stages.last(c, o, x, mb, **kw), no_report()),
         aux=True,
     )
 
 
 def pipeline_grads(
-    program: Program, stages: Stages, mesh: Mesh, layers: Any, other: Any, micro: dict
+    program: Program, stages: Stages, mesh: Mesh, layers: Any, other: Any, micro: dict, frozen: tuple | None = None
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Loss sums, weights and weight gradients of a whole batch, per data replica.
 
@@ -85,6 +85,9 @@ def pipeline_grads(
             its v chunks contiguously; `to_pipeline_order`), sharded over `stage`
     other:  every other weight, replicated over `stage`
     micro:  batch fields [m, B, ...], B sharded over `data`
+    frozen: (stacked layers, other) of weights the stages read and nothing differentiates
+            (LoRA's frozen base), laid out as `layers` and `other`; each stage function is
+            then called with `frozen=(its chunk of them, the other)` (jaxpar.pipeline.stages)
     Returns loss [data], weight [data], d_layers [data, p*v*Lc, ...], d_other [data, ...]:
     sums over the replica's rows of every microbatch (float32); and the layers' reports,
     {"sums": [data], "per_layer": [data, p*v*Lc, ...] in pipeline order} (empty without
@@ -96,13 +99,15 @@ def pipeline_grads(
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
     other_spec = jax.tree.map(lambda _: P(), other)
     micro_spec = jax.tree.map(lambda _: P(None, DATA), micro)
-    report = _report_shapes(stages, layers, other, micro, p * v)
+    frozen = frozen or ({}, {})
+    frozen_spec = (jax.tree.map(lambda _: P(STAGE), frozen[0]), jax.tree.map(lambda _: P(), frozen[1]))
+    report = _report_shapes(stages, layers, other, micro, p * v, frozen)
     report_spec = {"sums": jax.tree.map(lambda _: P(DATA), report["sums"]),
                    "per_layer": jax.tree.map(lambda _: P(DATA, STAGE), report["per_layer"])}
     body = jax.shard_map(
-        lambda t, l, o, mb: _run(program, stages, p, v, t, l, o, mb),
+        lambda t, l, o, mb, f: _run(program, stages, p, v, t, l, o, mb, f),
         mesh=mesh,
-        in_specs=({c: P(None, STAGE) for c in COLUMNS}, layer_spec, other_spec, micro_spec),
+        in_specs=({c: P(None, STAGE) for c in COLUMNS}, layer_spec, other_spec, micro_spec, frozen_spec),
         out_specs=(P(DATA), P(DATA), jax.tree.map(lambda _: P(DATA, STAGE), layers), jax.tree.map(lambda _: P(DATA), other),
                    report_spec),
         axis_names={STAGE, DATA},
@@ -111,25 +116,43 @@ def pipeline_grads(
     # Sharding constraints inside the chunks name the auto axes of the mesh as seen from
     # inside the shard_map (jaxpar.sharding.annotate uses the context's abstract mesh).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return body(tables, layers, other, micro)
+        return body(tables, layers, other, micro, frozen)
 
 
-def _report_shapes(stages: Stages, layers, other, micro, chunks: int) -> dict:
+def _with_frozen(stages: Stages, frozen: tuple) -> Stages:
+    """`stages` reading `frozen` (a chunk's frozen layers, the other frozen weights) too; none
+    when both are empty."""
+    if not jax.tree.leaves(frozen):
+        return stages
+    return Stages(first=lambda c, o, mb: stages.first(c, o, mb, frozen=frozen),
+                  mid=lambda c, o, x, mb: stages.mid(c, o, x, mb, frozen=frozen),
+                  last=lambda c, o, x, mb: stages.last(c, o, x, mb, frozen=frozen), aux=stages.aux)
+
+
+def _chunk(tree: Any, start, size: int) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, 0), tree)
+
+
+def _report_shapes(stages: Stages, layers, other, micro, chunks: int, frozen: tuple) -> dict:
     """The shapes of a chunk's report (outside the shard_map: `chunks` = p * v chunks in the
     stack), its per-layer part stacked over the whole stack."""
     chunk = jax.tree.map(lambda a: a[: a.shape[0] // chunks], layers)
-    _, report = jax.eval_shape(stages.first, chunk, other, jax.tree.map(lambda a: a[0], micro))
+    first_frozen = (jax.tree.map(lambda a: a[: a.shape[0] // chunks], frozen[0]), frozen[1])
+    _, report = jax.eval_shape(_with_frozen(stages, first_frozen).first, chunk, other,
+                               jax.tree.map(lambda a: a[0], micro))
     per_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * chunks, *a.shape[1:]), a.dtype),
                              report["per_layer"])
     return {"sums": report["sums"], "per_layer": per_layer}
 
 
-def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other, micro):
+def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, other, micro, frozen):
     per_chunk = jax.tree.leaves(layers)[0].shape[0] // v
     zeros = lambda tree, dtype=None: jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)  # noqa: E731
     mb0 = jax.tree.map(lambda a: a[0], micro)
     chunk0 = jax.tree.map(lambda a: a[:per_chunk], layers)
-    message, report = jax.eval_shape(stages.first, chunk0, other, mb0)
+    frozen_layers, frozen_other = frozen
+    message, report = jax.eval_shape(_with_frozen(all_stages, (_chunk(frozen_layers, 0, per_chunk), frozen_other)).first,
+                                     chunk0, other, mb0)
     zero_message = jnp.zeros(message.shape, message.dtype)
     one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
     seed = (one, none)  # d(loss sum), d(weight)
@@ -153,70 +176,75 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
         acc = (d_layers, d_other, start, sums, per_layer)
         return acc if rep is None else report_only(acc, rep)
 
-    # Each branch: (input, gradient in, microbatch, chunk, other, accumulated) ->
-    #   (output sent on, input gradient sent back, accumulated, loss, weight).
-    # Gradients are added inside the branches that make them, so other ticks neither build
-    # zeros of the embedding's size nor add them. A chunk's report is differentiated (its
-    # loss, seeded with 1) wherever the chunk is, and counted once: by the op that returns
-    # the loss for the last chunk, by the backward (or input-gradient) op elsewhere.
-    def idle(x, g, mb, c, o, acc):
-        return zero_message, zero_message, acc, none, none
-
-    def forward_first(x, g, mb, c, o, acc):
-        return stages.first(c, o, mb)[0], zero_message, acc, none, none
-
-    def forward_mid(x, g, mb, c, o, acc):
-        return stages.mid(c, o, x, mb)[0], zero_message, acc, none, none
-
-    def backward_first(x, g, mb, c, o, acc):  # also the split weight gradient: no input to differentiate
-        (_, rep), vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp((g, _seed(rep))), rep), rep["loss"], none
-
-    def backward_mid(x, g, mb, c, o, acc):
-        (_, rep), vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
-        dc, do, dx = vjp((g, _seed(rep)))
-        return zero_message, dx, add(acc, dc, do, rep), rep["loss"], none
-
-    def backward_last(x, g, mb, c, o, acc):
-        (loss, weight, rep), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
-        dc, do, dx = vjp((*seed, _seed(rep)))
-        return zero_message, dx, add(acc, dc, do, rep), loss + rep["loss"], weight
-
-    def input_grad_mid(x, g, mb, c, o, acc):
-        (_, rep), vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
-        return zero_message, vjp((g, _seed(rep)))[0], report_only(acc, rep), rep["loss"], none
-
-    def input_grad_last(x, g, mb, c, o, acc):
-        (loss, weight, rep), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
-        return zero_message, vjp((*seed, _seed(rep)))[0], report_only(acc, rep), loss + rep["loss"], weight
-
-    def weight_grad_mid(x, g, mb, c, o, acc):
-        (_, rep), vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp((g, _seed(rep)))), none, none
-
-    def weight_grad_last(x, g, mb, c, o, acc):
-        (_, _, rep), vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
-        return zero_message, zero_message, add(acc, *vjp((*seed, _seed(rep)))), none, none
-
-    functions = {
-        "idle": idle,
-        "forward_first": forward_first,
-        "forward_mid": forward_mid,
-        "backward_first": backward_first,
-        "backward_mid": backward_mid,
-        "backward_last": backward_last,
-        "input_grad_mid": input_grad_mid,
-        "input_grad_last": input_grad_last,
-        "weight_grad_first": backward_first,
-        "weight_grad_mid": weight_grad_mid,
-        "weight_grad_last": weight_grad_last,
-    }
-    # Ops the schedule never runs become `idle`: the switch keeps its branch count (and the
-    # compiled program's accounting its branch shares), and XLA compiles the chunk's forward
-    # and backward only as often as the schedule needs (1F1B over two stages runs 3 of the 10
-    # ops: PP x ring x TP's step traced in 1.0 s, not 2.5, and compiled in 5.1 s, not 10.9).
     used = set(program.tables["branch"].ravel().tolist())
-    branches = [functions[name] if i in used else idle for i, name in enumerate(BRANCHES)]
+
+    def make_branches(stages: Stages) -> list:
+        """The switch's branches over `stages` (bound to the tick's frozen chunk, if any)."""
+        # Each branch: (input, gradient in, microbatch, chunk, other, accumulated) ->
+        #   (output sent on, input gradient sent back, accumulated, loss, weight).
+        # Gradients are added inside the branches that make them, so other ticks neither build
+        # zeros of the embedding's size nor add them. A chunk's report is differentiated (its
+        # loss, seeded with 1) wherever the chunk is, and counted once: by the op that returns
+        # the loss for the last chunk, by the backward (or input-gradient) op elsewhere.
+        def idle(x, g, mb, c, o, acc):
+            return zero_message, zero_message, acc, none, none
+
+        def forward_first(x, g, mb, c, o, acc):
+            return stages.first(c, o, mb)[0], zero_message, acc, none, none
+
+        def forward_mid(x, g, mb, c, o, acc):
+            return stages.mid(c, o, x, mb)[0], zero_message, acc, none, none
+
+        def backward_first(x, g, mb, c, o, acc):  # also the split weight gradient: no input to differentiate
+            (_, rep), vjp = jax.vjp(lambda c, o: stages.first(c, o, mb), c, o)
+            return zero_message, zero_message, add(acc, *vjp((g, _seed(rep))), rep), rep["loss"], none
+
+        def backward_mid(x, g, mb, c, o, acc):
+            (_, rep), vjp = jax.vjp(lambda c, o, x: stages.mid(c, o, x, mb), c, o, x)
+            dc, do, dx = vjp((g, _seed(rep)))
+            return zero_message, dx, add(acc, dc, do, rep), rep["loss"], none
+
+        def backward_last(x, g, mb, c, o, acc):
+            (loss, weight, rep), vjp = jax.vjp(lambda c, o, x: stages.last(c, o, x, mb), c, o, x)
+            dc, do, dx = vjp((*seed, _seed(rep)))
+            return zero_message, dx, add(acc, dc, do, rep), loss + rep["loss"], weight
+
+        def input_grad_mid(x, g, mb, c, o, acc):
+            (_, rep), vjp = jax.vjp(lambda x: stages.mid(c, o, x, mb), x)
+            return zero_message, vjp((g, _seed(rep)))[0], report_only(acc, rep), rep["loss"], none
+
+        def input_grad_last(x, g, mb, c, o, acc):
+            (loss, weight, rep), vjp = jax.vjp(lambda x: stages.last(c, o, x, mb), x)
+            return zero_message, vjp((*seed, _seed(rep)))[0], report_only(acc, rep), loss + rep["loss"], weight
+
+        def weight_grad_mid(x, g, mb, c, o, acc):
+            (_, rep), vjp = jax.vjp(lambda c, o: stages.mid(c, o, x, mb), c, o)
+            return zero_message, zero_message, add(acc, *vjp((g, _seed(rep)))), none, none
+
+        def weight_grad_last(x, g, mb, c, o, acc):
+            (_, _, rep), vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
+            return zero_message, zero_message, add(acc, *vjp((*seed, _seed(rep)))), none, none
+
+        functions = {
+            "idle": idle,
+            "forward_first": forward_first,
+            "forward_mid": forward_mid,
+            "backward_first": backward_first,
+            "backward_mid": backward_mid,
+            "backward_last": backward_last,
+            "input_grad_mid": input_grad_mid,
+            "input_grad_last": input_grad_last,
+            "weight_grad_first": backward_first,
+            "weight_grad_mid": weight_grad_mid,
+            "weight_grad_last": weight_grad_last,
+        }
+        # Ops the schedule never runs become `idle`: the switch keeps its branch count (and the
+        # compiled program's accounting its branch shares), and XLA compiles the chunk's forward
+        # and backward only as often as the schedule needs (1F1B over two stages runs 3 of the 10
+        # ops: PP x ring x TP's step traced in 1.0 s, not 2.5, and compiled in 5.1 s, not 10.9).
+        branches = [functions[name] if i in used else idle for i, name in enumerate(BRANCHES)]
+        return branches
+
     send_on = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
     send_back = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
 
@@ -228,7 +256,8 @@ def _run(program: Program, stages: Stages, p: int, v: int, tables, layers, other
     def tick(carry, row):
         acts, grads, d_layers, d_other, sums, per_layer, loss, weight = carry
         start = row["chunk"] * per_chunk
-        chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0), layers)
+        chunk = _chunk(layers, start, per_chunk)
+        branches = make_branches(_with_frozen(all_stages, (_chunk(frozen_layers, start, per_chunk), frozen_other)))
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
         mb = at_layer(mb, (row["chunk"] * p + jax.lax.axis_index(STAGE)) * per_chunk)  # chunk c is virtual stage c p + s
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)

@@ -190,22 +190,23 @@ def model_stages(graphdef: nnx.GraphDef, score: Score) -> Stages:
     with the report of the layers (an empty one where `apply_layers` returns x alone, not
     (x, report)), plus the module's `output_report(hidden, microbatch)` where it has one."""
 
-    def model(chunk: Any, other: dict):
-        return nnx.merge(graphdef, join_layers(chunk, other))
+    def model(chunk: Any, other: dict, frozen: tuple | None):
+        """`frozen`: (the chunk's frozen layers, the other frozen weights), LoRA's base."""
+        return nnx.merge(graphdef, join_layers(chunk, other), *([join_layers(*frozen)] if frozen else []))
 
     def layers(net, x, mb):
         out = net.apply_layers(x, mb)
         return out if isinstance(out, tuple) else (out, no_report())
 
-    def first(chunk, other, mb):
-        net = model(chunk, other)
+    def first(chunk, other, mb, frozen=None):
+        net = model(chunk, other, frozen)
         return layers(net, net.embed(mb), mb)
 
-    def mid(chunk, other, x, mb):
-        return layers(model(chunk, other), x, mb)
+    def mid(chunk, other, x, mb, frozen=None):
+        return layers(model(chunk, other, frozen), x, mb)
 
-    def last(chunk, other, x, mb):
-        net = model(chunk, other)
+    def last(chunk, other, x, mb, frozen=None):
+        net = model(chunk, other, frozen)
         x, report = layers(net, x, mb)
         extra = getattr(net, "output_report", lambda x, mb: None)(x, mb)  # the module's own terms at the end
         return (*score(net.output, x, mb), report if extra is None else _plus(report, extra))

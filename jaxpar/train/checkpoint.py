@@ -77,13 +77,13 @@ class Checkpoints:
             "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
             "model_class": _class_record(type(trainer.config.model)),
         }
+        if state.frozen is not None:  # LoRA: adapters only; the base is where the run started (`base`)
+            meta["base"] = base_of(trainer.config)
+            state = dataclasses.replace(state, frozen=None)
         to_model_order = reorder_layers(trainer, "model")
         if to_model_order is not None:
             state = to_model_order(state)
         items = {}
-        if state.frozen is not None:  # LoRA: adapters only; the base is where the run started (`base`)
-            meta["base"] = base_of(trainer.config)
-            state = dataclasses.replace(state, frozen=None)
         if state.compression is not None:  # its own item: a run that compresses differently starts it afresh
             items["compression"] = ocp.args.StandardSave(state.compression)
             meta["compression"] = compression_signature(trainer)
@@ -238,7 +238,8 @@ def reorder_layers(trainer, to: str):
     p, v = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
     if trainer.pipeline is None or p == 1 or v == 1:
         return None
-    leaves, treedef = jax.tree.flatten(trainer.state_shardings)
+    # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.train.loop.with_base)
+    leaves, treedef = jax.tree.flatten(dataclasses.replace(trainer.state_shardings, frozen=None))
     return _reorder_layers(tuple(leaves), treedef, p, v, to)
 
 

@@ -43,13 +43,16 @@ def pipelined_grads(
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
 
-    def grads(params: Any, batch: dict) -> tuple[jax.Array, dict, Gradient]:
+    def grads(params: Any, batch: dict, frozen: Any = None) -> tuple[jax.Array, dict, Gradient]:
+        """`frozen`: LoRA's frozen weights, which the stages read beside `params`."""
         layers, other = split_layers(params)
+        frozen = split_layers(frozen) if frozen else None
         if config.model.task == "lm":  # sequences laid out as the context-parallel kernels expect
             batch = lay_out_sequences(batch, layout)
         micro = split_batch(batch, m, {"positions": names["inputs"], **names}, layout)
         with use_layout(inside):
-            total, weight, d_layers, d_other, reports = pipeline_grads(program, stages, layout.mesh, layers, other, micro)
+            total, weight, d_layers, d_other, reports = pipeline_grads(program, stages, layout.mesh, layers, other, micro,
+                                                                       frozen)
         summed = reduce_over_data(join_layers(d_layers, d_other))
         total, weight = total.sum(), weight.sum()
         # The layers' reports (MoE: "token_metrics" sums, per-layer "counts" in pipeline order,

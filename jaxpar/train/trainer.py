@@ -272,9 +272,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     else:
         grads = batch_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, reduction)
         program = None
-    with_frozen = program is None  # LoRA is refused in pipeline stages (jaxpar.checks.lora)
-    return (loss_sum, lambda params, batch, compression, frozen: (*(grads(params, batch, frozen) if with_frozen else
-                                                                     grads(params, batch)), compression),
+    return (loss_sum, lambda params, batch, compression, frozen: (*grads(params, batch, frozen), compression),
             program, reduction)
 
 
