@@ -80,6 +80,7 @@ def _train(args) -> int:
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
+            f"{_lora_summary(trainer)}"
             f"compute {config.train.compute_dtype}"
             f"{', fp8 matmuls' if config.train.matmul_dtype == 'fp8' else ''} | "
             f"batch {config.train.global_batch} x {config.train.microbatches} microbatches",
@@ -102,3 +103,17 @@ def _train(args) -> int:
         held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps{held_out}")
     return 0
+
+
+def _lora_summary(trainer) -> str:
+    """'lora rank 8 on 7 weights: 49,152 trained (5.7%) | ', or nothing without adapters."""
+    if trainer.lora_targets is None:
+        return ""
+    import math
+
+    import jax
+
+    state = trainer.abstract_state()
+    trained, frozen = (sum(math.prod(x.shape) for x in jax.tree.leaves(t)) for t in (state.params, state.frozen))
+    return (f"lora rank {trainer.config.lora.rank} on {len(trainer.lora_targets)} weights: {trained:,} trained "
+            f"({trained / (trained + frozen):.1%}) | ")

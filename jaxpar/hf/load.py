@@ -55,9 +55,11 @@ def check_format(model: Any) -> None:
                           "to_hf, hf_weights: see jaxpar.hf); train it from its own initialisation instead")
 
 
-def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
+def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = False) -> Callable[[], Any]:
     """Check the checkpoint in `folder` against `trainer`'s model (reading only config.json
-    and the safetensors headers) and return () -> the TrainState at step 0 with its weights."""
+    and the safetensors headers) and return () -> the TrainState at step 0 with its weights.
+    `weights_only`: () -> the float32 weights in model order instead, LoRA's frozen ones at
+    the checkpoint's precision and its adapters zero (what a merged export folds into)."""
     folder = pathlib.Path(folder)
     model = trainer.config.model
     check_format(model)
@@ -85,13 +87,14 @@ def prepare_import(trainer, folder: str | pathlib.Path) -> Callable[[], Any]:
               "own initialisation", flush=True)
 
     def start() -> Any:
-        drawn = _drawn(trainer, fresh | adapters)
+        drawn = _drawn(trainer, fresh | (set() if weights_only else adapters))
         arrays = [
             jax.device_put(drawn[path], sharding) if path in drawn else
             jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
-            for path, sharding in zip(shapes, shardings)
+            for path, sharding in zip(shapes, shardings)  # an adapter's Weight(None) reads zeros
         ]
-        return trainer.start_from(jax.tree.unflatten(treedef, arrays))
+        tree = jax.tree.unflatten(treedef, arrays)
+        return tree if weights_only else trainer.start_from(tree)
 
     return start
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
-from jaxpar.hf.load import check_format
+from jaxpar.hf.load import check_format, prepare_import
 from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
 from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from jaxpar.hf.peft import adapter_config, adapter_weights
@@ -100,11 +100,22 @@ def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
 
 def merged_master(trainer, state: Any) -> Any:
     """The float32 weights as the base model lays them out: with LoRA (jaxpar.train.lora),
-    each adapter folded into its frozen weight where the shards rest."""
+    each adapter folded into its frozen weight where the shards rest. A run that started from
+    a Hugging Face checkpoint folds them into its weights read again at their own precision
+    (the state holds them in the compute dtype: a bf16 run's would round the base)."""
     if trainer.lora_targets is None:
         return trainer.master_params(state)
+    weights = trainer.master_weights(state)
+    if trainer.config.checkpoint.init_from:
+        published = trainer.pipeline_order(prepare_import(trainer, trainer.config.checkpoint.init_from, True)())
+        weights = _overlay(published, trainer.master_params(state))
     scale = trainer.config.lora.alpha / trainer.config.lora.rank
-    return jax.jit(lambda w: merge_adapters(w, scale))(trainer.master_weights(state))
+    return jax.jit(lambda w: merge_adapters(w, scale))(weights)
+
+
+def _overlay(tree: dict, over: dict) -> dict:
+    """`tree` with the leaves `over` has (a subtree of it) taken from `over`."""
+    return {k: (_overlay(v, over[k]) if isinstance(v, dict) else over[k]) if k in over else v for k, v in tree.items()}
 
 
 def planned_tensors(trainer, master: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:

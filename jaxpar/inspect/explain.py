@@ -33,6 +33,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     config, mesh = trainer.config, report.mesh
     state = trainer.abstract_state()
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    psi_frozen = sum(math.prod(x.shape) for x in jax.tree.leaves(state.frozen))  # LoRA's frozen weights
     compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
     moments = sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / psi
     stage = config.parallel.zero_stage
@@ -110,7 +111,9 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     pipeline = _pipeline(trainer, mesh, report, itemsize, psi - psi_layers) if trainer.pipeline is not None else {}
     experts = _expert_traffic(config, mesh, report, itemsize, trainer.layout.expert_exchange, trainer.pipeline)
     return {
-        "title": f"{type(config.model).__name__} {psi / 1e6:.2f}M params | mesh {describe_shape(mesh)} "
+        "title": f"{type(config.model).__name__} {(psi + psi_frozen) / 1e6:.2f}M params"
+        + (f" ({psi / 1e6:.2f}M trained: lora rank {config.lora.rank})" if psi_frozen else "")
+        + f" | mesh {describe_shape(mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
         f"zero_stage {stage} | {config.train.compute_dtype} | batch {config.train.global_batch} x seq {config.train.seq_len}"
         f" | {config.train.microbatches} microbatch{'es' if config.train.microbatches > 1 else ''} | remat {declared(config.model, 'remat')}",

@@ -282,12 +282,13 @@ def check_adapter(adapter: str, merged: str, case: str = "llama_tied") -> None:
     import peft
 
     base_path = json.loads((pathlib.Path(adapter) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path or HERE / case, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path or HERE / case, dtype=torch.float32).eval()
+    tokens = np.load(HERE / case / "tokens.npy")
+    before = logits(base, tokens)
     adapted = peft.PeftModel.from_pretrained(base, adapter).eval()
     folded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    tokens = np.load(HERE / case / "tokens.npy")
     theirs, ours = logits(adapted, tokens), logits(folded, tokens)
-    moved = np.max(np.abs(theirs - np.load(HERE / case / "logits.npy")))
+    moved = np.max(np.abs(theirs - before))
     print(f"{adapter}: loaded by peft {peft.__version__} onto {base_path or case}; logits max |difference| from the "
           f"merged export {merged}: {np.max(np.abs(theirs - ours)):.3g} (from the base's: {moved:.3g})")
 
