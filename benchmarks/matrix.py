@@ -9,6 +9,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only mistral       # a sliding window under context parallelism
   python benchmarks/matrix.py --only qwen3         # QK-norm while tensor + SP splits the heads
   python benchmarks/matrix.py --only gemma3        # local and global layers in one ring and one stage
+  python benchmarks/matrix.py --only lora          # LoRA adapters under a strategy of each axis
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -132,10 +133,17 @@ MISTRAL_PAIRS = (("ulysses", "tensor"), ("allgather", "fsdp"))
 GEMMA3_PAIRS = (("ulysses", "tensor+sp"), ("allgather", "fsdp"), ("interleaved", "tensor"))
 
 
+# LoRA (lora.rank=4 on the llama recipe's every projection, the moe recipe's attention beside
+# expert; jaxpar.train.lora): the frozen weights and the adapters under a strategy of each axis.
+LORA = ("lora.rank=4",)
+LORA_CELLS = (("zero3", "tensor+sp"), ("zero1", "fsdp"), ("fsdp", "ring"), ("ulysses", "tensor"), ("1f1b", "fsdp"),
+              ("interleaved", "tensor+sp"), ("zb-h1", "data"), ("expert", "tensor"), ("1f1b", "fsdp", "tensor+sp"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     strategies: tuple[str, ...]  # in mesh axis order
-    family: str = ""  # "" (the llama and moe recipes), or a family's recipe: "deepseek", "mistral", "qwen3", ...
+    family: str = ""  # "" (the llama and moe recipes), a family's recipe ("deepseek", ...), or "lora" (LORA on them)
 
     @property
     def name(self) -> str:
@@ -151,7 +159,8 @@ class Cell:
 
     @property
     def recipe(self) -> str:
-        return self.family or ("moe" if "expert" in self.strategies else "llama")
+        plain = "moe" if "expert" in self.strategies else "llama"
+        return plain if self.family in ("", "lora") else self.family
 
     @property
     def devices(self) -> int:
@@ -172,6 +181,8 @@ class Cell:
         if self.recipe == "moe" and "context" in self.axes:
             out.append(("model.routing=dropless",
                         "model-contract: the moe recipe's capacity routing needs whole sequences (mesh.context=1)"))
+        if self.family == "lora":
+            out += [(o, "the cell's subject: LoRA adapters, the rest frozen") for o in LORA]
         return tuple(out)
 
     @property
@@ -207,6 +218,7 @@ def cells() -> list[Cell]:
     out += [Cell(c.strategies, "qwen3_moe") for c in plain if "expert" in c.strategies and "context" not in c.axes]
     out += [Cell(c.strategies, "gemma3") for c in plain if "ring" in c.strategies and "expert" not in c.strategies]
     out += [Cell(tuple(sorted(pair, key=order.get)), "gemma3") for pair in GEMMA3_PAIRS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "lora") for combo in LORA_CELLS]
     return out
 
 
