@@ -32,6 +32,7 @@ OnReplicated = Literal["warn", "error", "allow"]
 # train
 ComputeDtype = Literal["float32", "bfloat16"]
 MatmulDtype = Literal["compute", "fp8"]
+LoraBaseDtype = Literal["compute", "fp8"]  # how LoRA's adapted weights rest (jaxpar.train.lora)
 OnNonfinite = Literal["stop", "skip"]
 # optim (the update rules of jaxpar.train.optim)
 Optimizer = Literal["adam", "adamw", "lion", "sgd"]

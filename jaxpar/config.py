@@ -11,7 +11,8 @@ import typing
 from typing import Any, Literal, Union
 
 from jaxpar.choices import (Attention, AttentionKernel, CollectiveMatmul, CompilerPreset, ComputeDtype, ContextImpl,
-                            DataOrder, DataSource, ExpertExchange, GradientCompression, MatmulDtype, OnNonfinite,
+                            DataOrder, DataSource, ExpertExchange, GradientCompression, LoraBaseDtype, MatmulDtype,
+                            OnNonfinite,
                             OnReplicated, Optimizer, PipelineSchedule, SequenceLayout, ZeroStage, check_choice)
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
@@ -233,6 +234,9 @@ class LoraConfig:
     # the run starts from instead of drawing them; its base is checkpoint.init_from
     # (jaxpar.hf.peft). Its r and lora_alpha must be lora.rank and lora.alpha.
     init_from: str = ""
+    # How the adapted weights rest: compute (train.compute_dtype) or fp8 (e4m3 with a scale
+    # per input row: 1 byte a weight, dequantized where it is used; QLoRA's idea).
+    base_dtype: LoraBaseDtype = "compute"
 
 
 @dataclasses.dataclass(frozen=True)

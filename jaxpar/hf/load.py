@@ -118,6 +118,8 @@ def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[
         owner, _, leaf = path.rpartition(".")
         if leaf == "base" and owner in weights:
             weights[path] = weights[owner]
+        elif leaf == "base_scale" and owner in weights:  # FP8's scales: set from the base when it is quantized
+            weights[path] = Weight(None)
         elif leaf in ("lora_a", "lora_b") and owner in weights:
             weights[path] = Weight(None)  # drawn, not read
             adapters.add(path)

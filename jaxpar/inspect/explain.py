@@ -55,8 +55,8 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
     if state.frozen is not None:  # LoRA: Ψ above is the adapters', which rest as their weights' sides do
         sides = _split_ratio(trainer, state, mesh, fsdp * tensor * (data if stage >= 3 else 1))[0]
         expected = formulas.ModelState(*(getattr(expected, f) * sides for f in ("params", "grads", "master", "optimizer")))
-        frozen = formulas.frozen_state(sum(math.prod(x.shape) for x in jax.tree.leaves(state.frozen)), stage, data,
-                                       fsdp * tensor, compute_bytes)
+        frozen = formulas.frozen_state(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.frozen)),
+                                       stage, data, fsdp * tensor)
     expected = dataclasses.replace(expected, frozen=frozen)
     memory_rows = [
         *([("frozen weights (LoRA)", m.frozen, expected.frozen)] if state.frozen is not None else []),
@@ -126,8 +126,9 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
         + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else "")
         + ("; LoRA: the parameters are the adapters (16 bytes each in mixed precision, A split as its weight's "
-           f"input side, B as its output side), the frozen weights {compute_bytes} bytes each, no gradient, master "
-           "or optimizer state" if state.frozen is not None else ""),
+           f"input side, B as its output side), the frozen weights {compute_bytes} bytes each"
+           + (" (the adapted ones 1, in FP8, and a scale a row)" if config.lora.base_dtype == "fp8" else "")
+           + ", no gradient, master or optimizer state" if state.frozen is not None else ""),
         "flops": _row("matmul FLOPs per device per step", report.flops, flops_formula),
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
         + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(*recompute)

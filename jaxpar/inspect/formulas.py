@@ -54,13 +54,13 @@ def model_state(
     )
 
 
-def frozen_state(psi_frozen: float, stage: int, zero_degree: int, sharded_degree: int = 1, compute_bytes: int = 2
-                 ) -> float:
-    """LoRA's frozen weights per device: `compute_bytes` each (no gradient, master or
-    optimizer state), resting as parameters do (over `zero_degree` too at ZeRO-3). With the
-    adapters' 16 bytes each (model_state of their count) this is QLoRA's 2 bytes per frozen
-    parameter plus 16 per trained one, over the sharding."""
-    return compute_bytes * psi_frozen / sharded_degree / (zero_degree if stage >= 3 else 1)
+def frozen_state(frozen_bytes: float, stage: int, zero_degree: int, sharded_degree: int = 1) -> float:
+    """LoRA's frozen weights per device: `frozen_bytes` in all (the compute dtype's bytes a
+    weight, 1 an FP8 one plus its rows' scales; no gradient, master or optimizer state),
+    resting as parameters do (over `zero_degree` too at ZeRO-3). With the adapters' 16 bytes
+    each (model_state of their count) this is 2 bytes per frozen parameter (1 in FP8) plus
+    16 per trained one, over the sharding."""
+    return frozen_bytes / sharded_degree / (zero_degree if stage >= 3 else 1)
 
 
 def zero_paper_bytes(psi: float, stage: int, n: int) -> float:

@@ -33,11 +33,39 @@ class Frozen(nnx.Variable):
 
 class LoraWeight(nnx.Module):
     """W (`base`, Frozen) + `scale` * A (`lora_a`) @ B (`lora_b`), A over W's first `inputs`
-    dimensions past the stacked ones (see the module's docstring)."""
+    dimensions past the stacked ones (see the module's docstring). `base_scale` (Frozen, or
+    None): W rests in FP8 as W / s, s one per input row [*lead, *in] (in the compute dtype)."""
 
-    def __init__(self, base: Frozen, lora_a: nnx.Param, lora_b: nnx.Param, scale: float, inputs: int):
-        self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
+    def __init__(self, base: Frozen, lora_a: nnx.Param, lora_b: nnx.Param, scale: float, inputs: int,
+                 base_scale: Frozen | None = None):
+        self.base, self.lora_a, self.lora_b, self.base_scale = base, lora_a, lora_b, base_scale
         self.scale, self.inputs = float(scale), int(inputs)  # static: part of the graph, not of the state
+
+
+def base_value(weight: LoraWeight, value_of: Callable[[nnx.Variable], jax.Array], dtype) -> jax.Array:
+    """W laid out for use, in `dtype`: an FP8 one dequantized (each row times its scale)."""
+    base = value_of(weight.base)
+    if weight.base_scale is None:
+        return base.astype(dtype)
+    return dequantized(base, value_of(weight.base_scale), dtype)
+
+
+def dequantized(base: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """FP8 rows [*rows, *out] times their scales [*rows], in `dtype`."""
+    scale = scale.reshape(*scale.shape, *(1,) * (base.ndim - scale.ndim))
+    return (base.astype(jnp.float32) * scale).astype(dtype)
+
+
+def quantized(base: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """(W / s in e4m3, s [first `rows` dims]): s each row's largest magnitude over e4m3's 448."""
+    base = base.astype(jnp.float32)
+    out_axes = tuple(range(rows, base.ndim))
+    scale = jnp.maximum(jnp.max(jnp.abs(base), axis=out_axes) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    q = (base / scale.reshape(*scale.shape, *(1,) * len(out_axes))).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+E4M3_MAX = 448.0
 
 
 def adapter_output(h: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
@@ -57,8 +85,10 @@ def check_inputs(weight: LoraWeight, axes: int) -> None:
 
 
 def merged(weight: LoraWeight, value_of: Callable[[nnx.Variable], jax.Array]) -> jax.Array:
-    """W + scale * A @ B, each read through `value_of` (compute_value: laid out for use)."""
-    base, a, b = value_of(weight.base), value_of(weight.lora_a), value_of(weight.lora_b)
+    """W + scale * A @ B, each read through `value_of` (compute_value: laid out for use), in
+    the adapters' dtype (the compute dtype)."""
+    a, b = value_of(weight.lora_a), value_of(weight.lora_b)
+    base = base_value(weight, value_of, a.dtype)
     return base + (low_rank_product(a, b, base.ndim) * weight.scale).astype(base.dtype)
 
 
@@ -76,8 +106,11 @@ def merge_adapters(weights: dict, scale: float) -> dict:
     """A pure-dict tree of weights with each {base, lora_a, lora_b} node replaced by
     W + scale * A @ B, in float32: the base model's tree (jit it to merge sharded weights
     where they rest)."""
-    if set(weights) == {"base", "lora_a", "lora_b"}:
-        base = jnp.asarray(weights["base"], jnp.float32)
+    if {"base", "lora_a", "lora_b"} <= set(weights) <= {"base", "base_scale", "lora_a", "lora_b"}:
+        base = jnp.asarray(weights["base"])
+        # an FP8 base as the state holds it; a float32 one (read again from its checkpoint) as it is
+        base = dequantized(base, weights["base_scale"], jnp.float32) if base.dtype == jnp.float8_e4m3fn else \
+            base.astype(jnp.float32)
         product = low_rank_product(*(jnp.asarray(weights[k], jnp.float32) for k in ("lora_a", "lora_b")), base.ndim)
         return base + scale * product
     return {k: merge_adapters(v, scale) if isinstance(v, dict) else v for k, v in weights.items()}

@@ -44,7 +44,7 @@ from jaxpar.kernels.fp8 import fp8_tensordot
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries, gathered_axes
 from jaxpar.mesh import mesh_here
-from jaxpar.sharding.adapters import LoraWeight, adapter_output, check_inputs
+from jaxpar.sharding.adapters import LoraWeight, adapter_output, base_value, check_inputs
 from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, stored_value, sum_over_replicas
 
 AXIS = "tensor"
@@ -133,7 +133,8 @@ def _tensordot(layout: Layout | None, low_precision: bool):
         if isinstance(w, LoraWeight):  # unmerged: x @ W + scale * (x @ A) @ B, the adapter in the compute dtype
             check_inputs(w, axes)
             h = jnp.tensordot(x, compute_value(w.lora_a).astype(x.dtype), axes=axes)
-            return dot(x, w.base, axes) + adapter_output(h, compute_value(w.lora_b), w.scale)
+            base = w.base if w.base_scale is None else base_value(w, compute_value, x.dtype)  # FP8: dequantized
+            return dot(x, base, axes) + adapter_output(h, compute_value(w.lora_b), w.scale)
         moves = fp8 and isinstance(w, nnx.Variable) and _fp8_gather(w, layout)
         if moves:
             value, gather, rest = moves

@@ -10,7 +10,7 @@ the rest of the model frozen.
                                         model's tree (export)
 
 With B zero the adapted model starts equal to the base. The frozen weights rest in the
-compute dtype, sharded as parameters are (FSDP, ZeRO-3, tensor parallelism); A and B are
+compute dtype (the adapted ones in FP8 with lora.base_dtype=fp8: `quantize_bases`), sharded as parameters are (FSDP, ZeRO-3, tensor parallelism); A and B are
 ordinary parameters named with the weight's own axes on their sides (the rank unsharded), so
 they and their optimizer state rest as the weight would.
 """
@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxpar.config import LoraConfig
 from jaxpar.errors import ConfigError
-from jaxpar.sharding.adapters import Frozen, LoraWeight
+from jaxpar.sharding.adapters import Frozen, LoraWeight, quantized
 from jaxpar.sharding.annotate import logical_names
 
 RESIDUAL = "embed"  # the residual axis: a projection's input (column) or output (row) side
@@ -134,11 +134,13 @@ def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, se
             bound = 1 / math.sqrt(fan_in)
             a = jax.random.uniform(jax.random.fold_in(key, i), (*value.shape[:cut], lora.rank), jnp.float32, -bound, bound)
             b = jnp.zeros((*value.shape[:t.lead], lora.rank, *value.shape[cut:]), jnp.float32)
+            base_scale = Frozen(jnp.ones(value.shape[:cut], jnp.float32), out_sharding=names[:cut]) \
+                if lora.base_dtype == "fp8" else None  # the scales quantize_bases sets
             _set(owner, attr, LoraWeight(
                 Frozen(value, out_sharding=names),
                 nnx.Param(a, out_sharding=(*names[:cut], None)),
                 nnx.Param(b, out_sharding=(*names[:t.lead], None, *names[cut:])),
-                scale, t.inputs))
+                scale, t.inputs, base_scale))
     return model
 
 
@@ -162,6 +164,15 @@ def _set(node: Any, key: str | int, value: Any) -> None:
 
 
 # ------------------------------------------------------------- the trainer's two trees
+
+
+def quantize_bases(frozen: dict) -> dict:
+    """The frozen tree with each weight that rests in FP8 (lora.base_dtype=fp8: a node with a
+    `base_scale`) quantized from its float32 `base` (jaxpar.sharding.adapters.quantized)."""
+    if "base_scale" in frozen:
+        base, scale = quantized(frozen["base"], frozen["base_scale"].ndim)
+        return {**frozen, "base": base, "base_scale": scale}
+    return {k: quantize_bases(v) if isinstance(v, dict) else v for k, v in frozen.items()}
 
 
 def frozen_paths(abstract: nnx.State) -> frozenset[tuple]:
@@ -195,13 +206,3 @@ def join(tree: dict, other: dict | None) -> dict:
     for key, value in other.items():
         out[key] = join(out[key], value) if key in out and isinstance(value, dict) else value
     return out
-
-
-def adapter_count(targets: Mapping[str, Target], shapes: Mapping[str, tuple], rank: int) -> int:
-    """The adapters' parameters: rank x (in + out) per targeted weight and stacked slice."""
-    total = 0
-    for dotted, t in targets.items():
-        shape = shapes[dotted]
-        cut = t.lead + t.inputs
-        total += math.prod(shape[:t.lead]) * rank * (math.prod(shape[t.lead:cut]) + math.prod(shape[cut:]))
-    return total

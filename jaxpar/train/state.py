@@ -92,5 +92,7 @@ def to_device(tree: Any, shardings: Any) -> Any:
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Cast float leaves for compute, on their shards (so FSDP gathers move `dtype` bytes)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Cast float leaves for compute, on their shards (so FSDP gathers move `dtype` bytes);
+    FP8 ones (LoRA's base at lora.base_dtype=fp8) rest so on purpose and stay."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 1
+                        else x, tree)

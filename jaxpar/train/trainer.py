@@ -202,7 +202,7 @@ def build(
             weights = in_pipeline_order(weights, stages, chunks)
         master, frozen_weights = lora.split(weights, frozen)
         return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None,
-                             frozen_weights or None)
+                             lora.quantize_bases(frozen_weights) if frozen_weights else None)
 
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
