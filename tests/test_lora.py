@@ -108,22 +108,27 @@ def test_lora_model_state_is_the_formula_s_and_holds_no_float32_frozen_weight():
 def test_an_fp8_base_rests_in_a_byte_and_follows_the_compute_dtype_one():
     """lora.base_dtype=fp8 (e4m3, a scale a row) under data 2 x fsdp 4: the adapted weights
     rest as float8, the frozen weights in 0.55 of the bf16 base's bytes (the embedding, head
-    and norms stay bf16); three steps' losses stay within 0.1% of the bf16 base's (e4m3's 3
-    mantissa bits, a 6% step, average out over a weight's dot products)."""
+    and norms stay bf16), and the loss of a batch with trained-looking adapters is within
+    0.5% of the bf16 base's, not equal (e4m3's 3 mantissa bits, a 6% step, average out over a
+    weight's dot products)."""
+    from jaxpar.data.sources import make_source
     from jaxpar.inspect.report import shard_bytes
     from jaxpar.recipes import load
-    from jaxpar.testing import run_layout
     from jaxpar.train import build
 
     config = apply_overrides(load("llama"), ["lora.rank=8", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1",
-                                             "parallel.sequence_parallel=false", "optim.lr=1e-2"])
-    fp8 = apply_overrides(config, ["lora.base_dtype=fp8"])
-    state, plain = build(fp8).abstract_state(), build(config).abstract_state()
-    frozen = state.frozen["layers"]["attn"]["wq"]
-    assert str(frozen["base"].dtype) == "float8_e4m3fn" and frozen["base_scale"].shape == (4, 128)
-    assert 0.5 < shard_bytes(state.frozen) / shard_bytes(plain.frozen) < 0.6
-    ours, theirs = run_layout(fp8).losses, run_layout(config).losses
-    assert ours != theirs and np.allclose(ours, theirs, rtol=1e-3), (ours, theirs)
+                                             "parallel.sequence_parallel=false"])
+    losses, frozen = [], []
+    for base in ("compute", "fp8"):
+        trainer = build(apply_overrides(config, [f"lora.base_dtype={base}"]))
+        state = trainer.init()
+        state = dataclasses.replace(state, params=jax.tree.map(lambda x: x + 0.02, state.params))
+        losses.append(float(trainer.evaluate(trainer.weights(state), make_source(trainer.batch, config)(0))[0]))
+        frozen.append(state.frozen)
+    wq = frozen[1]["layers"]["attn"]["wq"]
+    assert str(wq["base"].dtype) == "float8_e4m3fn" and wq["base_scale"].shape == (4, 128)
+    assert 0.5 < shard_bytes(frozen[1]) / shard_bytes(frozen[0]) < 0.6
+    assert losses[0] != losses[1] and np.isclose(*losses, rtol=5e-3), losses
 
 
 def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tmp_path, capsys, monkeypatch):

@@ -97,7 +97,9 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
         sizes = [int(o.split("=")[1]) for o in c.overrides if o.split("=")[0] in {f"mesh.{a}" for a in matrix.AXES}]
         assert len(sizes) == len(matrix.AXES) and sizes.count(matrix.DEGREE) == len(c.strategies)  # the whole mesh named
         assert ("parallel.sequence_parallel=true" in c.overrides) == ("tensor+sp" in c.strategies)
-        assert c.recipe == (c.family or ("moe" if "expert" in c.strategies else "llama"))
+        plain = "moe" if "expert" in c.strategies else "llama"
+        assert c.recipe == (plain if c.family in ("", "lora") else c.family)
+        assert ("lora.rank=4" in c.overrides) == (c.family == "lora")
     pairs = {frozenset(c.strategies) for c in cells if len(c.strategies) == 2 and not c.family}
     expected = {frozenset(p) for p in itertools.combinations(matrix.BY_NAME, 2)
                 if matrix.BY_NAME[p[0]].axis != matrix.BY_NAME[p[1]].axis}
@@ -133,7 +135,7 @@ def test_list_prints_every_cell_and_runs_nothing(capsys):
     assert matrix.main(["--list", "--only", "zero3 x tensor"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[0].strip() for line in out[:-1]] == ["zero3 x tensor", "zero3 x tensor+sp",
-                                                                   "zero3 x tensor+sp [qwen3]"]
+                                                                   "zero3 x tensor+sp [qwen3]", "zero3 x tensor+sp [lora]"]
 
 
 def test_the_cells_that_abort_most_compile_in_forked_children(tmp_path):
