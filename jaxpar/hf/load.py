@@ -12,10 +12,12 @@ included (the layers put in pipeline order on the devices, as a fresh state woul
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, View, architectures
@@ -25,6 +27,7 @@ from jaxpar.hf.peft import adapter_settings, adapter_weights
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
 from jaxpar.model import HF_FORMAT, declared, has, model_name
+from jaxpar.sharding.adapters import drawn_a
 
 # The architectures jaxpar reads: the registered model families' (jaxpar.families).
 ARCHITECTURES = View(architectures)
@@ -87,7 +90,7 @@ def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = Fal
               "own initialisation", flush=True)
 
     def start() -> Any:
-        drawn = _drawn(trainer, fresh | (set() if weights_only else adapters))
+        drawn = {**_drawn(trainer, fresh), **({} if weights_only else _drawn_adapters(trainer, adapters, shapes))}
         arrays = [
             jax.device_put(drawn[path], sharding) if path in drawn else
             jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
@@ -124,6 +127,22 @@ def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[
             weights[path] = Weight(None)  # drawn, not read
             adapters.add(path)
     return weights, adapters
+
+
+def _drawn_adapters(trainer, paths: set[str], shapes: dict[str, tuple]) -> dict[str, Any]:
+    """LoRA's adapters at `paths` as the model's build draws them (A drawn, B zero), without
+    drawing the rest of the model."""
+    if not paths:
+        return {}
+    order = sorted(trainer.lora_targets)
+    out = {}
+    for path in paths:
+        owner, _, leaf = path.rpartition(".")
+        t = trainer.lora_targets[owner]
+        shape = shapes[path]
+        out[path] = np.zeros(shape, np.float32) if leaf == "lora_b" else np.asarray(
+            drawn_a(trainer.config.train.seed, order.index(owner), shape, math.prod(shape[t.lead:t.lead + t.inputs])))
+    return out
 
 
 def _drawn(trainer, paths: set[str]) -> dict[str, Any]:

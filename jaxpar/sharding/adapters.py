@@ -68,6 +68,18 @@ def quantized(base: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 E4M3_MAX = 448.0
 
 
+SEED_STREAM = 0x10A  # the adapters' draws: a stream of train.seed of their own
+
+
+def drawn_a(seed: int, index: int, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """The `index`-th adapted weight's A (targets in sorted order) at train.seed `seed`:
+    U(+-1/sqrt(fan_in)) as PEFT draws it, the same wherever it is drawn (the model's build,
+    a Hugging Face import)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), SEED_STREAM), index)
+    bound = 1 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
 def adapter_output(h: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
     """(x @ A) [.., r] -> scale * (x @ A) @ B; B laid out for use (one layer's)."""
     return jnp.tensordot(h * jnp.asarray(scale, h.dtype), lora_b.astype(h.dtype), axes=1)

@@ -23,19 +23,17 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import LoraConfig
 from jaxpar.errors import ConfigError
-from jaxpar.sharding.adapters import Frozen, LoraWeight, quantized
+from jaxpar.sharding.adapters import Frozen, LoraWeight, drawn_a, quantized
 from jaxpar.sharding.annotate import logical_names
 
 RESIDUAL = "embed"  # the residual axis: a projection's input (column) or output (row) side
 STACKED = ("layers", "experts")  # leading dimensions each slice of which is a weight of its own
 LEFT_OUT = ("vocab", "experts")  # not adapted unless named: vocabulary tables, expert weights (grouped kernels)
-SEED_STREAM = 0x10A  # the adapters' draws: their own stream of train.seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +115,6 @@ def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, se
     it was (Frozen), A ~ U(+-1/sqrt(fan_in)) as PEFT draws it, B zero. Every other
     parameter is frozen too (embeddings, norms, untargeted weights): the adapters are all
     that trains."""
-    key = jax.random.fold_in(jax.random.key(seed), SEED_STREAM)
     scale = lora.alpha / lora.rank
     with nnx.use_eager_sharding(False):
         for path, variable in list(nnx.to_flat_state(nnx.state(model, nnx.Param))):
@@ -130,9 +127,7 @@ def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, se
             weight = _get(owner, attr)
             value, names = weight[...], logical_names(weight)
             cut = t.lead + t.inputs
-            fan_in = math.prod(value.shape[t.lead:cut])
-            bound = 1 / math.sqrt(fan_in)
-            a = jax.random.uniform(jax.random.fold_in(key, i), (*value.shape[:cut], lora.rank), jnp.float32, -bound, bound)
+            a = drawn_a(seed, i, (*value.shape[:cut], lora.rank), math.prod(value.shape[t.lead:cut]))
             b = jnp.zeros((*value.shape[:t.lead], lora.rank, *value.shape[cut:]), jnp.float32)
             base_scale = Frozen(jnp.ones(value.shape[:cut], jnp.float32), out_sharding=names[:cut]) \
                 if lora.base_dtype == "fp8" else None  # the scales quantize_bases sets
