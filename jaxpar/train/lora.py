@@ -3,16 +3,19 @@ the rest of the model frozen.
 
   plan(abstract base state, lora, axis_names) -> {path: Target}   checked before compile
   adapt(model, plan, lora, seed)        puts a LoraWeight (jaxpar.sharding.adapters) where
-                                        each targeted weight was: W frozen, A drawn, B zero
+                                        each targeted weight was: W frozen, A drawn, B zero;
+                                        freezes every other weight
+  quantize_bases(frozen)                the adapted weights in FP8 (lora.base_dtype=fp8)
   frozen_paths / split / join           the trainer's two trees: what it trains (the
                                         adapters) and what is frozen (all the rest)
   jaxpar.sharding.adapters.merge_adapters  W + (alpha / rank) * A @ B folded back: the base
                                         model's tree (export)
 
 With B zero the adapted model starts equal to the base. The frozen weights rest in the
-compute dtype (the adapted ones in FP8 with lora.base_dtype=fp8: `quantize_bases`), sharded as parameters are (FSDP, ZeRO-3, tensor parallelism); A and B are
-ordinary parameters named with the weight's own axes on their sides (the rank unsharded), so
-they and their optimizer state rest as the weight would.
+compute dtype (the adapted ones in FP8 with lora.base_dtype=fp8: `quantize_bases`), sharded
+as parameters are (FSDP, ZeRO-3, tensor parallelism); A and B are ordinary parameters named
+with the weight's own axes on their sides (the rank unsharded), so they and their optimizer
+state rest as the weight would.
 """
 
 from __future__ import annotations
