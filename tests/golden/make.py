@@ -4,7 +4,7 @@ check an export loads in `transformers`.
 Needs torch and transformers, which jaxpar's tests do not: run it in an environment of its
 own, from the repository root:
 
-    python -m venv /tmp/golden && /tmp/golden/bin/pip install torch transformers tokenizers safetensors
+    python -m venv /tmp/golden && /tmp/golden/bin/pip install torch transformers tokenizers safetensors peft
     /tmp/golden/bin/python tests/golden/make.py                 # re-make tests/golden/*
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
     /tmp/golden/bin/python tests/golden/make.py --chat          # re-make tests/golden/chat (needs jinja2)
