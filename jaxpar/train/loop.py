@@ -70,11 +70,17 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
-    state = fresh() if not resuming else with_base(trainer, state, fresh)
-    if cfg.data.source == "preference" and data is None:  # DPO's reference: the starting weights, frozen
+    dpo = cfg.data.source == "preference" and data is None
+    if not resuming:
+        state = started = fresh()
+    else:  # read the start once, and only if LoRA's frozen base or DPO's reference needs it
+        started = fresh() if trainer.frozen_shardings is not None or dpo else None
+        state = with_base(trainer, state, lambda: started)
+    if dpo:  # DPO's reference: the starting weights, frozen
         from jaxpar.train.preference import attach_reference
 
-        attach_reference(source, trainer, trainer.weights(state if not start else fresh()))
+        attach_reference(source, trainer, trainer.weights(started))
+    del started  # on resume a whole second state: not kept while training
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
