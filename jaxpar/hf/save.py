@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from jaxpar.hf.safetensors import (
 )
 from jaxpar.hf.weights import Weight
 from jaxpar.pipeline.stages import relaid_layers
-from jaxpar.sharding.adapters import merge_adapters
+from jaxpar.sharding.adapters import join, merge_adapters
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 # Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
@@ -62,23 +62,62 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     tensors = planned_tensors(trainer, merged_master(trainer, state), model.hf_weights(), DTYPES[dtype])
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
+
+    def write(into: pathlib.Path | None) -> None:
+        for name, group in zip(names, files):
+            write_file(into / name if into else None, group, {"format": "pt"})
+        if into:
+            _write_extras(into, hf_config, names, files, tokenizer)
+
+    _into_new_folder(folder, write)
+    return [folder / n for n in names]
+
+
+def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dtype, base: str = "") -> pathlib.Path:
+    """Write the trainer's adapters (`state`'s float32 ones) into `folder` in PEFT's format;
+    `base`: the base model's folder or name, for adapter_config.json."""
+    lora, model = trainer.config.lora, trainer.config.model
+    weights = model.hf_weights()
+    frozen = trainer.abstract_state().frozen
+    shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
+    adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
+    tensors = planned_tensors(trainer, trainer.master_params(state), adapters, dtype)
+    config = adapter_config(lora, weights, trainer.lora_targets, base)
+
+    def write(into: pathlib.Path | None) -> None:
+        write_file(into / ADAPTER_WEIGHTS if into else None, tensors, {"format": "pt"})
+        if into:
+            (into / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    folder = pathlib.Path(folder)
+    _into_new_folder(folder, write)
+    return folder / ADAPTER_WEIGHTS
+
+
+def _into_new_folder(folder: pathlib.Path, write: Callable[[pathlib.Path | None], None]) -> None:
+    """`write(into)` fills `folder` whole or not at all: process 0 writes into FOLDER.partial,
+    renamed when complete; the others call `write(None)` (making the values may be a
+    collective every process joins)."""
     leader = jax.process_index() == 0
     partial = folder.with_name(folder.name + ".partial")
     if leader:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     try:
-        for name, group in zip(names, files):
-            write_file(partial / name if leader else None, group, {"format": "pt"})
+        write(partial if leader else None)
         if leader:
-            _write_extras(partial, hf_config, names, files, tokenizer)
             if folder.exists():
                 folder.rmdir()
             partial.rename(folder)
     finally:
         if leader:
             shutil.rmtree(partial, ignore_errors=True)
-    return [folder / n for n in names]
+
+
+def _leaf(tree: dict, path: str) -> Any:
+    for key in path.split("."):
+        tree = tree[key]
+    return tree
 
 
 def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
@@ -108,14 +147,10 @@ def merged_master(trainer, state: Any) -> Any:
     weights = trainer.master_weights(state)
     if trainer.config.checkpoint.init_from:
         published = trainer.pipeline_order(prepare_import(trainer, trainer.config.checkpoint.init_from, True)())
-        weights = _overlay(published, trainer.master_params(state))
+        weights = join(published, trainer.master_params(state))
     scale = trainer.config.lora.alpha / trainer.config.lora.rank
     return jax.jit(lambda w: merge_adapters(w, scale))(weights)
 
-
-def _overlay(tree: dict, over: dict) -> dict:
-    """`tree` with the leaves `over` has (a subtree of it) taken from `over`."""
-    return {k: (_overlay(v, over[k]) if isinstance(v, dict) else over[k]) if k in over else v for k, v in tree.items()}
 
 
 def planned_tensors(trainer, master: Any, weights: dict[str, Weight], dtype: np.dtype) -> list[Planned]:
@@ -170,39 +205,4 @@ def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files
                 shutil.copyfile(source.parent / name, folder / name)
 
 
-__all__ = ["DTYPES", "NAMES", "check_target", "export"]
-
-
-def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dtype, base: str = "") -> pathlib.Path:
-    """Write the trainer's adapters (`state`'s float32 ones) into `folder` in PEFT's format;
-    `base`: the base model's folder or name, for adapter_config.json."""
-    lora, model = trainer.config.lora, trainer.config.model
-    weights = model.hf_weights()
-    frozen = trainer.abstract_state().frozen
-    shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
-    adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
-    tensors = planned_tensors(trainer, trainer.master_params(state), adapters, dtype)
-    config = adapter_config(lora, weights, trainer.lora_targets, base)
-    folder = pathlib.Path(folder)
-    leader = jax.process_index() == 0
-    partial = folder.with_name(folder.name + ".partial")
-    if leader:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    try:
-        write_file(partial / ADAPTER_WEIGHTS if leader else None, tensors, {"format": "pt"})
-        if leader:
-            (partial / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            if folder.exists():
-                folder.rmdir()
-            partial.rename(folder)
-    finally:
-        if leader:
-            shutil.rmtree(partial, ignore_errors=True)
-    return folder / ADAPTER_WEIGHTS
-
-
-def _leaf(tree: dict, path: str) -> Any:
-    for key in path.split("."):
-        tree = tree[key]
-    return tree
+__all__ = ["DTYPES", "NAMES", "check_target", "export", "export_adapter"]

@@ -126,3 +126,33 @@ def merge_adapters(weights: dict, scale: float) -> dict:
         product = low_rank_product(*(jnp.asarray(weights[k], jnp.float32) for k in ("lora_a", "lora_b")), base.ndim)
         return base + scale * product
     return {k: merge_adapters(v, scale) if isinstance(v, dict) else v for k, v in weights.items()}
+
+
+def split(tree: dict, paths: frozenset[tuple], _prefix: tuple = ()) -> tuple[dict, dict]:
+    """(everything else, the leaves at `paths`): a pure-dict tree cut in two (the trainer's
+    trained and frozen weights, jaxpar.train.lora)."""
+    rest, frozen = {}, {}
+    for key, value in tree.items():
+        path = (*_prefix, key)
+        if isinstance(value, dict):
+            a, b = split(value, paths, path)
+            if a:
+                rest[key] = a
+            if b:
+                frozen[key] = b
+        elif path in paths:
+            frozen[key] = value
+        else:
+            rest[key] = value
+    return rest, frozen
+
+
+def join(tree: dict, other: dict | None) -> dict:
+    """The two halves `split` made, one tree again: `other`'s leaves added to, or put over,
+    `tree`'s."""
+    if not other:
+        return tree
+    out = dict(tree)
+    for key, value in other.items():
+        out[key] = join(out[key], value) if key in out and isinstance(value, dict) else value
+    return out

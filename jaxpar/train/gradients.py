@@ -13,8 +13,8 @@ from flax import nnx
 
 from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
+from jaxpar.sharding.adapters import join
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
-from jaxpar.train.lora import join
 from jaxpar.train.loss import LossFn, model_loss
 from jaxpar.train.microbatches import split_batch
 from jaxpar.train.reduction import GradReduction, sum_replicas

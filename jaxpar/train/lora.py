@@ -6,8 +6,9 @@ the rest of the model frozen.
                                         each targeted weight was: W frozen, A drawn, B zero;
                                         freezes every other weight
   quantize_bases(frozen)                the adapted weights in FP8 (lora.base_dtype=fp8)
-  frozen_paths / split / join           the trainer's two trees: what it trains (the
-                                        adapters) and what is frozen (all the rest)
+  frozen_paths                          the paths of the frozen weights, which split and join
+                                        (jaxpar.sharding.adapters) cut the trainer's tree at:
+                                        what it trains (the adapters) and the rest
   jaxpar.sharding.adapters.merge_adapters  W + (alpha / rank) * A @ B folded back: the base
                                         model's tree (export)
 
@@ -176,31 +177,3 @@ def quantize_bases(frozen: dict) -> dict:
 def frozen_paths(abstract: nnx.State) -> frozenset[tuple]:
     """Paths (as nnx.to_pure_dict nests them) of the Frozen variables."""
     return frozenset(path for path, v in nnx.to_flat_state(abstract) if isinstance(v, Frozen))
-
-
-def split(tree: dict, paths: frozenset[tuple], _prefix: tuple = ()) -> tuple[dict, dict]:
-    """(everything else, the leaves at `paths`): a pure-dict tree cut in two."""
-    rest, frozen = {}, {}
-    for key, value in tree.items():
-        path = (*_prefix, key)
-        if isinstance(value, dict):
-            a, b = split(value, paths, path)
-            if a:
-                rest[key] = a
-            if b:
-                frozen[key] = b
-        elif path in paths:
-            frozen[key] = value
-        else:
-            rest[key] = value
-    return rest, frozen
-
-
-def join(tree: dict, other: dict | None) -> dict:
-    """The two halves `split` made, one tree again."""
-    if not other:
-        return tree
-    out = dict(tree)
-    for key, value in other.items():
-        out[key] = join(out[key], value) if key in out and isinstance(value, dict) else value
-    return out

@@ -37,9 +37,9 @@ from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
+from jaxpar.sharding.adapters import join, split
 from jaxpar.train import lora
 from jaxpar.train.layout import layout_for
-from jaxpar.train.lora import join
 from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.train.compression import Compressor, make_compressor
 from jaxpar.train.gradients import batch_gradients, loss_sum_fn
@@ -181,7 +181,7 @@ def build(
     check_params(config, names, abstract_params, layout)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
     tx = _train_params_only(tx, abstract, frozen)
-    (names, frozen_names), (abstract_params, frozen_abstract) = (lora.split(t, frozen) for t in (names, abstract_params))
+    (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
     shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
     frozen_shardings = state_shardings(frozen_names, frozen_abstract, layout, config.parallel.zero_stage).params \
         if frozen else None
@@ -200,7 +200,7 @@ def build(
         """From the float32 weights in model order (LoRA's frozen ones included)."""
         if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
             weights = in_pipeline_order(weights, stages, chunks)
-        master, frozen_weights = lora.split(weights, frozen)
+        master, frozen_weights = split(weights, frozen)
         return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None,
                              lora.quantize_bases(frozen_weights) if frozen_weights else None)
 
@@ -223,7 +223,7 @@ def build(
         loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None, frozen)
         return loss, g.value()
 
-    weight_shardings = lora.join(shardings.params, frozen_shardings)
+    weight_shardings = join(shardings.params, frozen_shardings)
 
     def evaluate(weights, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once (`weights`:
@@ -324,7 +324,7 @@ def _train_params_only(tx: optax.GradientTransformation, abstract: nnx.State, fr
     """`tx` on the nnx.Params; other variables (an MoE router's balancing bias) are left to
     their own rules: the optimizer changes them by zero (no weight decay creeps in). LoRA's
     `frozen` weights are not the optimizer's at all."""
-    fixed = lora.split(nnx.to_pure_dict(
+    fixed = split(nnx.to_pure_dict(
         jax.tree.map(lambda v: not isinstance(v, nnx.Param), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     ), frozen)[0]
     if not any(jax.tree.leaves(fixed)):
