@@ -80,7 +80,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
         from jaxpar.train.preference import attach_reference
 
         attach_reference(source, trainer, trainer.weights(started))
-    del started  # on resume a whole second state: not kept while training
+    started = None  # on resume a whole second state: not kept while training
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
