@@ -116,11 +116,15 @@ def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, step
 def initial_state(trainer) -> Any:
     """`trainer.init()`'s state without compiling its random draws: the model's initial
     weights (initial_weights) placed as the state holds them, so the step's donated buffers
-    are the state's own."""
-    if trainer.lora_targets:  # the adapters' draws: init's own
-        return trainer.init()
-    weights = jax.device_put(initial_weights(trainer.config), trainer.master_params(trainer.state_shardings))
-    return trainer.start_from(weights)
+    are the state's own. LoRA's adapters are drawn beside the base as the build draws them
+    (jaxpar.train.lora.adapted_weights)."""
+    from jaxpar.train.lora import adapted_weights
+
+    config = trainer.config
+    weights = initial_weights(config)
+    if trainer.lora_targets:
+        weights = adapted_weights(weights, trainer.lora_targets, config.lora, config.train.seed)
+    return trainer.start_from(jax.device_put(weights, trainer.master_weights(trainer.state_shardings)))
 
 
 def initial_weights(config: Config) -> dict:

@@ -42,7 +42,7 @@ def test_lora_sft_equals_one_device_and_trains_the_adapters_alone(reference):
     1e-4 there. Only the adapters are in the optimizer's state; the frozen weights are a
     tree of their own."""
     from jaxpar.data.sources import make_source
-    from jaxpar.testing import check, compare, run_layout
+    from jaxpar.testing import check, compare, initial_state, run_layout
     from jaxpar.train import build
 
     config = chat_lora_config(microbatches=2)
@@ -54,7 +54,7 @@ def test_lora_sft_equals_one_device_and_trains_the_adapters_alone(reference):
     assert sharded.losses[-1] < sharded.losses[0]
 
     trainer = build(apply_overrides(config, ["mesh.data=4", "mesh.tensor=2"]))
-    state = trainer.init()
+    state = initial_state(trainer)
     assert all(x.shape[-1] == 4 or x.shape[1] == 4 for x in jax.tree.leaves(state.opt_state) if x.ndim)  # adapters'
     assert set(state.frozen) >= {"embedding", "head", "layers"} and "base" in state.frozen["layers"]["mlp"]["w_up"]
     batch = make_source(trainer.batch, config)(0)
@@ -113,6 +113,7 @@ def test_an_fp8_base_rests_in_a_byte_and_follows_the_compute_dtype_one():
     from jaxpar.data.sources import make_source
     from jaxpar.inspect.report import shard_bytes
     from jaxpar.recipes import load
+    from jaxpar.testing import initial_state
     from jaxpar.train import build
 
     config = apply_overrides(load("llama"), ["lora.rank=8", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1",
@@ -120,7 +121,7 @@ def test_an_fp8_base_rests_in_a_byte_and_follows_the_compute_dtype_one():
     losses, frozen = [], []
     for base in ("compute", "fp8"):
         trainer = build(apply_overrides(config, [f"lora.base_dtype={base}"]))
-        state = trainer.init()
+        state = initial_state(trainer)
         state = dataclasses.replace(state, params=jax.tree.map(lambda x: x + 0.02, state.params))
         losses.append(float(trainer.evaluate(trainer.weights(state), make_source(trainer.batch, config)(0))[0]))
         frozen.append(state.frozen)

@@ -12,7 +12,6 @@ included (the layers put in pipeline order on the devices, as a fresh state woul
 from __future__ import annotations
 
 import functools
-import math
 import pathlib
 from typing import Any, Callable
 
@@ -27,7 +26,7 @@ from jaxpar.hf.peft import adapter_settings, adapter_weights
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
 from jaxpar.model import HF_FORMAT, declared, has, model_name
-from jaxpar.sharding.adapters import drawn_a
+from jaxpar.sharding.adapters import initial_adapter
 
 # The architectures jaxpar reads: the registered model families' (jaxpar.families).
 ARCHITECTURES = View(architectures)
@@ -134,24 +133,29 @@ def _drawn_adapters(trainer, paths: set[str], shapes: dict[str, tuple]) -> dict[
     drawing the rest of the model."""
     if not paths:
         return {}
-    order = sorted(trainer.lora_targets)
+    order, lora, seed = sorted(trainer.lora_targets), trainer.config.lora, trainer.config.train.seed
     out = {}
     for path in paths:
         owner, _, leaf = path.rpartition(".")
         t = trainer.lora_targets[owner]
-        shape = shapes[path]
-        out[path] = np.zeros(shape, np.float32) if leaf == "lora_b" else np.asarray(
-            drawn_a(trainer.config.train.seed, order.index(owner), shape, math.prod(shape[t.lead:t.lead + t.inputs])))
+        a, b = initial_adapter(order.index(owner), t.lead, t.inputs, shapes[owner + ".base"], lora.rank, seed)
+        out[path] = np.asarray(b if leaf == "lora_b" else a)
     return out
 
 
 def _drawn(trainer, paths: set[str]) -> dict[str, Any]:
-    """The parameters at `paths` as a fresh run draws them (the whole model is drawn once,
-    in model order; only these are kept)."""
+    """The parameters at `paths` as a fresh run draws them: `trainer.init()` inlined into
+    one program that returns only these, so the compiler drops the other parameters' draws
+    (DeepSeek's missing prediction module: a quarter of init's compile)."""
     if not paths:
         return {}
-    master = trainer.model_order(trainer.master_weights(trainer.init()))
-    return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(master)[0]) if p in paths}
+
+    def kept():
+        master = trainer.model_order(trainer.master_weights(trainer.init()))
+        return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(master)[0])
+                if p in paths}
+
+    return jax.jit(kept)()
 
 
 def _reader(weight: Weight, entries: dict[str, Entry], shape: tuple[int, ...]):

@@ -80,6 +80,17 @@ def drawn_a(seed: int, index: int, shape: tuple[int, ...], fan_in: int) -> jax.A
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
+def initial_adapter(index: int, lead: int, inputs: int, shape: tuple[int, ...], rank: int, seed: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(A, B) of the `index`-th adapted weight (targets in sorted order), of `shape` with
+    `lead` leading dimensions before its `inputs` input ones, as the model's build draws
+    them: A as `drawn_a`, B zero. A Hugging Face import and a test's starting state draw
+    the adapters alone, without the model."""
+    cut = lead + inputs
+    a = drawn_a(seed, index, (*shape[:cut], rank), math.prod(shape[lead:cut]))
+    return a, jnp.zeros((*shape[:lead], rank, *shape[cut:]), jnp.float32)
+
+
 def adapter_output(h: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
     """(x @ A) [.., r] -> scale * (x @ A) @ B; B laid out for use (one layer's)."""
     return jnp.tensordot(h * jnp.asarray(scale, h.dtype), lora_b.astype(h.dtype), axes=1)

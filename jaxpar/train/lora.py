@@ -27,12 +27,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import LoraConfig
 from jaxpar.errors import ConfigError
-from jaxpar.sharding.adapters import Frozen, LoraWeight, drawn_a, quantized
+from jaxpar.sharding.adapters import Frozen, LoraWeight, initial_adapter, quantized
 from jaxpar.sharding.annotate import logical_names
 
 RESIDUAL = "embed"  # the residual axis: a projection's input (column) or output (row) side
@@ -131,8 +132,7 @@ def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, se
             weight = _get(owner, attr)
             value, names = weight[...], logical_names(weight)
             cut = t.lead + t.inputs
-            a = drawn_a(seed, i, (*value.shape[:cut], lora.rank), math.prod(value.shape[t.lead:cut]))
-            b = jnp.zeros((*value.shape[:t.lead], lora.rank, *value.shape[cut:]), jnp.float32)
+            a, b = initial_adapter(i, t.lead, t.inputs, value.shape, lora.rank, seed)
             base_scale = Frozen(jnp.ones(value.shape[:cut], jnp.float32), out_sharding=names[:cut]) \
                 if lora.base_dtype == "fp8" else None  # the scales quantize_bases sets
             _set(owner, attr, LoraWeight(
@@ -141,6 +141,24 @@ def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, se
                 nnx.Param(b, out_sharding=(*names[:t.lead], None, *names[cut:])),
                 scale, t.inputs, base_scale))
     return model
+
+
+def adapted_weights(weights: dict, targets: Mapping[str, Target], lora: LoraConfig, seed: int) -> dict:
+    """The base model's float32 weights (a nested dict in model order, as nnx.to_pure_dict
+    gives them) with each target's adapters drawn beside it: the tree `trainer.init()` starts
+    from, without building the model or compiling its draws."""
+    out = jax.tree.map(lambda x: x, weights)  # a copy whose nodes this may replace
+    for i, (dotted, t) in enumerate(sorted(targets.items())):
+        *parents, leaf = (int(k) if k.isdigit() else k for k in dotted.split("."))
+        node = out
+        for k in parents:
+            node = node[k]
+        base = node[leaf]
+        a, b = initial_adapter(i, t.lead, t.inputs, base.shape, lora.rank, seed)
+        node[leaf] = {"base": base, "lora_a": a, "lora_b": b,
+                      **({"base_scale": jnp.ones(base.shape[:t.lead + t.inputs], jnp.float32)}
+                         if lora.base_dtype == "fp8" else {})}
+    return out
 
 
 def _owner(model: nnx.Module, dotted: str) -> tuple[Any, str | int]:
