@@ -7,6 +7,8 @@
   * `compare_layouts` / `assert_equivalent`: train one config under two layouts from the
     same initial parameters and data and compare losses, first-step gradients and
     parameters after N steps.
+  * `CompileLog`: where a test run's time goes, each trace, lowering and XLA compile with
+    the test that made it (benchmarks/suite_compiles.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Sequence
@@ -27,10 +32,11 @@ from jaxpar.config import Config, ParallelConfig, apply_overrides
 from jaxpar.data.sources import make_source
 from jaxpar.mesh import MeshConfig, force_cpu_devices
 
-__all__ = ["assert_equivalent", "check", "compare", "compare_layouts", "fast_compiles", "force_cpu_devices", "reference_run",
+__all__ = ["CompileLog", "assert_equivalent", "check", "compare", "compare_layouts", "fast_compiles", "force_cpu_devices", "reference_run",
            "run_layout", "single_device", "tree_error"]
 
 CACHE_DIR = "JAXPAR_TEST_XLA_CACHE"  # set it to keep compiled programs from one test run to the next
+COMPILE_LOG = "JAXPAR_COMPILE_LOG"  # a folder: CompileLog's lines of every test process
 
 
 def fast_compiles() -> str:
@@ -58,6 +64,44 @@ def fast_compiles() -> str:
     if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     return os.environ[CACHE_DIR]
+
+
+class CompileLog(logging.Handler):
+    """JAX's compile reports (jax_log_compiles, turned on here) as JSON lines in
+    `directory`/<pid>.jsonl: {"test", "kind": tracing | lowering | compile, "fn", "s"}, the
+    test being the one `test` names when JAX reports. The reports leave JAX's loggers only
+    through this handler (nothing more on stderr); a cache hit is a compile of a few
+    milliseconds. Processes a test starts are not logged."""
+
+    REPORT = re.compile(r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation) (?:of )?(?:for )?"
+                        r"(?:jit\()?(.*?)\)?(?: for jit)? in ([0-9.e+-]+) sec")
+    KINDS = {"tracing": "tracing", "jaxpr to MLIR module conversion": "lowering", "XLA compilation": "compile"}
+    LOGGERS = ("jax._src.dispatch", "jax._src.interpreters.pxla")
+
+    def __init__(self, directory: str):
+        super().__init__(logging.DEBUG)
+        self.test = ""
+        self.file = open(os.path.join(directory, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        jax.config.update("jax_log_compiles", True)
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.addHandler(self)
+            logger.propagate = False
+
+    def close(self) -> None:
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.removeHandler(self)
+            logger.propagate = True
+        jax.config.update("jax_log_compiles", False)
+        self.file.close()
+        super().close()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = self.REPORT.search(record.getMessage())
+        if found:
+            kind, fn, seconds = found.groups()
+            self.file.write(json.dumps({"test": self.test, "kind": self.KINDS[kind], "fn": fn, "s": float(seconds)}) + "\n")
 
 
 def pytest_addoption(parser) -> None:

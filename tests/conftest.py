@@ -15,10 +15,12 @@ import uuid
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar.testing import fast_compiles, force_cpu_devices  # noqa: E402
+from jaxpar.testing import COMPILE_LOG, CompileLog, fast_compiles, force_cpu_devices  # noqa: E402
 
 fast_compiles()
 force_cpu_devices(8)
+# benchmarks/suite_compiles.py: each trace, lowering and compile of the run, by test
+COMPILES = CompileLog(os.environ[COMPILE_LOG]) if os.environ.get(COMPILE_LOG) else None
 
 # The single-device reference runs of this test run, shared by its xdist workers (the first
 # process makes the folder; the workers it starts inherit it). Never kept from one run to the
@@ -142,6 +144,13 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {missing}")
     for nodeid in SMOKE.keys() & collected.keys():
         collected[nodeid].add_marker(pytest.mark.smoke)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if COMPILES is not None:
+        COMPILES.test = item.nodeid
+    yield
 
 
 # ------------------------------------------------------------------ no process left behind
