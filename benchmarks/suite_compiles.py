@@ -38,7 +38,8 @@ def run_pytest(args: list[str], logs: pathlib.Path) -> str:
     lines = []
     with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         for line in p.stdout:
-            sys.stdout.write(line) if not DURATION.match(line) else None
+            if not DURATION.match(line):  # the durations go to the tables, not the screen
+                sys.stdout.write(line)
             lines.append(line)
     return "".join(lines)
 

@@ -232,9 +232,10 @@ def _check_base(trainer, meta: dict, step: int, directory: pathlib.Path) -> None
 def reorder_layers(trainer, to: str):
     """The jitted move of a TrainState's stacked layers to model order (`to="model"`, before
     a save) or back to the stages' pipeline order (`to="pipeline"`, after a restore), in the
-    state's own shardings (a checkpoint's state: LoRA's frozen weights None); None where the orders coincide (no interleaved pipeline). Chunks
-    move between stages by collective permutes (jaxpar.pipeline.stages.relaid_layers), so
-    no stage's layers are gathered onto another."""
+    state's own shardings (a checkpoint's state: LoRA's frozen weights None); None where the
+    orders coincide (no interleaved pipeline). Chunks move between stages by collective
+    permutes (jaxpar.pipeline.stages.relaid_layers), so no stage's layers are gathered onto
+    another."""
     p, v = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
     if trainer.pipeline is None or p == 1 or v == 1:
         return None

@@ -149,7 +149,7 @@ def adapted_weights(weights: dict, targets: Mapping[str, Target], lora: LoraConf
     from, without building the model or compiling its draws."""
     out = jax.tree.map(lambda x: x, weights)  # a copy whose nodes this may replace
     for i, (dotted, t) in enumerate(sorted(targets.items())):
-        *parents, leaf = (int(k) if k.isdigit() else k for k in dotted.split("."))
+        *parents, leaf = _keys(dotted)
         node = out
         for k in parents:
             node = node[k]
@@ -161,9 +161,14 @@ def adapted_weights(weights: dict, targets: Mapping[str, Target], lora: LoraConf
     return out
 
 
+def _keys(dotted: str) -> list[str | int]:
+    """A target's dotted path as keys of the model, or of its pure dict (list positions as ints)."""
+    return [int(k) if k.isdigit() else k for k in dotted.split(".")]
+
+
 def _owner(model: nnx.Module, dotted: str) -> tuple[Any, str | int]:
     node = model
-    *parents, last = [int(k) if k.isdigit() else k for k in dotted.split(".")]
+    *parents, last = _keys(dotted)
     for key in parents:
         node = _get(node, key)
     return node, last
