@@ -50,8 +50,8 @@ def fast_compiles() -> str:
         collectives, scheduling) are unchanged, and so are the values: LLVM does not
         reorder floating-point arithmetic unasked. Skipped if XLA_FLAGS sets the level.
 
-    Returns the cache directory. Note that a program loaded from the cache prints none of
-    the compiler's warnings (jaxpar.inspect findings): only its first compile does."""
+    Returns the cache directory. A program loaded from the cache prints none of the
+    compiler's warnings: what reads them compiles in jaxpar.inspect.compiler_warnings()."""
     if CACHE_DIR not in os.environ:  # the run's first process
         os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
         atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)

@@ -115,12 +115,10 @@ def test_interleaved_checkpoints_move_no_whole_layer_stack():
     interleaved layouts (benchmarks/matrix.py) with a layer sharding of its own, neither
     direction makes XLA's partitioner replicate a stack on every device: it prints
     "Involuntary full rematerialization" when it does (C++, on file descriptor 2, and only
-    on a real compile, so the compilation cache is off meanwhile), and the only collectives
+    on a real compile: jaxpar.inspect.findings.compiler_warnings), and the only collectives
     are point to point (no all-gather that it might choose unasked)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
     from jaxpar.commands.common import resolve_config
-    from jaxpar.inspect.findings import captured_stderr
+    from jaxpar.inspect.findings import compiler_warnings
     from jaxpar.train.checkpoint import reorder_layers
 
     matrix = _matrix()
@@ -133,20 +131,13 @@ def test_interleaved_checkpoints_move_no_whole_layer_stack():
                 continue  # a pair the checks refuse (ZeRO-2/3 with stages, the moe recipe's layers)
             layouts.setdefault(str(jax.tree.map(lambda s: s.spec, trainer.state_shardings)), (cell.name, trainer))
     assert len(layouts) >= 4, sorted(name for name, _ in layouts.values())
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
     found = {}  # layout -> (arrays the partitioner replicated, collectives other than point to point)
-    try:
-        for name, trainer in layouts.values():
-            with captured_stderr() as log:
-                saved = dataclasses.replace(trainer.abstract_state(), frozen=None)  # as a checkpoint holds it
-                texts = [reorder_layers(trainer, to).lower(saved).compile().as_text() for to in ("model", "pipeline")]
-            others = {op for text in texts for op in re.findall(r"\b(all-gather|all-reduce|all-to-all)\b", text)}
-            found[name] = (sum("Involuntary full rematerialization" in line for line in log), sorted(others))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
-        compilation_cache.reset_cache()
+    for name, trainer in layouts.values():
+        with compiler_warnings() as log:
+            saved = dataclasses.replace(trainer.abstract_state(), frozen=None)  # as a checkpoint holds it
+            texts = [reorder_layers(trainer, to).lower(saved).compile().as_text() for to in ("model", "pipeline")]
+        others = {op for text in texts for op in re.findall(r"\b(all-gather|all-reduce|all-to-all)\b", text)}
+        found[name] = (sum("Involuntary full rematerialization" in line for line in log), sorted(others))
     assert all(found[name] == (0, []) for name in found), found
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.commands import main
 from jaxpar.config import apply_overrides
-from jaxpar.inspect import captured_stderr, inspect_step, parse_findings
+from jaxpar.inspect import captured_stderr, compiler_warnings, inspect_step, parse_findings
 from jaxpar.inspect.buffers import Buffer, parameter_shaped, temporaries
 from jaxpar.inspect.explain import explain
 from jaxpar.inspect.findings import OVERSIZED, oversized_temporaries
@@ -88,7 +88,12 @@ def test_matmul_flops_multiply_loop_trips():
     assert known and flops == 5 * 2 * (2 * 4 * 16 * 32)
 
 
-def test_involuntary_rematerialisation_becomes_a_finding():
+def test_involuntary_rematerialisation_becomes_a_finding_even_when_the_program_is_in_the_cache():
+    """XLA prints the partitioner's warning only while it compiles. The run's persistent
+    compilation cache (tests/conftest.py; a user's jax_compilation_cache_dir alike) holds the
+    program after its first compile and prints nothing when it loads it, so
+    compiler_warnings (what `jaxpar explain` compiles under) turns the cache off for its
+    block, and back on after it."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 
     def f(x):
@@ -96,9 +101,13 @@ def test_involuntary_rematerialisation_becomes_a_finding():
         return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, None, ("a", "b"))))
 
     x = jax.ShapeDtypeStruct((24, 8), jnp.float32, sharding=NamedSharding(mesh, P(("b", "a"), None)))
-    with captured_stderr() as log:
-        jax.jit(f).lower(x).compile()
-    findings = parse_findings(log)
+    logs = {}
+    for when, capture in (("first", captured_stderr), ("from the cache", captured_stderr), ("fresh", compiler_warnings),
+                          ("cache back on", captured_stderr)):
+        with capture() as logs[when]:  # a new function each time: not JAX's in-memory memo of this process
+            jax.jit(lambda x: f(x)).lower(x).compile()
+    assert not parse_findings(logs["from the cache"]) and not parse_findings(logs["cache back on"])
+    findings = parse_findings(logs["fresh"])
     assert findings and findings[0].kind == "involuntary full rematerialization"
     assert "->" in findings[0].detail
 

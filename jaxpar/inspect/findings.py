@@ -4,7 +4,8 @@ The partitioner's warnings, caught while compiling: XLA reports an involuntary f
 rematerialisation (a tensor replicated on every device because no cheaper resharding was
 found) on the process's stderr, from C++, where Python logging never sees it. We point file
 descriptor 2 at a temporary file for the duration of a compile and read back what was
-written.
+written (`compiler_warnings`). XLA prints them only while it compiles, so JAX's persistent
+compilation cache is off meanwhile: an executable loaded from it prints nothing.
 
 Temporaries larger than a layer (`oversized_temporaries`): under ZeRO-3 / FSDP no buffer
 needs to hold more than one layer's parameters at a time (gathered in the compute dtype), so
@@ -25,6 +26,8 @@ import re
 import sys
 import tempfile
 from typing import Iterable, Iterator, Sequence
+
+import jax
 
 from jaxpar.inspect.buffers import Buffer, parameter_shaped
 from jaxpar.units import byte_size, params
@@ -68,6 +71,27 @@ def captured_stderr() -> Iterator[list[str]]:
             rest = [line for line in lines if not _classify(line)]
             if rest:
                 sys.stderr.write("\n".join(rest) + "\n")
+
+
+@contextlib.contextmanager
+def compiler_warnings() -> Iterator[list[str]]:
+    """captured_stderr around compiles that really run: JAX's persistent compilation cache
+    (a user's jax_compilation_cache_dir, the test suite's) is off inside the block and as it
+    was after it. An executable loaded from the cache prints none of the partitioner's
+    warnings, so its findings would be lost without a word. (Nor does a jitted function this
+    process already compiled for the same inputs, which JAX keeps in memory: inspect a
+    freshly built trainer, as `jaxpar explain` and `jaxpar plan` do.)"""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether to use it: ask again
+    try:
+        with captured_stderr() as lines:
+            yield lines
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _classify(line: str) -> str | None:

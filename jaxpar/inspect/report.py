@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxpar.inspect.buffers import temporaries
 from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
-from jaxpar.inspect.findings import Finding, captured_stderr, oversized_temporaries, parse_findings
+from jaxpar.inspect.findings import Finding, compiler_warnings, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
@@ -123,7 +123,7 @@ def inspect_step(trainer) -> StepReport:
     """Compile `trainer.step` ahead of time and account for it."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
     t0 = time.perf_counter()
-    with captured_stderr() as log:
+    with compiler_warnings() as log:  # a real compile: its warnings, its time
         compiled = trainer.step.lower(state, batch).compile()
     seconds = time.perf_counter() - t0
     mesh = trainer.mesh
