@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import random
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ def test_one_cache_for_the_run_reached_by_this_process_and_its_children():
     cache = fast_compiles()  # again: conftest called it first
     assert cache == os.environ[CACHE_DIR] == os.environ["JAX_COMPILATION_CACHE_DIR"] == jax.config.jax_compilation_cache_dir
     before = set(os.listdir(cache))
-    jax.jit(lambda x: x * 3.0 + 0.25)(jnp.arange(7.0)).block_until_ready()  # a program no other test compiles
+    offset = random.random()  # a program no other test, nor an earlier run keeping its cache (JAXPAR_TEST_XLA_CACHE), compiled
+    jax.jit(lambda x: x * 3.0 + offset)(jnp.arange(7.0)).block_until_ready()
     assert set(os.listdir(cache)) - before, "nothing was written to the cache"
     assert os.environ["XLA_FLAGS"].count("--xla_backend_optimization_level=0") == 1  # idempotent
 
