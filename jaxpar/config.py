@@ -41,30 +41,33 @@ class ParallelConfig:
     # ZeRO++ (arXiv 2306.10209). hpz: at zero_stage=3, keep a secondary parameter shard
     # inside the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
     hpz: bool = False
-    # qwZ: parameter all-gathers in int8; qgZ: the gradient reduction over mesh.data as an
-    # int8 all-to-all. One float32 scale per `quantization_block` elements.
+    # qwZ: the parameter all-gathers in int8, one float32 scale per quantization_block elements.
     quantized_weights: bool = False
+    # qgZ: the gradient reduction over mesh.data as an int8 all-to-all, one float32 scale per
+    # quantization_block elements (as gradient_compression=int8).
     quantized_gradients: bool = False
-    quantization_block: int = 256
+    quantization_block: int = 256  # elements that share one float32 scale under qwZ and qgZ
     # Compress the gradient reduction over mesh.data across hosts (jaxpar.train.compression;
     # needs mesh.hosts.data = mesh.data > 1, the in-host part of data parallelism on
     # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
     # factors of each gradient matrix, warm-started, with error feedback) | topk (the
     # topk_fraction largest entries of each device's block, with error feedback).
     gradient_compression: GradientCompression = "none"
-    powersgd_rank: int = 4
-    topk_fraction: float = 0.01
+    powersgd_rank: int = 4  # powersgd: the rank of the two factors each gradient matrix is sent as
+    topk_fraction: float = 0.01  # topk: the share of each device's gradient block sent (its largest entries)
     # fp32 master weights and optimizer state rest in pinned host memory between steps and
     # are brought to the device for the update.
     offload_optimizer: bool = False
-    # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention):
-    # ring | ulysses | allgather; sequences laid out zigzag (causal load balance) or
-    # contiguous; longest query/key tile of the blockwise kernels (tiles divide the layout's
-    # chunks); the block forward in pure JAX (jax), as one fused Pallas kernel (pallas:
-    # Triton, GPUs) or that kernel in the Pallas interpreter (pallas_interpret: for checking).
+    # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention): ring
+    # (key/value blocks passed round the devices), ulysses (all-to-alls from sequence to head
+    # shards and back) or allgather (keys and values gathered whole, queries kept sharded).
     context_impl: ContextImpl = "ring"
+    # How a sequence lies over mesh.context: zigzag (2n chunks, device r holds r and 2n-1-r:
+    # the same causal work on every device) or contiguous.
     context_layout: SequenceLayout = "zigzag"
-    attention_block: int = 512
+    attention_block: int = 512  # the longest query/key tile of the blockwise kernels (tiles divide the layout's chunks)
+    # The context kernels' block forward: pure JAX (jax), one fused Pallas kernel (pallas:
+    # Triton, GPUs) or that kernel in the Pallas interpreter (pallas_interpret: for checking).
     attention_kernel: AttentionKernel = "jax"
     # Attention over an unsharded sequence (mesh.context=1): reference (scores materialized,
     # softmax in float32), flash (jaxpar's blockwise kernel, attention_block tiles, the jax
@@ -77,13 +80,12 @@ class ParallelConfig:
     # or auto (ragged on GPUs, padded elsewhere).
     expert_exchange: ExpertExchange = "auto"
     # Pipeline parallelism over mesh.stage (jaxpar.pipeline): the schedule, run over
-    # train.microbatches microbatches, and the model chunks (virtual stages) each device
-    # holds, more than 1 only for interleaved.
+    # train.microbatches microbatches.
     pipeline_schedule: PipelineSchedule = "1f1b"
-    pipeline_chunks: int = 1
-    # Rule overrides on top of the defaults, 'logical=axis+axis,...' (e.g. 'embed=fsdp').
-    storage_rules: str = ""
-    compute_rules: str = ""
+    pipeline_chunks: int = 1  # model chunks (virtual stages) each device holds; more than 1 only for interleaved
+    # Rule overrides, 'logical=axis+axis,...' on top of the defaults (jaxpar.sharding.rules).
+    storage_rules: str = ""  # where parameters, gradients and optimizer state rest, e.g. 'embed=fsdp'
+    compute_rules: str = ""  # where activations and parameters at their point of use lie, e.g. 'mlp=tensor'
     # A parameter whose logical names match no rule while a mesh axis that shards
     # parameters is > 1 rests whole on every device: warn (name it and the rule that would
     # shard it), error (refuse the layout), or allow (say nothing).
@@ -127,11 +129,11 @@ class TrainConfig:
     # DPO's beta on data.source=preference (jaxpar.train.preference): how far the policy's
     # log-ratios to the reference are scaled before the sigmoid.
     dpo_beta: float = 0.1
-    eval_batches: int = 4
+    eval_batches: int = 4  # held-out global batches each evaluation's loss is taken over (eval_every)
     # "START:STOP": a jax.profiler trace of steps START..STOP-1 into profile_dir, for
     # TensorBoard's profile plugin or Perfetto (jaxpar.train.profile). "": none.
     profile_steps: str = ""
-    profile_dir: str = "runs/profile"
+    profile_dir: str = "runs/profile"  # the folder profile_steps' trace is written to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +213,12 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CompilerConfig:
-    # XLA options for the train step (jaxpar.xla_options): auto (overlap on GPUs, none
-    # elsewhere) | overlap | none, then `options` on top, 'name=value,...' (e.g.
-    # 'xla_gpu_enable_latency_hiding_scheduler=false'); each is checked against the jaxlib.
+    # XLA options for the train step (jaxpar.xla_options): overlap (communication hidden
+    # behind computation: the latency-hiding scheduler and its companions), none, or auto
+    # (overlap on GPUs, none elsewhere).
     preset: CompilerPreset = "auto"
+    # XLA options on top of the preset, 'name=value,...' (e.g.
+    # 'xla_gpu_enable_latency_hiding_scheduler=false'); each is checked against the jaxlib.
     options: str = ""
 
 
@@ -224,7 +228,7 @@ class LoraConfig:
     # compute dtype (no gradient, master copy or optimizer state) and trains A [in, rank] and
     # B [rank, out] beside each, added as (alpha / rank) * A @ B; 0: no adapters.
     rank: int = 0
-    alpha: float = 16.0
+    alpha: float = 16.0  # the adapters' scale: each adds (alpha / rank) * A @ B
     # Comma-separated patterns (fnmatch) over parameter paths, e.g. '*.wq,*.wv'; a weight
     # that matches is adapted. '': every projection, i.e. each weight of two or more
     # dimensions, all named, with the residual axis ('embed') first or last; vocabulary

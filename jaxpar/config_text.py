@@ -1,5 +1,6 @@
-"""The config as people read and write it: each field's meaning, taken from the comments
-beside it in its dataclass (written once, there), and TOML files of overrides.
+"""The config as people read and write it: each field's meaning, taken from its own comment
+in its dataclass (written once, there: beside the field or right above it), and TOML files
+of overrides.
 
   jaxpar train llama --print-config [PREFIX]            key=value lines with their meaning
   jaxpar train llama --print-config --as-toml > run.toml
@@ -11,24 +12,23 @@ key is an override, checked as `--set` checks it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import inspect
 import io
 import json
 import pathlib
-import re
 import textwrap
 import tokenize
 from typing import Any
 
 from jaxpar.errors import ConfigError
 
-_FIELD = re.compile(r"^(\s+)(\w+)\s*:[^=]+")  # `    name: type [= default]` in a class body
-
 
 def field_comments(cls: type) -> dict[str, str]:
-    """`_own_comments` of the class and of the dataclasses it derives from (a subclass's
-    own comment wins)."""
+    """{field: its own comment} of the class and of the dataclasses it derives from (a
+    subclass's own comment wins; a field it declares again without one keeps its base's)."""
     out: dict[str, str] = {}
     for base in reversed(cls.__mro__):
         if dataclasses.is_dataclass(base):
@@ -36,51 +36,47 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+@functools.cache
 def _own_comments(cls: type) -> dict[str, str]:
-    """{field: its comment}: the comment lines right above the field (or above the run of
-    fields it belongs to, with no blank line between) and the one beside it, from the
-    dataclass's source (empty when the source cannot be read)."""
+    """{field: its own comment} from the dataclass's source (empty when it cannot be read):
+    the comment beside the field, else the unbroken comment lines right above it. A comment
+    above a field that has one beside it, or above a run of fields (the next field follows
+    with no comment of its own), heads a group and is no field's meaning; so is one followed
+    by a blank line."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
+        body = ast.parse(source).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
         return {}
-    beside = _line_comments(source)
+    comments = _comments(source)
+    lines = source.splitlines()
+
+    def beside(stmt) -> str:
+        return " ".join(comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments)
+
+    fields = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, str] = {}
-    above: list[str] = []
-    group: list[str] = []  # the comment above the run of fields this one is in
-    body = None  # the class body's indentation
-    names = {f.name for f in dataclasses.fields(cls)}
-    for number, line in enumerate(source.splitlines(), 1):
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("#").strip())
+    for stmt, after in zip(body, body[1:] + [None]):
+        name = getattr(getattr(stmt, "target", None), "id", None)
+        if not isinstance(stmt, ast.AnnAssign) or name not in fields:
             continue
-        match = _FIELD.match(line)
-        if match and (body is None or match.group(1) == body) and match.group(2) in names:
-            body = match.group(1)
-            own = [beside[number]] if number in beside else []
-            group = above or ([] if own else group)  # a field's own comment ends the run's
-            text = " ".join(group + own)
-            if text:
-                out[match.group(2)] = text
-        elif not match or match.group(1) == body:
-            group = []  # a blank line, or anything but a field, ends the run
-        above = []
+        first = stmt.lineno  # the first of the comment lines right above it
+        while first > 1 and lines[first - 2].strip().startswith("#"):
+            first -= 1
+        heads_run = isinstance(after, ast.AnnAssign) and after.lineno == stmt.end_lineno + 1 and not beside(after)
+        text = beside(stmt) or ("" if heads_run else " ".join(comments[n] for n in range(first, stmt.lineno)))
+        if text:
+            out[name] = text
     return out
 
 
-def _line_comments(source: str) -> dict[int, str]:
-    """{line number: the comment that ends that line of code}."""
-    out, code_lines = {}, set()
+def _comments(source: str) -> dict[int, str]:
+    """{line number: the text of the comment on that line}."""
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT and tok.start[0] in code_lines:
-                out[tok.start[0]] = tok.string.lstrip("#").strip()
-            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
-                code_lines.add(tok.start[0])
+        return {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     except (tokenize.TokenError, SyntaxError):
-        pass
-    return out
+        return {}
 
 
 def field_docs(config: Any, prefix: str = "") -> dict[str, str]:
@@ -123,13 +119,10 @@ def to_toml(config: Any) -> str:
 
     choices, docs = choice_fields(config), field_docs(config)
     tables: dict[str, list[str]] = {}
-    said = None  # a run of fields under one comment shows it once
     for key, value in flatten(config).items():
         section, _, name = key.rpartition(".")
         lines = tables.setdefault(section, [])
-        if key in docs and docs[key] != said:
-            lines += [f"# {line}" for line in textwrap.wrap(docs[key], 96)]
-        said = docs.get(key)
+        lines += [f"# {line}" for line in textwrap.wrap(docs.get(key, ""), 96)]
         if key in choices:
             lines.append(f"# one of: {' | '.join(map(str, choices[key]))}")
         lines.append(f"{name} = {_toml_value(key, value)}")
@@ -158,7 +151,38 @@ def read_toml(path: str) -> list[str]:
         tree = tomllib.loads(file.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path} is not TOML: {e}") from None
-    return [f"{key}={_override_value(key, value, path)}" for key, value in _leaves(tree)]
+    return [FileOverride(f"{key}={_override_value(key, value, path)}", path) for key, value in _leaves(tree)]
+
+
+class FileOverride(str):
+    """A `key=value` override read from a --config file, which it remembers (`file`), so an
+    error it causes names the file (`check_file_overrides`)."""
+
+    file: str
+
+    def __new__(cls, text: str, file: str) -> "FileOverride":
+        override = super().__new__(cls, text)
+        override.file = file
+        return override
+
+
+def check_file_overrides(config: Any, overrides: list[str]) -> None:
+    """Each override that came from a --config file applied to `config` alone: an unknown key
+    or a bad value is refused naming the file, the key, its section's keys and the nearest."""
+    import difflib
+
+    from jaxpar.config import apply_overrides, flatten
+
+    for item in overrides:
+        if not isinstance(item, FileOverride):
+            continue
+        try:
+            apply_overrides(config, [item])
+        except ConfigError as e:
+            key = item.partition("=")[0]
+            near = difflib.get_close_matches(key, flatten(config), n=1)
+            hint = f" (did you mean {near[0]}?)" if near and near[0] != key else ""
+            raise ConfigError(f"--config {item.file}: {e}{hint}") from None
 
 
 def _leaves(tree: dict, prefix: str = ""):

@@ -28,12 +28,12 @@ class HostSplit:
 
     # How many hosts each mesh axis spans (1: inside a host). Their product is the host
     # count; an axis's size divides by it. Simulated on CPU devices as on GPU hosts.
-    stage: int = 1
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
-    tensor: int = 1
+    stage: int = 1  # hosts mesh.stage spans (1: inside a host)
+    data: int = 1  # hosts mesh.data spans (1: inside a host)
+    fsdp: int = 1  # hosts mesh.fsdp spans (1: inside a host)
+    expert: int = 1  # hosts mesh.expert spans (1: inside a host)
+    context: int = 1  # hosts mesh.context spans (1: inside a host)
+    tensor: int = 1  # hosts mesh.tensor spans (1: inside a host)
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}

@@ -47,6 +47,14 @@ def names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__))
 
 
+def did_you_mean(spec: str) -> str:
+    """' (did you mean 'llama'?)' where a recipe or preset name is close to `spec`, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(spec, [*names(), *families.recipes(), *presets()], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def presets() -> list[str]:
     """The model families' presets, each a recipe of that model with jaxpar's defaults."""
     return list(families.presets())
@@ -89,7 +97,7 @@ def _module_for(spec: str) -> tuple[ModuleType, str, str]:
         path, function = (head, function) if colon and head.endswith(".py") else (spec, "")
         return load_file(path), function or DEFAULT_FUNCTION, f"recipe file {path}"
     if not _MODULE_SPEC.match(spec):
-        raise UnknownRecipe(f"recipe {spec!r} is not a shipped name ({', '.join(names())}), {FORMS}")
+        raise UnknownRecipe(f"recipe {spec!r}{did_you_mean(spec)} is not a shipped name ({', '.join(names())}), {FORMS}")
     name, _, function = spec.partition(":")
     if name in names():  # llama or llama:recipe
         return importlib.import_module(f"jaxpar.recipes.{name}"), function or DEFAULT_FUNCTION, f"recipe {name!r}"
@@ -129,7 +137,7 @@ def _import_module(name: str, spec: str) -> ModuleType:
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)  # as `python -m` does: modules in the current directory import
     if ":" not in spec and "." not in spec and importlib.util.find_spec(name) is None:
-        raise UnknownRecipe(f"unknown recipe {spec!r}; use one of {', '.join(names())}; or {FORMS}")
+        raise UnknownRecipe(f"unknown recipe {spec!r}{did_you_mean(spec)}; use one of {', '.join(names())}; or {FORMS}")
     try:
         return importlib.import_module(name)
     except Exception as e:

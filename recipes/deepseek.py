@@ -1,7 +1,9 @@
-"""DeepSeek-V3's architecture in small on 8 devices: a dense layer, then two MoE layers of 8
-fine-grained experts (top 2 within 2 of 4 groups, gates x 2.5, one shared expert, sigmoid
-scores with bias balancing), multi-head latent attention (query and key/value latents), and
-multi-token prediction; experts over mesh.expert=4 x mesh.data=2.
+"""DeepSeek-V3 in small: latent attention, fine-grained experts, multi-token prediction.
+
+A dense layer, then two MoE layers of 8 fine-grained experts (top 2 within 2 of 4 groups,
+gates x 2.5, one shared expert, sigmoid scores with bias balancing), multi-head latent
+attention (query and key/value latents), and multi-token prediction; experts over
+mesh.expert=4 x mesh.data=2 (8 devices).
 
   jaxpar train deepseek --set train.steps=50
   jaxpar train deepseek --set mesh.stage=2 --set mesh.expert=2 --set train.microbatches=2

@@ -1,7 +1,9 @@
-"""A small Gemma 3 on 8 devices: four layers, local, local, global, local (model.global_every=3;
-the published models: 5 local then 1 global), the local ones over a window of 16 of the 64
-tokens with RoPE base 10^4, the global one over all of them at 10^6 slowed 8x, all split over a
-ring of context=4 in the contiguous order (which stops early in the local layers) x data 2.
+"""A small Gemma 3: local and global attention layers, context parallel (a ring).
+
+Four layers, local, local, global, local (model.global_every=3; the published models: 5
+local then 1 global), the local ones over a window of 16 of the 64 tokens with RoPE base
+10^4, the global one over all of them at 10^6 slowed 8x, all split over a ring of context=4
+in the contiguous order (which stops early in the local layers) x data 2 (8 devices).
 
   jaxpar train gemma3 --set train.steps=30
   jaxpar train gemma3 --set mesh.stage=2 --set mesh.context=2 --set train.microbatches=4   # a stage holds both kinds

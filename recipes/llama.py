@@ -1,4 +1,6 @@
-"""A small Llama on data x fsdp x tensor with Megatron sequence parallelism (8 devices).
+"""A small Llama with Megatron sequence parallelism.
+
+On data x fsdp x tensor (8 devices).
 
   jaxpar train llama --set train.steps=30
 """

@@ -1,5 +1,6 @@
-"""Long sequences on 8 devices: a narrow Llama whose 4k-token sequences are split 8 ways
-over mesh.context with ring attention (zigzag layout, so causal work is even).
+"""Long sequences: a narrow Llama's 4k tokens split over mesh.context (ring attention).
+
+Ring attention in the zigzag layout, so causal work is even over the 8 devices.
 
   jaxpar train llama_long --set train.steps=10
   jaxpar train llama_long --set parallel.context_impl=ulysses

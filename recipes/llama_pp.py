@@ -1,5 +1,7 @@
-"""A small Llama cut into 2 pipeline stages, on stage x data x tensor (+SP) = 2 x 2 x 2
-with ZeRO-1 (8 devices), trained with the 1F1B schedule over 8 microbatches.
+"""A small Llama in 2 pipeline stages (1F1B, 8 microbatches) with ZeRO-1.
+
+Cut into 2 pipeline stages, on stage x data x tensor (+SP) = 2 x 2 x 2 with ZeRO-1 (8
+devices), trained with the 1F1B schedule over 8 microbatches.
 
   jaxpar train llama_pp --set train.steps=30
   jaxpar train llama_pp --set parallel.pipeline_schedule=interleaved --set parallel.pipeline_chunks=2

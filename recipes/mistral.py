@@ -1,6 +1,8 @@
-"""A small Mistral on 8 devices: the llama recipe's shape with a sliding window of 16 keys over
-its 64-token sequences, split over a ring of context=4 in the contiguous order (where the
-ring stops after the two blocks each window reaches) x data 2.
+"""A small Mistral: a sliding window of 16 keys over a context ring.
+
+The llama recipe's shape with a sliding window of 16 keys over its 64-token sequences, split
+over a ring of context=4 in the contiguous order (where the ring stops after the two blocks
+each window reaches) x data 2 (8 devices).
 
   jaxpar train mistral --set train.steps=30
   jaxpar explain mistral                          # the shortened ring's traffic beside its formula

@@ -1,5 +1,6 @@
-"""The seed material's MLP (784-512-512-10) trained data parallel, with gradient
-accumulation over 4 microbatches inside the step.
+"""The seed material's MLP (784-512-512-10), data parallel, 4 microbatches a step.
+
+Trained data parallel, with gradient accumulation over 4 microbatches inside the step.
 
   jaxpar train mlp_dp
 """

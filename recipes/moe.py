@@ -1,5 +1,7 @@
-"""Mixture of experts on 8 devices: a small Mixtral-style decoder, 8 experts with top-2
-routing, experts spread over mesh.expert=4 (all-to-all dispatch) x mesh.data=2.
+"""Mixture of experts: a small Mixtral-style decoder, 8 experts, top-2.
+
+8 experts with top-2 routing, spread over mesh.expert=4 (all-to-all dispatch) x mesh.data=2
+(8 devices).
 
   jaxpar train moe --set train.steps=50
   jaxpar train moe --set model.routing=dropless

@@ -1,7 +1,9 @@
-"""A small Qwen3 on data x fsdp x tensor with Megatron sequence parallelism (8 devices): the
-llama recipe's shape with QK-norm and heads wider than width / heads (untied: jaxpar draws
-the embedding at unit scale, and a tied head would then start far from uniform; the tied
-Qwen3 format is tested by tests/golden/qwen3_tied).
+"""A small Qwen3 (QK-norm, wide heads) with Megatron sequence parallelism.
+
+The llama recipe's shape (8 devices, Megatron sequence parallelism) with QK-norm and heads
+wider than width / heads (untied: jaxpar draws the embedding at unit scale, and a tied head
+would then start far from uniform; the tied Qwen3 format is tested by
+tests/golden/qwen3_tied).
 
   jaxpar train qwen3 --set train.steps=30
 """

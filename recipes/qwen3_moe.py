@@ -1,6 +1,8 @@
-"""A small Qwen3-MoE on 8 devices: Qwen3's attention (QK-norm, heads wider than embed / heads)
-over 16 small experts in every layer, top 4 renormalised (norm_topk_prob), dropless, the
-experts over mesh.expert=4 x data 2; the published 30B-A3B and 235B-A22B: 128 experts, top 8.
+"""A small Qwen3-MoE: 16 experts in every layer, top 4, dropless.
+
+Qwen3's attention (QK-norm, heads wider than embed / heads) over 16 small experts in every
+layer, top 4 renormalised (norm_topk_prob), dropless, the experts over mesh.expert=4 x data 2
+(8 devices); the published 30B-A3B and 235B-A22B: 128 experts, top 8.
 
   jaxpar train qwen3_moe --set train.steps=30
   jaxpar explain qwen3_moe                        # the all-to-all's bytes beside its formula

@@ -31,14 +31,26 @@ def test_train_writes_metrics(tmp_path, capsys):
     args = ["train", "llama", "--no-progress", "--metrics-file", str(path)]
     assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s"} <= set(rows[0])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # steps done, as the plain lines count
+    assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s", "nonfinite", "first_nonfinite_grad",
+            "nonfinite_grads"} <= set(rows[0])
+    assert set(rows[0]) - readme_metrics() == set(), "README.md's metrics fields lack these"
     out = capsys.readouterr().out
     assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in out
     # without a bar, a plain line every train.log_every steps and after the last
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"], out
     assert f"loss {rows[1]['loss']:.4f} | grad_norm {rows[1]['grad_norm']:.3g} | lr " in lines[0], lines[0]
+
+
+def readme_metrics() -> set[str]:
+    """The fields README.md says a metrics row can have (its `--metrics-file` paragraph)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = text[text.index("`--metrics-file` writes one JSON object per step"):text.index("`jaxpar plot RUN.jsonl")]
+    return set(re.findall(r"`([a-z_]+)`", paragraph))
 
 
 def test_print_config(capsys):
@@ -84,3 +96,69 @@ def test_jaxpar_warnings_print_as_one_line():
     assert one_line_warning("step 2 cannot be read", UnreadableCheckpoint, "loop.py", 57) == (
         "jaxpar: warning: step 2 cannot be read\n")
     assert "loop.py:57" in one_line_warning("other", UserWarning, "loop.py", 57)
+
+
+def test_version_names_jax_jaxlib_and_the_checkout_s_commit(capsys):
+    import pathlib
+    import shutil
+    import subprocess
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"jaxpar {version('jaxpar')}") and "\n" not in out
+    assert f" | jax {version('jax')} | jaxlib {version('jaxlib')} | Python " in out
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if (root / ".git").exists() and shutil.which("git"):
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert f"(commit {head.strip()[:12]})" in out
+
+
+def test_the_commit_is_read_from_the_git_files(tmp_path):
+    """A branch's ref file, packed refs, a detached HEAD, a worktree's .git file; no .git: none."""
+    from jaxpar.commands import checkout_commit
+
+    a, b, c = "a" * 40, "b" * 40, "c" * 40
+    git = tmp_path / "repo" / ".git"
+    (git / "refs/heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs/heads/main").write_text(a + "\n")
+    assert checkout_commit(git.parent) == a
+    (git / "refs/heads/main").unlink()
+    (git / "packed-refs").write_text(f"# pack-refs with: peeled\n{c} refs/heads/other\n{b} refs/heads/main\n")
+    assert checkout_commit(git.parent) == b
+    worktree = tmp_path / "tree"
+    (git / "worktrees/tree").mkdir(parents=True)
+    (git / "worktrees/tree/HEAD").write_text("ref: refs/heads/other\n")
+    (git / "worktrees/tree/commondir").write_text("../..\n")
+    worktree.mkdir()
+    (worktree / ".git").write_text(f"gitdir: {git / 'worktrees/tree'}\n")
+    assert checkout_commit(worktree) == c
+    (git / "HEAD").write_text(a + "\n")
+    assert checkout_commit(git.parent) == a
+    assert checkout_commit(tmp_path / "elsewhere") is None
+
+
+def test_plan_draws_its_bar_only_on_a_terminal(monkeypatch, capsys):
+    """Into a pipe or a log (stderr not a terminal): no carriage-return bar, one plain line."""
+    import sys
+
+    import jaxpar.plan
+
+    asked = []
+
+    def plan(*args, progress, **kwargs):
+        asked.append(progress)
+        return [], {"hardware": jaxpar.plan.Hardware()}
+
+    monkeypatch.setattr(jaxpar.plan, "plan", plan)
+    monkeypatch.setattr(jaxpar.plan, "render", lambda *args: "the table")
+    command = ["plan", "--model", "llama", "--devices", "8", "--hbm-gb", "1"]
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    assert asked == [False] and "\r" not in captured.err and captured.out.endswith("the table\n")
+    assert captured.err.startswith("compiling the 4 fastest estimates of llama's layouts (up to 12 until one fits)")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert main(command) == 0 and asked[-1] is True and "compiling" not in capsys.readouterr().err
+    assert main(command + ["--json"]) == 0 and asked[-1] is False

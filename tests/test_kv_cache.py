@@ -66,20 +66,48 @@ def test_a_model_meets_its_cache_through_attend_alone():
         attend(q, q, q, causal=False)
 
 
-def test_a_users_own_model_samples_with_the_cache_as_without(tiny_llama):
+def test_a_users_own_model_samples_with_the_cache_as_without(tiny_llama, monkeypatch):
     """examples/gpt2.py (learned positions, its own attention module, scan_layers) under
     fsdp 2 x tensor 2 with sequence parallelism: three prompts of different lengths, greedy
-    and drawn with top-k and top-p, the same tokens with and without the cache. Under
-    context parallelism the cache is refused when asked for and left out when not."""
+    and drawn with top-k and top-p, the same tokens with and without the cache, and the same
+    logits (fp32, to 1e-5 of their scale) at every place a token is drawn for: an untrained
+    model's greedy tokens hardly depend on the context, so only the logits show a cache
+    written at the wrong places. Under context parallelism the cache is refused when asked
+    for and left out when not."""
     import gpt2
+
+    from jaxpar.train import sample
 
     config = apply_overrides(gpt2.recipe(), ["train.compute_dtype=float32", "train.seq_len=16", "train.global_batch=4"])
     trainer = build(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     params = initial_state(trainer).params
     prompts = [[1, 2, 3, 4, 5], [6, 7], [7, 8, 9, 10, 11, 12, 13, 14]]
-    for settings in ({}, {"temperature": 0.9, "top_k": 50, "top_p": 0.8, "seed": 4}):
+    seen: dict[tuple, np.ndarray] = {}  # (cached, settings, row, place): the logits drawn from
+    key = []
+
+    def drawing(logits_BV, places, *rest):  # every draw's logits, as the draw sees them
+        def record(logits, places):
+            for row, place in enumerate(places[:len(prompts)].tolist()):
+                seen[(*key, row, place)] = np.array(logits[row])
+
+        jax.debug.callback(record, logits_BV, places)
+        return draw(logits_BV, places, *rest)
+
+    draw = sample.draw
+    monkeypatch.setattr(sample, "draw", drawing)
+    for number, settings in enumerate(({}, {"temperature": 0.9, "top_k": 50, "top_p": 0.8, "seed": 4})):
+        key[:] = [True, number]
         cached = generate_batch(trainer, params, prompts, 6, kv_cache=True, **settings)
-        assert cached == generate_batch(trainer, params, prompts, 6, kv_cache=False, **settings), settings
+        key[:] = [False, number]
+        recomputed = generate_batch(trainer, params, prompts, 6, kv_cache=False, **settings)
+        jax.effects_barrier()
+        places = sorted({k[2:] for k in seen if k[1] == number})
+        assert len(places) == len(prompts) * 6 and all((c, number, *p) in seen for c in (True, False) for p in places)
+        for place in places:
+            with_cache, without = seen[(True, number, *place)], seen[(False, number, *place)]
+            np.testing.assert_allclose(with_cache, without, rtol=0, atol=1e-5 * np.max(np.abs(without)),
+                                       err_msg=f"{settings}, (row, place) {place}")
+        assert cached == recomputed, settings
     assert "cached_steps" in trainer.derived and "next_token_step" in trainer.derived  # built once, reused
     ring = build(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=4"]))
     with pytest.raises(ConfigError, match=r"^kv_cache=True with mesh.context=4: a cached step runs one token a row"):

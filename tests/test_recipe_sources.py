@@ -1,6 +1,7 @@
 """Recipes from anywhere: a shipped name, a path to a .py file, package.module[:function], or a
 name a model family registers (a preset, or one of its recipes)."""
 
+import importlib
 import pathlib
 import pickle
 import sys
@@ -13,6 +14,7 @@ from jaxpar.commands import main
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.plan import resolve_model
+from jaxpar.units import params
 
 RECIPE = '''
 import dataclasses
@@ -156,7 +158,7 @@ def test_module_that_fails_to_import_or_a_recipe_that_raises(tmp_path):
     write(tmp_path, "needs_more.py", "import not_installed_anywhere\n")
     message = error("needs_more:recipe")
     assert message.startswith("module needs_more failed to import: ModuleNotFoundError: No module named "
-                              "'not_installed_anywhere'") and f"needs_more.py, line 1)" in message
+                              "'not_installed_anywhere'") and "needs_more.py, line 1)" in message
     path = write(tmp_path, "raises.py", "def recipe():\n    return 1 / 0\n")
     assert error(str(path)) == f"recipe file {path}: recipe() raised ZeroDivisionError: division by zero ({path}, line 2)"
 
@@ -178,7 +180,9 @@ def test_function_must_return_a_config(recipe_file):
 
 def test_unknown_names_and_modules():
     message = error("lama")
-    assert message.startswith("unknown recipe 'lama'; use one of deepseek, gemma3, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe")
+    assert message.startswith("unknown recipe 'lama' (did you mean 'llama'?); use one of deepseek, gemma3, llama, "
+                              "llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe")
+    assert "(did you mean 'qwen3_moe'?)" in error("qwen3-moe") and "did you mean" not in error("nope")
     assert "package.module:function" in message
     assert "recipe module 'no_such_pkg.recipes' not found" in error("no_such_pkg.recipes:small")
     assert "is not a shipped name" in error("two words")
@@ -194,9 +198,18 @@ def test_plan_model_takes_the_same_specs(recipe_file):
 
 
 def test_recipes_command_says_paths_work(capsys):
+    """A line per recipe: its name, model family, size, mesh on 8 devices and docstring's first line."""
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:10] == ["deepseek", "gemma3", "llama", "llama_long", "llama_pp", "mistral", "mlp_dp", "moe", "qwen3", "qwen3_moe"]
+    assert [line.split()[0] for line in out[:10]] == ["deepseek", "gemma3", "llama", "llama_long", "llama_pp", "mistral",
+                                                      "mlp_dp", "moe", "qwen3", "qwen3_moe"]
+    llama = recipes.load("llama")
+    assert out[2] == (f"llama       llama, {params(llama.model.param_count())} params, data 2 x fsdp 2 x tensor 2: "
+                      "A small Llama with Megatron sequence parallelism.")
+    assert out[7].startswith("moe         mixtral, ") and ", data 2 x expert 4: Mixture of experts" in out[7]
+    for name, line in zip(recipes.names(), out):
+        summary = importlib.import_module(f"jaxpar.recipes.{name}").__doc__.splitlines()[0]
+        assert line.endswith(": " + summary) and len(summary) <= 100, line
     presets = out[10]
     assert "llama3-8b, llama3-70b" in presets and "mixtral-8x7b" in presets and "deepseek-v3" in presets
     assert "mistral-7b" in presets and "gemma3-27b" in presets

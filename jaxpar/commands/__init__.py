@@ -8,6 +8,7 @@ module here and a line in COMMANDS; library code never imports a command.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import warnings
 
@@ -21,20 +22,65 @@ COMMANDS = {"train": train, "explain": explain, "schedule": schedule, "plan": pl
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description="JAX SPMD training on a named mesh.")
-    p.add_argument("--version", action="version", version=f"jaxpar {_version()}")
+    p.add_argument("--version", action=_Version, help="print jaxpar's, jax's and jaxlib's versions (and the "
+                   "checkout's commit) and exit")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_parser(sub)
     return p
 
 
-def _version() -> str:
+class _Version(argparse.Action):
+    """--version, worked out only when asked for (no JAX import, no git process)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """'jaxpar 0.1.0 (commit d6d65bf1b84d) | jax 0.12.0.1 | jaxlib 0.12.0.1 | Python 3.12.3'."""
+    import platform
+
+    commit = checkout_commit(pathlib.Path(__file__).resolve().parents[2])
+    jaxpar = _installed("jaxpar") + (f" (commit {commit[:12]})" if commit else "")
+    return f"jaxpar {jaxpar} | jax {_installed('jax')} | jaxlib {_installed('jaxlib')} | Python {platform.python_version()}"
+
+
+def _installed(distribution: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("jaxpar")
-    except PackageNotFoundError:  # run from a source tree that was never installed
+        return version(distribution)
+    except PackageNotFoundError:  # jaxpar run from a source tree that was never installed
         return "(not installed)"
+
+
+def checkout_commit(root: pathlib.Path) -> str | None:
+    """The commit a git checkout at `root` has out (its HEAD, read from the files under
+    .git, a worktree's too), or None where `root` is no checkout (an installed package)."""
+    git = root / ".git"
+    try:
+        if git.is_file():  # a worktree or submodule: "gitdir: PATH"
+            git = (root / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head  # a detached HEAD is the commit itself
+        ref = head.split(":", 1)[1].strip()
+        common = (git / (git / "commondir").read_text().strip()).resolve() if (git / "commondir").is_file() else git
+        for folder in dict.fromkeys((git, common)):
+            if (folder / ref).is_file():
+                return (folder / ref).read_text().strip()
+            if (folder / "packed-refs").is_file():
+                for line in (folder / "packed-refs").read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split()[0]
+    except (OSError, IndexError):
+        return None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ have (jaxpar.plan)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from jaxpar.errors import ConfigError
 
@@ -64,8 +65,13 @@ def run(args) -> int:
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
     from jaxpar.units import params
 
+    bar = not args.json and sys.stderr.isatty()  # a bar redraws with carriage returns: a terminal's alone
+    if not args.json and not bar:
+        print(f"compiling the {args.compile_top} fastest estimates of {args.model}'s layouts (up to "
+              f"{3 * args.compile_top} until one fits), each in a process of its own for at most "
+              f"{args.compile_timeout:g} s", file=sys.stderr, flush=True)
     planned, facts = make_plan(model, devices if args.target else jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
-                               args.compile_top, progress=not args.json, compile_timeout_s=args.compile_timeout)
+                               args.compile_top, progress=bar, compile_timeout_s=args.compile_timeout)
     if args.json:
         rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
                  "prediction": p.prediction, "refused": p.refused, "failed": p.failed} for p in planned]

@@ -70,7 +70,8 @@ def run(args) -> int:
     dtype = text.token_dtype(vocab)
     files = text.document_files(spec)
     total = text.count_documents(files, spec)
-    with tqdm(total=total, unit="doc", disable=args.no_progress, dynamic_ncols=True) as bar:
+    # None: no bar where stderr is not a terminal (a pipe, a log file); the last line says it all
+    with tqdm(total=total, unit="doc", disable=args.no_progress or None, dynamic_ncols=True) as bar:
         parts = _encoded(tokenizer, spec, files, dtype, args.workers, bar)
         try:
             count = write_tokens(out, parts, dtype)
