@@ -10,6 +10,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only qwen3         # QK-norm while tensor + SP splits the heads
   python benchmarks/matrix.py --only gemma3        # local and global layers in one ring and one stage
   python benchmarks/matrix.py --only lora          # LoRA adapters under a strategy of each axis
+  python benchmarks/matrix.py --only kv1 --only gemma3_1b   # key/value heads fewer than mesh.tensor
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -140,10 +141,27 @@ LORA_CELLS = (("zero3", "tensor+sp"), ("zero1", "fsdp"), ("fsdp", "ring"), ("uly
               ("interleaved", "tensor+sp"), ("zb-h1", "data"), ("expert", "tensor"), ("1f1b", "fsdp", "tensor+sp"))
 
 
+# Variants of a recipe: (recipe, overrides, why). Key/value heads fewer than mesh.tensor, repeated
+# at use (jaxpar.train.layout.kv_repeats): the llama recipe with one kv head for its 16 query heads
+# ([kv1]) beside a strategy of each axis; Gemma 3 1B's heads (4 query, 1 kv) in the gemma3 recipe
+# ([gemma3_1b]) where its local and global layers meet a kernel or a stage.
+VARIANTS = {
+    "kv1": ("llama", ("model.num_kv_heads=1",), "the cell's subject: 1 key/value head under mesh.tensor=2, repeated at use"),
+    "gemma3_1b": ("gemma3", ("model.num_heads=4", "model.num_kv_heads=1"),
+                  "the cell's subject: Gemma 3 1B's 4 query heads and 1 key/value head, repeated at use over tensor"),
+}
+KV1_CELLS = (("data", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp"), ("ring", "tensor+sp"), ("ulysses", "tensor"),
+             ("allgather", "tensor"), ("1f1b", "tensor"), ("interleaved", "tensor+sp"), ("zb-h1", "tensor"),
+             ("1f1b", "fsdp", "tensor+sp"), ("fsdp", "ring", "tensor+sp"))
+GEMMA3_1B_CELLS = (("data", "tensor"), ("ring", "tensor+sp"), ("ulysses", "tensor"), ("allgather", "tensor+sp"),
+                   ("gpipe", "tensor"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     strategies: tuple[str, ...]  # in mesh axis order
-    family: str = ""  # "" (the llama and moe recipes), a family's recipe ("deepseek", ...), or "lora" (LORA on them)
+    family: str = ""  # "" (the llama and moe recipes), a family's recipe ("deepseek", ...), "lora" (LORA on them),
+    # or one of VARIANTS (a recipe with overrides)
 
     @property
     def name(self) -> str:
@@ -160,6 +178,8 @@ class Cell:
     @property
     def recipe(self) -> str:
         plain = "moe" if "expert" in self.strategies else "llama"
+        if self.family in VARIANTS:
+            return VARIANTS[self.family][0]
         return plain if self.family in ("", "lora") else self.family
 
     @property
@@ -183,6 +203,9 @@ class Cell:
                         "model-contract: the moe recipe's capacity routing needs whole sequences (mesh.context=1)"))
         if self.family == "lora":
             out += [(o, "the cell's subject: LoRA adapters, the rest frozen") for o in LORA]
+        if self.family in VARIANTS:
+            _, sets, why = VARIANTS[self.family]
+            out += [(o, why) for o in sets]
         return tuple(out)
 
     @property
@@ -219,6 +242,8 @@ def cells() -> list[Cell]:
     out += [Cell(c.strategies, "gemma3") for c in plain if "ring" in c.strategies and "expert" not in c.strategies]
     out += [Cell(tuple(sorted(pair, key=order.get)), "gemma3") for pair in GEMMA3_PAIRS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "lora") for combo in LORA_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "kv1") for combo in KV1_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "gemma3_1b") for combo in GEMMA3_1B_CELLS]
     return out
 
 

@@ -60,11 +60,11 @@ class LlamaConfig:
     mlp: int = 128  # the gated MLP's hidden width
     rope_theta: float = 10_000.0  # RoPE's base: wavelengths up to 2 pi theta
     # Llama 3.1+ RoPE frequency scaling (Hugging Face rope_scaling of type "llama3"): long
-    # wavelengths slowed by the factor, short ones kept, a smooth blend between (1: none).
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
+    # wavelengths slowed by the factor, short ones kept, a smooth blend between.
+    rope_scaling_factor: float = 1.0  # how much long wavelengths are slowed (rope_scaling's factor; 1: no scaling)
+    rope_low_freq_factor: float = 1.0  # wavelengths over rope_original_max_positions / this are slowed by the factor
+    rope_high_freq_factor: float = 4.0  # wavelengths under rope_original_max_positions / this are kept
+    rope_original_max_positions: int = 8192  # the context length the model was trained at before the scaling
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = False  # the head is the embedding table, transposed
     # A tied head's logits are multiplied by embed**-0.5 (the table is drawn at unit scale;
@@ -81,10 +81,11 @@ class LlamaConfig:
     sliding_window: int = 0
 
     # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
-    # and the fields each mesh axis splits.
+    # and the fields each mesh axis splits. Not num_kv_heads: key/value heads that
+    # mesh.tensor does not divide are repeated where they are used (jaxpar.train.layout.kv_repeats).
     task = "lm"
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
-    mesh_divides = {"tensor": ("num_heads", "num_kv_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}
+    mesh_divides = {"tensor": ("num_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}
     SIZES = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp")
 
     def check(self, sizes: dict[str, int]) -> None:

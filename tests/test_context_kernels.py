@@ -20,6 +20,7 @@ from jaxpar.kernels.attention import (
     sequence_order,
     unpermute,
 )
+from jaxpar.sharding.attend import fused_attention
 from jaxpar.testing import tree_error
 
 RTOL = 1e-5
@@ -302,8 +303,10 @@ def test_pallas_kernel_lowers_to_triton_for_an_h100(dtype, causal, segments):
         text = forward.trace(q, kv, kv, index, index, *segs).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text and 'name = "jaxpar_block_attention"' in text
     assert "grid_z = 8 : i32" in text  # 1024 / 128 query tiles: the 512 asked for is capped
-    assert pallas.shape_problem(8, 128, 128) == "a power-of-two head dimension of at least 16, not 8"
-    assert pallas.shape_problem(64, 96, 128) == "power-of-two tiles of at least 16 tokens, not a query tile of 96"
+    assert pallas.shape_problem(128, 128) is None
+    assert pallas.shape_problem(96, 128) == "power-of-two tiles of at least 16 tokens, not a query tile of 96"
+    # heads padded with zeros to a power of two of at least 16 (DeepSeek-V3: 192 and 128 -> 256)
+    assert (pallas.head_size(8, 8), pallas.head_size(64, 64), pallas.head_size(192, 128)) == (16, 64, 256)
 
 
 def test_values_of_their_own_head_size_in_every_kernel():
@@ -322,6 +325,13 @@ def test_values_of_their_own_head_size_in_every_kernel():
     index = jnp.arange(s)
     got = value_and_grads(lambda *a: flash_attention(*a, index, index, seg, seg, Masking(True, 16, 8)), q, k, v, ct)
     assert max(tree_error(a, w) for a, w in zip(got, want)) <= RTOL, "flash"
+    # the fused Pallas block (interpreted here) and cuDNN's call (its "xla" twin here) pad the heads to one size
+    got = value_and_grads(lambda *a: flash_attention(*a, index, index, seg, seg, Masking(True, 16, 8, "pallas_interpret")),
+                          q, k, v, ct)
+    assert max(tree_error(a, w) for a, w in zip(got, want)) <= RTOL, "pallas"
+    whole = value_and_grads(lambda *a: reference_attention(*a, None, True, window=5), q, k, v, ct)
+    got = value_and_grads(lambda *a: fused_attention(*a, True, 5, implementation="xla"), q, k, v, ct)
+    assert max(tree_error(a, w) for a, w in zip(got, whole)) <= RTOL, "cuDNN's call"
     mesh = mesh_of(data=2, context=2, tensor=2)
     order = sequence_order("zigzag", 2, s)
     for impl in ("ring", "ulysses", "allgather"):

@@ -251,18 +251,23 @@ def test_remat_policies_shrink_activation_memory(tiny_llama):
 
 
 @pytest.mark.parametrize(
-    "impl, remat", [("ring", "none"), ("ulysses", "selective"), ("allgather", "full")], ids=["ring", "ulysses", "allgather"]
+    "impl, remat, other", [("ring", "none", "mesh.data=2"), ("ulysses", "selective", "mesh.data=2"),
+                           ("allgather", "full", "mesh.data=2"), ("ring", "none", "mesh.tensor=2")],
+    ids=["ring", "ulysses", "allgather", "ring-tensor2-kv1"]
 )
-def test_explain_context_traffic_matches_the_formulas(tiny_llama, impl, remat):
+def test_explain_context_traffic_matches_the_formulas(tiny_llama, impl, remat, other):
     """A whole step on context=4 x data=2: attention traffic over context equals the
     per-layer formula x layers (with the forward again where remat recomputes attention),
-    and the gradient all-reduce over context equals 2Ψ(c-1)/c."""
-    config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.context=4", "train.seq_len=32",
-                                          f"parallel.context_impl={impl}", f"model.remat={remat}"])
+    and the gradient all-reduce over context equals 2Ψ(c-1)/c. And beside tensor=2 with one
+    key/value head, repeated twice at use: each device sends its one copy around the ring."""
+    kv = ["model.num_kv_heads=1"] if other == "mesh.tensor=2" else []
+    config = apply_overrides(tiny_llama, [other, "mesh.context=4", "train.seq_len=32",
+                                          f"parallel.context_impl={impl}", f"model.remat={remat}", *kv])
     trainer = build(config)
     doc = explain(trainer, inspect_step(trainer))
     assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]
     assert abs(doc["context_gradient_traffic"]["ratio"] - 1) < 0.05, doc["context_gradient_traffic"]
+    assert ("repeated 2 times at use" in doc["memory_formula"]) == bool(kv)
 
 
 def test_explain_gives_the_loss_logits_one_device_holds(tiny_llama):

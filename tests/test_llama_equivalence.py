@@ -67,3 +67,21 @@ def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
     layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2", "model.unroll_layers=true"]
     run = run_layout(apply_overrides(config, layout + [f"parallel.collective_matmul={collective_matmul}"]))
     check(compare(run, reference(config)), RTOL, where=f"gqa+tied+remat+microbatches, collective_matmul={collective_matmul}")
+
+
+# Key/value heads that mesh.tensor does not divide rest whole and are repeated at use
+# (jaxpar.train.layout.kv_repeats): Gemma 3 1B's 4 query heads and 1 kv head beside the ring
+# with sequence parallelism; 2 kv heads under Ulysses, which splits heads over context too
+# (each repeated twice for tensor 2 x context 2, so a copy's place matters). The other
+# kernels and layouts are matrix cells.
+KV_REPEATED = {
+    "kv1_ring_tensor4_sp": (1, ["mesh.data=1", "mesh.context=2", "mesh.tensor=4", SP]),
+    "kv2_data2_ulysses_tensor2": (2, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ulysses"]),
+}
+
+
+@pytest.mark.parametrize("name", list(KV_REPEATED))
+def test_key_value_heads_fewer_than_the_tensor_split(tiny_llama, reference, name):
+    kv, layout = KV_REPEATED[name]
+    config = dataclasses.replace(tiny_llama, model=dataclasses.replace(tiny_llama.model, num_kv_heads=kv))
+    check(compare(run_layout(apply_overrides(config, layout)), reference(config)), RTOL, where=name)

@@ -98,8 +98,10 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
         assert len(sizes) == len(matrix.AXES) and sizes.count(matrix.DEGREE) == len(c.strategies)  # the whole mesh named
         assert ("parallel.sequence_parallel=true" in c.overrides) == ("tensor+sp" in c.strategies)
         plain = "moe" if "expert" in c.strategies else "llama"
-        assert c.recipe == (plain if c.family in ("", "lora") else c.family)
+        variant = matrix.VARIANTS.get(c.family)
+        assert c.recipe == (variant[0] if variant else plain if c.family in ("", "lora") else c.family)
         assert ("lora.rank=4" in c.overrides) == (c.family == "lora")
+        assert all(o in c.overrides for o in (variant[1] if variant else ()))
     pairs = {frozenset(c.strategies) for c in cells if len(c.strategies) == 2 and not c.family}
     expected = {frozenset(p) for p in itertools.combinations(matrix.BY_NAME, 2)
                 if matrix.BY_NAME[p[0]].axis != matrix.BY_NAME[p[1]].axis}
@@ -120,6 +122,10 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
     assert qwen3_moe == {p for p in expected if "expert" in p and not p & {"ring", "ulysses", "allgather"}}
     gemma3 = [c.strategies for c in cells if c.family == "gemma3"]  # the ring beside all but expert, and three more
     assert len(gemma3) == 15 and all("ring" in s for s in gemma3[:12]) and ("interleaved", "tensor") in gemma3
+    # key/value heads fewer than mesh.tensor: beside a strategy of each axis, every context kernel
+    kv = [c for c in cells if c.family in ("kv1", "gemma3_1b")]
+    assert {c.axes[0] for c in kv} == {"stage", "data", "fsdp", "context"} and all("tensor" in c.axes for c in kv)
+    assert {s for c in kv for s in c.strategies} >= {"ring", "ulysses", "allgather", "tensor", "tensor+sp"}
     for name in COMPILED:
         assert name in names
     pipelined = [c for c in cells if "stage" in c.axes]
@@ -135,7 +141,8 @@ def test_list_prints_every_cell_and_runs_nothing(capsys):
     assert matrix.main(["--list", "--only", "zero3 x tensor"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[0].strip() for line in out[:-1]] == ["zero3 x tensor", "zero3 x tensor+sp",
-                                                                   "zero3 x tensor+sp [qwen3]", "zero3 x tensor+sp [lora]"]
+                                                                   "zero3 x tensor+sp [qwen3]", "zero3 x tensor+sp [lora]",
+                                                                   "zero3 x tensor [kv1]"]
 
 
 def test_the_cells_that_abort_most_compile_in_forked_children(tmp_path):

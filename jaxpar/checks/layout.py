@@ -20,7 +20,8 @@ rule = collector(RULES)
     fields=["mesh.tensor", "mesh.fsdp", "mesh.expert", "model.num_heads", "model.num_kv_heads", "model.vocab_size",
             "model.mlp", "model.embed", "model.num_experts"],
     summary="Each mesh axis splits evenly the model fields its config lists in `mesh_divides` (Llama: tensor the "
-    "heads, kv heads, vocabulary and MLP width, fsdp the embedding; MoE: expert the experts).",
+    "query heads, vocabulary and MLP width, fsdp the embedding; MoE: expert the experts). Key/value heads that tensor "
+    "does not divide are repeated at use.",
     example=["mesh.tensor=8"],
     also=[["model.embed=36", "mesh.fsdp=8"]],
 )
@@ -261,8 +262,9 @@ def attention_tiles_not_tiny(config, sizes) -> None:
 
 @rule(
     "pallas-shapes",
-    fields=["parallel.attention_kernel", "model.head_dim", "parallel.attention_block"],
-    summary="The Triton kernel needs a power-of-two head dimension and tiles of at least 16.",
+    fields=["parallel.attention_kernel", "parallel.attention_block", "train.seq_len", "mesh.context"],
+    summary="The Triton kernel needs power-of-two tiles of at least 16 tokens (heads of any size are padded to a power "
+    "of two).",
     example=["mesh.context=2", "parallel.attention_kernel=pallas"],
 )
 def pallas_shapes(config, sizes) -> None:
@@ -270,29 +272,30 @@ def pallas_shapes(config, sizes) -> None:
     if c == 1 or config.parallel.attention_kernel != "pallas":
         return
     chunk, used = _tiles(config, c)
-    problem = shape_problem(config.model.head_dim, triton_tile(used), triton_tile(used))
+    problem = shape_problem(triton_tile(used), triton_tile(used))
     if problem:
         raise ConfigError(
-            f"parallel.attention_kernel=pallas (Triton) needs {problem} (model.head_dim={config.model.head_dim}, "
-            f"tiles from parallel.attention_block={config.parallel.attention_block} and {chunk}-token chunks); "
-            "use attention_kernel=jax"
+            f"parallel.attention_kernel=pallas (Triton) needs {problem} (tiles from parallel.attention_block="
+            f"{config.parallel.attention_block} and the {chunk}-token chunks of train.seq_len={config.train.seq_len} over "
+            f"mesh.context={c}); use attention_kernel=jax, or a train.seq_len whose chunks are a multiple of 16"
         )
 
 
 @rule(
-    "ulysses-divides-kv-heads",
-    fields=["parallel.context_impl", "mesh.context", "model.num_kv_heads", "mesh.tensor"],
-    summary="Ulysses trades the sequence for kv heads, so mesh.context divides the kv heads per tensor shard.",
+    "ulysses-divides-heads",
+    fields=["parallel.context_impl", "mesh.context", "model.num_heads", "mesh.tensor"],
+    summary="Ulysses trades the sequence for heads, so mesh.context divides the query heads per tensor shard (key/value "
+    "heads it does not divide are repeated at use, as over tensor).",
     example=["mesh.tensor=2", "mesh.context=4", "parallel.context_impl=ulysses"],
 )
-def ulysses_divides_kv_heads(config, sizes) -> None:
+def ulysses_divides_heads(config, sizes) -> None:
     c = sizes["context"]
     if c == 1 or config.parallel.context_impl != "ulysses":
         return
-    kv_local = config.model.num_kv_heads // sizes["tensor"]
-    if kv_local % c:
+    local = config.model.num_heads // sizes["tensor"]
+    if local % c:
         raise ConfigError(
-            f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {kv_local} kv heads per tensor "
-            f"shard (model.num_kv_heads={config.model.num_kv_heads} / mesh.tensor={sizes['tensor']}); use "
-            f"mesh.context in {divisors(kv_local)}, or context_impl=ring or allgather"
+            f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {local} query heads per tensor "
+            f"shard (model.num_heads={config.model.num_heads} / mesh.tensor={sizes['tensor']}); use "
+            f"mesh.context in {divisors(local)}, or context_impl=ring or allgather"
         )

@@ -21,6 +21,7 @@ from jaxpar.kernels.quantized import entries
 from jaxpar.model import declared, has, layer_windows
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.sharding.embedding import rows_sharded
+from jaxpar.sharding.rules import kv_heads_repeat
 from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
 
@@ -125,6 +126,7 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         f"fsdp x tensor = {fsdp * tensor}" + (f", and the ZeRO part over data = {data}" if stage else "")
         + (f"; layers ({psi_layers / psi:.0%}) also over stage = {p}" if p > 1 else "")
         + (f"; expert weights ({psi_e / psi:.0%}) also over expert = {expert}" if psi_e and expert > 1 else "")
+        + _repeated_heads(trainer.layout)
         + ("; LoRA: the parameters are the adapters (16 bytes each in mixed precision, A split as its weight's "
            f"input side, B as its output side), the frozen weights {compute_bytes} bytes each"
            + (" (the adapted ones 1, in FP8, and a scale a row)" if config.lora.base_dtype == "fp8" else "")
@@ -153,6 +155,15 @@ def explain(trainer, report: StepReport) -> dict[str, Any]:
         "compile_seconds": report.compile_seconds,
         "predicted": report.predicted,
     }
+
+
+def _repeated_heads(layout) -> str:
+    """The memory formula's note on key/value heads the tensor split does not divide."""
+    if not layout.params.repeats:
+        return ""
+    times = layout.params.repeats[0][1]
+    return (f"; key/value heads rest whole over tensor and are repeated {times} times at use (each device computes "
+            "with its copies; their gradients are summed over tensor)")
 
 
 def _expert_params(trainer, state) -> int:
@@ -303,10 +314,11 @@ def _context_traffic(config, mesh: dict[str, int], report: StepReport, itemsize,
     impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
     b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
     remat = declared(model, "remat")
+    kv_heads = model.num_kv_heads * kv_heads_repeat(model.num_kv_heads, t, n if impl == "ulysses" else 1)  # as sent
     formula, kinds = 0.0, set()
     for window in layer_windows(model):  # Gemma 3's local and global layers send differently
         per_layer = formulas.context_traffic_elements(
-            impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, model.num_kv_heads // t * model.head_dim,
+            impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, kv_heads // t * model.head_dim,
             n, window=window, layout=config.parallel.context_layout,
         )
         forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())

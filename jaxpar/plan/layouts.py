@@ -63,12 +63,13 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
     EP 64 spans 8 hosts); stages dividing the layers (experts split inside them); fsdp x
     data filling the rest; ZeRO over data when there is one; both remat extremes;
-    microbatches from 1 (p..4p under a pipeline)."""
-    heads, kv = model.num_heads, model.num_kv_heads
+    microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
+    heads: they are repeated at use (jaxpar.train.layout.kv_repeats)."""
+    heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
     out = []
     for tensor in _divisors(devices_per_host):
-        if heads % tensor or kv % tensor or model.vocab_size % tensor or model.mlp % tensor:
+        if heads % tensor or model.vocab_size % tensor or model.mlp % tensor:
             continue
         for context in ([1, 2, 4] if seq_len >= 16384 else [1]):
             for expert in (_divisors(experts) if experts else [1]):

@@ -52,11 +52,17 @@ class ParamGather:
                     whose gather then stays inside the host
     quantize_block  > 0: ZeRO++ qwZ, every gather moves int8 with a scale per this many
                     elements (jaxpar.kernels.quantized)
+    repeats         (logical name, times): a dimension of that name is repeated that many
+                    times once gathered, each entry in place ([a, b] -> [a, a, b, b]), then
+                    split by the compute rules. Grouped-query key/value heads that the
+                    tensor split does not divide rest whole and are repeated at use
+                    (jaxpar.sharding.rules.kv_heads_repeat); their copies' gradients add up.
     """
 
     zero_axes: tuple[str, ...] = ()
     hpz: bool = False
     quantize_block: int = 0
+    repeats: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +206,32 @@ def gather_param(value: jax.Array, names: Sequence[str | None], layout: Layout) 
         secondary = layout.rules.spec(names, "storage")
         value = checkpoint_name(_reshard(value, source, secondary, layout), HPZ_NAME)
         source = secondary
-    return _reshard(value, source, layout.rules.spec(names, "compute"), layout)
+    value = _reshard(value, source, gather_target(names, layout), layout)
+    repeat = repeated_dim(names, how)
+    if repeat is None:
+        return value
+    dim, times = repeat
+    # every device holds the whole dimension: it keeps its share of the copies, no traffic
+    target = NamedSharding(mesh_here(layout.mesh), layout.rules.spec(names, "compute"))
+    return jax.lax.with_sharding_constraint(jnp.repeat(value, times, axis=dim), target)
+
+
+def repeated_dim(names: Sequence[str | None], how: ParamGather) -> tuple[int, int] | None:
+    """(dimension, times) of a parameter's dimension repeated at use (ParamGather.repeats)."""
+    times = dict(how.repeats)
+    return next(((dim, times[n]) for dim, n in enumerate(names) if n in times), None)
+
+
+def gather_target(names: Sequence[str | None], layout: Layout) -> P:
+    """Where a parameter's gather lands: its compute spec, but a dimension repeated at use
+    whole (the compute rules split the repeated copies, which the stored value has not)."""
+    spec = layout.rules.spec(names, "compute")
+    repeat = repeated_dim(names, layout.params)
+    if repeat is None:
+        return spec
+    held = spec_entries(spec, len(names))
+    held[repeat[0]] = ()
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in held))
 
 
 def sum_over_replicas(value: jax.Array, names: Sequence[str | None], layout: Layout) -> jax.Array:

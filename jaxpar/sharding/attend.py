@@ -16,7 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.kernels.attention import ContextSpec, Masking, context_attention, flash_attention, reference_attention
+from jaxpar.kernels.attention import (ContextSpec, Masking, context_attention, flash_attention, reference_attention,
+                                     same_head_dim)
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import Layout, active_layout
@@ -67,15 +68,21 @@ def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=
     if impl == "cudnn":
         if segment_ids is not None:  # refused before compile (jaxpar.checks); a caller's own call lands here
             raise ValueError("attend: attention=cudnn does not take segment_ids (packed sequences); use flash")
-        if v_BSGK.shape[-1] != q_BSHK.shape[-1]:
-            raise ValueError(f"attend: attention=cudnn takes values of the queries' head size ({q_BSHK.shape[-1]}), "
-                             f"not {v_BSGK.shape[-1]}; use flash or reference")
-        # cuDNN's window counts the keys before the query: window - 1 of them, and itself
-        local = (window - 1, 0) if window else None
-        return jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=causal, local_window_size=local,
-                                            implementation="cudnn")
+        return fused_attention(q_BSHK, k_BSGK, v_BSGK, causal, window)
     if impl == "flash":
         index = jnp.arange(q_BSHK.shape[1])
         masking = Masking(causal, layout.context.block, layout.context.block, layout.context.kernel, window)
         return flash_attention(q_BSHK, k_BSGK, v_BSGK, index, index, segment_ids, segment_ids, masking)
     return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal, window=window)
+
+
+def fused_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, causal: bool = True, window: int = 0,
+                    implementation: str = "cudnn") -> jax.Array:
+    """`jax.nn.dot_product_attention` (cuDNN's fused kernel; "xla" for checking it here),
+    which takes values of the queries' head size only: the narrower side is padded with
+    zeros (MLA's values), exact with the queries' own scale, and the output cut back."""
+    (q, k, v), value_dim = same_head_dim(q_BSHK, k_BSGK, v_BSGK)
+    local = (window - 1, 0) if window else None  # cuDNN's window: the keys before the query, and itself
+    out = jax.nn.dot_product_attention(q, k, v, scale=q_BSHK.shape[-1] ** -0.5, is_causal=causal,
+                                       local_window_size=local, implementation=implementation)
+    return out[..., :value_dim]

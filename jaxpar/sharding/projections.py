@@ -45,7 +45,8 @@ from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries, gathered_axes
 from jaxpar.mesh import mesh_here
 from jaxpar.sharding.adapters import LoraWeight, adapter_output, base_value, check_inputs
-from jaxpar.sharding.annotate import Layout, active_layout, compute_value, constrain, stored_value, sum_over_replicas
+from jaxpar.sharding.annotate import (Layout, active_layout, compute_value, constrain, repeated_dim, stored_value,
+                                     sum_over_replicas)
 
 AXIS = "tensor"
 GATHERED = ("batch", "seq", "embed")  # a column projection's input: the whole sequence
@@ -158,6 +159,8 @@ def _fp8_gather(param: nnx.Variable, layout: Layout):
     per-replica vmap's replicas is summed here too, as `compute_value` does."""
     value, names = stored_value(param)
     if layout.params.hpz or layout.params.quantize_block or not jnp.issubdtype(value.dtype, jnp.floating):
+        return None
+    if repeated_dim(names, layout.params) is not None:  # repeated key/value heads: gathered as compute_value does
         return None
     source, target = layout.param_spec(names, value.shape), layout.rules.spec(names, "compute")
     if not any(gathered_axes(source, target, value.ndim)):

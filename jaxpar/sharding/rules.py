@@ -14,6 +14,7 @@ Logical names used by jaxpar's models:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
@@ -94,6 +95,18 @@ def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rul
     }
     storage = dict(compute, embed=live("fsdp"))
     return Rules.of(storage, compute)
+
+
+def kv_heads_repeat(kv_heads: int, tensor: int, context: int = 1) -> int:
+    """How many times each grouped-query key/value head is repeated where it is used, so that
+    the heads split evenly over `tensor` (times Ulysses' `context` degree, which splits heads
+    too): 1 where they already do; else lcm(kv_heads, tensor x context) / kv_heads. With
+    tensor a multiple of kv_heads, as Megatron and MaxText do: each device computes one head,
+    which tensor / kv_heads devices share. Exact: query head i reads key/value head
+    i // (heads / kv_heads), and after the repeat head i // (heads / (kv_heads x repeat)),
+    the same one."""
+    ways = tensor * context
+    return 1 if kv_heads % ways == 0 else math.lcm(kv_heads, ways) // kv_heads
 
 
 def parse_table(text: str, field: str) -> dict[str, tuple[str, ...]]:

@@ -10,9 +10,9 @@ import jax
 
 from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.mesh import make_mesh
-from jaxpar.model import axis_names
+from jaxpar.model import ATTENTION, axis_names, declared, supports
 from jaxpar.sharding.annotate import ContextAttention, Layout, ParamGather, Projections
-from jaxpar.sharding.rules import Rules, default_rules, parse_table
+from jaxpar.sharding.rules import Rules, default_rules, kv_heads_repeat, parse_table
 
 
 def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, int]) -> Layout:
@@ -20,13 +20,15 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
     parallel, device = config.parallel, devices[0]
     mesh = make_mesh(config.mesh, devices, sizes)
     zero_axes = ("data",) if parallel.zero_stage >= 3 and mesh.shape["data"] > 1 else ()
+    repeats = kv_repeats(config, mesh.shape)
     return Layout(
         mesh,
-        rules_for(config, mesh.shape),
+        rules_for(config, mesh.shape, rest_whole=tuple(name for name, _ in repeats)),
         ParamGather(
             zero_axes=zero_axes,
             hpz=parallel.hpz,
             quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
+            repeats=repeats,
         ),
         ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
         expert_exchange=expert_exchange(config, device.platform),
@@ -35,15 +37,34 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
     )
 
 
-def rules_for(config: Any, mesh_shape: Mapping[str, int]) -> Rules:
-    """The default rules for the mesh, the model's own names mapped onto jaxpar's, then the
-    config's overrides (which win)."""
+def rules_for(config: Any, mesh_shape: Mapping[str, int], rest_whole: Sequence[str] = ()) -> Rules:
+    """The default rules for the mesh, the model's own names mapped onto jaxpar's, the
+    names in `rest_whole` stored unsplit (repeated at use: `kv_repeats`), then the config's
+    overrides (which win)."""
     parallel = config.parallel
     rules = default_rules(mesh_shape, parallel.sequence_parallel).with_aliases(axis_names(config.model))
+    rules = rules.with_overrides(storage={name: () for name in rest_whole})
     return rules.with_overrides(
         storage=parse_table(parallel.storage_rules, "parallel.storage_rules"),
         compute=parse_table(parallel.compute_rules, "parallel.compute_rules"),
     )
+
+
+def kv_repeats(config: Any, mesh_shape: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """ParamGather.repeats: the key/value heads of a model that declares `num_kv_heads` and
+    attends through jaxpar's `attend` (whose query heads read them in contiguous groups),
+    repeated at use where mesh.tensor (x the Ulysses degree) does not divide them; under
+    jaxpar's name and the model's own names for it. () where nothing repeats."""
+    model, parallel = config.model, config.parallel
+    kv = declared(model, "num_kv_heads")
+    if not kv or not supports(model, ATTENTION):
+        return ()
+    ulysses = mesh_shape["context"] if parallel.context_impl == "ulysses" else 1
+    times = kv_heads_repeat(kv, mesh_shape["tensor"], ulysses)
+    if times == 1:
+        return ()
+    names = ["kv_heads", *(own for own, ours in axis_names(model).items() if ours == "kv_heads")]
+    return tuple((name, times) for name in names)
 
 
 def expert_exchange(config: Any, platform: str) -> str:

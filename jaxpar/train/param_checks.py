@@ -10,6 +10,7 @@ import jax
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import gathered_axes
 from jaxpar.sharding import Layout, ParamNames
+from jaxpar.sharding.annotate import gather_target
 from jaxpar.sharding.replicated import replicated_params, report_replicated
 
 
@@ -26,7 +27,7 @@ def check_quantized_gathers(names: Any, shapes: Any, layout: Layout) -> None:
 
     def one(path, n: Any, shape: Any) -> None:
         try:
-            gathered_axes(layout.param_spec(n.names, shape.shape), layout.rules.spec(n.names, "compute"), len(shape.shape))
+            gathered_axes(layout.param_spec(n.names, shape.shape), gather_target(n.names, layout), len(shape.shape))
         except ValueError as e:
             raise ConfigError(
                 f"parallel.quantized_weights: parameter {jax.tree_util.keystr(path)} cannot be gathered in int8: {e}; "

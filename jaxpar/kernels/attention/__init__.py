@@ -4,6 +4,7 @@ from jaxpar.kernels.attention.tiles import Masking
 from jaxpar.kernels.attention.context import ContextSpec, context_attention, executed_tiles
 from jaxpar.kernels.attention.flash import flash_attention
 from jaxpar.kernels.attention.order import local_index, sequence_order, unpermute
+from jaxpar.kernels.attention.padding import same_head_dim
 from jaxpar.kernels.attention.reference import reference_attention
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "flash_attention",
     "local_index",
     "reference_attention",
+    "same_head_dim",
     "sequence_order",
     "unpermute",
 ]

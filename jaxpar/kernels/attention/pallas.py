@@ -15,8 +15,9 @@ query tile's future is skipped (`lax.cond`).
 Masking.kernel "pallas" lowers it with Pallas's Triton backend (GPUs), tiles capped at
 TRITON_MAX_TILE; "pallas_interpret" runs the same kernel body in Pallas's interpreter, on any
 backend (slow: for checking only). Triton wants a power-of-two head dimension of at least 16
-and power-of-two tiles; `shape_problem` says which is missing (the trainer asks it before
-compiling).
+and power-of-two tiles: heads are padded with zeros to such a size (and values to the
+queries' size: multi-head latent attention), and `shape_problem` says which tile is missing
+(the trainer asks it before compiling).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxpar.kernels.attention.padding import same_head_dim
 from jaxpar.kernels.attention.tiles import NEG_INF, Masking, needed_tiles, tile, tile_visible, visible
 
 TRITON_MAX_TILE = 128  # a program's score tile stays in registers / shared memory
@@ -40,10 +42,14 @@ def triton_tile(tile_length: int) -> int:
     return tile(tile_length, TRITON_MAX_TILE)
 
 
-def shape_problem(head_dim: int, block_q: int, block_kv: int) -> str | None:
-    """Why Triton could not lower the kernel for these shapes, or None."""
-    if head_dim < 16 or not _power_of_two(head_dim):
-        return f"a power-of-two head dimension of at least 16, not {head_dim}"
+def head_size(query_dim: int, value_dim: int) -> int:
+    """The head size the Triton kernel runs: the larger of the two, up to a power of two of
+    at least 16 (the heads are padded with zeros to it: jaxpar.kernels.attention.padding)."""
+    return max(16, 1 << (max(query_dim, value_dim) - 1).bit_length())
+
+
+def shape_problem(block_q: int, block_kv: int) -> str | None:
+    """Why Triton could not lower the kernel for these tiles, or None."""
     for name, block in (("query", block_q), ("key", block_kv)):
         if block < 16 or not _power_of_two(block):
             return f"power-of-two tiles of at least 16 tokens, not a {name} tile of {block}"
@@ -53,16 +59,17 @@ def shape_problem(head_dim: int, block_q: int, block_kv: int) -> str | None:
 def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking):
     """Same contract as `blocks.forward`: q [B, Sq, G, R, K], k/v [B, Sk, G, K] ->
     (o float32 [B, Sq, G, R, K], lse [B, G, R, Sq], tiles computed)."""
+    scale = q.shape[-1] ** -0.5
+    interpret = masking.kernel == "pallas_interpret"
+    # one tile shape serves q, k and v: heads padded with zeros to one size (MLA's values
+    # are narrower), for Triton a power of two of at least 16
+    (q, k, v), value_dim = same_head_dim(q, k, v, None if interpret else head_size(q.shape[-1], v.shape[-1]))
     b, sq, g, r, d = q.shape
-    if v.shape[-1] != d:  # one tile shape serves q, k and v in the kernel
-        raise ValueError(f"attention_kernel=pallas takes values of the queries' head size ({d}), not {v.shape[-1]}; "
-                         "use parallel.attention_kernel=jax")
     sk = k.shape[1]
     bq, bk = tile(sq, masking.block_q), tile(sk, masking.block_kv)
-    interpret = masking.kernel == "pallas_interpret"
     if not interpret:
         bq, bk = triton_tile(bq), triton_tile(bk)
-        problem = shape_problem(d, bq, bk)
+        problem = shape_problem(bq, bk)
         if problem:
             raise ValueError(f"the pallas attention kernel needs {problem}")
     has_seg = q_segment is not None
@@ -82,7 +89,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
         in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)), pl.BlockSpec((None, sk), lambda bi, hi, qi: (bi, 0))]
         args += [q_segment.astype(jnp.int32), kv_segment.astype(jnp.int32)]
 
-    kernel = _kernel(bk, sk // bk, masking.causal, masking.window, has_seg, d**-0.5)
+    kernel = _kernel(bk, sk // bk, masking.causal, masking.window, has_seg, scale)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
@@ -99,7 +106,7 @@ def forward(q, k, v, q_index, kv_index, q_segment, kv_segment, masking: Masking)
         name="jaxpar_block_attention",
     )(*args)
     tiles = needed_tiles(q_index, kv_index, bq, bk, masking.causal, masking.window)
-    return o.reshape(q.shape), lse.reshape(b, g, r, sq), tiles
+    return o.reshape(q.shape)[..., :value_dim], lse.reshape(b, g, r, sq), tiles
 
 
 def _kernel(bk: int, n_kv_tiles: int, causal: bool, window: int, has_seg: bool, scale: float):
