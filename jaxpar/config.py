@@ -6,6 +6,7 @@ allowed values."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Literal, Union
@@ -263,12 +264,20 @@ class Config:
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
     """Apply 'a.b.c=value' strings to a tree of frozen dataclasses, converting each value to
     the field's type. Unknown keys, unparsable values and a choice field's value outside its
-    Literal raise ConfigError."""
+    Literal raise ConfigError; one read from a --config file names the file."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value; e.g. --set train.steps=50")
-        config = _set(config, key.strip().split("."), value.strip(), key.strip())
+        try:
+            config = _set(config, key.strip().split("."), value.strip(), key.strip())
+        except ConfigError as e:
+            file = getattr(item, "file", None)  # read from a --config file (jaxpar.config_text.FileOverride)
+            if file is None:
+                raise
+            near = difflib.get_close_matches(key.strip(), flatten(config), n=1)
+            hint = f" (did you mean {near[0]}?)" if near and near[0] != key.strip() else ""
+            raise ConfigError(f"--config {file}: {e}{hint}") from None
     return config
 
 

@@ -156,7 +156,7 @@ def read_toml(path: str) -> list[str]:
 
 class FileOverride(str):
     """A `key=value` override read from a --config file, which it remembers (`file`), so an
-    error it causes names the file (`check_file_overrides`)."""
+    error it causes names the file (jaxpar.config.apply_overrides)."""
 
     file: str
 
@@ -164,25 +164,6 @@ class FileOverride(str):
         override = super().__new__(cls, text)
         override.file = file
         return override
-
-
-def check_file_overrides(config: Any, overrides: list[str]) -> None:
-    """Each override that came from a --config file applied to `config` alone: an unknown key
-    or a bad value is refused naming the file, the key, its section's keys and the nearest."""
-    import difflib
-
-    from jaxpar.config import apply_overrides, flatten
-
-    for item in overrides:
-        if not isinstance(item, FileOverride):
-            continue
-        try:
-            apply_overrides(config, [item])
-        except ConfigError as e:
-            key = item.partition("=")[0]
-            near = difflib.get_close_matches(key, flatten(config), n=1)
-            hint = f" (did you mean {near[0]}?)" if near and near[0] != key else ""
-            raise ConfigError(f"--config {item.file}: {e}{hint}") from None
 
 
 def _leaves(tree: dict, prefix: str = ""):

@@ -83,9 +83,10 @@ def test_packing_keeps_conversations_apart_and_weighs_the_assistant_alone():
     assert long.cut == 1 and long.ids.tolist() == [list(range(9))]
 
 
-def chat_config(tmp_path, records: list[dict], case: str = "chatml", **data) -> Config:
+def chat_config(tmp_path, records: list[dict | str], case: str = "chatml", **data) -> Config:
+    """A tiny Llama on `records` (each a JSON object, or a line as it is) with `case`'s tokenizer."""
     path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     from jaxpar.models.llama import LlamaConfig
 
     return Config(
@@ -139,6 +140,17 @@ def test_sft_on_conversations_equals_one_device_and_trains_only_on_the_assistant
     ([{"text": "hi"}], {}, r"line 1 holds no conversation \(its keys: 'text'\); give 'messages'"),
     ([{"messages": "hi"}], {}, r"line 1: 'messages' is not a list of messages"),
     ([{"prompt": "q", "completion": ""}], {}, r"line 1: the completion is empty"),
+    # roles: the file, the line, the message and the roles the template takes
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "yo"}]}], {},
+     r"^data.path='.*' line 1: 'messages' message 1 has role 'Assistant', which the chat template does not take "
+     r"\(roles are lowercase: 'assistant'\); use one of system, user, assistant$"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+      {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "bot", "content": "yo"}]}], {},
+     r"line 2: 'completion' message 0 has role 'bot', which the chat template does not take; use one of system, user, "
+     r"assistant$"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}], {},
+     r"line 1: 'messages' message 1 has role 'tool', which the chat template does not take; use one of system"),
+    (["{\"messages\": [}"], {}, r"line 1 is not JSON \(Expecting value at column 15\); give one JSON object a line$"),
 ])
 def test_bad_conversations_are_refused_in_one_line(tmp_path, records, data, message):
     with pytest.raises(ConfigError, match=message):
@@ -167,3 +179,86 @@ def test_parquet_conversations_read_as_jsonl_lines(tmp_path):
     from_jsonl = read_conversations(data, 128)
     assert [c.ids.tolist() for c in from_parquet] == [c.ids.tolist() for c in from_jsonl]
     assert [c.mask.tolist() for c in from_parquet] == [c.mask.tolist() for c in from_jsonl]
+
+
+def test_a_template_that_names_tool_results_takes_them(tmp_path):
+    """tool (and ipython, developer) join the roles where the template's text names them."""
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'tool' %}{{ '<|im_start|>tool\\n' + m['content'] }}"
+                        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}{% endif %}"
+                        "{{ '<|im_end|>\\n' }}{% endfor %}")
+    records = [{"messages": [{"role": "user", "content": "6 x 7?"}, {"role": "tool", "content": "42"},
+                             {"role": "assistant", "content": "42."}]}]
+    conversation, = read_conversations(chat_config(tmp_path, records, chat_template=str(template)).data, 128)
+    assert template_for(str(GOLDEN / "chatml" / "tokenizer.json"), str(template)).roles == ("system", "user",
+                                                                                            "assistant", "tool")
+    assert conversation.mask.any()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_end_of_turn_is_the_special_token_after_an_assistant_answer(case, tmp_path):
+    """What a chat model's answer stops at: the first special token the template writes after
+    an assistant's content (each golden template's); Llama 2's, written as eos_token after
+    a space; else the tokenizer_config's eos_token; None where there is neither."""
+    from jaxpar.data.chat import Template, end_of_turn_id
+
+    chat = encoder(case)
+    chat.template = chat.load_template()
+    want = TURN_END[case].strip()
+    assert chat.tokenizer.id_to_token(end_of_turn_id(chat.tokenizer, chat.template)) == want
+    llama2 = Template("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                      "' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}",
+                      {"bos_token": "<unk>", "eos_token": "</s>"})
+    plain = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    tokenizer = load_tokenizer(TextSpec("", str(GOLDEN.parent / "llama_tied" / "tokenizer.json")))
+    assert end_of_turn_id(tokenizer, llama2) == tokenizer.token_to_id("</s>") == 2
+    assert end_of_turn_id(tokenizer, Template(plain, {"eos_token": "</s>"})) == 2  # no token after it: eos_token
+    assert end_of_turn_id(tokenizer, Template(plain, {})) is None
+
+
+def test_chat_that_leaves_no_trained_token_is_refused_before_compile(tmp_path):
+    """Rows too short for any assistant token: one line naming train.seq_len, its value and
+    the smallest that keeps one, before anything compiles (the loss would be 0 / 0). Some of
+    them only: the cut warning counts those that keep none. The start line counts
+    conversations, tokens, trained tokens, rows, how full they are, and the epochs."""
+    import warnings
+
+    from jaxpar.data.sources import make_source
+    from jaxpar.errors import JaxparWarning
+    from jaxpar.train import build, run
+
+    long = {"messages": [{"role": "user", "content": "A question that takes many tokens to ask. " * 3},
+                         {"role": "assistant", "content": "Short."}]}
+    short = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello there."}]}
+    config = chat_config(tmp_path, [long, long])
+    ids = encoder("chatml").encode(long, "long")
+    first = int(np.flatnonzero(ids.mask)[0])  # the place of the first assistant token
+    cut = apply_overrides(config, ["mesh.data=8", f"train.seq_len={first - 1}"])
+
+    class NoCompile:
+        def lower(self, *args):
+            raise AssertionError("compiled before the bad input was refused")
+
+    message = (rf"^train.seq_len={first - 1} leaves no token to train on: each of the 2 conversations of "
+               rf"data.path='.*chats.jsonl' is cut to {first} tokens before its first assistant token; set train.seq_len to at least {first} \(keeps one\), "
+               rf"or {len(ids.ids) - 1} to keep every one whole$")
+    with pytest.raises(ConfigError, match=message):
+        run(dataclasses.replace(build(cut), step=NoCompile()), progress=False)
+
+    mixed = apply_overrides(chat_config(tmp_path, [long, short] * 4), ["mesh.data=8", f"train.seq_len={first - 1}"])
+    with pytest.warns(JaxparWarning, match=r"4 of 8 conversations are longer than train.seq_len \+ 1 = .* and were cut to "
+                                           r"it, and 4 keep no token to train on \(cut before their first assistant token\)"):
+        source = make_source(build(mixed).batch, mixed)
+    rows = source.reader.rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole = apply_overrides(chat_config(tmp_path, [long, short] * 4), ["mesh.data=8",
+                                                                            f"train.seq_len={len(ids.ids) - 1}"])
+        line = make_source(build(whole).batch, whole).describe(10)
+    assert rows.trained > 0  # the short ones'
+    # whole: every conversation's tokens, its masked ones after the first, a row each (neither fits beside the long one)
+    pair = [encoder("chatml").encode(r, "") for r in (long, short)]
+    tokens, trained, width = 4 * sum(len(c.ids) for c in pair), 4 * sum(int(c.mask[1:].sum()) for c in pair), len(ids.ids)
+    assert line == (f"data: chat '{tmp_path / 'chats.jsonl'}' | 8 conversations, {tokens:,} tokens, {trained} of them "
+                    f"trained (the assistant's) | 8 rows of {width} tokens, {tokens / (8 * width):.1%} filled | 10 steps x "
+                    "8 rows = 10 epochs (rows at random: data.order=windows)")

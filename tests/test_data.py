@@ -144,3 +144,41 @@ def test_token_files_that_hold_no_ids_are_refused(tmp_path, name, content, messa
         np.save(path, np.zeros(0 if content == "empty" else 100, np.float32 if content == "float32" else np.uint16))
     with pytest.raises(ConfigError, match=re.escape(message)):
         open_tokens(str(path), "uint16")
+
+
+def test_each_source_says_in_one_line_what_it_trains_on(tmp_path, tiny_llama):
+    """The line a run prints as it starts (Source.describe): the source, its path, what it
+    holds (documents counted by data.eos_id in the pass that checks the ids), and the epochs
+    train.steps read: whole rows (data.order=epochs) or windows' tokens over the tokens."""
+    from jaxpar.data.user import UserBatches
+
+    def line(config, steps: int) -> str:
+        return make_source(build(config).batch, config).describe(steps)
+
+    assert line(tiny_llama, 3) == (
+        "data: synthetic random tokens (data.source=synthetic: a made-up language of 128 ids drawn from train.seed, "
+        "no text) | 3 steps x 256 tokens; train on real text with data.source=text data.path=FILE (or tokens, chat)")
+    tokens = np.arange(5000, dtype=np.uint16) % 10  # id 3 every 10 tokens: 500 documents
+    np.save(tmp_path / "docs.npy", tokens)
+    file = ["data.source=tokens", f"data.path={tmp_path / 'docs.npy'}", "data.eos_id=3", "data.eval_fraction=0.2"]
+    lines = {order: line(apply_overrides(tiny_llama, file + [f"data.order={order}"]), 100) for order in ("epochs", "windows")}
+    held = f"data: tokens '{tmp_path / 'docs.npy'}' | 500 documents, 5,000 tokens (4,000 to train on, 1,000 held out) | "
+    # epochs: (4000 - 1) // 16 = 249 rows, 100 steps x 16 rows; windows: 100 x 256 tokens over 4,000
+    assert lines["epochs"] == held + "100 steps x 256 tokens = 6.43 epochs"
+    assert lines["windows"] == held + "100 steps x 256 tokens = 6.4 epochs (windows at random places: data.order=windows)"
+    batch = build(tiny_llama).batch
+    assert UserBatches(batch, lambda step: {}).describe(5) == (
+        "data: your own batches (jaxpar.train.run(data=...): a function step -> batch) | 5 steps x 16 rows")
+
+
+def test_a_checkpoint_fine_tuned_on_synthetic_tokens_is_warned_of(tiny_llama):
+    """The recipe hf:FOLDER with no data settings: the start line says synthetic tokens, and a
+    warning says what that does to the checkpoint and how to give real data."""
+    from jaxpar.errors import JaxparWarning
+
+    config = apply_overrides(tiny_llama, ["checkpoint.init_from=/models/base"])
+    with pytest.warns(JaxparWarning, match=r"^checkpoint.init_from='/models/base' with data.source=synthetic fine-tunes "
+                                           r"the checkpoint on random tokens, which unlearns what it knows; give it real "
+                                           r"data: --set data.source=text --set data.path=FILE"):
+        source = make_source(build(config).batch, config)
+    assert source.describe(3).startswith("data: synthetic random tokens")

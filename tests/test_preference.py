@@ -67,6 +67,16 @@ def test_pairs_are_rows_of_two_segments_weighted_on_the_answers():
     assert batch["weights"][0][batch["segment_ids"][0] == 0].sum() == chosen.mask.sum()
     assert batch["weights"][0][batch["segment_ids"][0] == 1].sum() == rejected.mask.sum()
     assert set(batch["segment_ids"][0].tolist()) <= {0, 1, 2}
+    # the line a run starts with: pairs, their tokens, the answers' (weighted) ones, a row each
+    from jaxpar.data.sources import make_source
+    from jaxpar.train import build
+
+    config = apply_overrides(dpo_config(), ["mesh.data=8"])
+    tokens, trained = sum(len(c.ids) + len(r.ids) for c, r in pairs), int(batch["weights"].sum())
+    assert rows.cut == 0 and make_source(build(config).batch, config).describe(6) == (
+        f"data: preference '{EXAMPLES / 'preferences.jsonl'}' | 24 pairs, {tokens:,} tokens, {trained:,} of them "
+        f"answers' | a row a pair: 24 rows of 513 tokens, {tokens / (24 * 513):.1%} filled | 6 steps x 8 rows = 2 "
+        "epochs (rows at random: data.order=windows)")
 
 
 @pytest.mark.parametrize("record, message", [

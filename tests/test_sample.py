@@ -53,7 +53,10 @@ def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama
         assert generate(trainer, states[name].params, PROMPT, 6) == want, name
         assert generate(trainer, states[name].params, PROMPT, 6, kv_cache=False) == want, name
     tensor4, params = trainers["tensor4"], states["tensor4"].params
-    assert generate(tensor4, params, PROMPT, 6, eos_id=want[2]) == want[:3]  # stops at eos, eos included
+    assert generate(tensor4, params, PROMPT, 6, stop_ids=[want[2]]) == want[:3]  # stops at a stop id, included
+    assert generate(tensor4, params, PROMPT, 6, stop_ids={127, want[4], want[1]}) == want[:2]  # at the first drawn
+    with pytest.raises(ConfigError, match=r"^stop_ids=2; give a collection of token ids, e.g. stop_ids=\[2\]"):
+        generate(tensor4, params, PROMPT, 6, stop_ids=2)
 
 
 def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llama):
@@ -106,9 +109,10 @@ def test_prompts_of_different_lengths_in_one_batch_continue_as_each_alone(tiny_l
 
     # compiled once a buffer shape, whatever the prompts' lengths: [4, 16] (three prompts) and [2, 16] (one)
     assert [step._cache_size() for step in cached_steps(trainer)] == [2, 2]
-    eos = together[1][1]
-    stopped = generate_batch(trainer, params, prompts, 5, eos_id=eos, length=16)
-    assert stopped == [d[:d.index(eos) + 1] if eos in d else d for d in together] and len(stopped[1]) == 2
+    eos, turn = together[1][1], together[0][2]  # each row stops at the first of either it draws
+    stopped = generate_batch(trainer, params, prompts, 5, stop_ids=(eos, turn), length=16)
+    first = lambda d: min((d.index(t) for t in (eos, turn) if t in d), default=len(d) - 1)
+    assert stopped == [d[:first(d) + 1] for d in together] and len(stopped[1]) == 2 and len(stopped[0]) <= 3
 
 
 def test_draws_stay_within_the_top_k():
@@ -313,3 +317,29 @@ def test_a_relative_tokenizer_path_of_an_older_run_is_one_line_naming_the_folder
     export_hint = "--set data.tokenizer=PATH to the run's tokenizer.json"
     assert capsys.readouterr().err == f"jaxpar: error: {recorded}{export_hint}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_chat_answer_stops_at_the_templates_end_of_turn(tmp_path, capsys, monkeypatch):
+    """A Qwen3-style checkpoint whose config.json and generation_config.json name
+    <|endoftext|> (0) as the end of text while its ChatML template ends each turn with
+    <|im_end|> (2): `--chat` stops at both, plain sampling at the end of text alone, and an
+    answer that ends at the end of turn is reported "stopped"."""
+    import jaxpar.train.sample
+
+    folder = tmp_path / "qwen3_chat"
+    folder.mkdir()
+    chatml = GOLDEN.parent / "chat" / "chatml"  # <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2; the template inside
+    for source in (GOLDEN.parent / "qwen3" / "model.safetensors", chatml / "tokenizer.json", chatml / "tokenizer_config.json"):
+        shutil.copy(source, folder / source.name)
+    config = json.loads((GOLDEN.parent / "qwen3" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 1}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    seen = []
+    monkeypatch.setattr(jaxpar.train.sample, "generate_batch", lambda trainer, params, prompts, *a, stop_ids, **k: (
+        seen.append(stop_ids), [[7, 8, 2] for _ in prompts])[1])
+    common = [f"hf:{folder}", "--file", str(tmp_path / "prompts.jsonl"), "--set", "mesh.tensor=4"]
+    assert main(common + ["--chat"]) == 0 and main(common) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert seen == [[0, 2], [0]]
+    assert [a["stopped"] for a in answers] == [True, False] and answers[0]["tokens"] == 3

@@ -104,6 +104,13 @@ def test_packed_rows_keep_document_boundaries(tiny_llama, corpus):
             np.testing.assert_array_equal(rows["weights"][r], np.where(inputs == eos, 0.0, 1.0))
     batch = source(7)  # the global batch, laid out on the devices
     assert batch["segment_ids"].sharding == trainer.batch.shardings["segment_ids"]
+    # the line a run starts with: documents counted as they were read, epochs of whole rows
+    tokens, rows = len(source.tokens), (len(source.tokens) - 1) // 16
+    assert source.describe(30) == (f"data: text '{corpus['root'] / 'docs.jsonl'}' | 150 documents, {tokens:,} tokens | "
+                                   f"30 steps x 256 tokens = {30 * 16 / rows:.3g} epochs")
+    folder = _text_config(tiny_llama, corpus, f"data.path={corpus['root'] / 'txt'}")
+    assert make_source(trainer.batch, folder).describe(30).startswith(f"data: text '{corpus['root'] / 'txt'}' (150 files) "
+                                                                       f"| 150 documents, {tokens:,} tokens | ")
 
 
 def test_epochs_read_every_row_once_per_epoch_in_an_order_of_the_seed():
@@ -263,7 +270,9 @@ def _bad_inputs(root, corpus):
         "empty-text-file": ([f"data.path={root}/empty.txt"], r"'.*empty.txt' is empty, a document of no text"),
         "latin1-text": ([f"data.path={root}/latin1.txt"], r"is not UTF-8 text \(byte 0xe9 at byte offset 3\); re-encode"),
         "latin1-jsonl": ([f"data.path={root}/latin1.jsonl"], r"is not UTF-8 text \(byte 0xe9 at byte offset 28\)"),
-        "line-not-json": ([f"data.path={root}/not_json.jsonl"], r"'.*not_json.jsonl' line 2 is not JSON"),
+        # one line number, the file's (json's own message would add "line 1" of the line it was given)
+        "line-not-json": ([f"data.path={root}/not_json.jsonl"],
+                          r"'.*not_json.jsonl' line 2 is not JSON \(Expecting value at column 10\); give one JSON"),
         "line-without-field": ([f"data.path={root}/no_field.jsonl"],
                                r"data.text_field='text': '.*no_field.jsonl' line 1 holds no text under 'text' "
                                r"\(its keys are 'body'\); set data.text_field"),
@@ -325,7 +334,7 @@ def test_held_out_loss_on_text(tiny_llama, corpus):
     for j, row in enumerate((3 * 16 + np.arange(16)) % rows):
         np.testing.assert_array_equal(batch[j], held.tokens[row * 16 : row * 16 + 16])
     history = run(trainer, progress=False)
-    assert [r["step"] for r in history if "eval_loss" in r] == [1, 2]
+    assert [r["step"] for r in history if "eval_loss" in r] == [2, 3]  # after 2 steps, and the last (steps done)
     assert all(np.isfinite(r["eval_loss"]) for r in history if "eval_loss" in r)
 
 

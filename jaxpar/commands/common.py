@@ -57,11 +57,8 @@ def resolve_config(recipe: str, overrides: list[str], num_devices: int):
     records for `sample` and `export` to read back are made absolute (RECORDED_PATHS)."""
     from jaxpar import recipes
     from jaxpar.config import with_overrides
-    from jaxpar.config_text import check_file_overrides
 
-    config = recipes.load(recipe)
-    check_file_overrides(config, overrides)  # a --config file's typo names the file
-    return with_absolute_paths(with_overrides(config, overrides, num_devices))
+    return with_absolute_paths(with_overrides(recipes.load(recipe), overrides, num_devices))
 
 
 def with_absolute_paths(config):

@@ -6,7 +6,9 @@ The checkpoint's own config (jaxpar.train.checkpoint.saved_config) builds the tr
 its saved mesh unless --set mesh.* names another; the chosen step (default the newest) is
 restored onto it and exported (jaxpar.hf.export). config.json keeps the keys of the
 checkpoint the run started from (checkpoint.init_from: token ids, context length) under the
-model's own, and the tokenizer's files (data.tokenizer, its chat template) are copied beside the weights.
+model's own, with the run's data.eos_id as its end of text (jaxpar.hf.generation says where
+generation stops), and the tokenizer's files (data.tokenizer, its chat template) are copied
+beside the weights.
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ def _check_lora_choice(args, config) -> None:
 
 
 def _base_config(config) -> dict:
-    """What config.json holds besides the model: the checkpoint the run started from's keys
-    (token ids, context length), else the run's end-of-text id."""
+    """What config.json holds besides the model: the keys of the checkpoint the run started
+    from (token ids, context length), with the run's end-of-text id (data.eos_id, what it
+    trained with) over the checkpoint's."""
     import warnings
 
     from jaxpar.errors import JaxparWarning
@@ -125,7 +128,7 @@ def _base_config(config) -> dict:
     if not config.checkpoint.init_from:
         return base
     try:
-        return {**base, **read_config(pathlib.Path(config.checkpoint.init_from))}
+        return {**read_config(pathlib.Path(config.checkpoint.init_from)), **base}
     except ConfigError as e:
         warnings.warn(f"the run started from {config.checkpoint.init_from!r}, whose config.json cannot be read now ({e}); "
                       "its keys besides the model's (token ids, context length) are not in the export's", JaxparWarning)

@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"with --file: prompts continued at once, a row each (default {BATCH})")
     parser.add_argument("--chat", action="store_true",
                         help="each prompt is a user's message, rendered with the chat template (the run's "
-                             "data.chat_template, else the tokenizer's own) and its generation prompt")
+                             "data.chat_template, else the tokenizer's own) and its generation prompt; the answer "
+                             "stops at the template's end of turn too")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a Hugging Face tokenizer.json (default: the run's data.tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
@@ -103,15 +104,20 @@ def _sample(args, texts: list[str]) -> int:
                           f"{run_config.model.task!r}; sample continues text with a language model (model.task='lm')")
     tokenizer = _load_tokenizer(args, run_config.data, declared(run_config.model, "vocab_size"))
     where = [f"--prompt={text!r}" if args.file is None else f"--file={args.file!r}: {text!r}" for text in texts]
+    template = None
     if args.chat:  # the template writes its own begin-of-text
-        ids, begin = _chat_prompts(texts, where, tokenizer, args, run_config.data), []
+        from jaxpar.data.chat import template_for
+
+        template = template_for(args.tokenizer or run_config.data.tokenizer, run_config.data.chat_template)
+        ids, begin = _chat_prompts(texts, where, tokenizer, template), []
     else:
         ids = [_encode(tokenizer, text, w) for text, w in zip(texts, where)]
         begin = [run_config.data.bos_id] if run_config.data.bos_id >= 0 else []  # as training put it before each document
     config = sampling_config(run_config, len(devices), len(begin) + max(map(len, ids)) + args.max_new_tokens)
     trainer = build(config, devices)
     params, which = _published_weights(trainer, run_config) if published else _run_weights(trainer, args)
-    drawn = _continue(trainer, params, [begin + i for i in ids], args, run_config.data.eos_id,
+    stops = _stop_ids(args, run_config, tokenizer, template)
+    drawn = _continue(trainer, params, [begin + i for i in ids], args, stops,
                       tokenizer.get_vocab_size(with_added_tokens=True))
     from jaxpar.train.sample import uses_kv_cache
 
@@ -128,11 +134,23 @@ def _sample(args, texts: list[str]) -> int:
         print(args.prompt + _completion(tokenizer, ids[0], drawn[0]), flush=True)
     else:
         _write_answers(args, header, [{"prompt": text, "completion": _completion(tokenizer, i, d), "tokens": len(d),
-                                       "stopped": d[-1] == run_config.data.eos_id} for text, i, d in zip(texts, ids, drawn)])
+                                       "stopped": d[-1] in stops} for text, i, d in zip(texts, ids, drawn)])
     return 0
 
 
-def _continue(trainer, params, prompts: list[list[int]], args, eos_id: int, vocab: int) -> list[list[int]]:
+def _stop_ids(args, run_config, tokenizer, template) -> list[int]:
+    """Where each answer stops (jaxpar.hf.generation.stop_ids): the run's data.eos_id, with
+    --chat its template's end of turn, and the ids the checkpoint it started from lists
+    (generation_config.json) where the tokenizer is that checkpoint's."""
+    from jaxpar.data.chat import end_of_turn_id
+    from jaxpar.hf.generation import stop_ids
+
+    end_of_turn = end_of_turn_id(tokenizer, template) if template is not None else None
+    return stop_ids(run_config.data.eos_id, run_config.checkpoint.init_from,
+                    args.tokenizer or run_config.data.tokenizer, end_of_turn)
+
+
+def _continue(trainer, params, prompts: list[list[int]], args, stops: list[int], vocab: int) -> list[list[int]]:
     """Each prompt's drawn tokens, --batch prompts at a time in one buffer length (one compile)."""
     from tqdm import tqdm
 
@@ -142,7 +160,7 @@ def _continue(trainer, params, prompts: list[list[int]], args, eos_id: int, voca
     out, batches = [], range(0, len(prompts), size)
     for start in tqdm(batches, unit="batch", disable=len(batches) == 1 or None, dynamic_ncols=True):
         out += generate_batch(trainer, params, prompts[start:start + size], args.max_new_tokens, args.temperature,
-                              args.top_k, args.seed, eos_id=eos_id, vocab_limit=vocab, length=trainer.config.train.seq_len,
+                              args.top_k, args.seed, stop_ids=stops, vocab_limit=vocab, length=trainer.config.train.seq_len,
                               top_p=args.top_p, kv_cache=args.kv_cache)
     return out
 
@@ -238,6 +256,8 @@ def read_prompts(path: str) -> list[str]:
     """The "prompt" of each line of a JSONL file; a line that is not one is refused, naming it."""
     import json
 
+    from jaxpar.data.text import json_error
+
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"--file={path!r} is not a file; give a JSONL file, one {{\"prompt\": TEXT}} a line")
@@ -247,8 +267,9 @@ def read_prompts(path: str) -> list[str]:
             continue
         try:
             record = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"--file={path!r} line {n} is not JSON ({e}); give one {{\"prompt\": TEXT}} a line") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--file={path!r} line {n} is not JSON ({json_error(e)}); give one {{\"prompt\": TEXT}} a "
+                              "line") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise ConfigError(f"--file={path!r} line {n} has no \"prompt\" text; give one {{\"prompt\": TEXT}} a line")
         prompts.append(record["prompt"])
@@ -280,12 +301,9 @@ def _load_tokenizer(args, data, model_vocab: int | None):
     return tokenizer
 
 
-def _chat_prompts(texts: list[str], where: list[str], tokenizer, args, data) -> list[list[int]]:
+def _chat_prompts(texts: list[str], where: list[str], tokenizer, template) -> list[list[int]]:
     """Each text as a user's message, rendered with the chat template and its generation
     prompt, tokenized as training tokenizes conversations (jaxpar.data.chat)."""
-    from jaxpar.data.chat import template_for
-
-    template = template_for(args.tokenizer or data.tokenizer, data.chat_template)
     ids = []
     for text, w in zip(texts, where):
         rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -8,6 +8,9 @@ A record is a JSON object a line of a .jsonl file, or a row of a .parquet file, 
   * `prompt` and `completion`: plain texts (no template: prompt ids then completion ids,
     data.bos_id before, data.eos_id after, as text documents get them) or conversations
     (lists of messages, rendered together); the loss covers the completion.
+A message's role is one the template takes (ROLES, and OPTIONAL_ROLES where its text names
+them); any other is refused, naming the record, as is data that rows of train.seq_len + 1
+tokens cut before every trained token (its loss would be 0 / 0).
 
 The template is the tokenizer's (`chat_template.jinja` beside the tokenizer.json, else the
 `chat_template` of its tokenizer_config.json) or data.chat_template's file. It is rendered
@@ -48,6 +51,7 @@ from jaxpar.data.text import (
     CONFIG_NAMES,
     TextSpec,
     document_files,
+    json_error,
     load_tokenizer,
     parquet_file,
 )
@@ -146,6 +150,7 @@ class Template:
             raise ConfigError(f"{field}: the chat template does not compile ({e}); give a jinja chat template") from None
         self.marks_generation = _GENERATION_TAG.search(text) is not None
         self.tokens, self.field = tokens, field
+        self.roles = ROLES + tuple(r for r in OPTIONAL_ROLES if re.search(rf"""['"]{r}['"]""", text))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.spans(messages, add_generation_prompt)[0]
@@ -169,6 +174,33 @@ def template_for(tokenizer_path: str, chat_template: str = "") -> Template:
     return Template(find_template(tokenizer_path, chat_template), special_tokens(tokenizer_path))
 
 
+def end_of_turn_id(tokenizer, template: Template) -> int | None:
+    """The id that ends an assistant's turn, where a chat model's answer stops: the first
+    special token the template writes after an assistant message's content (ChatML's
+    <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>, Llama 2's </s>), else the
+    tokenizer_config's eos_token; None where neither is one of the tokenizer's tokens."""
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    probe = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = template.render(probe)
+    except Exception:  # a template that refuses the probe: its eos_token below
+        text = ""
+    if _PROBE in text:
+        after = text[text.rindex(_PROBE) + len(_PROBE):]
+        found = [i for i in tokenizer.encode(after, add_special_tokens=False).ids if i in special]
+        if found:
+            return found[0]
+    eos = template.tokens.get("eos_token")
+    return tokenizer.token_to_id(eos) if eos else None
+
+
+# The roles a conversation's messages may take: those of OpenAI's and Hugging Face's chat
+# format, and the optional ones where the template's text names them (Qwen's and Llama 3's
+# tool results, gpt-oss's developer). A role outside them (a capital "Assistant", a "bot")
+# would render as a turn of its own, or none, and never be trained on: refused.
+ROLES = ("system", "user", "assistant")
+OPTIONAL_ROLES = ("tool", "ipython", "developer")
+_PROBE = "jaxpar end-of-turn probe"  # an assistant's content, found again in the rendered text
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TRACKING: contextvars.ContextVar = contextvars.ContextVar("jaxpar_chat_generation", default=None)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
@@ -277,13 +309,13 @@ class ChatEncoder:
 
     def encode(self, record: dict, where: str, messages_field: str = "messages") -> Conversation:
         if messages_field in record:
-            messages = _messages(record[messages_field], where, messages_field)
+            messages = self._messages(record[messages_field], where, messages_field)
             return self._rendered(messages, where)
         if "prompt" in record and "completion" in record:
             prompt, completion = record["prompt"], record["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):
                 return self._plain(prompt, completion, where)
-            messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
+            messages = self._messages(prompt, where, "prompt") + self._messages(completion, where, "completion")
             return self._rendered(messages, where, completion_from=len(prompt))
         keys = ", ".join(map(repr, record)) or "none"
         raise ConfigError(f"{where} holds no conversation (its keys: {keys}); give {messages_field!r} (a list of "
@@ -299,10 +331,21 @@ class ChatEncoder:
         return Conversation(np.asarray(first + second, np.int32),
                             np.asarray([False] * len(first) + [True] * len(second)))
 
+    def _messages(self, value: Any, where: str, field: str) -> list[dict]:
+        """`value` checked as a list of messages, each of a role the template takes."""
+        messages = _messages(value, where, field)
+        self.template = self.template or self.load_template()
+        roles = self.template.roles
+        for n, m in enumerate(messages):
+            if m["role"] not in roles:
+                case = f" (roles are lowercase: {m['role'].lower()!r})" if m["role"].lower() in roles else ""
+                raise ConfigError(f"{where}: {field!r} message {n} has role {m['role']!r}, which the chat template "
+                                  f"does not take{case}; use one of {', '.join(roles)}")
+        return messages
+
     def _rendered(self, messages: list[dict], where: str, completion_from: int = 0) -> Conversation:
         """The whole conversation's ids; the mask covers the text each assistant turn at or after
         `completion_from` adds."""
-        self.template = self.template or self.load_template()
         turns = [i for i in range(completion_from, len(messages)) if messages[i]["role"] == "assistant"]
         if not turns:
             raise ConfigError(f"{where}: the conversation has no assistant turn, nothing to train on; give each "
@@ -361,16 +404,23 @@ def records(spec: TextSpec) -> Iterator[tuple[dict, str]]:
             raise ConfigError(f"data.path={spec.path!r}: {str(file)!r} is not a {CHAT_KINDS} file of conversations")
 
 
+def _named(file: pathlib.Path, spec: TextSpec) -> str:
+    """How a message names a file of records: data.path, and the file too where data.path
+    names a folder or a glob."""
+    named = f"data.path={spec.path!r}"
+    return named if pathlib.Path(spec.path) == file else f"{named}: {str(file)!r}"
+
+
 def _jsonl_records(file: pathlib.Path, spec: TextSpec) -> Iterator[tuple[dict, str]]:
     with open(file, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"data.path={spec.path!r}: {str(file)!r} line {number}"
+            where = f"{_named(file, spec)} line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not JSON ({e}); give one JSON object a line") from None
+                raise ConfigError(f"{where} is not JSON ({json_error(e)}); give one JSON object a line") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{where} is a {type(record).__name__}, not a JSON object")
             yield record, where
@@ -380,7 +430,7 @@ def _parquet_records(file: pathlib.Path, spec: TextSpec) -> Iterator[tuple[dict,
     row = 0
     for batch in parquet_file(file, spec).iter_batches():
         for record in batch.to_pylist():
-            yield record, f"data.path={spec.path!r}: {str(file)!r} row {row}"
+            yield record, f"{_named(file, spec)} row {row}"
             row += 1
 
 
@@ -420,6 +470,21 @@ class PackedRows:
     def fields(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """The batch fields of rows `ids` (lm_rows)."""
         return lm_rows(self.ids[ids], self.mask[ids], self.segments[ids])
+
+    @property
+    def conversations(self) -> int:
+        return int((self.segments.max(axis=1) + 1).sum())
+
+    @property
+    def tokens(self) -> int:
+        """The conversations' tokens (not the padding)."""
+        return int((self.segments >= 0).sum())
+
+    @property
+    def trained(self) -> int:
+        """The targets the loss covers (lm_rows' weights)."""
+        segment_in, segment_out = self.segments[:, :-1], self.segments[:, 1:]
+        return int((self.mask[:, 1:] & (segment_in == segment_out) & (segment_in >= 0)).sum())
 
 
 def pack(conversations: list[Conversation], seq_len: int) -> PackedRows:
@@ -530,13 +595,43 @@ def split_conversations(conversations: list[Conversation], fraction: float, path
 
 
 def chat_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -> tuple[ChatRows, PackedRows | None]:
-    """(the training rows, the held-out rows packed) of data.path, for batches laid out as `batch`."""
+    """(the training rows, the held-out rows packed) of data.path, for batches laid out as `batch`.
+    Conversations that rows of train.seq_len + 1 tokens cut before their first trained token
+    are counted; where that leaves none to train on (or none held out to evaluate) the run is
+    refused, before anything compiles: its loss would be 0 / 0."""
     conversations = read_conversations(data, vocab_size)
     training, held_out = split_conversations(conversations, data.eval_fraction, data.path)
     seq = batch.shapes["inputs"][1]
+    untrained = untrained_conversations(training, seq, data.path)
+    untrained_conversations(held_out, seq, data.path, "held-out ")
     rows = pack(training, seq)
-    _warn_of_cuts(data.path, rows.cut, len(training), "conversations", seq, "were cut to it")
+    _warn_of_cuts(data.path, rows.cut, len(training), "conversations", seq, "were cut to it", untrained)
     return ChatRows(rows, data.order, batch.global_batch, seed), pack(held_out, seq) if held_out else None
+
+
+def first_trained(conversation: Conversation) -> int | None:
+    """The place of the conversation's first trained target: its first masked token after
+    the first (a target needs an input before it); None where the mask covers none."""
+    found = np.flatnonzero(conversation.mask[1:])
+    return int(found[0]) + 1 if len(found) else None
+
+
+def untrained_conversations(conversations: list[Conversation], seq: int, path: str, part: str = "") -> int:
+    """How many of the conversations rows of seq + 1 tokens cut before their first trained
+    token (train.seq_len must be at least that place); all of them is refused, naming the
+    smallest train.seq_len that keeps one."""
+    firsts = [first_trained(c) for c in conversations]
+    lost = sum(f is None or f > seq for f in firsts)
+    if conversations and lost == len(conversations):
+        known = [f for f in firsts if f is not None]
+        if not known:
+            raise ConfigError(f"data.path={path!r}: the chat template marks none of the {part}conversations' tokens "
+                              "as the assistant's; nothing to train on")
+        raise ConfigError(f"train.seq_len={seq} leaves no token to train on: each of the {len(conversations)} "
+                          f"{part}conversations of data.path={path!r} is cut to {seq + 1} tokens before its first "
+                          f"assistant token; set train.seq_len to at least {min(known)} (keeps one), or "
+                          f"{max(len(c.ids) for c in conversations) - 1} to keep every one whole")
+    return lost
 
 
 def preference_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -> ChatRows:
@@ -547,11 +642,12 @@ def preference_rows(batch: BatchLayout, data: Any, vocab_size: int, seed: int) -
     return ChatRows(rows, data.order, batch.global_batch, seed)
 
 
-def _warn_of_cuts(path: str, cut: int, total: int, what: str, seq: int, how: str) -> None:
+def _warn_of_cuts(path: str, cut: int, total: int, what: str, seq: int, how: str, untrained: int = 0) -> None:
     if cut:
         import warnings
 
         from jaxpar.errors import JaxparWarning
 
+        lost = f", and {untrained} keep no token to train on (cut before their first assistant token)" if untrained else ""
         warnings.warn(f"data.path={path!r}: {cut} of {total} {what} are longer than train.seq_len + 1 = {seq + 1} "
-                      f"tokens and {how}; raise train.seq_len to keep them whole", JaxparWarning, stacklevel=3)
+                      f"tokens and {how}{lost}; raise train.seq_len to keep them whole", JaxparWarning, stacklevel=3)

@@ -31,6 +31,11 @@ class Windows:
     def __init__(self, n_tokens: int, seq_len: int, batch: int, seed: int):
         self.n_tokens, self.seq_len, self.batch, self.seed = n_tokens, seq_len, batch, seed
 
+    def epochs(self, steps: int) -> float:
+        """How many times `steps` steps read the stream's tokens over (whole rows: its rows),
+        on average: the windows fall at random, so some tokens are read more, some never."""
+        return steps * self.batch * max(self.seq_len, 1) / self.n_tokens
+
     def starts(self, step: int, rows: slice) -> np.ndarray:
         # A row reads seq_len + 1 tokens, so the last start is n_tokens - seq_len - 1 (the bound is exclusive).
         draw = np.random.default_rng([self.seed, step]).integers(0, self.n_tokens - self.seq_len, size=self.batch)
@@ -46,6 +51,10 @@ class Epochs:
         self.rows = (n_tokens - 1) // seq_len
         self.seq_len, self.batch, self.seed, self.shuffle, self.first_step = seq_len, batch, seed, shuffle, first_step
         self._permutations: dict[int, np.ndarray] = {}  # the latest two epochs': a batch may straddle two
+
+    def epochs(self, steps: int) -> float:
+        """How many epochs `steps` steps read."""
+        return steps * self.batch / self.rows
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._permutations:

@@ -1,5 +1,7 @@
 """Batch sources. Each is a pure function of (seed, step): a resumed run sees the same data,
-and every process builds only the rows its devices hold, then joins the global batch.
+and every process builds only the rows its devices hold, then joins the global batch. Each
+says in one line what it holds (`describe`, printed as a run starts), from what it counted
+while opening the data: nothing is read again for it.
 
 A source takes the batch's layout (jaxpar.data.batch.BatchLayout) and plain values; the
 configs it reads (a jaxpar.config.Config, its DataConfig) are typed Any because
@@ -14,9 +16,9 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
-from jaxpar.data.chat import chat_rows, preference_rows
+from jaxpar.data.chat import ChatRows, PackedRows, chat_rows, preference_rows
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
-from jaxpar.data.text import TextSpec, tokenize
+from jaxpar.data.text import Corpus, TextSpec, read_corpus
 from jaxpar.errors import ConfigError
 from jaxpar.model import has
 
@@ -31,6 +33,11 @@ class Source:
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def describe(self, steps: int) -> str:
+        """One line: what the source holds and how much of it `steps` steps read (each source
+        says more of itself)."""
+        return f"data: {type(self).__name__} | {counted(steps, 'step')} x {self.batch.global_batch:,} rows"
+
     def __call__(self, step: int) -> dict[str, jax.Array]:
         return self.batch.to_global(self.local(step, self.rows))
 
@@ -44,6 +51,12 @@ class SyntheticTokens(Source):
         super().__init__(batch)
         self.vocab, self.seed, self.eos_id = vocab_size, seed, eos_id
         self.successor = np.random.default_rng([seed, 7]).permutation(vocab_size)
+
+    def describe(self, steps: int) -> str:
+        batch, seq = self.batch.shapes["inputs"]
+        return (f"data: synthetic random tokens (data.source=synthetic: a made-up language of {self.vocab:,} ids drawn "
+                f"from train.seed, no text) | {counted(steps, 'step')} x {batch * seq:,} tokens; train on real text with "
+                "data.source=text data.path=FILE (or tokens, chat)")
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         batch, seq = self.batch.shapes["inputs"]
@@ -68,6 +81,12 @@ class TokenRows(Source):
         super().__init__(batch)
         self.tokens, self.order, self.eos_id = tokens, order, eos_id
 
+    def coverage(self, steps: int) -> str:
+        """How much of the stream `steps` steps read."""
+        batch, seq = self.batch.shapes["inputs"]
+        read = "epochs" if isinstance(self.order, Epochs) else "epochs (windows at random places: data.order=windows)"
+        return f"{counted(steps, 'step')} x {batch * seq:,} tokens = {self.order.epochs(steps):.3g} {read}"
+
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         seq = self.batch.shapes["inputs"][1]
         starts = self.order.starts(step, rows)
@@ -81,19 +100,30 @@ class TokenFile(TokenRows):
     jaxpar.data.heldout with this source's `data` and `seed`); rows are drawn from the part
     before it."""
 
+    kind = "tokens"
+
     def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
         self.data, self.seed = data, seed
         seq = batch.shapes["inputs"][1]
-        tokens = self.read(data, vocab_size)
+        tokens, self.files, documents = self.read(data, vocab_size)
         if len(tokens) < seq + 2:
             raise ConfigError(f"data.path={data.path!r} holds {len(tokens)} tokens, fewer than train.seq_len + 2 = {seq + 2}")
-        check_ids(tokens, vocab_size, data.path)
+        ends = check_ids(tokens, vocab_size, data.path, data.eos_id)
+        self.documents = documents if documents is not None else ends if data.eos_id >= 0 else None
         training, self.held_out = split_tokens(tokens, data.eval_fraction, seq, data.path)
         order = row_order(data.order, len(training), seq, batch.global_batch, seed)
         super().__init__(batch, training, order, data.eos_id)
 
-    def read(self, data: Any, vocab_size: int) -> np.ndarray:
-        return open_tokens(data.path, data.dtype)
+    def read(self, data: Any, vocab_size: int) -> Corpus:
+        return Corpus(open_tokens(data.path, data.dtype), 1, None)  # documents: counted by data.eos_id, if any
+
+    def describe(self, steps: int) -> str:
+        training, held = len(self.tokens), len(self.held_out)
+        files = f" ({self.files} files)" if self.files > 1 else ""
+        documents = f"{counted(self.documents, 'document')}, " if self.documents is not None else ""
+        split = f" ({training:,} to train on, {held:,} held out)" if held else ""
+        return (f"data: {self.kind} {self.data.path!r}{files} | {documents}{training + held:,} tokens{split} | "
+                f"{self.coverage(steps)}")
 
 
 class TextSource(TokenFile):
@@ -103,8 +133,10 @@ class TextSource(TokenFile):
     corpora of some tens of megabytes; tokenize a bigger one once, in parallel, with
     `jaxpar tokenize` and train on the file it writes (data.source=tokens): the same ids."""
 
-    def read(self, data: Any, vocab_size: int) -> np.ndarray:
-        return tokenize(TextSpec.from_config(data), vocab_size)
+    kind = "text"
+
+    def read(self, data: Any, vocab_size: int) -> Corpus:
+        return read_corpus(TextSpec.from_config(data), vocab_size)
 
 
 class ChatSource(Source):
@@ -120,6 +152,13 @@ class ChatSource(Source):
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         return self.reader.local(step, rows)
 
+    def describe(self, steps: int) -> str:
+        rows = self.reader.rows
+        held = f" ({self.held_out.conversations:,} more held out)" if self.held_out is not None else ""
+        return (f"data: chat {self.data.path!r} | {counted(rows.conversations, 'conversation')}{held}, {rows.tokens:,} tokens, "
+                f"{rows.trained:,} of them trained (the assistant's) | {_rows(rows)} | "
+                f"{_row_coverage(self.reader, steps, self.batch.global_batch)}")
+
 
 class PreferenceSource(Source):
     """data.source=preference: a row a {"prompt", "chosen", "rejected"} record of data.path, the
@@ -134,6 +173,12 @@ class PreferenceSource(Source):
         self.reader = preference_rows(batch, data, vocab_size, seed)
         self.pairs = self.reader.rows
         self.reference: np.ndarray | None = None  # [pairs, 2]
+
+    def describe(self, steps: int) -> str:
+        pairs = self.pairs
+        return (f"data: preference {self.data.path!r} | {counted(len(pairs), 'pair')}, {pairs.tokens:,} tokens, "
+                f"{pairs.trained:,} of them answers' | a row a pair: {_rows(pairs)} | "
+                f"{_row_coverage(self.reader, steps, self.batch.global_batch)}")
 
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         if self.reference is None:
@@ -153,6 +198,10 @@ class SyntheticClasses(Source):
         features = int(np.prod(batch.shapes["inputs"][1:]))
         self.teacher = np.random.default_rng([seed, 11]).normal(size=(features, num_classes))
 
+    def describe(self, steps: int) -> str:
+        return (f"data: synthetic classes (Gaussian inputs labelled by a random linear teacher, drawn from train.seed) | "
+                f"{counted(steps, 'step')} x {self.batch.global_batch:,} examples")
+
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         shape = self.batch.shapes["inputs"]
         x = np.random.default_rng([self.seed, step]).normal(size=shape).astype(np.float32)[rows]
@@ -161,6 +210,21 @@ class SyntheticClasses(Source):
             "targets": np.argmax(x.reshape(len(x), -1) @ self.teacher, axis=-1).astype(np.int32),
             "weights": np.ones(len(x), np.float32),
         }
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 document', '2,000 documents'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _rows(rows: PackedRows) -> str:
+    """Packed rows: how many, how wide, how full of tokens (the rest is padding)."""
+    return f"{counted(len(rows), 'row')} of {rows.ids.shape[1]} tokens, {rows.tokens / rows.ids.size:.1%} filled"
+
+
+def _row_coverage(reader: ChatRows, steps: int, batch: int) -> str:
+    read = "epochs" if isinstance(reader.order, Epochs) else "epochs (rows at random: data.order=windows)"
+    return f"{counted(steps, 'step')} x {batch:,} rows = {reader.order.epochs(steps):.3g} {read}"
 
 
 def _lm_rows(tokens: np.ndarray, eos_id: int = -1) -> dict[str, np.ndarray]:
@@ -213,18 +277,21 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
     return tokens.reshape(-1)
 
 
-def check_ids(tokens: np.ndarray, vocab: int, path: str, chunk: int = 1 << 26) -> None:
+def check_ids(tokens: np.ndarray, vocab: int, path: str, eos_id: int = -1, chunk: int = 1 << 26) -> int:
     """Refuse a file holding an id outside [0, vocab): the embedding would clamp it and the
     run would train on other tokens, silently. Every id is read, a chunk at a time (about a
-    second per 10^9 tokens)."""
+    second per 10^9 tokens); returns how many of them are `eos_id` (documents), counted on the way."""
+    ends = 0
     for start in range(0, len(tokens), chunk):
         part = np.asarray(tokens[start : start + chunk])
+        ends += int(np.count_nonzero(part == eos_id)) if eos_id >= 0 else 0
         low, high = int(part.min()), int(part.max())
         if high >= vocab or low < 0:
             bad = high if high >= vocab else low
             where = start + int(np.argmax(part == bad))
             raise ConfigError(f"data.path={path!r} holds token id {bad} (at position {where}) but "
                               f"model.vocab_size={vocab}; set model.vocab_size above the largest id, or re-tokenize")
+    return ends
 
 
 def make_source(batch: BatchLayout, config: Any) -> Source:
@@ -238,6 +305,21 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
     if model.task == "classify":
         return SyntheticClasses(batch, model.num_classes, seed)
     if config.data.source == "synthetic":
+        if config.checkpoint.init_from:
+            _warn_of_random_fine_tuning(config.checkpoint.init_from)
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
     sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource, "preference": PreferenceSource}
     return sources[config.data.source](batch, config.data, model.vocab_size, seed)
+
+
+def _warn_of_random_fine_tuning(init_from: str) -> None:
+    """A run that starts from a checkpoint's weights on synthetic tokens (the recipe hf:FOLDER
+    with no data settings, which `jaxpar explain` and `plan` read as it is) unlearns it."""
+    import warnings
+
+    from jaxpar.errors import JaxparWarning
+
+    warnings.warn(f"checkpoint.init_from={init_from!r} with data.source=synthetic fine-tunes the checkpoint on random "
+                  "tokens, which unlearns what it knows; give it real data: --set data.source=text --set "
+                  "data.path=FILE (a .txt, .jsonl or .parquet file), or data.source=chat for conversations",
+                  JaxparWarning, stacklevel=3)

@@ -59,15 +59,32 @@ class TextSpec:
         return cls(data.path, data.tokenizer, data.text_field, data.eos_id, bos_id=data.bos_id)
 
 
+class Corpus(NamedTuple):
+    """A corpus of token ids: its stream, and how many files and documents it came from (None:
+    not known, a token file's)."""
+
+    ids: np.ndarray
+    files: int
+    documents: int | None
+
+
 def tokenize(spec: TextSpec, model_vocab: int | None = None, chunk: int = 1024) -> np.ndarray:
     """The corpus as one stream of token ids (uint16 where the vocabulary fits, else uint32):
     spec.bos_id when >= 0, each document's ids, then spec.eos_id when >= 0, documents in file
     order."""
+    return read_corpus(spec, model_vocab, chunk).ids
+
+
+def read_corpus(spec: TextSpec, model_vocab: int | None = None, chunk: int = 1024) -> Corpus:
+    """`tokenize`'s stream, with the files and documents it read counted on the way."""
     tokenizer = load_tokenizer(spec, model_vocab)
     dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-    docs = documents(document_files(spec), spec)
-    parts = [encode(tokenizer, list(part), spec.eos_id, dtype, spec.bos_id) for part in itertools.batched(docs, chunk)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+    files = document_files(spec)
+    parts, count = [], 0
+    for part in itertools.batched(documents(files, spec), chunk):
+        parts.append(encode(tokenizer, list(part), spec.eos_id, dtype, spec.bos_id))
+        count += len(part)
+    return Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), len(files), count)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -137,6 +154,12 @@ def _eos_hint(tokenizer, field: str) -> str:
         if found is not None:
             return f"its {token} is {field}={found}"
     return f"set {field} to its end-of-document token's id, or -1 for none"
+
+
+def json_error(e: json.JSONDecodeError) -> str:
+    """What is wrong with a line that is not JSON, by its column: json's own message names
+    "line 1" of the one line it was given, a second line number beside the file's."""
+    return f"{e.msg} at column {e.colno}"
 
 
 def _first_line(e: Exception) -> str:
@@ -236,7 +259,7 @@ def _jsonl_documents(file: pathlib.Path, spec: TextSpec) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{_in(file, spec)} line {number} is not JSON ({e}); "
+                raise ConfigError(f"{_in(file, spec)} line {number} is not JSON ({json_error(e)}); "
                                   "give one JSON object per line") from None
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 has = (f"its keys are {', '.join(map(repr, record))}" if isinstance(record, dict)

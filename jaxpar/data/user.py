@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BatchLayout
+from jaxpar.data.sources import counted
 from jaxpar.errors import ConfigError
 
 UserData = Callable[[int], dict] | Iterable[dict]
@@ -36,6 +37,12 @@ class UserBatches:
         self.by_step = data if callable(data) else None
         self.stream = None if callable(data) else iter(data)
         self.first: dict | None = None
+
+    def describe(self, steps: int) -> str:
+        """One line: what the run trains on (the data's own, which jaxpar cannot count)."""
+        given = "a function step -> batch" if self.by_step is not None else "an iterable, batches taken in order"
+        return (f"data: your own batches (jaxpar.train.run(data=...): {given}) | {counted(steps, 'step')} x "
+                f"{self.batch.global_batch:,} rows")
 
     def peek(self, step: int) -> None:
         """Fetch and check the first batch now (before the compile), keep it for `step`."""

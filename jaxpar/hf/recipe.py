@@ -7,6 +7,10 @@ read from it at the start (checkpoint.init_from), and its tokenizer.json, end-of
 the id the tokenizer puts before a text (its <bos>; none for Qwen) become data.tokenizer,
 data.eos_id and data.bos_id. Everything else is jaxpar's defaults with a
 fine-tuning learning rate; --set changes any of it (mesh.*, train.*, ...).
+
+The data stays synthetic unless --set names some: `jaxpar explain` and `plan` read the recipe
+as it is, where data does not matter. A training run says so in its first line and warns
+that random tokens unlearn the checkpoint (jaxpar.data.sources.make_source).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -57,30 +57,32 @@ class StagesGathered(JaxparWarning):
 
 
 def generate(trainer, params: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None, top_p: float = 1.0,
-             kv_cache: bool | None = None) -> list[int]:
+             top_k: int = 0, seed: int = 0, stop_ids: Collection[int] = (), vocab_limit: int | None = None,
+             top_p: float = 1.0, kv_cache: bool | None = None) -> list[int]:
     """The tokens that follow `prompt_ids`, at most `max_new_tokens` of them, ending early
-    with `eos_id` (included) when it is drawn. Temperature 0 is greedy (argmax); above 0 each
-    token is drawn from softmax(logits / temperature) over the `top_k` largest logits (0: the
-    whole vocabulary; ties with the k-th are kept) and, of those, the fewest likeliest whose
-    probabilities reach `top_p` (1: all), with jax.random keys from `seed`. `vocab_limit`:
+    at the first of `stop_ids` drawn (included): a checkpoint's end-of-text ids, its chat
+    template's end of turn (jaxpar.hf.generation.stop_ids). Temperature 0 is greedy (argmax);
+    above 0 each token is drawn from softmax(logits / temperature) over the `top_k` largest
+    logits (0: the whole vocabulary; ties with the k-th are kept) and, of those, the fewest
+    likeliest whose probabilities reach `top_p` (1: all), with jax.random keys from `seed`. `vocab_limit`:
     only ids below it are chosen (a tokenizer's vocabulary, where the model's is larger: ids
     past it decode to nothing). `kv_cache`: True, False, or None for the cache where the
     layout allows it (the module's docstring). `params`: the weights where they rest, as
     `trainer.weights(state)` gives them (`state.params`, with LoRA's frozen weights joined)."""
-    return generate_batch(trainer, params, [prompt_ids], max_new_tokens, temperature, top_k, seed, eos_id,
+    return generate_batch(trainer, params, [prompt_ids], max_new_tokens, temperature, top_k, seed, stop_ids,
                           vocab_limit, top_p=top_p, kv_cache=kv_cache)[0]
 
 
 def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                   top_k: int = 0, seed: int = 0, eos_id: int = -1, vocab_limit: int | None = None,
+                   top_k: int = 0, seed: int = 0, stop_ids: Collection[int] = (), vocab_limit: int | None = None,
                    length: int | None = None, top_p: float = 1.0, kv_cache: bool | None = None) -> list[list[int]]:
     """`generate` for several prompts of any lengths at once, one a row: row r's next token is
     read at its own position, so each prompt's continuation is the one `generate` gives it
     alone (greedy; a draw's key is the seed's at that row and position). `length`: the
     buffer's (default the longest prompt plus max_new_tokens, rounded up to what the layout
     splits); calls with one length and as many rows compile once."""
-    _check_arguments(trainer, prompts, max_new_tokens, temperature, top_k, top_p)
+    _check_arguments(trainer, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
+    stops = frozenset(stop_ids)
     cached = uses_kv_cache(trainer, kv_cache)
     _warn_of_gathered_stages(trainer, params)
     multiple = sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel)
@@ -98,9 +100,9 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     drawn = [[] for _ in prompts]
     for _, token in zip(range(max_new_tokens), steps):
         for r, x in enumerate(token[:len(prompts)].tolist()):
-            if not drawn[r] or drawn[r][-1] != eos_id:
+            if not drawn[r] or drawn[r][-1] not in stops:
                 drawn[r].append(x)
-        if all(d and d[-1] == eos_id for d in drawn):
+        if all(d and d[-1] in stops for d in drawn):
             break
     return drawn
 
@@ -278,7 +280,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_k: int,
-                     top_p: float) -> None:
+                     top_p: float, stop_ids: Collection[int]) -> None:
     model = trainer.config.model
     if model.task != "lm":
         raise ConfigError(f"generate needs a language model (model.task='lm'); {type(model).__name__} has "
@@ -291,6 +293,8 @@ def _check_arguments(trainer, prompts: list[list[int]], max_new_tokens: int, tem
         raise ConfigError(f"prompt_ids hold {outside[0]}, outside model.vocab_size={vocab}; give ids in [0, {vocab})")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens}; give at least 1")
+    if not isinstance(stop_ids, Collection) or not all(isinstance(i, (int, np.integer)) for i in stop_ids):
+        raise ConfigError(f"stop_ids={stop_ids!r}; give a collection of token ids, e.g. stop_ids=[2] (or () for none)")
     if not temperature >= 0:  # NaN too
         raise ConfigError(f"temperature={temperature}; use 0 for greedy, or a positive value such as 0.8 to sample")
     if top_k < 0:
