@@ -1,6 +1,7 @@
 """Training curves from metrics files (`jaxpar train --metrics-file`, JSON Lines): one PNG of
 loss (held-out loss dashed beside it), tokens/s, gradient norm and learning rate, one line per
-run. Files are read and checked before anything is drawn."""
+run, against the rows' `step` (the steps done; files written before jaxpar counted from 1 count
+from 0, drawn as they are). Files are read and checked before anything is drawn."""
 
 from __future__ import annotations
 

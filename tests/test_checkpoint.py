@@ -13,7 +13,7 @@ import pytest
 from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
-from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.checkpoint import Checkpoints, PartialSaveRemoved
 from jaxpar.train.loop import run
 
 
@@ -38,7 +38,7 @@ def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path,
     first = run(trainer, steps=2, progress=False)  # "killed" after step 2
     assert Checkpoints.open(tmp_path).all_steps() == [1, 2]
     rest = run(trainer, progress=False)  # resumes at step 2, data position included
-    assert [r["step"] for r in rest] == [2, 3]
+    assert [r["step"] for r in rest] == [3, 4]  # rows count the steps done
     assert _losses(first) + _losses(rest) == _losses(whole)  # bitwise
 
 
@@ -54,16 +54,31 @@ def test_written_under_fsdp8_restored_under_data2_tensor2_on_four_devices(tiny_l
     jax.tree.map(np.testing.assert_array_equal, _host(state.opt_state), _host(saved.opt_state))
     assert jax.tree.leaves(state.params)[0].sharding == jax.tree.leaves(b.state_shardings.params)[0]
     history = run(b, progress=False)  # trains on from step 2
-    assert [r["step"] for r in history] == [2] and np.isfinite(history[0]["loss"])
+    assert [r["step"] for r in history] == [3] and np.isfinite(history[0]["loss"])
 
 
-def test_keeps_the_newest_and_a_half_written_save_is_not_a_checkpoint_and_restore_never_unpickles(
+def test_keeps_the_newest_times_saves_apart_and_a_half_written_save_is_not_a_checkpoint_and_never_unpickles(
         tiny_llama, tmp_path, monkeypatch):
+    import time
+
     config = apply_overrides(
         tiny_llama, ["mesh.data=8", f"checkpoint.dir={tmp_path}", "checkpoint.every=1", "checkpoint.keep=2", "train.steps=3"]
     )
     trainer = build(config)
-    run(trainer, progress=False)
+    save = Checkpoints.save
+
+    def slow_second_save(self, trainer, state, step):
+        if step == 2:
+            time.sleep(1.5)
+        return save(self, trainer, state, step)
+
+    monkeypatch.setattr(Checkpoints, "save", slow_second_save)
+    rows = run(trainer, progress=False)
+    monkeypatch.undo()
+    # a step that saves reports the save apart from its own time
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("save_s" in r for r in rows)
+    assert rows[1]["save_s"] >= 1.5 > rows[1]["step_time_s"], rows[1]
+    assert rows[1]["tokens_per_s"] == pytest.approx(16 * 16 / rows[1]["step_time_s"])
 
     def refuse(*args, **kwargs):
         raise AssertionError("a checkpoint was unpickled")
@@ -75,9 +90,72 @@ def test_keeps_the_newest_and_a_half_written_save_is_not_a_checkpoint_and_restor
     partial = tmp_path / "4.orbax-checkpoint-tmp-1700000000"
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "junk").write_bytes(b"\x00" * 10)
-    checkpoints = Checkpoints.open(tmp_path)
+    assert Checkpoints.open(tmp_path).latest_step() == 3 and partial.exists()  # a reader's open leaves it
+    with pytest.warns(PartialSaveRemoved, match=r"removed 4.orbax-checkpoint-tmp-1700000000, a save cut short \(never a "
+                      r"checkpoint\); its newest complete checkpoint is step 3"):
+        checkpoints = Checkpoints.open(tmp_path, remove_partial=True)  # the run that writes here next
     assert checkpoints.latest_step() == 3 and not partial.exists()
     assert checkpoints.restore(trainer)[1] == 3
+
+
+def test_a_save_compiles_nothing(tiny_llama, tmp_path):
+    """orbax's default splits a shard held by several devices among them, each part cut
+    with a jit(slice) compiled per shard shape and device: 528 compiles, 19 s, in the
+    deepseek recipe's first save (0.4 s the second). In one process each shard is written
+    whole, and a save compiles nothing, here with every array replicated 8 ways (shapes of
+    this test's own, which no other test's save can have compiled)."""
+    import logging
+
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "model.vocab_size=168", "model.embed=40", "model.head_dim=10",
+                                          "model.mlp=88"])
+    trainer = build(config)
+    state = jax.block_until_ready(trainer.init())
+    compiles = []
+    report = logging.Handler()
+    report.emit = lambda record: compiles.append(record.getMessage().split(" with ")[0])
+    logger = logging.getLogger("jax._src.interpreters.pxla")  # "Compiling <fn> with ..." under jax_log_compiles
+    logger.addHandler(report)
+    try:
+        with jax.log_compiles(True):
+            saver = Checkpoints.open(tmp_path)
+            saver.save(trainer, state, 1)
+            saver.close()
+    finally:
+        logger.removeHandler(report)
+    assert [c for c in compiles if c.startswith("Compiling")] == [], compiles
+    assert Checkpoints.open(tmp_path).all_steps() == [1]
+
+
+def test_the_first_stop_signal_names_the_step_the_run_stops_after():
+    """jaxpar.train.stop.StopSignals' handler, called as the signal would call it, at each
+    point of the loop's boundary protocol: the step its line names is the step `passed`
+    stops at; a second SIGINT raises, a second SIGTERM changes nothing; past the last step
+    the line says the run is finishing."""
+    import signal
+
+    from jaxpar.train.stop import StopSignals
+
+    lines = []
+    stop = StopSignals(sigterm=True, first=1, last=4, directory="runs/ck", say=lines.append)
+    assert not stop.passed(1)  # the next boundary is now 2: a signal from here on stops there
+    stop._handle(signal.SIGTERM, None)
+    assert lines == ["jaxpar: SIGTERM: stopping after step 2, saving to runs/ck (Ctrl-C again to stop without saving)"]
+    stop._handle(signal.SIGTERM, None)  # a second SIGTERM: the stop is fixed already
+    assert len(lines) == 1 and stop.after == 2
+    assert stop.passed(2) and stop.asked == "SIGTERM"
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)
+
+    unsaved = StopSignals(sigterm=False, first=3, last=4, say=lines.append)  # no checkpoint.dir
+    unsaved._handle(signal.SIGINT, None)  # before the first boundary: stops at it
+    assert lines[-1] == "jaxpar: SIGINT: stopping after step 3; no checkpoint.dir, nothing will be saved"
+    assert unsaved.passed(3)
+
+    last = StopSignals(sigterm=False, first=3, last=4, directory="runs/ck", say=lines.append)
+    assert not last.passed(3) and not last.passed(4)  # past the last step: no boundary left
+    last._handle(signal.SIGINT, None)
+    assert lines[-1] == "jaxpar: SIGINT: the last step is done, finishing its save to runs/ck (Ctrl-C again to stop without waiting)"
+    assert last.after is None
 
 
 def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
@@ -171,20 +249,27 @@ TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "trai
         "train.steps=8", "mesh.data=4", "mesh.tensor=2"]
 
 
-def _train_process(metrics, ckpt=None, kill_at_save=None):
+def _train_process(metrics, ckpt=None, kill_at_save=None, hold_stop_save=None, output=None):
     """`jaxpar train` in a child process; with `kill_at_save`, one that SIGKILLs itself inside
-    that step's save (tests/kill_during_save.py)."""
+    that step's save, with `hold_stop_save` (a file) one whose save after a first SIGINT never
+    completes (tests/kill_during_save.py). `output`: the path its stdout and stderr go to
+    (+ ".out", ".err"), read while it runs; else pipes."""
     import os
     import subprocess
     import sys
 
     sets = TINY + ([f"checkpoint.dir={ckpt}", "checkpoint.every=1"] if ckpt else [])
     entry, env = ["-m", "jaxpar.commands"], dict(os.environ)
-    if kill_at_save is not None:
-        entry, env["JAXPAR_TEST_KILL_AT_SAVE"] = [os.path.join(os.path.dirname(__file__), "kill_during_save.py")], str(kill_at_save)
+    if kill_at_save is not None or hold_stop_save is not None:
+        entry = [os.path.join(os.path.dirname(__file__), "kill_during_save.py")]
+        env.update({"JAXPAR_TEST_KILL_AT_SAVE": str(kill_at_save)} if kill_at_save is not None else
+                   {"JAXPAR_TEST_HOLD_STOP_SAVE": str(hold_stop_save)})
     cmd = [sys.executable, *entry, "train", "llama", "--no-progress", "--metrics-file", str(metrics)]
-    return subprocess.Popen(cmd + [x for s in sets for x in ("--set", s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    cmd += [x for s in sets for x in ("--set", s)]
+    if output is None:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with open(f"{output}.out", "w") as out, open(f"{output}.err", "w") as err:  # the child keeps its own copies
+        return subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
 
 
 def _rows(path):
@@ -218,9 +303,10 @@ def _killed_at_step(kill_point, metrics, ckpt, sig=None):
 def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tmp_path):
     """SIGKILL after a step drawn at random (seeded), inside a save (the process kills
     itself between orbax writing the arrays and the rename that commits them), and Ctrl-C
-    (SIGINT: the run saves at the next step boundary and ends in one line, no traceback);
-    the resumed run really resumes (it says from which step) and its losses equal the
-    uninterrupted run's at every step."""
+    (SIGINT: answered at once with the step the run stops after, which it saves, and one
+    line at the end, no traceback); the resumed run really resumes (it says from which step,
+    and names the unfinished save it removes) and its losses equal the uninterrupted run's at
+    every step. Then Ctrl-C twice, the second inside the save the first asked for."""
     import random
     import re
     import signal
@@ -235,7 +321,7 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
     reference = tmp_path / "reference.jsonl"
     run(build(resolve_config("llama", TINY, len(jax.devices()))), metrics_file=str(reference), progress=False)
     want = {r["step"]: r["loss"] for r in _rows(reference)}
-    assert sorted(want) == list(range(8))
+    assert sorted(want) == list(range(1, 9))  # the steps done, as the log lines count
 
     for kill_point in (random.Random(0).randrange(1, 7), "inside the save of step 3", "SIGINT"):
         ckpt, metrics = tmp_path / f"ckpt-{kill_point}", tmp_path / f"run-{kill_point}.jsonl"
@@ -243,9 +329,15 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
             _killed_at_step(kill_point, metrics, ckpt)
         elif kill_point == "SIGINT":
             proc = _killed_at_step(2, metrics, ckpt, signal.SIGINT)
-            err = proc.stderr.read()
+            out, err = proc.stdout.read(), proc.stderr.read()
             assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
-            assert re.search(rf"stopped by SIGINT after step \d: saved step \d to {ckpt}; run the same command", err), err
+            stop = re.search(rf"jaxpar: SIGINT: stopping after step (\d), saving to {ckpt} \(Ctrl-C again to stop "
+                             r"without saving\)", err)
+            assert stop, err
+            n = stop.group(1)  # the step the first line named is the step saved, and the last row
+            assert re.search(rf"saving step {n} to {ckpt} \.\.\.\nsaved step {n} \(\d+\.\d s\)", out), out
+            assert f"stopped by SIGINT after step {n}: saved step {n} to {ckpt}; run the same command" in err, err
+            assert _rows(metrics)[-1]["step"] == int(n) and "save_s" in _rows(metrics)[-1]
         else:
             proc = _train_process(metrics, ckpt, kill_at_save=3)
             _, err = proc.communicate(timeout=600)
@@ -256,10 +348,48 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
         assert resumed.returncode == 0, err[-2000:]
         start = int(re.search(r"resumed from step (\d+)", out).group(1))
         assert start >= 1, out
+        if kill_point == "inside the save of step 3":  # the unfinished save is named as it goes
+            assert start == 2 and re.search(r"jaxpar: warning: checkpoint.dir='.*': removed 3\.orbax-checkpoint-tmp\S*, a "
+                                            r"save cut short \(never a checkpoint\); its newest complete checkpoint is "
+                                            r"step 2", err), err
         rows = _rows(metrics)
-        assert [r["step"] for r in rows] == list(range(8)), kill_point  # the lost run's extra rows replaced
+        assert [r["step"] for r in rows] == list(range(1, 9)), kill_point  # the lost run's extra rows replaced
         for r in rows:
             assert r["loss"] == want[r["step"]], (kill_point, r["step"])
+    _ctrl_c_twice(tmp_path)
+
+
+def _ctrl_c_twice(tmp_path):
+    """The first Ctrl-C is answered before the save it asks for completes (that save never
+    does here: tests/kill_during_save.py holds it); the second, inside that save, ends the
+    run at once, exit 130, saying which checkpoint the directory keeps and naming the
+    unfinished folder it leaves (as it is)."""
+    import os
+    import signal
+    import time
+
+    ckpt, metrics, held, output = (tmp_path / "ckpt-twice", tmp_path / "twice.jsonl", tmp_path / "held",
+                                   tmp_path / "twice")
+    proc = _train_process(metrics, ckpt, hold_stop_save=held, output=output)
+    deadline = time.monotonic() + 600
+    while len(_rows(metrics)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, output.with_suffix(".err").read_text()[-2000:]
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGINT)
+    while not held.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, output.with_suffix(".err").read_text()[-2000:]
+        time.sleep(0.005)
+    n = held.read_text()
+    said = output.with_suffix(".err").read_text()  # while the save is still in flight
+    assert f"jaxpar: SIGINT: stopping after step {n}, saving to {ckpt} (Ctrl-C again to stop without saving)" in said
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    err = output.with_suffix(".err").read_text()
+    partial = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    assert len(partial) == 1 and partial[0].startswith(f"{n}.") and not (ckpt / n).exists(), partial
+    assert (ckpt / str(int(n) - 1)).is_dir() and "Traceback" not in err, err[-2000:]
+    assert (f"jaxpar: interrupted during the save of step {n}; {ckpt} keeps step {int(n) - 1}, its last complete "
+            f"checkpoint; the unfinished {partial[0]} stays until the next run removes it, naming it") in err, err
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):

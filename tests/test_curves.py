@@ -8,7 +8,7 @@ from jaxpar.commands import main
 
 
 def _run(path, losses, eval_every=0):
-    rows = [{"step": i, "time": 0.0, "loss": loss, "grad_norm": 1.0 / (i + 1), "learning_rate": 1e-3,
+    rows = [{"step": i + 1, "time": 0.0, "loss": loss, "grad_norm": 1.0 / (i + 1), "learning_rate": 1e-3,
              "tokens_per_s": 1000.0 + i, **({"eval_loss": loss + 0.1} if eval_every and (i + 1) % eval_every == 0 else {})}
             for i, loss in enumerate(losses)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

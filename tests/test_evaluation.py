@@ -82,7 +82,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     on = run(trainer, progress=False, metrics_file=str(jsonl), tensorboard_dir=str(tb), wandb_project="jaxpar-test")
     assert [r["loss"] for r in on] == [r["loss"] for r in off]  # bitwise
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
-    assert [r["step"] for r in on if "eval_loss" in r] == [1, 3, 4]  # after 2 and 4 steps, and the last
+    assert [r["step"] for r in on if "eval_loss" in r] == [2, 4, 5]  # after 2 and 4 steps, and the last (steps done)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [r["eval_loss"] for r in rows if "eval_loss" in r] == [r["eval_loss"] for r in on if "eval_loss" in r]
     assert all(isinstance(r["time"], float) and abs(r["time"] - rows[0]["time"]) < 600 for r in rows)
@@ -96,7 +96,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     assert on[1]["eval_loss"] == pytest.approx(sum(s for s, _ in sums) / sum(w for _, w in sums), rel=1e-7)
 
     scalars = read_scalars(tb)
-    assert [s for s, _, _ in scalars["loss"]] == [0, 1, 2, 3, 4]
+    assert [s for s, _, _ in scalars["loss"]] == [1, 2, 3, 4, 5]
     np.testing.assert_allclose([v for _, v, _ in scalars["loss"]], [r["loss"] for r in rows], rtol=1e-6)
     np.testing.assert_allclose([v for _, v, _ in scalars["eval_loss"]], [r["eval_loss"] for r in rows if "eval_loss" in r],
                                rtol=1e-6)
@@ -104,7 +104,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     assert {"grad_norm", "learning_rate", "tokens_per_s", "step_time_s"} <= set(scalars)
     assert "step" not in scalars and "time" not in scalars
     logged = read_wandb_history(tmp_path)
-    assert [r["_step"] for r in logged] == [0, 1, 2, 3, 4]
+    assert [r["_step"] for r in logged] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in logged] == [r["loss"] for r in rows] and "time" not in logged[0]
     assert [r["eval_loss"] for r in logged if "eval_loss" in r] == [r["eval_loss"] for r in rows if "eval_loss" in r]
 
@@ -270,13 +270,13 @@ def test_resumed_writers_replace_what_the_lost_run_wrote_past_the_checkpoint(tmp
 
     pytest.importorskip("tensorboardX")
     jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
-    for start, stop, loss in ((0, 4, 1.0), (2, 4, 2.0)):  # the lost run got to step 3; the checkpoint is at 2
+    for start, stop, loss in ((0, 4, 1.0), (2, 4, 2.0)):  # the lost run got to step 4; the checkpoint is at 2
         writers = open_writers(jsonl, tb, start)
-        for step in range(start, stop):
+        for step in range(start + 1, stop + 1):  # a row's step: the steps done
             writers.write({"step": step, "time": 1000.0 + step, "loss": loss})
         writers.close()
-    assert [(r["step"], r["loss"]) for r in map(json.loads, open(jsonl))] == [(0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)]
+    assert [(r["step"], r["loss"]) for r in map(json.loads, open(jsonl))] == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0)]
     resumed = next(pathlib.Path(tb).glob("events.out.tfevents.*.step2"))
     purge = [e.step for e in read_events(resumed) if e.file_version and e.step]
-    assert purge == [2]  # TensorBoard hides the lost run's events from step 2 on
-    assert [(s, v) for s, v, _ in read_scalars(tb)["loss"]] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (2, 2.0), (3, 2.0)]
+    assert purge == [3]  # TensorBoard hides the lost run's events past step 2
+    assert [(s, v) for s, v, _ in read_scalars(tb)["loss"]] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (3, 2.0), (4, 2.0)]

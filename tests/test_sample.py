@@ -57,6 +57,10 @@ def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama
     assert generate(tensor4, params, PROMPT, 6, stop_ids={127, want[4], want[1]}) == want[:2]  # at the first drawn
     with pytest.raises(ConfigError, match=r"^stop_ids=2; give a collection of token ids, e.g. stop_ids=\[2\]"):
         generate(tensor4, params, PROMPT, 6, stop_ids=2)
+    # one key/value head on tensor 4: repeated at use, the cache holds each device's copy
+    one_kv = build(apply_overrides(tiny_llama, ["mesh.tensor=4", "model.num_kv_heads=1"]))
+    state = initial_state(one_kv)
+    assert generate(one_kv, state.params, PROMPT, 6) == _greedy_on_one_device(unsharded_model(one_kv, state), PROMPT, 6)
 
 
 def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llama):

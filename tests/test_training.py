@@ -146,7 +146,8 @@ def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, m
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state), before_opt)
     assert int(after.step) == 0  # nor counted
     monkeypatch.setattr(loop, "make_source", lambda layout, config: _poisoned(layout, config, 2))
-    with pytest.raises(TrainingStopped, match=r"step 2: the loss is nan and the first non-finite gradient is \['embedding'\]"):
+    # the batch of data position 2 is the third step's
+    with pytest.raises(TrainingStopped, match=r"step 3: the loss is nan and the first non-finite gradient is \['embedding'\]"):
         loop.run(trainer, progress=False)
 
 
@@ -158,6 +159,18 @@ def test_skip_policy_goes_on_past_a_nonfinite_step(tiny_llama, monkeypatch):
     history = loop.run(build(config), progress=False)
     assert [r["nonfinite"] for r in history] == [0.0, 1.0, 0.0, 0.0]
     assert all(np.isfinite(r["loss"]) for i, r in enumerate(history) if i != 1)
+
+
+def test_the_log_line_counts_steps_done_and_shows_the_prediction_loss_and_the_save():
+    """A row's `step` is the steps done (the metrics file's and the line's number alike);
+    DeepSeek's `mtp_loss` and a saving step's `save_s` are on the line."""
+    from jaxpar.train.loop import log_line
+
+    row = {"step": 20, "loss": 1.25, "mtp_loss": 0.5, "grad_norm": 0.223, "learning_rate": 1.23e-3,
+           "tokens_per_s": 7977.0, "save_s": 0.912}
+    assert log_line(row, 60) == ("step 20/60 | loss 1.2500 | mtp_loss 0.5000 | grad_norm 0.223 | lr 0.00123 | "
+                                 "tokens/s 7,977 | save 0.91s")
+    assert log_line({"step": 1, "loss": 2.0, "tokens_per_s": 5.0}, 3) == "step 1/3 | loss 2.0000 | tokens/s 5"
 
 
 # ------------------------------------------------------------------ the loss in chunks

@@ -4,6 +4,7 @@ once, when its backends start."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jaxpar.commands.common import (INTERRUPTED_EXIT, PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides,
@@ -95,8 +96,16 @@ def _train(args) -> int:
         if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT if e.signal == "SIGINT" else PREEMPTED_EXIT
-    except KeyboardInterrupt:  # Ctrl-C before the first step, or a second one: no save
-        print("jaxpar: interrupted; nothing saved since the last checkpoint", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as e:  # Ctrl-C before the first step, or a second one: no save
+        from jaxpar.train.stop import Interrupted
+
+        said = str(e) if isinstance(e, Interrupted) else "interrupted; nothing saved since the last checkpoint"
+        print(f"jaxpar: {said}", file=sys.stderr, flush=True)
+        if isinstance(e, Interrupted) and e.abandoned is not None:
+            # Out now: an ordinary exit would wait for orbax's writing thread, finishing the
+            # save the line says was abandoned.
+            sys.stdout.flush()
+            os._exit(INTERRUPTED_EXIT)
         return INTERRUPTED_EXIT
     if history and leader:
         first, last = history[0], history[-1]

@@ -24,7 +24,7 @@ from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.evaluation import Sums, collect, open_evaluation
 from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
 from jaxpar.train.profile import Profiler
-from jaxpar.train.stop import StopSignals
+from jaxpar.train.stop import Interrupted, StopSignals, say
 from jaxpar.train.trainer import Trainer
 
 
@@ -47,16 +47,22 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
     to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.train.metrics).
     `progress`: a bar (default: when stderr is a terminal); without one, a plain line every
-    train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved
-    (jaxpar.train.stop); a directory that holds the last step already is left alone."""
+    train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved, and says so at
+    once; a second Ctrl-C raises jaxpar.train.stop.Interrupted without waiting for the save
+    (jaxpar.train.stop); a directory that holds the last step already is left alone. A row's
+    `step` is the number of steps done (1 for the first), as the plain lines and checkpoints
+    count; the row of a step that saved has `save_s`, the time the save held the loop, apart
+    from `step_time_s`."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
     steps = cfg.train.steps if steps is None else steps
     ckpt = cfg.checkpoint
-    checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save) if ckpt.dir else None
+    checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save, remove_partial=True) if ckpt.dir else None
     source = make_source(trainer.batch, cfg) if data is None else UserBatches(trainer.batch, data)
     if data is not None:  # the first batch is checked before the compile
         source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
+    if jax.process_index() == 0:  # what the run trains on, in one line, before the compile
+        print(source.describe(steps), flush=True)
     evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
     prepare_outputs(metrics_file, tensorboard_dir, wandb_project)
     profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
@@ -101,7 +107,9 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     preemptible = jax.process_count() > 1
     preempted_at = None
     end = steps
-    stop = StopSignals(sigterm=not preemptible)
+    leader = jax.process_index() == 0
+    stop = StopSignals(sigterm=not preemptible, first=start + 1, last=steps,
+                       directory=str(ckpt.dir) if checkpoints is not None else None, say=say if leader else None)
     try:
         stop.install()
         step = start - 1
@@ -116,18 +124,28 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
             pending = None
             if step < end:
                 done = step + 1
-                if (preemptible and multihost_utils.reached_preemption_sync_point(done)) or stop.asked:
+                asked = stop.passed(done)  # both every step: the preemption sync point is collective
+                if (preemptible and multihost_utils.reached_preemption_sync_point(done)) or asked:
                     preempted_at = end = done  # read this step's metrics, save, and stop
+                    stop.ending()
                 if checkpoints is not None and (done == end or (ckpt.every and done % ckpt.every == 0)):
                     # Every earlier step has been checked; check this one before saving it
                     # (the save waits for the step anyway), so no checkpoint holds a step
                     # past one that stopped the run.
                     if cfg.train.on_nonfinite == "stop" and float(metrics["nonfinite"]):
-                        rows.check(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
-                    checkpoints.save(trainer, state, done)
+                        rows.check(done, {k: float(v) for k, v in jax.device_get(metrics).items()})
+                    shown = leader and (progress or lines or preempted_at is not None)
+                    rows.saved(_save(checkpoints, trainer, state, done, shown and done == end))
                 # Queued before the next step, which then waits for it: it reads this step's weights.
                 held_out = evaluation.start(trainer.weights(state)) if evaluation is not None and evaluation.due(done, steps) else None
                 pending = (step, metrics, held_out)
+        if checkpoints is not None and checkpoints.saving == end:
+            _finish_save(checkpoints, leader and (progress or lines or preempted_at is not None), spinner=progress)
+    except KeyboardInterrupt:  # a second Ctrl-C: out now, without waiting for a save in flight
+        line, abandoned = (checkpoints.left_by_interrupt() if checkpoints is not None else
+                           ("interrupted; no checkpoint.dir, nothing saved", None))
+        checkpoints = None  # not closed: that would wait for the save
+        raise Interrupted(line, abandoned) from None
     finally:
         stop.restore()
         profiler.stop()
@@ -138,6 +156,31 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     if preempted_at is not None:
         raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None, stop.asked or "SIGTERM")
     return history
+
+
+def _save(checkpoints: Checkpoints, trainer: Trainer, state: Any, done: int, announce: bool) -> float:
+    """Save the state after `done` steps; the seconds the save held the loop (the step's own
+    compute is waited for first, so it is not counted). `announce`: a line before (the
+    run's last save)."""
+    jax.block_until_ready(state)
+    if announce:
+        tqdm.write(f"saving step {done} to {checkpoints.directory} ...")
+    began = time.perf_counter()
+    checkpoints.save(trainer, state, done)
+    return time.perf_counter() - began
+
+
+def _finish_save(checkpoints: Checkpoints, show: bool, spinner: bool) -> None:
+    """Wait for the run's last save to be on disk; with `show` a line when it is, its time
+    from the start of the save, and on a terminal (`spinner`) the seconds it has taken so far."""
+    with tqdm(desc=f"saving step {checkpoints.saving}", bar_format="{desc}: {elapsed}", leave=False,
+              disable=not (show and spinner)) as shown:
+        while checkpoints.writing():  # polled: a second Ctrl-C lands in the sleep, not inside orbax's wait
+            time.sleep(0.1)
+            shown.refresh()
+    checkpoints.wait()
+    if show:
+        tqdm.write(f"saved step {checkpoints.saving} ({time.perf_counter() - checkpoints.began:.1f} s)")
 
 
 def start_of(trainer: Trainer) -> Callable[[], Any]:
@@ -186,20 +229,27 @@ class _Rows:
         self.skipped = 0  # steps not applied for a non-finite loss or gradient
         self.eval_loss: float | None = None  # the latest, shown until the next
         self.last = time.perf_counter()
+        self.save_s: float | None = None  # the save after the next row's step, which is not its time
 
-    def check(self, step: int, values: dict) -> None:
+    def check(self, done: int, values: dict) -> None:
         if values["nonfinite"]:
             self.skipped += 1
             if self.trainer.config.train.on_nonfinite == "stop":
-                raise TrainingStopped(_nonfinite_message(self.trainer, step, values))
+                raise TrainingStopped(_nonfinite_message(self.trainer, done, values))
+
+    def saved(self, seconds: float) -> None:
+        """The step whose row comes next saved, holding the loop `seconds`."""
+        self.save_s = seconds
 
     def row(self, step: int, metrics: dict, held_out: Sums | None) -> dict:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        self.check(step, values)
+        self.check(step + 1, values)
         now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        record = {"step": step, "time": time.time(), **values, "tokens_per_s": self.tokens / seconds,
+        seconds, self.last = now - self.last - (self.save_s or 0.0), now
+        record = {"step": step + 1, "time": time.time(), **values, "tokens_per_s": self.tokens / seconds,
                   "step_time_s": seconds}
+        if self.save_s is not None:
+            record["save_s"], self.save_s = self.save_s, None
         util = mfu(self.flops, seconds, self.devices, self.peak)
         if util is not None:
             record["mfu"] = util
@@ -215,14 +265,17 @@ class _Rows:
             refresh=False,
         )
         self.bar.update(1)
-        if self.log_every and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
+        if self.log_every and (record["step"] % self.log_every == 0 or record["step"] == self.steps):
             print(log_line(record, self.steps, self.skipped), flush=True)
         return record
 
 
 def log_line(record: dict, steps: int, skipped: int = 0) -> str:
-    """A step's row as one plain line (the numbers the progress bar shows, and more)."""
-    parts = [f"step {record['step'] + 1}/{steps}", f"loss {record['loss']:.4f}"]
+    """A step's row as one plain line (the numbers the progress bar shows, and more); the
+    step is the row's, the number of steps done."""
+    parts = [f"step {record['step']}/{steps}", f"loss {record['loss']:.4f}"]
+    if "mtp_loss" in record:  # DeepSeek's multi-token prediction (jaxpar.models.deepseek)
+        parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
     if "eval_loss" in record:
         parts.append(f"eval_loss {record['eval_loss']:.4f}")
     if "grad_norm" in record:
@@ -238,15 +291,17 @@ def log_line(record: dict, steps: int, skipped: int = 0) -> str:
         parts.append(f"margin {record['reward_margin']:.3g} accuracy {record['reward_accuracy']:.0%}")
     if skipped:
         parts.append(f"skipped {skipped}")
+    if "save_s" in record:
+        parts.append(f"save {record['save_s']:.2f}s")
     return " | ".join(parts)
 
 
-def _nonfinite_message(trainer: Trainer, step: int, values: dict) -> str:
+def _nonfinite_message(trainer: Trainer, done: int, values: dict) -> str:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(trainer.abstract_state().params)[0]]
     index, count = int(values["first_nonfinite_grad"]), int(values["nonfinite_grads"])
     grads = f"the first non-finite gradient is {paths[index]} ({count} of {len(paths)} are)" if index >= 0 else "the gradients are finite"
     return (
-        f"step {step}: the loss is {values['loss']} and {grads}; the step was not applied. Lower optim.lr, check the "
+        f"step {done}: the loss is {values['loss']} and {grads}; the step was not applied. Lower optim.lr, check the "
         "data, or set train.on_nonfinite=skip to go on without such steps"
     )
 

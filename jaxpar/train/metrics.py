@@ -1,16 +1,17 @@
 """Where each step's metrics row goes: a JSON Lines file, TensorBoard scalars, Weights &
 Biases, or any of them together.
 
-A row is a dict: "step" (from 0), "time" (unix seconds), and numbers (loss, grad_norm,
-learning_rate, tokens_per_s, step_time_s, mfu, eval_loss, ...). Every writer has
+A row is a dict: "step" (the steps done: 1 for the first, as the plain log lines and the
+checkpoints count), "time" (unix seconds), and numbers (loss, grad_norm, learning_rate,
+tokens_per_s, step_time_s, mfu, eval_loss, save_s, ...). Every writer has
 `write(row)` and `close()`; `open_writers` gives one that writes to all that were asked for.
 
-  JsonLines   one JSON object per row. A resumed run (from step `start`) first drops the rows
-              the lost run wrote from that step on, then appends.
+  JsonLines   one JSON object per row. A resumed run (from the checkpoint of step `start`)
+              first drops the rows the lost run wrote past that step, then appends.
   TensorBoard every number of a row but "step" and "time" as a scalar of the same name at
               global step row["step"], wall time row["time"], through tensorboardX (an
               optional extra: pip install 'jaxpar[tensorboard]'). A resumed run asks
-              TensorBoard to discard the lost run's events from step `start` on (purge_step).
+              TensorBoard to discard the lost run's events past step `start` (purge_step).
   WandB       the same numbers as a W&B run's metrics at step row["step"], the config as the
               run's config (wandb, an optional extra: pip install 'jaxpar[wandb]'). W&B's own
               settings apply: WANDB_MODE=offline keeps the run under WANDB_DIR (or ./wandb)
@@ -114,7 +115,8 @@ class JsonLines:
 class TensorBoard:
     def __init__(self, logdir: str, start: int = 0):
         # Named by the step it starts at too: event files are named by the second they open in.
-        self.writer = summary_writer(logdir)(logdir, purge_step=start or None, filename_suffix=f".step{start}")
+        self.writer = summary_writer(logdir)(logdir, purge_step=start + 1 if start else None,
+                                             filename_suffix=f".step{start}")
 
     def write(self, row: dict) -> None:
         for name, value in numbers(row).items():
@@ -162,7 +164,7 @@ class Writers:
 
 def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0,
                  wandb_project: str | None = None, config: Any = None) -> Writers:
-    """The writers for a run that starts at step `start` (0, or the step it resumed from);
+    """The writers for a run that starts after step `start` (0, or the checkpoint it resumed from);
     `config`: the run's jaxpar.config.Config, which W&B records."""
     writers: list[Writer] = []
     if wandb_project:
@@ -175,8 +177,8 @@ def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: i
 
 
 def truncate_rows(path: str, start: int) -> None:
-    """Keep the rows of steps before `start`."""
+    """Keep the rows of the steps up to `start` (the checkpoint a run resumes from)."""
     file = pathlib.Path(path)
     if file.exists():
-        rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] < start]
+        rows = [line for line in file.read_text().splitlines() if line and json.loads(line)["step"] <= start]
         file.write_text("".join(row + "\n" for row in rows))
