@@ -11,6 +11,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only gemma3        # local and global layers in one ring and one stage
   python benchmarks/matrix.py --only lora          # LoRA adapters under a strategy of each axis
   python benchmarks/matrix.py --only kv1 --only gemma3_1b   # key/value heads fewer than mesh.tensor
+  python benchmarks/matrix.py --only qwen3_moe_dense           # dense layers among the MoE ones
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -149,12 +150,18 @@ VARIANTS = {
     "kv1": ("llama", ("model.num_kv_heads=1",), "the cell's subject: 1 key/value head under mesh.tensor=2, repeated at use"),
     "gemma3_1b": ("gemma3", ("model.num_heads=4", "model.num_kv_heads=1"),
                   "the cell's subject: Gemma 3 1B's 4 query heads and 1 key/value head, repeated at use over tensor"),
+    "qwen3_moe_dense": ("qwen3_moe", ("model.mlp_only_layers=1,3", "model.dense_mlp=128"),
+                        "the cell's subject: Qwen3-MoE's dense layers (mlp_only_layers) among its MoE ones"),
 }
 KV1_CELLS = (("data", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp"), ("ring", "tensor+sp"), ("ulysses", "tensor"),
              ("allgather", "tensor"), ("1f1b", "tensor"), ("interleaved", "tensor+sp"), ("zb-h1", "tensor"),
              ("1f1b", "fsdp", "tensor+sp"), ("fsdp", "ring", "tensor+sp"))
 GEMMA3_1B_CELLS = (("data", "tensor"), ("ring", "tensor+sp"), ("ulysses", "tensor"), ("allgather", "tensor+sp"),
                    ("gpipe", "tensor"))
+# Qwen3-MoE with dense layers 1 and 3 among its MoE ones (models/moe.py's layer runs) beside expert;
+# a pipeline is refused in one line (a dense layer after an MoE one cannot be cut into stages).
+QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
+                         ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +251,7 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "lora") for combo in LORA_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "kv1") for combo in KV1_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "gemma3_1b") for combo in GEMMA3_1B_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "qwen3_moe_dense") for combo in QWEN3_MOE_DENSE_CELLS]
     return out
 
 

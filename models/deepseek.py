@@ -23,15 +23,16 @@ mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim); the softmax s
 multiplied by mscale(factor, yarn_mscale_all_dim)^2 (applied to the queries).
 
 The first `dense_layers` layers (first_k_dense_replace) have a dense MLP of width
-`dense_mlp` instead of experts; `num_layers` counts the MoE layers after them. They are a
-stack of their own run by `embed`, so a pipeline runs them on its first stage, and every
-stage holds them (the pipeline contract: everything outside `layers`); their stacked axis
-is kept whole ("dense_layers").
+`dense_mlp` instead of experts; `num_layers` counts the MoE layers after them. They are
+models.moe's second stack (`dense_layer_ids`), run by `embed`, so a pipeline runs them on its
+first stage, and every stage holds them (the pipeline contract: everything outside
+`layers`); their stacked axis is kept whole ("dense_layers").
 
 Hugging Face's DeepseekV3ForCausalLM in and out (deepseek_from_hf, deepseek_to_hf,
 deepseek_hf_weights): its dense layers are model.layers.0 .. dense_layers - 1, its
 interleaved RoPE pairs (rope_interleave) are laid out as halves in the attention, and its
-routing bias (e_score_correction_bias) is ours (model.router_bias).
+routing bias (e_score_correction_bias) is ours (model.router_bias), exported in float32 whatever
+the export's dtype (as published: rounded, it would choose other experts).
 
 Multi-token prediction (model.mtp_layers=1, weight model.mtp_weight): MultiTokenPrediction
 predicts token t + 2 from the main model's normalised output and the embedding of token
@@ -39,7 +40,9 @@ t + 1, through one more MoE layer and the model's head; its cross-entropy joins 
 loss (the trainer weighs it as the main loss at t). Hugging Face's checkpoints hold it as
 model.layers.{dense + MoE layers} (enorm, hnorm, eh_proj, shared_head.norm and a decoder
 layer; transformers neither reads nor writes it); a checkpoint without it leaves it at its
-initialisation. Under a pipeline it runs on the last stage (output_report), which holds the
+initialisation. The published checkpoint also holds the layer's copies of the embedding and
+head (embed_tokens, shared_head.head), which vLLM's loader reads: the export writes them
+(Weight.copies), an import accepts them unread (the module shares the model's). Under a pipeline it runs on the last stage (output_report), which holds the
 embedding and head as every stage does.
 """
 
@@ -58,9 +61,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import RESIDUAL, Block, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
-from jaxpar.models.moe import MoEBlock, MoEConfig, MoETransformer
-from jaxpar.nn import param, scan_layers, stack_layers
+from jaxpar.models.llama import RESIDUAL, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
+from jaxpar.models.moe import MoEBlock, MoEConfig, MoETransformer, stack_layer_ids
+from jaxpar.nn import param
 from jaxpar.sharding import ahead, attend, column_project, compute_value, constrain, row_project
 
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
@@ -85,15 +88,14 @@ class DeepSeekConfig(MoEConfig):
     shared_experts: int = 1  # experts every token also goes through, beside the routed ones
     dense_layers: int = 0  # dense layers before the MoE ones (first_k_dense_replace); num_layers counts the MoE ones
     dense_mlp: int = 64  # the dense layers' MLP width (intermediate_size; mlp is each expert's)
-    # YaRN RoPE scaling (Hugging Face's rope_scaling of type "yarn": factor,
-    # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim);
-    # yarn_factor 1: plain RoPE.
+    # YaRN RoPE scaling (Hugging Face's rope_scaling of type "yarn"): the long wavelengths
+    # slowed by this factor (its `factor`); 1: plain RoPE.
     yarn_factor: float = 1.0
-    yarn_original_max_positions: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
+    yarn_original_max_positions: int = 4096  # YaRN: the context the model was trained on (original_max_position_embeddings)
+    yarn_beta_fast: float = 32.0  # YaRN: pairs turning this often or more over that context keep their frequency (beta_fast)
+    yarn_beta_slow: float = 1.0  # YaRN: pairs turning this often or less are slowed by the factor (beta_slow)
+    yarn_mscale: float = 1.0  # YaRN: cos and sin scaled by mscale(factor, this) / mscale(factor, yarn_mscale_all_dim)
+    yarn_mscale_all_dim: float = 0.0  # YaRN: the softmax scale times mscale(factor, this)^2 (mscale_all_dim)
     # The RoPE parts' dimensions in interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's own
     # checkpoints lay them out (Hugging Face's rope_interleave); false: halves, as Llama's.
     rope_interleave: bool = False
@@ -102,7 +104,7 @@ class DeepSeekConfig(MoEConfig):
     mtp_weight: float = 0.3  # the prediction of token t + 2's loss weight (DeepSeek-V3: 0.3, later 0.1)
 
     # latents shard (FSDP) as the width does; the dense layers' stack stays whole (no pipeline splits it)
-    axis_names = {"kv_latent": "embed", "q_latent": "embed", "dense_layers": None, "mtp_in": None}
+    axis_names = {**MoEConfig.axis_names, "kv_latent": "embed", "q_latent": "embed", "mtp_in": None}
     WEIGHTS = MoEConfig.WEIGHTS + ("mtp_weight",)
     mesh_divides = {**MoEConfig.mesh_divides, "fsdp": ("embed", "kv_lora_rank", "q_lora_rank")}  # latents shard as embed
     hf_architectures = ("DeepseekV3ForCausalLM",)
@@ -119,10 +121,9 @@ class DeepSeekConfig(MoEConfig):
         return deepseek_hf_weights(self)
 
     def hf_ignored(self) -> tuple[str, ...]:
-        """The prediction layer after the main stack: all of it without model.mtp_layers; with
-        it, the copies of the embedding and head it shares with the model."""
-        layer = f"model.layers.{self.dense_layers + self.num_layers}."
-        return (layer + "embed_tokens.weight", layer + "shared_head.head.weight") if self.mtp_layers else (layer,)
+        """The prediction layer after the main stack, without model.mtp_layers (with it, its
+        copies of the embedding and head are the Weights' `copies`)."""
+        return () if self.mtp_layers else (f"model.layers.{self.dense_layers + self.num_layers}.",)
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
@@ -163,9 +164,9 @@ class DeepSeekConfig(MoEConfig):
     def attention_module(self, rngs: nnx.Rngs) -> nnx.Module:
         return LatentAttention(self, rngs=rngs)
 
-    def dense_param_count(self) -> int:
-        """The dense first layers: attention, a dense MLP and two norms each."""
-        return self.dense_layers * (self.attention_param_count() + 3 * self.embed * self.dense_mlp + 2 * self.embed)
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """The first dense_layers layers (models.moe runs them with the embedding)."""
+        return tuple(range(self.dense_layers))
 
     def mtp_param_count(self, active: bool = False) -> int:
         """The prediction module: an MoE layer, the projection [2D, D] and three norms (the
@@ -174,7 +175,7 @@ class DeepSeekConfig(MoEConfig):
         return self.mtp_layers * (self.moe_layer_param_count(active) + 2 * d * d + 3 * d)
 
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
-        return super().param_count(include_embedding, active) + self.dense_param_count() + self.mtp_param_count(active)
+        return super().param_count(include_embedding, active) + self.mtp_param_count(active)
 
     def attention_param_count(self) -> int:
         d, h, c, cq = self.embed, self.num_heads, self.kv_lora_rank, self.q_lora_rank
@@ -184,11 +185,10 @@ class DeepSeekConfig(MoEConfig):
         return queries + latent + h * self.v_head_dim * d
 
     def flops_per_token(self, seq_len: int) -> float:
-        """models.moe's count (its matmuls include the dense layers' and the prediction
-        module's, by param_count) with their attention and the module's head added."""
+        """models.moe's count (its matmuls include the prediction module's, by param_count,
+        and its attention the dense layers') with the module's attention and head added."""
         extra_head = self.mtp_layers * self.vocab_size * self.embed  # the prediction module's pass through the head
-        return (super().flops_per_token(seq_len) + 6 * extra_head
-                + (self.dense_layers + self.mtp_layers) * self.attention_flops(seq_len))
+        return super().flops_per_token(seq_len) + 6 * extra_head + self.mtp_layers * self.attention_flops(seq_len)
 
     def attention_flops(self, seq_len: int) -> float:
         """Scores over query/key heads of nope + rope, values of v (Llama's, with its two head sizes)."""
@@ -199,10 +199,7 @@ class DeepSeek(MoETransformer):
     """models.moe's decoder with `dense_layers` dense layers first (the module docstring)."""
 
     def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs=rngs)
-        if cfg.dense_layers:
-            dense = dataclasses.replace(cfg, mlp=cfg.dense_mlp)
-            self.dense = stack_layers(lambda r: Block(dense, rngs=r), cfg.dense_layers, rngs, axis_name="dense_layers")
+        super().__init__(cfg, rngs=rngs)  # the dense first layers: models.moe's second stack
         if cfg.mtp_layers:
             self.mtp = MultiTokenPrediction(cfg, rngs=rngs)
 
@@ -215,10 +212,6 @@ class DeepSeek(MoETransformer):
             aux["penalty"] = aux["penalty"] + self.cfg.mtp_weight * loss
             aux["token_metrics"]["mtp_loss"] = loss
         return self.logits(x, table), aux
-
-    def trunk(self, table, tokens_BS, positions, segment_ids):
-        x = self.run_dense(self.lookup(table, tokens_BS), positions, segment_ids)
-        return self.run_layers(x, positions, segment_ids)
 
     def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
         x, report = super().apply_layers(x, batch)
@@ -250,16 +243,6 @@ class DeepSeek(MoETransformer):
         logits = self.project(h, table).astype(jnp.float32)
         target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
         return jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - target_logit, 0.0)
-
-    def embed(self, batch: dict) -> jax.Array:
-        """The pipeline's first piece: the embedding and the dense layers."""
-        return self.run_dense(super().embed(batch), batch.get("positions"), batch.get("segment_ids"))
-
-    def run_dense(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> jax.Array:
-        if not self.cfg.dense_layers:
-            return x
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        return scan_layers(self.dense, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers)
 
 
 class MultiTokenPrediction(nnx.Module):
@@ -459,13 +442,16 @@ def deepseek_hf_weights(cfg: DeepSeekConfig) -> dict[str, Weight]:
     if not cfg.has_router_bias:
         raise ConfigError("model.router_bias=false: DeepSeek-V3's format holds each layer's routing bias "
                           "(e_score_correction_bias); set model.router_bias=true")
-    weights = {"embedding": Weight("model.embed_tokens.weight"), "final_norm.scale": Weight("model.norm.weight")}
+    # the prediction layer's copies of the embedding and head (written, accepted unread: it shares them)
+    mtp = f"model.layers.{cfg.dense_layers + cfg.num_layers}."
+    embedding, head = ((mtp + "embed_tokens.weight",), (mtp + "shared_head.head.weight",)) if cfg.mtp_layers else ((), ())
+    weights = {"embedding": Weight("model.embed_tokens.weight", copies=embedding + (head if cfg.tie_embeddings else ())),
+               "final_norm.scale": Weight("model.norm.weight")}
     if not cfg.tie_embeddings:
-        weights["head"] = Weight("lm_head.weight", order=(1, 0))
-    stacks = [("layers", cfg.dense_layers)] + ([("dense", 0)] if cfg.dense_layers else [])
-    for stack, offset in stacks:
-        weights.update({f"{stack}.{ours}": dataclasses.replace(w, layer_offset=offset)
-                        for ours, w in _layer_weights(cfg, stack == "dense").items()})
+        weights["head"] = Weight("lm_head.weight", order=(1, 0), copies=head)
+    for stack, ids in stack_layer_ids(cfg).items():
+        weights.update({f"{stack}.{ours}": dataclasses.replace(w, layer_ids=ids)
+                        for ours, w in _layer_weights(cfg, stack == "dense").items()} if ids else {})
     if cfg.mtp_layers:  # model.layers.{dense + MoE layers}; transformers neither reads nor writes it
         weights.update(_mtp_weights(cfg, cfg.dense_layers + cfg.num_layers))
     return weights
@@ -506,7 +492,8 @@ def _layer_weights(cfg: DeepSeekConfig, dense: bool) -> dict[str, Weight]:
         return {**weights, **{f"mlp.{ours}": Weight(mlp + f"{theirs}.weight", order=(1, 0))
                               for ours, theirs in projections.items()}}
     weights.update({"moe.router": Weight(mlp + "gate.weight", order=(1, 0)),
-                    "moe.router_bias": Weight(mlp + "gate.e_score_correction_bias")})
+                    # float32 in any export, as published: rounded, it would choose other experts
+                    "moe.router_bias": Weight(mlp + "gate.e_score_correction_bias", export_dtype="float32")})
     weights.update({f"moe.{ours}": Weight(mlp + "experts.{expert}." + f"{theirs}.weight", order=(1, 0))
                     for ours, theirs in projections.items()})
     if cfg.shared_experts:
@@ -520,8 +507,9 @@ register(Family("deepseek", DeepSeekConfig, presets={
     # DeepSeek-V3 (arXiv 2412.19437, its config.json): 61 layers, the first 3 dense; 256 routed
     # experts of 2048 and one shared, 8 per token within 4 of 8 groups, gates x 2.5; MLA with
     # latents of 1536 (queries) and 512 (keys and values); YaRN x 40 over 4096 positions; bias
-    # balancing at 0.001 and a sequence-wise balance loss at 1e-4. 671B parameters, 37B a token.
-    # (Its multi-token prediction module is not here yet.) Capacity routing, as Mixtral's
+    # balancing at 0.001 and a sequence-wise balance loss at 1e-4. 671B parameters, 36.6B a token
+    # as DeepSeek counts it (not the input embedding; docs/models/deepseek.md). Its multi-token
+    # prediction module is off (model.mtp_layers=1: 11.6B more). Capacity routing, as Mixtral's
     # preset: DeepSeek drops nothing, but the dropless grouped matmul compiles densely on CPU
     # (every expert for every token: 4.6 TB a device and 218 s a step in `jaxpar plan`).
     "deepseek-v3": DeepSeekConfig(
@@ -535,7 +523,7 @@ register(Family("deepseek", DeepSeekConfig, presets={
     # Kimi K2 (Moonshot AI, 2025; its config.json): DeepSeek-V3's architecture with 384 routed
     # experts (8 per token, no group limit, gates x 2.827), 64 heads, one dense layer, a
     # 163,840-token vocabulary, RoPE theta 50,000 with YaRN x 32 (beta 1 and 1). 1.03T
-    # parameters, 32.9B a token (Moonshot: 1T and 32B).
+    # parameters, 31.7B a token without the input embedding (Moonshot: 1T and 32B).
     "kimi-k2": DeepSeekConfig(
         vocab_size=163840, embed=7168, num_layers=60, dense_layers=1, dense_mlp=18432, num_heads=64, num_kv_heads=64,
         head_dim=192, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

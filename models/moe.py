@@ -9,6 +9,15 @@ Sharded shapes under the default rules (storage):
   w_gate, w_up [E@expert, D@fsdp, F@tensor]    w_down [E@expert, F@tensor, D@fsdp]
   shared experts: the Llama MLP of width shared_experts x mlp
 
+Dense layers among the MoE ones (DeepSeek-V3's first ones, Qwen3-MoE's mlp_only_layers): a
+family whose config lists them (`dense_layer_ids()`, by index in the whole model, which holds
+num_layers MoE layers and these) gets a second stack, `dense` (Llama's block with a dense MLP
+of the family's `dense_mlp`, its stacked axis "dense_layers" kept whole), and the model runs
+the layers in their order as runs of one kind (`layer_runs`), each a scan over its slice of
+its stack: no layer holds weights of the other kind. Dense layers before the first MoE one
+run with the embedding (a pipeline's first stage, as every stage holds `dense`); a pipeline
+splits only `layers`, so dense layers after the first MoE one are refused under stages.
+
 Load balancing (each is averaged over the layers, where Megatron sums them: its weight is
 this one / layers):
   aux_loss_weight   Switch loss, E x sum_e f_e P_e per sequence (f_e: share of the sequence's
@@ -32,14 +41,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Llama, LlamaConfig, RMSNorm,
+from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Block, Llama, LlamaConfig, RMSNorm,
                                  attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
 from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.kernels.experts import grouped_matmul
 from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
-from jaxpar.nn import param
+from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
 
 
@@ -53,11 +62,10 @@ class MoEConfig(LlamaConfig):
     capacity_factor: float = 1.25  # capacity routing: each expert's slots as a multiple of its balanced share
     renormalize: bool = True  # gates of the k chosen experts sum to one (k > 1; top-1 keeps p)
     router_scores: RouterScores = "softmax"  # the router's probabilities: softmax over experts, or each's sigmoid (DeepSeek-V3)
-    # Group-limited routing (DeepSeek-V3's n_group, topk_group): experts in expert_groups
-    # equal groups, a token choosing only within the top_groups groups whose two best scores
-    # sum highest. 1 and 1: off.
+    # Group-limited routing (DeepSeek-V3's n_group): the experts in this many equal groups, a
+    # token choosing only within the model.top_groups groups whose two best scores sum highest; 1: off.
     expert_groups: int = 1
-    top_groups: int = 1
+    top_groups: int = 1  # the groups a token chooses its experts within (DeepSeek-V3's topk_group); 1 of 1: off
     routed_scaling: float = 1.0  # the routed experts' gates multiplied by this (routed_scaling_factor)
     shared_experts: int = 0  # experts every token also goes through (DeepSeekMoE), beside the routed ones
     aux_loss_weight: float = 0.01  # the load-balancing loss's weight (Switch Transformer); 0: off
@@ -71,6 +79,7 @@ class MoEConfig(LlamaConfig):
 
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, EXPERTS, STAGES, REMAT})
     mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
+    axis_names = {"dense_layers": None}  # the dense layers' stack rests whole (no pipeline splits it)
     WEIGHTS = ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
 
     def check(self, sizes: dict[str, int]) -> None:
@@ -91,6 +100,26 @@ class MoEConfig(LlamaConfig):
             raise ConfigError(
                 f"model.routing=capacity gives each sequence its expert capacity, but mesh.context={sizes['context']} "
                 "splits sequences across devices; use model.routing=dropless, or mesh.context=1")
+        self._check_dense_layers(sizes)
+
+    def _check_dense_layers(self, sizes: dict[str, int]) -> None:
+        dense = self.dense_layer_ids()
+        if dense and self.dense_mlp % sizes.get("tensor", 1):
+            raise ConfigError(f"mesh.tensor={sizes['tensor']} does not divide model.dense_mlp={self.dense_mlp} (the "
+                              "dense layers' MLP width, split over tensor as model.mlp is); use a multiple of it")
+        first = stack_layer_ids(self)["layers"][0]
+        after = [i for i in dense if i > first]
+        if after and sizes.get("stage", 1) > 1:
+            raise ConfigError(f"mesh.stage={sizes['stage']} with dense layers after MoE ones (layer"
+                              f"{'s' * (len(after) > 1)} {', '.join(map(str, after))} of the model, after MoE layer "
+                              f"{first}): pipeline stages "
+                              "split the MoE layers alone, and only dense layers before every MoE one run (on the first "
+                              "stage); set mesh.stage=1")
+
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """The layers, by index in the whole model (num_layers MoE layers and these), whose MLP
+        is dense, of the family's `dense_mlp` width: none here (the module docstring)."""
+        return ()
 
     @property
     def has_router_bias(self) -> bool:
@@ -131,9 +160,15 @@ class MoEConfig(LlamaConfig):
         return MoEBlock(self, rngs=rngs)
 
     def param_count(self, include_embedding: bool = True, active: bool = False) -> int:
-        """All parameters, or those one token uses (`active`: k experts of E)."""
+        """All parameters, or those one token uses (`active`: k experts of E); the dense layers' too."""
         embedding = self.vocab_size * self.embed * (1 if self.tie_embeddings else 2)
-        return self.num_layers * self.moe_layer_param_count(active) + self.embed + (embedding if include_embedding else 0)
+        return (self.num_layers * self.moe_layer_param_count(active) + self.dense_param_count() + self.embed
+                + (embedding if include_embedding else 0))
+
+    def dense_param_count(self) -> int:
+        """The dense layers (dense_layer_ids): attention, a dense MLP and two norms each."""
+        n = len(self.dense_layer_ids())
+        return n * (self.attention_param_count() + 3 * self.embed * self.dense_mlp + 2 * self.embed) if n else 0
 
     def moe_layer_param_count(self, active: bool = False) -> int:
         """One MoE layer: attention, the router, the experts (k of them when `active`) and
@@ -145,7 +180,7 @@ class MoEConfig(LlamaConfig):
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters one token uses (k experts) plus attention, as for Llama."""
         matmul_params = self.param_count(include_embedding=False, active=True) + self.vocab_size * self.embed
-        return 6 * matmul_params + self.num_layers * self.attention_flops(seq_len)
+        return 6 * matmul_params + (self.num_layers + len(self.dense_layer_ids())) * self.attention_flops(seq_len)
 
     def summarise(self, counts: dict) -> dict:
         """Per-step metrics from the step's summed counts: the share of (token, choice)
@@ -250,12 +285,64 @@ class MoEBlock(nnx.Module):
 
 
 class MoETransformer(Llama):
-    """The Llama decoder with MoE blocks. Returns (logits, aux) where aux is what
-    jaxpar.train.loss.model_loss adds to the objective and reports:
+    """The Llama decoder with MoE blocks, and dense ones where the config lists them (the
+    module docstring). Returns (logits, aux) where aux is what jaxpar.train.loss.model_loss
+    adds to the objective and reports:
       penalty        [B, S] per-token addition to the loss (weighted like the cross-entropy)
       token_metrics  per-token values reported as their weighted mean over the step
       counts         arrays summed over the step (MoEConfig.summarise / update read them)
     """
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        dense = cfg.dense_layer_ids()
+        if dense:
+            block = dataclasses.replace(cfg, mlp=cfg.dense_mlp)
+            self.dense = stack_layers(lambda r: Block(block, rngs=r), len(dense), rngs, axis_name="dense_layers")
+
+    def runs(self) -> tuple[Run | None, tuple[Run, ...]]:
+        """(the dense layers before the first MoE one, run with the embedding: a pipeline's
+        first stage; None without), (the runs after them)."""
+        runs = layer_runs(self.cfg.dense_layer_ids(), self.cfg.num_layers)
+        return (runs[0], runs[1:]) if runs[0].dense else (None, runs)
+
+    def trunk(self, table, tokens_BS, positions, segment_ids):
+        x = self.run_leading(self.lookup(table, tokens_BS), positions, segment_ids)
+        return self.run_layers(x, positions, segment_ids)
+
+    def embed(self, batch: dict) -> jax.Array:
+        """The pipeline's first piece: the embedding and the dense layers before the first MoE one."""
+        return self.run_leading(super().embed(batch), batch.get("positions"), batch.get("segment_ids"))
+
+    def run_leading(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> jax.Array:
+        leading, _ = self.runs()
+        if leading is None:
+            return x
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
+        return self.run(leading, x, positions, segment_ids)[0]
+
+    def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, first_layer=0):
+        """The layers after the leading dense ones, in their order: the MoE stack alone (a
+        pipeline stage's chunk of it), or runs of each kind, the MoE layers' reports joined."""
+        _, runs = self.runs()
+        if len(runs) == 1:
+            return super().run_layers(x, positions, segment_ids, first_layer)
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
+        reports = []
+        for run in runs:
+            x, report = self.run(run, x, positions, segment_ids)
+            reports += [report] if report is not None else []
+        return x, jax.tree.map(lambda *r: jnp.concatenate(r), *reports)
+
+    def run(self, run: "Run", x, positions, segment_ids) -> tuple[jax.Array, dict | None]:
+        """x through one run of layers: a scan over its slice of its stack."""
+        stack = self.dense if run.dense else self.layers
+        size = jax.tree.leaves(nnx.state(stack))[0].shape[0]
+        if (run.start, run.stop) != (0, size):
+            graphdef, state = nnx.split(stack)
+            stack = nnx.merge(graphdef, jax.tree.map(lambda a: a[run.start:run.stop], state))
+        out = scan_layers(stack, x, positions, segment_ids, remat=self.cfg.remat, unroll=self.cfg.unroll_layers)
+        return out if isinstance(out, tuple) else (out, None)
 
     def __call__(self, tokens_BS, positions=None, segment_ids=None):
         table = compute_value(self.embedding)
@@ -292,6 +379,37 @@ class MoETransformer(Llama):
             "sums": {"token_metrics": jax.lax.stop_gradient(metrics)},
             "per_layer": {"counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]}},
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive layers of one kind: [start, stop) of the dense stack or of the MoE one."""
+
+    dense: bool
+    start: int
+    stop: int
+
+
+def stack_layer_ids(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """Each stack's layers by their index in the whole model (Hugging Face's), in the stack's
+    order: {"layers": the MoE ones, "dense": the dense ones}."""
+    dense = cfg.dense_layer_ids()
+    return {"layers": tuple(i for i in range(cfg.num_layers + len(dense)) if i not in dense), "dense": dense}
+
+
+def layer_runs(dense_ids: tuple[int, ...], moe_layers: int) -> tuple[Run, ...]:
+    """The model's layers in order as runs of one kind: `dense_ids` (indices in the whole
+    model) dense, the other `moe_layers` MoE; each run's slice of its own stack."""
+    runs: list[Run] = []
+    taken = [0, 0]  # MoE, dense layers so far
+    for i in range(moe_layers + len(dense_ids)):
+        dense = i in dense_ids
+        if runs and runs[-1].dense == dense:
+            runs[-1] = dataclasses.replace(runs[-1], stop=runs[-1].stop + 1)
+        else:
+            runs.append(Run(dense, taken[dense], taken[dense] + 1))
+        taken[dense] += 1
+    return tuple(runs)
 
 
 # ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)

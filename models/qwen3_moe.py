@@ -3,9 +3,15 @@ softmax routing with the top-k gates renormalised when `norm_topk_prob` (Qwen3-3
 -235B-A22B: 128 experts, top 8), no shared experts, as Hugging Face's `Qwen3MoeForCausalLM`.
 
 Nothing here but the family's config and format: the experts are models/moe.py's, the q/k
-norms Llama's part. Routing imports dropless, as the checkpoint computes it; a checkpoint
-with dense layers among the MoE ones (`decoder_sparse_step` > 1, `mlp_only_layers`) is
-refused in one line (no published Qwen3-MoE has them).
+norms Llama's part. Routing imports dropless, as the checkpoint computes it.
+
+Dense layers among the MoE ones (config.json's `mlp_only_layers`, and `decoder_sparse_step`
+k > 1, which leaves layer i dense unless (i + 1) % k == 0): `model.mlp_only_layers` lists them
+by index in the whole model, which holds `num_layers` MoE layers and these (as DeepSeek's
+dense layers: num_layers counts the MoE ones); each has Qwen3's dense MLP of width
+`dense_mlp` (intermediate_size). models/moe.py runs them as a stack of their own, in order
+among the MoE ones. The export writes them as mlp_only_layers with decoder_sparse_step 1
+(the same layers in transformers' rule).
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import dataclasses
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import value
-from jaxpar.models.llama import llama_from_hf, llama_to_hf, refuse_parts, refuse_scaled_tied_head
-from jaxpar.models.moe import MoEConfig, experts_hf_weights
+from jaxpar.hf.weights import Weight
+from jaxpar.models.llama import llama_from_hf, llama_hf_weights, llama_to_hf, refuse_parts, refuse_scaled_tied_head
+from jaxpar.models.moe import MoEConfig, experts_hf_weights, stack_layer_ids
 from jaxpar.models.qwen3 import qwen3_window, qwen3_window_keys
 
 
@@ -25,21 +32,43 @@ class Qwen3MoeConfig(MoEConfig):
     qk_norm: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
+    # Layers with a dense MLP instead of experts (Hugging Face's mlp_only_layers): their indices
+    # in the whole model, comma-separated ("1,3"), which holds num_layers MoE layers and these.
+    mlp_only_layers: str = ""
+    dense_mlp: int = 256  # the dense layers' MLP width (intermediate_size)
 
     hf_architectures = ("Qwen3MoeForCausalLM",)
 
+    def check(self, sizes: dict[str, int]) -> None:
+        super().check(sizes)
+        if self.dense_mlp < 1:
+            raise ConfigError(f"model.dense_mlp={self.dense_mlp} must be a positive integer (the dense layers' MLP width)")
+
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """model.mlp_only_layers as indices (models.moe's dense layers), checked."""
+        text = self.mlp_only_layers.replace(" ", "")
+        try:
+            ids = tuple(int(i) for i in text.split(",")) if text else ()
+        except ValueError:
+            ids = None
+        total = self.num_layers + len(ids or ())
+        if ids is None or len(set(ids)) != len(ids) or not all(0 <= i < total for i in ids):
+            raise ConfigError(f"model.mlp_only_layers={self.mlp_only_layers} must list distinct layer indices "
+                              f"below {total} (the model's num_layers={self.num_layers} MoE layers and these), "
+                              "comma-separated, e.g. model.mlp_only_layers=1 or 0,2; empty for none")
+        return tuple(sorted(ids))
+
     @classmethod
     def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise ConfigError(f"config.json has decoder_sparse_step={hf.get('decoder_sparse_step', 1)} and "
-                              f"mlp_only_layers={hf.get('mlp_only_layers')}: dense layers among the MoE ones, which "
-                              "jaxpar's Qwen3-MoE does not have (every layer MoE: decoder_sparse_step=1, no mlp_only_layers)")
         k, renormalize = value(hf, "num_experts_per_tok"), bool(hf.get("norm_topk_prob", False))
         if k == 1 and renormalize:
             raise ConfigError("config.json has num_experts_per_tok=1 with norm_topk_prob=true: a single renormalised gate "
                               "is 1 (the router gets no gradient), where jaxpar keeps the router's probability")
+        dense = qwen3_dense_layers(hf)
         aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
         return llama_from_hf(cls, {**hf, "sliding_window": qwen3_window(hf)}, qk_norm=True,
+                             num_layers=value(hf, "num_hidden_layers") - len(dense),
+                             mlp_only_layers=",".join(map(str, dense)), dense_mlp=value(hf, "intermediate_size"),
                              mlp=value(hf, "moe_intermediate_size"), top_k=k,
                              num_experts=hf.get("num_experts") or value(hf, "num_local_experts"),  # transformers 4, 5
                              routing="dropless", renormalize=renormalize, shared_experts=0, aux_loss_weight=aux,
@@ -53,25 +82,55 @@ class Qwen3MoeConfig(MoEConfig):
         refuse_scaled_tied_head(self, "Qwen3-MoE")
         hf = llama_to_hf(self, "Qwen3MoeForCausalLM", "qwen3_moe")
         hf.pop("mlp_bias")
-        # intermediate_size is the dense MLP's, which no layer has here: written as the experts'
-        return {**hf, "moe_intermediate_size": self.mlp, "num_experts": self.num_experts,
-                "num_experts_per_tok": self.top_k, "norm_topk_prob": self.renormalize, "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "router_aux_loss_coef": self.aux_loss_weight,
-                "output_router_logits": self.aux_loss_weight > 0, **qwen3_window_keys(self)}
+        dense = self.dense_layer_ids()
+        return {**hf, "num_hidden_layers": self.num_layers + len(dense), "intermediate_size": self.dense_mlp,
+                "moe_intermediate_size": self.mlp, "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+                "norm_topk_prob": self.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": list(dense),
+                "router_aux_loss_coef": self.aux_loss_weight, "output_router_logits": self.aux_loss_weight > 0,
+                **qwen3_window_keys(self)}
 
     def hf_weights(self) -> dict:
+        """The MoE layers' and the dense layers' tensors at their places in the whole model."""
         mlp = "model.layers.{layer}.mlp."
-        return experts_hf_weights(self, "Qwen3-MoE", mlp + "gate.weight", mlp + "experts.{expert}.",
-                                  ("gate_proj", "up_proj", "down_proj"))
+        ids = stack_layer_ids(self)
+        weights = experts_hf_weights(self, "Qwen3-MoE", mlp + "gate.weight", mlp + "experts.{expert}.",
+                                     ("gate_proj", "up_proj", "down_proj"))
+        weights = {path: _at(w, ids["layers"]) if path.startswith("layers.") else w for path, w in weights.items()}
+        if ids["dense"]:
+            dense = llama_hf_weights(dataclasses.replace(self, mlp=self.dense_mlp))
+            weights.update({"dense" + path[len("layers"):]: _at(w, ids["dense"])
+                            for path, w in dense.items() if path.startswith("layers.")})
+        return weights
+
+
+def _at(weight: Weight, ids: tuple[int, ...]) -> Weight:
+    return dataclasses.replace(weight, layer_ids=ids)
+
+
+def qwen3_dense_layers(hf: dict) -> tuple[int, ...]:
+    """The layers config.json leaves dense, as transformers' Qwen3-MoE decides: those in
+    mlp_only_layers, and with decoder_sparse_step k every layer i but where (i + 1) % k == 0."""
+    total, step = value(hf, "num_hidden_layers"), hf.get("decoder_sparse_step", 1)
+    step = 1 if step is None else step
+    listed = hf.get("mlp_only_layers") or []
+    if not (isinstance(step, int) and step >= 1) or not all(isinstance(i, int) and 0 <= i < total for i in listed):
+        raise ConfigError(f"config.json has decoder_sparse_step={step} and mlp_only_layers={listed}; Qwen3-MoE takes "
+                          f"a positive step and layer indices below num_hidden_layers={total}")
+    dense = tuple(i for i in range(total) if i in listed or (i + 1) % step)
+    if len(dense) == total:
+        raise ConfigError(f"config.json has decoder_sparse_step={step} and mlp_only_layers={listed} with "
+                          f"num_hidden_layers={total}: no layer has experts; read it as a dense Qwen3 instead")
+    return dense
 
 
 register(Family("qwen3-moe", Qwen3MoeConfig, presets={
-    # config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, top 8. Capacity
-    # routing, as the other MoE presets: its compiled FLOPs are those a GPU runs.
+    # config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, top 8, every
+    # layer MoE (intermediate_size, the dense MLP's width, unused). Capacity routing, as the
+    # other MoE presets: its compiled FLOPs are those a GPU runs.
     "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=151936, embed=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                                     head_dim=128, mlp=768, num_experts=128, top_k=8, renormalize=True,
-                                    routing="capacity"),
+                                    routing="capacity", dense_mlp=6144),
     "qwen3-235b-a22b": Qwen3MoeConfig(vocab_size=151936, embed=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                                       head_dim=128, mlp=1536, num_experts=128, top_k=8, renormalize=True,
-                                      routing="capacity"),
+                                      routing="capacity", dense_mlp=12288),
 }))

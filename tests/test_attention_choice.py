@@ -66,7 +66,9 @@ def device(platform="gpu", capability="9.0", version="cuda 12080"):
         ([], device(version="rocm 6.2"), "reference"),
         (["data.eos_id=0"], device(), "reference"),  # packed documents: segment ids
         (["train.compute_dtype=float32"], device(), "reference"),
-        (["model.head_dim=256"], device(), "reference"),
+        (["model.head_dim=264"], device(), "reference"),
+        (["model.head_dim=192"], device(), "cudnn"),  # DeepSeek-V3's query heads: up to 256 on a Hopper GPU
+        (["model.head_dim=192"], device(capability="8.0"), "reference"),  # an A100: up to 128
         (["parallel.attention=flash"], device(), "flash"),
     ],
 )

@@ -147,23 +147,35 @@ def test_yarn_as_hugging_face_computes_it():
     assert yarn_frequencies(64, plain)[1] == 1.0 and yarn_softmax_factor(plain) == 1.0
 
 
-def test_the_deepseek_v3_preset_counts_671b_parameters_37b_a_token():
-    """The published shape's parameter counts come out as DeepSeek-V3's report gives them
-    (671B in all, 37B activated per token). The preset leaves multi-token prediction off
-    (model.mtp_layers=0), as it does not run in pipeline stages yet."""
+def test_the_presets_counts_are_the_published_figures_as_each_counts_them():
+    """The published figures count differently from param_count(active=True), which holds
+    every weight a token's forward pass reads, the input embedding and the head both.
+    DeepSeek-V3's README_WEIGHTS.md says what each of its figures holds:
+      main model    671B in all; 36.6B activated "including 0.9B for the output Head": the
+                    input embedding (a lookup, no multiply) is not counted (the report's 37B
+                    is this rounded)
+      MTP module    11.5B "unique parameters (excluding the shared 0.9B Embedding and 0.9B
+                    output Head)"; the checkpoint holds its copies of those two as well
+                    (model.layers.61.embed_tokens, shared_head.head), 13.5B in all
+      on the Hub    685B = 671B + "14B of MTP weights": main model and module with copies,
+                    684.49B, plus the FP8 checkpoint's 41.5M block scales (one float32 per 128
+                    x 128 block of each quantized matrix) is 684.53B, shown as 685B; the README's
+                    14B is 685B - 671B, two rounded totals
+    Kimi K2 (Moonshot: 1T parameters, 32B activated) counts as DeepSeek-V3: 31.7B activated
+    without the input embedding, 32.9B with it."""
     from jaxpar.families import presets
 
-    v3 = presets()["deepseek-v3"]
-    assert v3.param_count() / 1e9 == pytest.approx(671, rel=0.002)
-    assert v3.param_count(active=True) / 1e9 == pytest.approx(37, rel=0.02)
-    # its prediction module: 11.5B parameters of its own (the report's README: 14B with the
-    # embedding and head it shares)
-    k2 = presets()["kimi-k2"]  # Moonshot's figures: 1T parameters, 32B activated
-    assert k2.param_count() / 1e12 == pytest.approx(1.03, rel=0.01)
-    assert k2.param_count(active=True) / 1e9 == pytest.approx(32.9, rel=0.01)
+    v3, k2 = presets()["deepseek-v3"], presets()["kimi-k2"]
+    table = v3.vocab_size * v3.embed  # the input embedding, and as many in the head (untied)
+    assert v3.param_count() / 1e9 == pytest.approx(671, rel=0.001)  # 671.03B
+    assert (v3.param_count(active=True) - table) / 1e9 == pytest.approx(36.6, abs=0.05)  # 36.63B
+    assert round(k2.param_count() / 1e12) == 1 and round((k2.param_count(active=True) - k2.vocab_size * k2.embed) / 1e9) == 32
     mtp = dataclasses.replace(v3, mtp_layers=1)
-    assert mtp.mtp_param_count() / 1e9 == pytest.approx(11.5, rel=0.02)
     assert mtp.param_count() == v3.param_count() + mtp.mtp_param_count()
+    own = mtp.mtp_param_count()  # its MoE layer, eh_proj [2D, D] and three norms: 11.61B
+    assert own / 1e9 == pytest.approx(11.5, rel=0.01)
+    with_copies = own + 2 * table  # what the checkpoint's model.layers.61 holds: 13.46B
+    assert (v3.param_count() + with_copies) / 1e9 == pytest.approx(685, rel=0.001)  # 684.49B
 
 
 # DeepSeek-V3's config.json as published (deepseek-ai/DeepSeek-V3, transformers 4's remote-code

@@ -39,6 +39,7 @@ def test_a_hugging_face_llama_is_fine_tuned_on_text_exported_reimported_and_samp
                  *_sets(FINETUNE + [f"checkpoint.dir={ckpt}"])])
     printed = capsys.readouterr().out
     assert code == 0 and f"started from the weights of {GOLDEN.absolute() / 'llama_tied'}" in printed
+    assert f"data: text '{GOLDEN / 'corpus.txt'}' | 1 document, " in printed  # what it trains on, first
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     held_out = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.5, held_out  # the fine-tune learned the corpus
@@ -52,6 +53,9 @@ def test_a_hugging_face_llama_is_fine_tuned_on_text_exported_reimported_and_samp
     assert sorted(p.name for p in (tmp_path / "by_two").iterdir()) == sorted(p.name for p in out.iterdir())
     assert all((tmp_path / "by_two" / p.name).read_bytes() == p.read_bytes() for p in out.iterdir())
     assert (out / "tokenizer.json").is_file() and model_config(out) == model_config(GOLDEN / "llama_tied")
+    # where generation stops: the end of text the run trained with (data.eos_id=2, config.json's), in both files
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
     trainer = build(saved_config(ckpt))  # fsdp 2 x tensor 4, as trained
     checkpoints = Checkpoints.open(ckpt)
     trained, _ = checkpoints.restore(trainer)

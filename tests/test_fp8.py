@@ -11,6 +11,8 @@ FP8 against bf16 on the llama recipe: the loss after 40 steps within 1% (issue 2
 """
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,19 +115,35 @@ def test_fp8_loss_within_one_percent_of_bf16():
     assert abs(fp8 - bf16) / bf16 < 0.01, f"fp8 {fp8:.4f} vs bf16 {bf16:.4f} after 10 steps"
 
 
-def test_zero3_gathers_the_layers_weights_in_eight_bits(fp8_llama):
+def test_zero3_gathers_the_layers_weights_in_eight_bits(fp8_llama, tmp_path):
     """FSDP x ZeRO-3 over 8 devices: with FP8 matmuls every gather of a layer's projection
-    weights moves 8-bit values (XLA:CPU widens e4m3 to f16 on the wire and gathers the
-    backward's saved shards as their uint8 bytes; a GPU moves e4m3: docs/performance.md),
-    where the embedding's and head's stay float32. Read from the compiled step's collectives:
-    the projection weights' gathers are those of 1 to 8 KiB (32 x 32 to 32 x 64 elements; the
-    norms' are 128 B, the embedding's and head's 16 KiB). (Until issue 33 a float32 run was
-    compiled beside it to show its projections gather float32.)"""
-    from jaxpar.inspect import inspect_step
+    weights moves one byte an element, e4m3 forward and the backward's saved shards as
+    their uint8 bytes, where the embedding's and head's stay float32. Read from the program
+    as the SPMD partitioner leaves it (`_partitioned_hlo`): XLA:CPU's later passes widen
+    e4m3 to f16 on the wire (a GPU moves e4m3: docs/performance.md), so the compiled CPU
+    program cannot tell a 1-byte gather from a 2-byte one. The layer's projections are the
+    gathers of 32 x 32 and 32 x 64 elements: 7 forward, 7 again in the backward."""
+    from jaxpar.inspect.hlo import nbytes, parse
 
-    layout = ["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]
+    trainer = build(apply_overrides(fp8_llama, ["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]))
+    gathers = [i for instrs in parse(_partitioned_hlo(trainer, tmp_path)).values() for i in instrs
+               if i.opcode == "all-gather"]
+    elements = {i.name: math.prod(map(int, re.search(r"\[([\d,]*)\]", i.shape).group(1).split(","))) for i in gathers}
+    layers = [i for i in gathers if elements[i.name] in (32 * 32, 32 * 64)]
+    assert len(layers) == 14 and all(nbytes(i.shape) == elements[i.name] for i in layers), [i.shape for i in layers]
+    assert {i.shape.split("[")[0] for i in layers} == {"f8e4m3fn", "u8"}
+    assert {i.shape.split("[")[0] for i in gathers if elements[i.name] == 128 * 32} == {"f32"}  # embedding, head
 
-    gathers = [c for c in inspect_step(build(apply_overrides(fp8_llama, layout))).collectives if c.kind == "all-gather"]
-    layers = {c.dtype for c in gathers if 1024 <= c.buffer_bytes <= 8192}
-    assert layers and layers <= {"f16", "u8", "f8e4m3fn"}, layers
-    assert {c.dtype for c in gathers if c.buffer_bytes == 16384} == {"f32"}  # the embedding and head
+
+def _partitioned_hlo(trainer, folder) -> str:
+    """The train step's HLO right after SPMD partitioning (XLA's dump of that pass), from a
+    compile that really runs (JAX's persistent cache off: a cached executable dumps nothing)."""
+    from jaxpar.inspect.findings import compiler_warnings
+
+    lowered = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch())
+    with compiler_warnings():
+        lowered.compile(compiler_options={"xla_dump_to": str(folder), "xla_dump_hlo_pass_re": "spmd-partitioning",
+                                          "xla_dump_hlo_as_text": True})
+    dumps = sorted(folder.glob("*after_spmd-partitioning*.txt"))
+    assert len(dumps) == 1, sorted(p.name for p in folder.iterdir())
+    return dumps[0].read_text()

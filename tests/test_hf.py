@@ -47,6 +47,10 @@ LAYOUTS = {
     "gemma3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
                                                              "parallel.context_layout=contiguous"]],
     "qwen3_moe": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+    # dense layers 0 and 2 among MoE 1 and 3 (decoder_sparse_step 2): the experts over expert x fsdp,
+    # heads and both MLPs over tensor, the sequence over context (stages are refused: the dense layer 2)
+    "qwen3_moe_dense": [["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
+                        ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
@@ -55,7 +59,8 @@ LAYOUTS = {
     "deepseek_v3_plain": [["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ulysses"]],
 }
 CASES = [(c, i) for c in LAYOUTS for i in range(len(LAYOUTS[c]))]
-EXPORTED_FROM = {"deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # one MoE layer: no stages
+EXPORTED_FROM = {"deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],  # one MoE layer: no stages
+                 "qwen3_moe_dense": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # dense among MoE: no stages
 MTP_LAYER = {"deepseek_v3": "model.layers.3.", "deepseek_v3_plain": "model.layers.3."}  # exported beside transformers' tensors
 
 
@@ -113,6 +118,34 @@ def test_bfloat16_export_reimports_and_exports_again_bitwise(tmp_path):
     for name, value in first.items():
         assert value.dtype == ml_dtypes.bfloat16 and value.tobytes() == second[name].tobytes()
         np.testing.assert_array_equal(value, original[name].astype(ml_dtypes.bfloat16))
+
+
+def test_deepseek_exports_its_routing_bias_in_float32_and_the_prediction_layer_s_copies(tmp_path):
+    """A bfloat16 export of tests/golden/deepseek_v3 (num_nextn_predict_layers=1): the routing
+    bias stays float32, equal to the golden's bit for bit, as DeepSeek-V3's published
+    checkpoint keeps it (rounded, it changes which experts a token picks), the prediction
+    layer's too; that layer holds copies of the embedding and head (vLLM's loader reads them)
+    equal to the model's; the export re-imports (the copies accepted) and exports again
+    bitwise; a copy of the wrong shape is refused."""
+    folder = GOLDEN / "deepseek_v3"
+    trainer = hf_trainer(folder, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    export(trainer, prepare_import(trainer, folder)(), tmp_path / "bf16", dtype="bfloat16")
+    written, original = _tensors(tmp_path / "bf16"), _tensors(folder)
+    for name in ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.gate.e_score_correction_bias"):
+        assert written[name].dtype == np.float32 and written[name].tobytes() == original[name].tobytes(), name
+    assert written["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == np.float32
+    assert {str(v.dtype) for n, v in written.items() if not n.endswith("e_score_correction_bias")} == {"bfloat16"}
+    for copy, main in (("model.layers.3.embed_tokens.weight", "model.embed_tokens.weight"),
+                       ("model.layers.3.shared_head.head.weight", "lm_head.weight")):
+        assert written[copy].tobytes() == written[main].tobytes() and written[copy].shape == written[main].shape, copy
+    export(trainer, prepare_import(trainer, tmp_path / "bf16")(), tmp_path / "again", dtype="bfloat16")
+    again = _tensors(tmp_path / "again")
+    assert again.keys() == written.keys() and all(again[k].tobytes() == v.tobytes() for k, v in written.items())
+    save_file({**again, "model.layers.3.embed_tokens.weight": again["model.embed_tokens.weight"][:, :8]},
+              tmp_path / "again" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.3.embed_tokens.weight' has shape \(128, 8\), but the "
+                                          r"model's embedding takes one of \(128, 64\)"):
+        prepare_import(trainer, tmp_path / "again")
 
 
 def test_our_safetensors_files_and_the_library_s_read_each_other(tmp_path):
@@ -337,14 +370,26 @@ def test_a_sliding_window_is_refused_where_it_cannot_be_held():
     assert Qwen3Config.from_hf(Qwen3Config(sliding_window=4).to_hf()) == Qwen3Config(sliding_window=4)
 
 
-def test_qwen3_moe_refuses_dense_layers_and_a_lone_renormalised_gate():
-    """Dense layers among the MoE ones, and top-1 with norm_topk_prob (a gate of 1, no
-    router gradient), are refused in one line; transformers 4's num_experts reads as 5's
-    num_local_experts."""
+def test_qwen3_moe_reads_its_dense_layers_either_way_and_refuses_a_lone_renormalised_gate():
+    """Dense layers among the MoE ones: decoder_sparse_step 2 over 4 layers and mlp_only_layers
+    [0, 2] are the same model (layers 0 and 2 dense: num_layers counts the 2 MoE ones), written
+    back as the list; a config leaving no layer MoE, a step below 1 or an index past the layers
+    is refused in one line, and so is top-1 with norm_topk_prob (a gate of 1, no router
+    gradient); transformers 4's num_experts reads as 5's num_local_experts."""
     from jaxpar.models.qwen3_moe import Qwen3MoeConfig
 
     hf = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
-    for bad, needle in ((dict(decoder_sparse_step=2), "decoder_sparse_step=2"), (dict(mlp_only_layers=[0]), r"\[0\]"),
+    four = {**hf, "num_hidden_layers": 4}
+    stepped, listed = (Qwen3MoeConfig.from_hf({**four, **d}) for d in (dict(decoder_sparse_step=2),
+                                                                       dict(mlp_only_layers=[2, 0])))
+    assert stepped == listed and stepped.num_layers == 2 and stepped.dense_layer_ids() == (0, 2)
+    assert stepped.to_hf()["mlp_only_layers"] == [0, 2] and stepped.to_hf()["num_hidden_layers"] == 4
+    assert Qwen3MoeConfig.from_hf(stepped.to_hf()) == stepped
+    assert Qwen3MoeConfig.from_hf({**four, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).dense_layer_ids() == (0, 2, 3)
+    for bad, needle in ((dict(mlp_only_layers=[0, 1]), r"mlp_only_layers=\[0, 1\] with num_hidden_layers=2: no layer "
+                                                       r"has experts"),
+                        (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 .* a positive step"),
+                        (dict(mlp_only_layers=[2]), r"layer indices below num_hidden_layers=2"),
                         (dict(num_experts_per_tok=1), "num_experts_per_tok=1 with norm_topk_prob=true")):
         with pytest.raises(ConfigError, match=needle):
             Qwen3MoeConfig.from_hf({**hf, **bad})

@@ -66,6 +66,43 @@ def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
     assert run.metrics["moe_dropped"] == 0.0
 
 
+def tiny_qwen3_moe_dense() -> Config:
+    """Qwen3-MoE with dense layers among the MoE ones: 0 and 2 dense (a 48-wide MLP), 1 and 3
+    MoE (num_layers counts these)."""
+    from jaxpar.models.qwen3_moe import Qwen3MoeConfig
+
+    return Config(model=Qwen3MoeConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                                       mlp=16, num_experts=4, top_k=2, routing="dropless", mlp_only_layers="0,2",
+                                       dense_mlp=48),
+                  train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32"))
+
+
+def test_dense_layers_among_the_moe_ones_equal_single_device_and_hold_one_mlp_each(reference):
+    """Qwen3-MoE's mlp_only_layers under expert 2 x fsdp 2 x tensor 2 + SP: equal to one
+    device (losses, gradients, parameters, the MoE metrics over the two MoE layers, 1e-5);
+    the dense layers are a stack of their own holding a dense MLP and no expert, the MoE
+    stack the experts alone, and param_count counts what the model holds. Stages, which split
+    the MoE stack alone, are refused: dense layer 2 comes after MoE layer 1."""
+    import jax
+
+    config = tiny_qwen3_moe_dense()
+    run, ref = run_layout(apply_overrides(config, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                   "parallel.sequence_parallel=true"])), reference(config)
+    check(compare(run, ref), RTOL, where="qwen3_moe dense layers")
+    for k in ("moe_aux_loss", "moe_z_loss", "moe_load"):
+        assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL), k
+    params = run.params
+    assert set(params["dense"]["mlp"]) == {"w_gate", "w_up", "w_down"} and "moe" not in params["dense"]
+    assert params["dense"]["mlp"]["w_up"].shape == (2, 32, 48) and "mlp" not in params["layers"]
+    assert params["layers"]["moe"]["w_up"].shape == (2, 4, 32, 16)
+    assert config.model.param_count() == sum(x.size for x in jax.tree.leaves(params))
+    with pytest.raises(ConfigError, match=r"mesh.stage=2 with dense layers after MoE ones \(layer 2 of the model, after "
+                                          r"MoE layer 1\): .* set mesh.stage=1"):
+        build(apply_overrides(config, ["mesh.stage=2", "train.microbatches=2"]))
+    with pytest.raises(ConfigError, match=r"model.mlp_only_layers=0,4 must list distinct layer indices below 4"):
+        build(apply_overrides(config, ["model.mlp_only_layers=0,4"]))
+
+
 # DeepSeekMoE's routing (a shared expert, sigmoid scores, group-limited choice, scaled gates,
 # the balancing bias moved by the whole batch's loads) is tested under pipeline, expert,
 # data, fsdp and context layouts by tests/test_deepseek.py (its own test here until issue 33).

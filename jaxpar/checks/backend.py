@@ -46,8 +46,14 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
                 "ids cuDNN attention does not take")
     if dtype not in ("bfloat16", "float16"):
         return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
-    if model.head_dim % 8 or model.head_dim > 128:
-        return f"model.head_dim={model.head_dim}: cuDNN attention takes head dims that are multiples of 8 up to 128"
+    # the heads it runs: queries' and values' padded to one size (jaxpar.sharding.attend.fused_attention)
+    head = max(model.head_dim, getattr(model, "v_head_dim", 0))
+    hopper = device is not None and float(getattr(device, "compute_capability", 0) or 0) >= 9.0
+    largest = 256 if hopper else 128
+    if head % 8 or head > largest:
+        return (f"model.head_dim={model.head_dim}" + (f" (values {head})" if head != model.head_dim else "")
+                + f": cuDNN attention takes head dims that are multiples of 8 up to {largest}"
+                + ("" if hopper else " (256 on a Hopper GPU, which parallel.attention=auto uses it for)"))
     return None
 
 
@@ -78,6 +84,25 @@ def ragged_exchange_needs_gpu(config, platform: str) -> None:
             f"parallel.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which the {platform} backend "
             "lacks; use padded (or auto, which picks ragged on GPUs)"
         )
+
+
+@rule(
+    "fp8-float32-compute-on-gpu",
+    fields=["train.matmul_dtype", "train.compute_dtype"],
+    summary="On GPUs, FP8 projections (train.matmul_dtype=fp8) write the compute dtype, which must not be float32: XLA's "
+    "GPU compiler cannot compile them writing float32 (the CPU backend runs them, as the tests do).",
+    example=["train.matmul_dtype=fp8"],
+    needs="platform",
+    platform="gpu",
+)
+def fp8_float32_compute_on_gpu(config, platform: str) -> None:
+    train = config.train
+    if platform == "gpu" and train.matmul_dtype == "fp8" and train.compute_dtype == "float32":
+        raise ConfigError("train.matmul_dtype=fp8 with train.compute_dtype=float32 does not compile for GPUs: the FP8 "
+                          "matmuls would write float32, which XLA's GPU compiler leaves to a fused kernel that cannot "
+                          "multiply 8-bit floats ('failed to legalize arith.mulf' on f8E4M3FN); set "
+                          "train.compute_dtype=bfloat16 (the FP8 matmuls accumulate in float32 either way), or "
+                          "train.matmul_dtype=compute")
 
 
 @rule(

@@ -71,7 +71,7 @@ def markdown() -> str:
         "",
     ]
     for i, rule in enumerate(CATALOGUE, 1):
-        where = f"Rule {i}; fields {_fields(rule)}; base {rule.base}, {rule.devices} devices."
+        where = f"Rule {i}; fields {_fields(rule)}; base {rule.base}, {rule.devices} {rule.platform} devices."
         lines += [f"## {rule.id}", "", rule.summary, "", where, ""]
         for example in rule.examples:
             overrides = " ".join("--set " + o for o in example)
@@ -105,7 +105,7 @@ def message(rule: Rule, example: tuple[str, ...]) -> str:
     import jax
 
     try:
-        validate(example_config(rule, example), rule.devices, "cpu")
+        validate(example_config(rule, example), rule.devices, rule.platform)
     except ConfigError as e:  # the page must not change with the jax a checkout installs
         return str(e).replace(f"jaxlib {jax.__version__}", "jaxlib X.Y.Z")
     return "(no rule refuses this example)"

@@ -18,8 +18,10 @@ class Rule:
     """A check with what the docs and the tests need to know about it.
 
     `example` is a list of `--set` overrides that, applied to the base config `base` on
-    `devices` devices, break exactly this rule; `also` holds one more such list for each
-    further message of a rule that wraps several (the mesh resolution, the rule tables).
+    `devices` devices of `platform`, break exactly this rule; `also` holds one more such
+    list for each further message of a rule that wraps several (the mesh resolution, the
+    rule tables). A rule only one backend breaks (the GPU compiler's refusals, where the CPU
+    runs the config as the tests do) gives that `platform`.
     """
 
     id: str
@@ -31,6 +33,7 @@ class Rule:
     base: str = "llama"
     devices: int = 8
     also: tuple[tuple[str, ...], ...] = ()
+    platform: str = "cpu"
 
     @property
     def examples(self) -> tuple[tuple[str, ...], ...]:
@@ -51,13 +54,14 @@ def collector(into: list[Rule]) -> Callable[..., Callable]:
         base: str = "llama",
         devices: int = 8,
         also: Sequence[Sequence[str]] = (),
+        platform: str = "cpu",
     ) -> Callable:
         if needs not in NEEDS or base not in BASES:
             raise ValueError(f"rule {id!r}: needs={needs!r}, base={base!r}; use needs in {NEEDS}, base in {BASES}")
 
         def register(check: Callable) -> Callable:
             extra = tuple(map(tuple, also))
-            into.append(Rule(id, tuple(fields), summary, tuple(example), check, needs, base, devices, extra))
+            into.append(Rule(id, tuple(fields), summary, tuple(example), check, needs, base, devices, extra, platform))
             return check
 
         return register

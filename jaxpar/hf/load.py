@@ -165,8 +165,9 @@ def _reader(weight: Weight, entries: dict[str, Entry], shape: tuple[int, ...]):
 
 def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight], entries: dict[str, Entry],
                   folder: pathlib.Path, ignored: tuple[str, ...]) -> set[str]:
-    """Every tensor the model needs is there in the right shape, and none is left over;
-    returns the parameters left to their initialisation (`Weight.fresh`, absent)."""
+    """Every tensor the model needs is there in the right shape, and none is left over (a
+    Weight's `copies` are accepted where present, not read); returns the parameters left to
+    their initialisation (`Weight.fresh`, absent)."""
     unmapped = [p for p in shapes if p not in weights]
     if unmapped:
         raise ConfigError(f"the model's hf_weights() maps no Hugging Face tensor to {', '.join(unmapped)}; "
@@ -178,16 +179,17 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
         if weight.fresh and names and not any(n in entries for n in names):
             fresh.add(path)
             continue
-        for name in names:
+        want = weight.hf_shape(shape[len(weight.stacked):]) if weight.name else ()
+        for combo, name in weight.names(shape) if weight.name else []:
             if name not in entries:
                 raise ConfigError(f"{str(folder)!r} has no tensor {name!r} (the model's {path}); the checkpoint is "
                                   "incomplete or of another model")
-            want = weight.hf_shape(shape[len(weight.stacked):])
-            if entries[name].shape != tuple(want):
-                raise ConfigError(f"{str(folder)!r}: tensor {name!r} has shape {entries[name].shape}, but the model's "
-                                  f"{path} takes one of {tuple(want)}; the checkpoint is of another shape than its "
-                                  "config.json says")
-            used.add(name)
+            for held in (name, *(c for c in weight.copy_names(combo) if c in entries)):
+                if entries[held].shape != tuple(want):
+                    raise ConfigError(f"{str(folder)!r}: tensor {held!r} has shape {entries[held].shape}, but the "
+                                      f"model's {path} takes one of {tuple(want)}; the checkpoint is of another shape "
+                                      "than its config.json says")
+                used.add(held)
     prefixes = tuple(n for n in ignored if n.endswith("."))  # "model.layers.3.": all of that layer's
     left = [n for n in entries if n not in used and n not in ignored and not n.startswith(prefixes)
             and not n.endswith(ALWAYS_IGNORED)]

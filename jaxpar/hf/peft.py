@@ -52,9 +52,9 @@ def adapter_weights(weights: dict[str, Weight], targets: dict[str, Any], shapes:
         module = PREFIX + base.name[: -len(".weight")]
         n_in, n_out = len(inputs), len(outputs)
         out[path + ".lora_a"] = Weight(module + ".lora_A.weight", (rank, *inputs), (*range(1, n_in + 1), 0),
-                                       (rank, math.prod(inputs)), layer_offset=base.layer_offset)
+                                       (rank, math.prod(inputs)), layer_ids=base.layer_ids)
         out[path + ".lora_b"] = Weight(module + ".lora_B.weight", (*outputs, rank), (n_out, *range(n_out)),
-                                       (math.prod(outputs), rank), layer_offset=base.layer_offset)
+                                       (math.prod(outputs), rank), layer_ids=base.layer_ids)
     return out
 
 
@@ -70,18 +70,40 @@ def _check_separable(path: str, weight: Weight, slab: tuple[int, ...], inputs: i
 
 
 def module_names(weights: dict[str, Weight], targets: dict[str, Any]) -> list[str]:
-    """PEFT's target_modules: the adapted Linear layers' own names (q_proj, v_proj, ...)."""
-    return sorted({weights[p].name.split(".")[-2] for p in targets})
+    """PEFT's target_modules: the adapted Linear layers' own names (q_proj, v_proj, ...),
+    but those named as routed experts (`parameter_names`)."""
+    remapped = expert_names(weights)
+    return sorted({n for n in (weights[p].name.split(".")[-2] for p in targets) if n not in remapped})
+
+
+def parameter_names(weights: dict[str, Weight], targets: dict[str, Any]) -> list[str]:
+    """PEFT's target_parameters: the adapted Linear layers named as a routed expert's
+    projections (gate_proj, up_proj, down_proj in DeepSeek-V3's and Qwen3-MoE's formats: the
+    shared experts, the dense layers' MLPs), each as '<parent>.<name>.weight'. peft (0.18 on)
+    loading onto transformers 5, which fuses the routed experts into one parameter a layer,
+    maps those names in target_modules to the fused experts' parameters, so the Linears
+    themselves would get no adapter; a parameter target wraps the Linear's weight itself,
+    with the same tensors (W + alpha / r x B @ A)."""
+    remapped = expert_names(weights)
+    names = (weights[p].name.split(".") for p in targets)
+    return sorted({".".join(parts[-3:]) for parts in names if parts[-2] in remapped})
+
+
+def expert_names(weights: dict[str, Weight]) -> set[str]:
+    """The module names of the format's routed experts' projections (their tensors' names
+    hold an {expert}): those transformers 5 fuses."""
+    return {w.name.split(".")[-2] for w in weights.values() if w.name and "{expert}" in w.name}
 
 
 def adapter_config(lora: Any, weights: dict[str, Weight], targets: dict[str, Any], base: str) -> dict:
     """adapter_config.json for adapters of rank lora.rank and scale lora.alpha / lora.rank on
     `targets`; `base`: the base model's folder or name."""
+    parameters = parameter_names(weights, targets)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
-        "target_modules": module_names(weights, targets), "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "inference_mode": True, "modules_to_save": None,
-        "base_model_name_or_path": base, "init_lora_weights": True,
+        "target_modules": module_names(weights, targets), **({"target_parameters": parameters} if parameters else {}),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+        "modules_to_save": None, "base_model_name_or_path": base, "init_lora_weights": True,
     }
 
 

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
+from jaxpar.hf.generation import GENERATION_FILE, generation_config
 from jaxpar.hf.load import check_format, prepare_import
 from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
 from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
@@ -59,6 +60,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     check_target(folder)
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
     hf_config = {**kept, **model.to_hf(), "torch_dtype": dtype}
+    generation = generation_config(trainer.config)  # where generation stops: the run's ids (jaxpar.hf.generation)
     tensors = planned_tensors(trainer, merged_master(trainer, state), model.hf_weights(), DTYPES[dtype])
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
@@ -67,7 +69,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
         for name, group in zip(names, files):
             write_file(into / name if into else None, group, {"format": "pt"})
         if into:
-            _write_extras(into, hf_config, names, files, tokenizer)
+            _write_extras(into, hf_config, names, files, tokenizer, generation)
 
     _into_new_folder(folder, write)
     return [folder / n for n in names]
@@ -169,16 +171,17 @@ def planned_tensors(trainer, master: Any, weights: dict[str, Weight], dtype: np.
             continue
         array = leaves[path]
         take = jax.jit(lambda a, i: a[i], out_shardings=replicated)  # one slab, on every device
+        written = np.dtype(DTYPES[weight.export_dtype]) if weight.export_dtype else dtype
         for combo, name in weight.names(array.shape):
             slab_shape = array.shape[len(combo):]
             hf_shape = weight.hf_shape(slab_shape)
 
-            def values(array=array, combo=combo, weight=weight, hf_shape=hf_shape) -> np.ndarray:
+            def values(array=array, combo=combo, weight=weight, hf_shape=hf_shape, written=written) -> np.ndarray:
                 slab = take(array, tuple(jnp.int32(i) for i in combo))  # () takes the whole array
                 host = np.asarray(slab.addressable_shards[0].data)
-                return weight.to_hf(host, hf_shape).astype(dtype)
+                return weight.to_hf(host, hf_shape).astype(written)
 
-            tensors.append(Planned(name, dtype, hf_shape, values))
+            tensors.extend(Planned(n, written, hf_shape, values) for n in (name, *weight.copy_names(combo)))
     return sorted(tensors, key=_hf_order)
 
 
@@ -186,13 +189,15 @@ def _hf_order(t: Planned) -> tuple:
     """Embedding first, then layer by layer, then the final norm and head, as transformers saves."""
     parts = t.name.split(".")
     layer = next((int(p) for p in parts if p.isdigit()), -1)
-    rank = 0 if "embed" in t.name else (1 if layer >= 0 else 2)
+    rank = 1 if layer >= 0 else (0 if "embed" in t.name else 2)
     return rank, layer, t.name
 
 
 def _write_extras(folder: pathlib.Path, hf_config: dict, names: list[str], files: list[list[Planned]],
-                  tokenizer: str | None) -> None:
+                  tokenizer: str | None, generation: dict) -> None:
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if generation:
+        (folder / GENERATION_FILE).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
                  "weight_map": {t.name: n for n, group in zip(names, files) for t in group}}

@@ -27,8 +27,18 @@ class Weight:
     view: tuple[int, ...] | None = None  # None: the tensor's own shape
     order: tuple[int, ...] | None = None  # None: its own axis order
     fused: tuple[int, ...] | None = None  # with `view`: the tensor's own shape, which it splits
-    layer_offset: int = 0  # the Hugging Face index of our first slab along `{layer}` (a stack after others)
+    # The Hugging Face index of each of our slabs along `{layer}` (None: the same as ours), for a
+    # stack among others: DeepSeek-V3's MoE layers after its dense ones, Qwen3-MoE's dense layers
+    # among the MoE ones.
+    layer_ids: tuple[int, ...] | None = None
     fresh: bool = False  # a checkpoint without this tensor leaves the parameter at the model's own initialisation
+    # The dtype the export writes this tensor in whatever the export's (None: the export's):
+    # DeepSeek-V3's routing bias stays float32, as published (rounded, it picks other experts).
+    export_dtype: str | None = None
+    # More names (with the same placeholders) the export writes the same tensor under, and an
+    # import accepts without reading: DeepSeek-V3's prediction layer's copies of the embedding
+    # and head, which vLLM's loader reads.
+    copies: tuple[str, ...] = ()
 
     def __post_init__(self):
         if (self.view is None) != (self.fused is None):
@@ -45,12 +55,17 @@ class Weight:
         k = len(self.stacked)
         return [(combo, self.hf_name(combo)) for combo in itertools.product(*(range(n) for n in shape[:k]))]
 
-    def hf_name(self, combo: tuple[int, ...]) -> str:
-        """The Hugging Face name of our slab at `combo` (an index into the stacked dimensions)."""
+    def hf_name(self, combo: tuple[int, ...], template: str | None = None) -> str:
+        """The Hugging Face name of our slab at `combo` (an index into the stacked dimensions):
+        `name`'s, or `template`'s (one of `copies`)."""
         at = dict(zip(self.stacked, combo))
-        if "layer" in at:
-            at["layer"] += self.layer_offset
-        return self.name.format(**at)
+        if "layer" in at and self.layer_ids is not None:
+            at["layer"] = self.layer_ids[at["layer"]]
+        return (template or self.name).format(**at)
+
+    def copy_names(self, combo: tuple[int, ...]) -> list[str]:
+        """The names of the copies of our slab at `combo`."""
+        return [self.hf_name(combo, c) for c in self.copies]
 
     def to_ours(self, hf: np.ndarray) -> np.ndarray:
         """A view of the Hugging Face tensor in our layout (one slab)."""

@@ -62,7 +62,8 @@ def plan(abstract: nnx.State, lora: LoraConfig, axis_names: Mapping[str, str | N
         if not isinstance(variable, nnx.Param):
             continue
         dotted = ".".join(map(str, path))
-        names = tuple(aliases.get(n, n) if n is not None else None for n in logical_names(variable))
+        # a stacked name stays itself (DeepSeek's "dense_layers" rests whole: aliased to None)
+        names = tuple(n if n is None or stacked(n) else aliases.get(n, n) for n in logical_names(variable))
         hits = [p for p in patterns if fnmatch.fnmatchcase(dotted, p)]
         for p in hits:
             matched[p] = True
@@ -103,7 +104,7 @@ def split_of(names: tuple[str | None, ...]) -> Target | None:
     """A weight's Target from its (jaxpar) names: column weights put the residual axis
     first, row weights last; a weight of two dimensions splits after the first."""
     lead = 0
-    while lead < len(names) and names[lead] is not None and (names[lead] in STACKED or names[lead].endswith("_layers")):
+    while lead < len(names) and names[lead] is not None and stacked(names[lead]):
         lead += 1
     core = names[lead:]
     if len(core) < 2:
@@ -113,6 +114,12 @@ def split_of(names: tuple[str | None, ...]) -> Target | None:
     if core[-1] == RESIDUAL:
         return Target(lead, len(core) - 1)
     return None
+
+
+def stacked(name: str) -> bool:
+    """A leading dimension each slice of which is a weight of its own: the layer stacks
+    ("layers", and any "*_layers" as DeepSeek's dense ones) and the experts."""
+    return name in STACKED or name.endswith("_layers")
 
 
 def adapt(model: nnx.Module, targets: Mapping[str, Target], lora: LoraConfig, seed: int) -> nnx.Module:

@@ -9,16 +9,19 @@ own, from the repository root:
     /tmp/golden/bin/python tests/golden/make.py deepseek_v3     # re-make one case
     /tmp/golden/bin/python tests/golden/make.py --chat          # re-make tests/golden/chat (needs jinja2)
 
-(The DeepSeek-V3, Gemma 3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases were made with transformers 5.24.0 and torch
-2.13.0 (CPU); the others with the versions of their day.)
+(The DeepSeek-V3, Gemma 3, Mistral, Mixtral, Qwen3 and Qwen3-MoE cases, qwen3_moe_dense included, were made with
+transformers 5.24.0 and torch 2.13.0 (CPU); the others with the versions of their day.)
     /tmp/golden/bin/python tests/golden/make.py --check DIR     # logits of an exported DIR
     /tmp/golden/bin/python tests/golden/make.py --check DIR --case deepseek_v3   # ... against that case
-    /tmp/golden/bin/python tests/golden/make.py --peft          # re-make tests/golden/peft_llama_tied (needs peft)
+    /tmp/golden/bin/python tests/golden/make.py --peft          # re-make tests/golden/peft_* (PEFT; needs peft)
+    /tmp/golden/bin/python tests/golden/make.py --peft peft_deepseek_v3   # re-make one
     /tmp/golden/bin/python tests/golden/make.py --check-adapter ADAPTER --merged DIR   # our PEFT export in peft
 
 peft_llama_tied is a LoRA adapter peft 0.21.2 made for llama_tied (r 4, alpha 8, on q_proj,
 v_proj and down_proj, B drawn too so it changes the outputs), with the PeftModel's logits
-on llama_tied's tokens. --check-adapter loads a jaxpar `export --adapter` folder onto its base
+on llama_tied's tokens; peft_deepseek_v3 one peft 0.21.2 made for deepseek_v3 on transformers
+5.24.0 (q_a_proj and kv_b_proj by module, the dense layer's up_proj and the shared experts'
+down_proj by parameter). --check-adapter loads a jaxpar `export --adapter` folder onto its base
 with peft and compares the logits with those transformers gives for the `export --merge`
 folder of the same step.
 
@@ -72,6 +75,12 @@ CASES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, head_dim=16, tie_word_embeddings=False, rope_theta=1e6), "5GB"),
+    # Qwen3-MoE with dense layers among the MoE ones: decoder_sparse_step 2 over 4 layers leaves
+    # layers 0 and 2 dense (Qwen3's MLP, 96 wide), 1 and 3 MoE (4 experts of 32, top 2).
+    "qwen3_moe_dense": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        COMMON, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2, head_dim=16, tie_word_embeddings=False,
+        rope_theta=1e6), "5GB"),
     # Gemma 3: 4 layers, local local global local (window 5 of the batch's 16), local RoPE base
     # 10^4, global 10^6 slowed 4x (linear), QK-norm, (1 + w) norms around each sublayer, GeGLU,
     # embeddings x 8, scores x 24**-0.5 (heads of 16), tied, logits capped at 30.
@@ -245,33 +254,44 @@ def make_chats() -> None:
         print(f"chat {case}: {len(expected)} conversations -> {out}")
 
 
-PEFT = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, bias="none",
-            init_lora_weights=False)  # False: B drawn like A, so the adapter is no identity
+# Adapters peft makes on a golden case: (the base case, peft.LoraConfig's settings). B is drawn
+# like A (init_lora_weights False), so the adapter is no identity.
+PEFT = {
+    "peft_llama_tied": ("llama_tied", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           lora_dropout=0.0, bias="none", init_lora_weights=False)),
+    # DeepSeek-V3 on transformers 5: attention Linears by module, and the dense layer's MLP and
+    # the shared experts by parameter (in target_modules peft 0.21 would map gate_proj, up_proj
+    # and down_proj to the fused routed experts: jaxpar.hf.peft.parameter_names)
+    "peft_deepseek_v3": ("deepseek_v3", dict(r=4, lora_alpha=8, target_modules=["q_a_proj", "kv_b_proj"],
+                                             target_parameters=["mlp.up_proj.weight", "shared_experts.down_proj.weight"],
+                                             lora_dropout=0.0, bias="none", init_lora_weights=False)),
+}
 
 
-def make_peft() -> None:
-    """tests/golden/peft_llama_tied: adapter_config.json, adapter_model.safetensors and the
-    adapted model's logits (logits.npy) on llama_tied's tokens."""
+def make_peft(name: str) -> None:
+    """tests/golden/NAME (a PEFT case): adapter_config.json, adapter_model.safetensors and the
+    adapted model's logits (logits.npy) on its base case's tokens."""
     import json
 
     import peft
 
+    case, settings = PEFT[name]
     torch.manual_seed(1)
-    base = transformers.AutoModelForCausalLM.from_pretrained(HERE / "llama_tied", dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **PEFT)).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(HERE / case, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **settings)).eval()
     with torch.no_grad():  # larger than peft's draw, so a wrong layout shows far above float32 noise
-        for name, p in model.named_parameters():
-            if "lora_" in name:
+        for name_, p in model.named_parameters():
+            if "lora_" in name_:
                 p.mul_(4.0)
-    out = HERE / "peft_llama_tied"
+    out = HERE / name
     model.save_pretrained(out)
     (out / "README.md").unlink(missing_ok=True)  # peft's model card
-    settings = json.loads((out / "adapter_config.json").read_text())
-    settings["base_model_name_or_path"] = "tests/golden/llama_tied"  # from the repository root, not this machine's path
-    (out / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    tokens = np.load(HERE / "llama_tied" / "tokens.npy")
+    saved = json.loads((out / "adapter_config.json").read_text())
+    saved["base_model_name_or_path"] = f"tests/golden/{case}"  # from the repository root, not this machine's path
+    (out / "adapter_config.json").write_text(json.dumps(saved, indent=2) + "\n")
+    tokens = np.load(HERE / case / "tokens.npy")
     np.save(out / "logits.npy", logits(model, tokens))
-    print(f"peft_llama_tied (peft {peft.__version__}) -> {out}")
+    print(f"{name} (peft {peft.__version__}) -> {out}")
 
 
 def check_adapter(adapter: str, merged: str, case: str = "llama_tied") -> None:
@@ -311,7 +331,8 @@ if __name__ == "__main__":
     parser.add_argument("--case", default="llama_tied", help="with --check: the golden case it was imported from")
     parser.add_argument("--tokenizers", action="store_true", help="re-make only the TOKENIZERS' tokenizer.json files")
     parser.add_argument("--chat", action="store_true", help="re-make only tests/golden/chat (CHATS)")
-    parser.add_argument("--peft", action="store_true", help="re-make only tests/golden/peft_llama_tied (needs peft)")
+    parser.add_argument("--peft", nargs="*", choices=list(PEFT), help="re-make only these PEFT cases (none named: all; "
+                        "needs peft)")
     parser.add_argument("--check-adapter", metavar="ADAPTER", help="a jaxpar export --adapter folder, loaded by peft")
     parser.add_argument("--merged", metavar="DIR", help="with --check-adapter: the export --merge of the same step")
     parser.add_argument("cases", nargs="*", choices=[[], *CASES], help="the cases to make (default: all)")
@@ -322,8 +343,9 @@ if __name__ == "__main__":
     if args.chat:
         make_chats()
         sys.exit(0)
-    if args.peft:
-        make_peft()
+    if args.peft is not None:
+        for name in args.peft or PEFT:
+            make_peft(name)
         sys.exit(0)
     if args.check_adapter:
         check_adapter(args.check_adapter, args.merged, args.case)
