@@ -121,7 +121,7 @@ def balance_row(name: str, overrides: list[str], path: pathlib.Path, steps: int)
     config = recipe(overrides + [f"train.steps={steps}", "data.source=tokens", f"data.path={path}"])
     history = run(build(config), progress=False)
     window = lambda key, lo, hi: statistics.fmean(r[key] for r in history[lo:hi])  # noqa: E731
-    early, late = (1, 11), (steps - 20, steps)
+    early, late = (1, 11), (steps - 20, steps)  # rows 1..10: steps 2-11 (a row's step counts the steps done)
     return {
         "setting": name, "overrides": overrides,
         "load_step0": history[0]["moe_load"],
@@ -143,7 +143,7 @@ def render(doc: dict) -> str:
                      f"{r['formula_per_all_to_all']:>12,.0f}{r['ratio']:>8.3f}{r['temporaries_bytes'] / 2**20:>10.2f}")
     steps = doc["setup"]["steps"]
     lines += ["", f"load balancing on Zipfian tokens, `moe` recipe, {steps} steps: expert load max / mean (1.0 even)",
-              f"{'setting':<24}{'step 0':>8}{'1-10':>8}{'peak':>8}{f'last 20':>9}{'dropped 1-10':>14}{'dropped last 20':>17}{'CE loss last 20':>17}"]
+              f"{'setting':<24}{'step 1':>8}{'2-11':>8}{'peak':>8}{'last 20':>9}{'dropped 2-11':>14}{'dropped last 20':>17}{'CE loss last 20':>17}"]
     for r in doc["balance"]:
         lines.append(f"{r['setting']:<24}{r['load_step0']:>8.3f}{r['load_early']:>8.3f}{r['peak_load']:>8.3f}{r['load_late']:>9.3f}"
                      f"{r['dropped_early']:>14.1%}{r['dropped_late']:>17.1%}{r['loss_late']:>17.3f}")

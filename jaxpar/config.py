@@ -100,7 +100,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100  # optimizer steps the run ends at (counted from 0, resumed runs included)
+    steps: int = 100  # optimizer steps the run ends at (a resumed run counts the steps before it too)
     global_batch: int = 16  # sequences (or examples) per step, over all devices
     seq_len: int = 64  # tokens per sequence
     microbatches: int = 1  # gradient accumulation: each step's batch in this many pieces, one after another
@@ -131,8 +131,9 @@ class TrainConfig:
     # log-ratios to the reference are scaled before the sigmoid.
     dpo_beta: float = 0.1
     eval_batches: int = 4  # held-out global batches each evaluation's loss is taken over (eval_every)
-    # "START:STOP": a jax.profiler trace of steps START..STOP-1 into profile_dir, for
-    # TensorBoard's profile plugin or Perfetto (jaxpar.train.profile). "": none.
+    # "START:STOP": a jax.profiler trace of steps START+1..STOP (as the log lines number them:
+    # the steps after START are done) into profile_dir, for TensorBoard's profile plugin or
+    # Perfetto (jaxpar.train.profile). "": none.
     profile_steps: str = ""
     profile_dir: str = "runs/profile"  # the folder profile_steps' trace is written to
 
@@ -374,5 +375,5 @@ def parse_steps(spec: str) -> tuple[int, int] | None:
         window = None
     if not sep or window is None or not 0 <= window[0] < window[1]:
         raise ConfigError(f"train.profile_steps={spec!r}; give START:STOP with 0 <= START < STOP, e.g. 5:8 to trace "
-                          "steps 5, 6 and 7 (counted from 0), or leave it empty")
+                          "steps 6, 7 and 8 (the steps after 5 are done), or leave it empty")
     return window

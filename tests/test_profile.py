@@ -17,7 +17,7 @@ def test_trace_of_the_chosen_steps(tiny_llama, tmp_path, capsys):
     assert len(rows) == 3
     traces = list(folder.glob("plugins/profile/*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
-    assert "wrote the trace of steps 1-2" in capsys.readouterr().out
+    assert "wrote the trace of steps 2-3" in capsys.readouterr().out  # after 1 step done, through step 3
 
 
 @pytest.mark.parametrize("spec", ["3", "a:b", "4:2", "-1:2"])

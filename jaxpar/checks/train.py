@@ -42,8 +42,8 @@ def train_seed_and_peak(config, sizes) -> None:
 @rule(
     "profile-steps",
     fields=["train.profile_steps", "train.steps"],
-    summary="train.profile_steps is empty or START:STOP with 0 <= START < STOP <= train.steps (steps counted "
-    "from 0).",
+    summary="train.profile_steps is empty or START:STOP with 0 <= START < STOP <= train.steps (it traces steps "
+    "START+1 to STOP, as the log lines number them).",
     example=["train.profile_steps=8:5"],
     also=[["train.profile_steps=5"], ["train.steps=10", "train.profile_steps=5:20"]],
 )

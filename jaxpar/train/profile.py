@@ -1,5 +1,6 @@
-"""A `jax.profiler` trace of chosen steps (train.profile_steps="START:STOP", steps START to
-STOP-1, counted from 0), written to train.profile_dir in the layout TensorBoard's profile
+"""A `jax.profiler` trace of chosen steps (train.profile_steps="START:STOP": the steps after
+START steps are done, through step STOP, as the log lines and metrics rows number them:
+START+1..STOP), written to train.profile_dir in the layout TensorBoard's profile
 plugin and Perfetto read: DIR/plugins/profile/<run>/<host>.xplane.pb (and .trace.json.gz).
 
 Each traced step is marked with a StepTraceAnnotation, so the viewer's overview splits the
@@ -19,7 +20,8 @@ from jaxpar.train.metrics import prepare_folder
 
 
 class Profiler:
-    """Starts the trace before step START, stops it after step STOP-1 (or at the run's end)."""
+    """Starts the trace before the step after START, stops it after step STOP (or at the run's
+    end); `step` below is the loop's index, the steps done before it."""
 
     def __init__(self, spec: str, folder: str):
         self.window = parse_steps(spec)
@@ -40,7 +42,7 @@ class Profiler:
         if not self.active:
             jax.profiler.start_trace(self.folder)
             self.active = True
-        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # numbered as the rows are
             yield
 
     def after(self, step: int, state) -> None:
@@ -55,5 +57,5 @@ class Profiler:
         jax.profiler.stop_trace()
         self.active = False
         if jax.process_index() == 0:
-            print(f"wrote the trace of steps {self.window[0]}-{self.window[1] - 1} to {self.folder} "
+            print(f"wrote the trace of steps {self.window[0] + 1}-{self.window[1]} to {self.folder} "
                   f"(tensorboard --logdir {self.folder}, or ui.perfetto.dev)", flush=True)
