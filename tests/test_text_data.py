@@ -9,10 +9,8 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -237,7 +235,6 @@ def test_tokenize_checks_its_output_paths_before_reading_the_corpus(corpus, tmp_
         "locked/x.bin": f"--out='{tmp_path / 'locked/x.bin'}': the folder '{tmp_path / 'locked'}' is not writable by "
                         "this user; give a folder you can write",
     }
-    import os
 
     writable = os.access  # root may write anywhere: the locked folder is locked by saying so
     monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path / "locked") and writable(path, mode))

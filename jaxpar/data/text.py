@@ -270,7 +270,6 @@ def _jsonl_documents(file: pathlib.Path, spec: TextSpec) -> Iterator[str]:
 
 
 def parquet_file(file: pathlib.Path, spec: TextSpec):
-    n = spec.names
     try:
         import pyarrow.parquet as pq
     except ImportError:
