@@ -74,7 +74,7 @@ class ParallelConfig:
     # softmax in float32), flash (jaxpar's blockwise kernel, attention_block tiles, the jax
     # block forward), cudnn (cuDNN's fused flash attention: CUDA GPUs of compute capability
     # 8.0 or more, no packed documents, bf16/fp16), or auto (cudnn where it applies, else
-    # reference).
+    # flash on GPUs and reference elsewhere).
     attention: Attention = "auto"
     # How dropless MoE routing sends each expert device its rows: ragged
     # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
@@ -288,7 +288,7 @@ def _set(node: Any, path: list[str], value: str, full_key: str) -> Any:
     prefix = full_key[: len(full_key) - len(".".join(path))]
     if name not in fields:
         raise ConfigError(
-            f"unknown key {full_key!r}: {prefix or 'the config'} has no {name!r}; valid keys: "
+            f"unknown key {full_key!r}: {prefix[:-1] if prefix else 'the config'} has no {name!r}; valid keys: "
             + ", ".join(prefix + k for k in fields)
         )
     current = getattr(node, name)

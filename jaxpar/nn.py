@@ -153,11 +153,15 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
         out, report = out if isinstance(out, tuple) else (out, None)
         return out, (report, cached)
 
+    n = leaves[0].shape[0]
+    # A loop of one layer is that layer: in line, its offloaded activations reach host memory,
+    # where the GPU compiler loses them from a one-trip loop (models/moe.py's runs of one
+    # layer under model.remat=offload: benchmarks/gpu_compile.py).
+    unroll = unroll or n == 1
     # In a loop XLA cannot merge the recomputed forward with the first one, so prevent_cse's
     # barriers are needed (and paid for) only when unrolled, and only where the policy
     # recomputes more than layout changes.
     step = jax.checkpoint(body, policy=policy, prevent_cse=unroll and remat != "none")
-    n = leaves[0].shape[0]
     index = None if first_layer is None else jnp.asarray(first_layer, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
     given = None if cache is None else cache.next_given()
     out, (reports, cached) = jax.lax.scan(step, x, (leaves, states, index, given), unroll=unroll)

@@ -23,7 +23,7 @@ def test_overrides_convert_to_field_types():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("mesh.fdsp=2", r"unknown key 'mesh.fdsp': mesh. has no 'fdsp'; valid keys: mesh.stage, mesh.data, mesh.fsdp"),
+        ("mesh.fdsp=2", r"unknown key 'mesh.fdsp': mesh has no 'fdsp'; valid keys: mesh.stage, mesh.data, mesh.fsdp"),
         ("trian.steps=2", r"unknown key 'trian.steps'.*valid keys: model, mesh, parallel, train"),
         ("train.steps=ten", r"train.steps='ten' is not a valid int; e.g. train.steps=2"),
         ("parallel.sequence_parallel=maybe", r"is not a valid bool"),

@@ -171,7 +171,7 @@ def pipeline_without_cudnn_attention(config, sizes) -> None:
     if p > 1 and config.parallel.attention == "cudnn":
         raise ConfigError(
             f"parallel.attention=cudnn with mesh.stage={p}: cuDNN attention's custom partitioning fails inside the "
-            "pipeline's shard_map (jaxlib 0.12); use parallel.attention=flash or auto (which picks reference there)"
+            "pipeline's shard_map (jaxlib 0.12); use parallel.attention=flash or auto (which picks flash there)"
         )
 
 

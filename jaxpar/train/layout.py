@@ -77,11 +77,15 @@ def attention(config: Any, device: jax.Device, context: int = 1, stage: int = 1)
     """parallel.attention with auto resolved: cuDNN's fused attention where it applies (a
     sharded sequence runs the context-parallel kernels instead, and needs no choice). Not
     inside pipeline stages: cuDNN attention's custom partitioning fails in their shard_map
-    (jaxlib 0.12, compiled for H100s)."""
+    (jaxlib 0.12, compiled for H100s). Elsewhere on GPUs jaxpar's blockwise kernel (flash),
+    which never holds a sequence's [S, S] scores (packed documents, float32, wide heads:
+    benchmarks/gpu_compile.py's hf: fine-tunes held 2.5x the memory with them); the
+    reference on other devices."""
     choice = config.parallel.attention
     if context > 1:
         return "reference"  # unused: the context kernels run (the checks refuse other choices there)
     if choice != "auto":
         return choice
-    usable = stage == 1 and cudnn_attention_problem(config, device.platform, device) is None
-    return "cudnn" if usable else "reference"
+    if stage == 1 and cudnn_attention_problem(config, device.platform, device) is None:
+        return "cudnn"
+    return "flash" if device.platform == "gpu" else "reference"
