@@ -81,6 +81,7 @@ def _train(args) -> int:
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
+            f"{_repeats_summary(trainer.layout.params.repeats)}"
             f"{_lora_summary(trainer)}"
             f"compute {config.train.compute_dtype}"
             f"{', fp8 matmuls' if config.train.matmul_dtype == 'fp8' else ''} | "
@@ -112,6 +113,11 @@ def _train(args) -> int:
         held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps{held_out}")
     return 0
+
+
+def _repeats_summary(repeats: tuple[tuple[str, int], ...]) -> str:
+    """Key/value heads fewer than mesh.tensor: how many times each is repeated at use."""
+    return f"kv heads repeated {repeats[0][1]}x over tensor | " if repeats else ""
 
 
 def _lora_summary(trainer) -> str:
