@@ -34,9 +34,10 @@ def test_overlap_on_gpus_by_default_with_thresholds_of_one_layer(tiny_llama):
     assert step_options(tiny_llama, "cpu") == {}  # auto: nothing to overlap on CPU
     assert step_options(apply_overrides(tiny_llama, ["compiler.preset=none"]), "gpu") == {}
     # FP8 behind sequence parallelism in pipeline stages: the multi-streamed windowed einsum
-    # segfaults jaxlib 0.12.0.1's GPU compiler (benchmarks/gpu_compile.py, llama_pp fp8): left out
+    # segfaults jaxlib 0.12.0.1's GPU compiler (benchmarks/gpu_compile.py, llama_pp fp8): off
+    # (left out, XLA's own default turns it on and the compile still crashes)
     fp8 = ["train.matmul_dtype=fp8", "parallel.sequence_parallel=true", "mesh.stage=2"]
-    assert "xla_gpu_multi_streamed_windowed_einsum" not in step_options(apply_overrides(bf16, fp8), "gpu")
+    assert step_options(apply_overrides(bf16, fp8), "gpu")["xla_gpu_multi_streamed_windowed_einsum"] is False
     for kept in (fp8[:2], fp8[1:], [fp8[0], fp8[2]]):  # any two of the three compile
         assert step_options(apply_overrides(bf16, kept), "gpu")["xla_gpu_multi_streamed_windowed_einsum"] is True
 
