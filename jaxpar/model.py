@@ -58,6 +58,8 @@ Fields some parts read where a config has them (a decoder's shape):
   embed, num_layers, num_heads, num_kv_heads, head_dim, mlp, tie_embeddings  a decoder's
                  shape: the planner's cost model (jaxpar.plan, which needs all but
                  tie_embeddings) and `jaxpar explain`'s traffic formulas read them.
+  v_head_dim     the values' head dim where it differs from head_dim (DeepSeek's MLA); the
+                 fused attention kernels pad both to the larger (0 without: head_dim).
   num_experts    routed experts (0 without): the planner's expert layouts, explain's
                  all-to-all formula.
   remat          the name of the jaxpar.nn remat policy the model applies ("none" without).
@@ -161,6 +163,7 @@ MEMBERS: dict[str, Any] = {
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
+    "v_head_dim": 0,
 }
 HF_FORMAT = ("hf_architectures", "from_hf", "to_hf", "hf_weights")  # declared together, or none of them
 _DEFAULT = object()

@@ -123,13 +123,16 @@ def _poisoned(layout, config, bad_step):
 
     source = make_source(layout, config)
 
-    def get(step):
-        batch = source(step)
-        if step == bad_step:
-            batch = {**batch, "weights": batch["weights"] * jnp.nan}
-        return batch
+    class Poisoned:
+        describe = source.describe
 
-    return get
+        def __call__(self, step):
+            batch = source(step)
+            if step == bad_step:
+                batch = {**batch, "weights": batch["weights"] * jnp.nan}
+            return batch
+
+    return Poisoned()
 
 
 def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, monkeypatch):

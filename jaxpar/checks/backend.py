@@ -7,7 +7,7 @@ from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.data.batch import packs_documents
 from jaxpar.sharding.rules import parse_table
-from jaxpar.model import ATTENTION, supports
+from jaxpar.model import ATTENTION, declared, supports
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -47,7 +47,7 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
     if dtype not in ("bfloat16", "float16"):
         return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
     # the heads it runs: queries' and values' padded to one size (jaxpar.sharding.attend.fused_attention)
-    head = max(model.head_dim, getattr(model, "v_head_dim", 0))
+    head = max(model.head_dim, declared(model, "v_head_dim"))
     hopper = device is not None and float(getattr(device, "compute_capability", 0) or 0) >= 9.0
     largest = 256 if hopper else 128
     if head % 8 or head > largest:
