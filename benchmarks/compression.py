@@ -169,8 +169,8 @@ BATTERY = "benchmarks/results/gpu_battery_h200_jax0.11.2.json"
 
 def losses(steps: int) -> dict[str, list[float]]:
     """Each method's training losses on the fine-tune (section 3)."""
-    from jaxpar.commands.common import resolve_config
-    from jaxpar.train.loop import run
+    from jaxpar.recipes import resolve_config
+    from jaxpar.loop.run import run
 
     curves = {}
     for name, overrides in METHODS.items():

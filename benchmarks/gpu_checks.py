@@ -165,7 +165,7 @@ def grouped_rows(repeats: int) -> list[dict]:
 def offload_rows(steps: int = 12) -> list[dict]:
     import jax
 
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
     from jaxpar.config import apply_overrides
     from jaxpar.data.sources import make_source
     from jaxpar.train import build

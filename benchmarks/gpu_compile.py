@@ -85,7 +85,7 @@ def compile_one(recipe: str, overrides: list[str], target: str, num_devices: int
     """One row: what the recipe resolves to on the GPUs, and its outcome. A ConfigError before
     XLA compiles is REFUSED (its phase says whether the checks or the trace raised it); any
     other error is FAILED."""
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
     from jaxpar.deviceless import gpu_devices
 
     devices = gpu_devices(target, f"1x1x{num_devices}")

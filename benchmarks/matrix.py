@@ -32,7 +32,7 @@ marked [qwen3] (tensor+sp beside every strategy but expert) run recipes/qwen3.py
 wide heads); every run forces train.compute_dtype=float32,
 train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
-replaced: jaxpar.commands.common.resolve_config). Overrides a cell needs to be legal at all are listed
+replaced: jaxpar.recipes.resolve_config). Overrides a cell needs to be legal at all are listed
 in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
 model.routing=dropless), and the reference runs with them too.
 
@@ -136,14 +136,14 @@ GEMMA3_PAIRS = (("ulysses", "tensor+sp"), ("allgather", "fsdp"), ("interleaved",
 
 
 # LoRA (lora.rank=4 on the llama recipe's every projection, the moe recipe's attention beside
-# expert; jaxpar.train.lora): the frozen weights and the adapters under a strategy of each axis.
+# expert; jaxpar.step.lora): the frozen weights and the adapters under a strategy of each axis.
 LORA = ("lora.rank=4",)
 LORA_CELLS = (("zero3", "tensor+sp"), ("zero1", "fsdp"), ("fsdp", "ring"), ("ulysses", "tensor"), ("1f1b", "fsdp"),
               ("interleaved", "tensor+sp"), ("zb-h1", "data"), ("expert", "tensor"), ("1f1b", "fsdp", "tensor+sp"))
 
 
 # Variants of a recipe: (recipe, overrides, why). Key/value heads fewer than mesh.tensor, repeated
-# at use (jaxpar.train.layout.kv_repeats): the llama recipe with one kv head for its 16 query heads
+# at use (jaxpar.step.layout.kv_repeats): the llama recipe with one kv head for its 16 query heads
 # ([kv1]) beside a strategy of each axis; Gemma 3 1B's heads (4 query, 1 kv) in the gemma3 recipe
 # ([gemma3_1b]) where its local and global layers meet a kernel or a stage.
 VARIANTS = {

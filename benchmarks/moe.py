@@ -116,7 +116,7 @@ def zipf_tokens(path: pathlib.Path, vocab: int = 256, length: int = 300_000) -> 
 
 def balance_row(name: str, overrides: list[str], path: pathlib.Path, steps: int) -> dict:
     from jaxpar.train import build
-    from jaxpar.train.loop import run
+    from jaxpar.loop.run import run
 
     config = recipe(overrides + [f"train.steps={steps}", "data.source=tokens", f"data.path={path}"])
     history = run(build(config), progress=False)

@@ -6,7 +6,7 @@ written by the update), and `jaxpar explain`'s findings.
   python benchmarks/optimizer_pass.py                       # XLA:CPU
   python benchmarks/optimizer_pass.py --target benchmarks/targets/h100.pbtxt   # an H100, deviceless
 
-jaxpar.train.update divides, clips, updates and applies in one elementwise expression per
+jaxpar.step.update divides, clips, updates and applies in one elementwise expression per
 parameter. A GPU compile fuses it into one multi-output loop per parameter, which leaves no
 such temporary; XLA:CPU has no multi-output loop fusion, so its program still holds some
 (each new moment is its own loop, and the ones overwritten in place are copied first).

@@ -60,8 +60,8 @@ def hand_written(config, trainer):
     from flax import nnx
 
     from jaxpar.sharding import use_layout
-    from jaxpar.train.loss import cross_entropy_sum
-    from jaxpar.train.optim import make_optimizer
+    from jaxpar.step.loss import cross_entropy_sum
+    from jaxpar.step.optim import make_optimizer
 
     tx, lr_schedule = make_optimizer(config.optim, config.train.steps)
     dtype = jnp.dtype(config.train.compute_dtype)

@@ -1,4 +1,4 @@
-"""Sampling speed with and without the key/value cache (jaxpar.train.sample), side by side.
+"""Sampling speed with and without the key/value cache (jaxpar.generate.sample), side by side.
 
 For each way, the same prompts (a batch of `--batch` rows of `--prompt` random tokens) are
 continued by `--new` tokens, greedily: first once untimed (the compiles), then `--rounds`
@@ -49,11 +49,11 @@ def main() -> int:
     import jax
     import numpy as np
 
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
     from jaxpar.commands.sample import sampling_config
     from jaxpar.testing import initial_state
     from jaxpar.train import build
-    from jaxpar.train.sample import generate_batch
+    from jaxpar.generate.sample import generate_batch
 
     devices = jax.devices()
     config = resolve_config(args.recipe, args.layout.split() + [f"train.compute_dtype={args.dtype}"], len(devices))

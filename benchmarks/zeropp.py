@@ -58,7 +58,7 @@ def main() -> None:
     from jaxpar.inspect import inspect_step
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
-    from jaxpar.train.loop import run
+    from jaxpar.loop.run import run
     from jaxpar.models.llama import LlamaConfig
 
     from jaxpar import recipes

@@ -13,10 +13,11 @@ from jaxpar.config import (
 )
 from jaxpar.checks import validate
 from jaxpar.errors import ConfigError, Preempted, TrainingStopped
+from jaxpar.loop.run import run
 from jaxpar.mesh import AXES, HostSplit, MeshConfig, force_cpu_devices, make_mesh
 from jaxpar.model import ModelConfig, PipelineStages
 from jaxpar.sharding import Layout, Rules, compute_value, constrain, default_rules, use_layout
-from jaxpar.train import Trainer, TrainState, build, run
+from jaxpar.step.trainer import Trainer, TrainState, build
 
 __all__ = [
     "AXES",

@@ -23,8 +23,8 @@ GradientCompression = Literal["none", "int8", "powersgd", "topk"]
 ContextImpl = Literal["ring", "ulysses", "allgather"]
 SequenceLayout = Literal["zigzag", "contiguous"]
 AttentionKernel = Literal["jax", "pallas", "pallas_interpret"]
-Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per device (jaxpar.train.layout)
-# auto: resolved per platform (jaxpar.train.layout); the kernel's own set,
+Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per device (jaxpar.step.layout)
+# auto: resolved per platform (jaxpar.step.layout); the kernel's own set,
 # jaxpar.kernels.experts.EXCHANGES, has the resolved ones and an emulated one for tests
 ExpertExchange = Literal["auto", "padded", "ragged"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
@@ -32,9 +32,9 @@ OnReplicated = Literal["warn", "error", "allow"]
 # train
 ComputeDtype = Literal["float32", "bfloat16"]
 MatmulDtype = Literal["compute", "fp8"]
-LoraBaseDtype = Literal["compute", "fp8"]  # how LoRA's adapted weights rest (jaxpar.train.lora)
+LoraBaseDtype = Literal["compute", "fp8"]  # how LoRA's adapted weights rest (jaxpar.step.lora)
 OnNonfinite = Literal["stop", "skip"]
-# optim (the update rules of jaxpar.train.optim)
+# optim (the update rules of jaxpar.step.optim)
 Optimizer = Literal["adam", "adamw", "lion", "sgd"]
 # data
 DataSource = Literal["synthetic", "tokens", "text", "chat", "preference"]

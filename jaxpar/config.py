@@ -37,7 +37,7 @@ class ParallelConfig:
     # partial matmuls (jaxpar.sharding.projections): none | ring | bidirectional.
     collective_matmul: CollectiveMatmul = "none"
     # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
-    # 2 + gradients, 3 + parameters (jaxpar.train.zero).
+    # 2 + gradients, 3 + parameters (jaxpar.step.zero).
     zero_stage: ZeroStage = 0
     # ZeRO++ (arXiv 2306.10209). hpz: at zero_stage=3, keep a secondary parameter shard
     # inside the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
@@ -48,7 +48,7 @@ class ParallelConfig:
     # quantization_block elements (as gradient_compression=int8).
     quantized_gradients: bool = False
     quantization_block: int = 256  # elements that share one float32 scale under qwZ and qgZ
-    # Compress the gradient reduction over mesh.data across hosts (jaxpar.train.compression;
+    # Compress the gradient reduction over mesh.data across hosts (jaxpar.step.compression;
     # needs mesh.hosts.data = mesh.data > 1, the in-host part of data parallelism on
     # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
     # factors of each gradient matrix, warm-started, with error feedback) | topk (the
@@ -112,7 +112,7 @@ class TrainConfig:
     # weights, optimizer state and everything else unchanged.
     matmul_dtype: MatmulDtype = "compute"
     # The built-in language-model loss in this many groups of tokens, one group's logits
-    # alive at a time (jaxpar.train.loss.chunked_cross_entropy_sum): the [tokens, vocab]
+    # alive at a time (jaxpar.step.loss.chunked_cross_entropy_sum): the [tokens, vocab]
     # float32 logits and their gradient shrink by this factor. 1: all logits at once.
     loss_chunks: int = 1
     peak_tflops: float = 0.0  # per device, for MFU; 0: look up the device kind
@@ -127,20 +127,20 @@ class TrainConfig:
     # held-out global batches, never trained on (jaxpar.data.heldout): `eval_loss` in the
     # progress bar and the metrics.
     eval_every: int = 0
-    # DPO's beta on data.source=preference (jaxpar.train.preference): how far the policy's
+    # DPO's beta on data.source=preference (jaxpar.step.preference): how far the policy's
     # log-ratios to the reference are scaled before the sigmoid.
     dpo_beta: float = 0.1
     eval_batches: int = 4  # held-out global batches each evaluation's loss is taken over (eval_every)
     # "START:STOP": a jax.profiler trace of steps START+1..STOP (as the log lines number them:
     # the steps after START are done) into profile_dir, for TensorBoard's profile plugin or
-    # Perfetto (jaxpar.train.profile). "": none.
+    # Perfetto (jaxpar.loop.profile). "": none.
     profile_steps: str = ""
     profile_dir: str = "runs/profile"  # the folder profile_steps' trace is written to
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Optimizer = "adamw"  # the update rule (jaxpar.train.optim)
+    name: Optimizer = "adamw"  # the update rule (jaxpar.step.optim)
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     warmup_steps: int = 10  # linear warm-up from 0
     decay_steps: int = 0  # steps (warm-up included) of the cosine decay to min_lr_ratio x lr; 0: train.steps
@@ -190,11 +190,11 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     # Where checkpoints go ("": none). A run whose directory holds one resumes from the
-    # latest, exactly (jaxpar.train.checkpoint).
+    # latest, exactly (jaxpar.loop.checkpoint).
     dir: str = ""
     # Steps between saves (0: only at the end). With a dir, at most this many steps are
     # lost to a crash; saves are asynchronous, so their cost is the device-to-host copy.
-    # Ctrl-C and SIGTERM save at the next step whatever this is (jaxpar.train.stop).
+    # Ctrl-C and SIGTERM save at the next step whatever this is (jaxpar.loop.stop).
     every: int = 100
     keep: int = 3  # the newest this many are kept
     async_save: bool = True  # write in the background while training goes on
@@ -226,7 +226,7 @@ class CompilerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    # Low-rank adapters (jaxpar.train.lora): rank > 0 freezes the targeted weights in the
+    # Low-rank adapters (jaxpar.step.lora): rank > 0 freezes the targeted weights in the
     # compute dtype (no gradient, master copy or optimizer state) and trains A [in, rank] and
     # B [rank, out] beside each, added as (alpha / rank) * A @ B; 0: no adapters.
     rank: int = 0

@@ -20,7 +20,7 @@ class TrainingStopped(RuntimeError):
 
 class Preempted(RuntimeError):
     """The run was told to stop (SIGTERM, or SIGINT to a run of one process:
-    jaxpar.train.stop) and stopped after `step`, saved to `directory` when checkpoints are on."""
+    jaxpar.loop.stop) and stopped after `step`, saved to `directory` when checkpoints are on."""
 
     def __init__(self, step: int, directory: str | None, signal: str = "SIGTERM"):
         self.step, self.directory, self.signal = step, directory, signal

@@ -126,7 +126,7 @@ class PipelineStages(Protocol):
     on the batch: the embedding runs on the first stage, the output (and the loss) on the
     last. Everything outside `layers` is held by every stage.
 
-    A module whose call returns (outputs, aux) (jaxpar.train.loss.model_loss: MoE's
+    A module whose call returns (outputs, aux) (jaxpar.step.loss.model_loss: MoE's
     penalties and counts) returns (x, report) from `apply_layers` instead, for the layers
     it was given: {"loss": its share of aux["penalty"] summed under batch["weights"],
     "sums": {"token_metrics": {name: its share of the weighted sum}}, "per_layer":

@@ -139,13 +139,13 @@ def single_device(config: Config) -> tuple[Config, list[jax.Device]]:
 
 def run_layout(config: Config, devices: Sequence[jax.Device] | None = None, steps: int = 3) -> Run:
     """Gradients of step 0, losses of `steps` steps and the final parameters."""
-    from jaxpar.train import build
+    from jaxpar.step.trainer import build
 
     trainer = build(config, devices)
     source = make_source(trainer.batch, trainer.config)
     state = initial_state(trainer)
     if config.data.source == "preference":  # DPO's reference: the starting weights
-        from jaxpar.train.preference import attach_reference
+        from jaxpar.loop.start import attach_reference
 
         attach_reference(source, trainer, trainer.weights(state))
     losses, grads = [], None
@@ -161,8 +161,8 @@ def initial_state(trainer) -> Any:
     """`trainer.init()`'s state without compiling its random draws: the model's initial
     weights (initial_weights) placed as the state holds them, so the step's donated buffers
     are the state's own. LoRA's adapters are drawn beside the base as the build draws them
-    (jaxpar.train.lora.adapted_weights)."""
-    from jaxpar.train.lora import adapted_weights
+    (jaxpar.step.lora.adapted_weights)."""
+    from jaxpar.step.lora import adapted_weights
 
     config = trainer.config
     weights = initial_weights(config)

@@ -82,7 +82,7 @@ class LlamaConfig:
 
     # The model contract (jaxpar.model): what this model routes through jaxpar's helpers,
     # and the fields each mesh axis splits. Not num_kv_heads: key/value heads that
-    # mesh.tensor does not divide are repeated where they are used (jaxpar.train.layout.kv_repeats).
+    # mesh.tensor does not divide are repeated where they are used (jaxpar.step.layout.kv_repeats).
     task = "lm"
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
     mesh_divides = {"tensor": ("num_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}

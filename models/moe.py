@@ -286,7 +286,7 @@ class MoEBlock(nnx.Module):
 
 class MoETransformer(Llama):
     """The Llama decoder with MoE blocks, and dense ones where the config lists them (the
-    module docstring). Returns (logits, aux) where aux is what jaxpar.train.loss.model_loss
+    module docstring). Returns (logits, aux) where aux is what jaxpar.step.loss.model_loss
     adds to the objective and reports:
       penalty        [B, S] per-token addition to the loss (weighted like the cross-entropy)
       token_metrics  per-token values reported as their weighted mean over the step

@@ -19,6 +19,7 @@ of sys.path (so it can import the modules beside it). Loading it again reuses th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -36,6 +37,8 @@ from jaxpar.errors import ConfigError
 DEFAULT_FUNCTION = "recipe"
 FORMS = ("a model preset (jaxpar recipes lists them), a path to a .py file defining recipe(), package.module:function, "
          "or hf:FOLDER (a Hugging Face checkpoint)")
+# Paths `jaxpar sample` and `jaxpar export` read from a run's checkpoint, from any folder.
+RECORDED_PATHS = (("data", "tokenizer"), ("checkpoint", "init_from"))
 _MODULE_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?$")
 
 
@@ -183,3 +186,24 @@ def _describe(e: BaseException) -> str:
     folder = Path(frames[0].filename).parent
     frame = [f for f in frames if Path(f.filename).is_relative_to(folder)][-1]
     return f"{text} ({frame.filename}, line {frame.lineno})"
+
+
+def resolve_config(recipe: str, overrides: list[str], num_devices: int):
+    """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
+    naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
+    single device every layout collapses to the single-device run. The paths a checkpoint
+    records for `sample` and `export` to read back are made absolute (RECORDED_PATHS)."""
+    from jaxpar.config import with_overrides
+
+    return with_absolute_paths(with_overrides(load(recipe), overrides, num_devices))
+
+
+def with_absolute_paths(config):
+    """`config` with each of RECORDED_PATHS that is set made absolute, against the current folder."""
+    for section, field in RECORDED_PATHS:
+        part = getattr(config, section)
+        value = getattr(part, field)
+        if value and not Path(value).is_absolute():
+            absolute = str(Path(value).absolute())
+            config = dataclasses.replace(config, **{section: dataclasses.replace(part, **{field: absolute})})
+    return config

@@ -94,7 +94,7 @@ def check(command: Command) -> str | None:
     if args.command not in ("train", "explain", "plan") or recipe is None or recipe.endswith("jsonl"):
         return None
     from jaxpar.checks import validate
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
 
     try:
         config = resolve_config(recipe, getattr(args, "overrides", []), getattr(args, "cpu_devices", 8) or 8)

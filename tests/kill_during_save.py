@@ -20,7 +20,7 @@ import sys
 from orbax.checkpoint._src.path import atomicity
 
 from jaxpar.commands import main
-from jaxpar.train import stop
+from jaxpar.loop import stop
 
 KILL_AT = os.environ.get("JAXPAR_TEST_KILL_AT_SAVE")
 HOLD_FILE = os.environ.get("JAXPAR_TEST_HOLD_STOP_SAVE")

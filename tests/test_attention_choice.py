@@ -21,7 +21,7 @@ from jaxpar.mesh import MeshConfig, make_mesh
 from jaxpar.sharding import ContextAttention, Layout, attend, default_rules, use_layout
 from jaxpar.testing import check, compare, run_layout, tree_error
 from jaxpar.train import build
-from jaxpar.train.layout import attention as _attention
+from jaxpar.step.layout import attention as _attention
 
 
 def test_flash_equals_reference_with_packed_segments():

@@ -1,4 +1,4 @@
-"""Checkpoints (jaxpar.train.checkpoint): exact resume, restore onto another layout and
+"""Checkpoints (jaxpar.loop.checkpoint): exact resume, restore onto another layout and
 device count, keep-last-k, atomic saves, no pickles."""
 
 import dataclasses
@@ -13,8 +13,8 @@ import pytest
 from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
-from jaxpar.train.checkpoint import Checkpoints, PartialSaveRemoved
-from jaxpar.train.loop import run
+from jaxpar.loop.checkpoint import Checkpoints, PartialSaveRemoved
+from jaxpar.loop.run import run
 
 
 def _losses(history):
@@ -127,13 +127,13 @@ def test_a_save_compiles_nothing(tiny_llama, tmp_path):
 
 
 def test_the_first_stop_signal_names_the_step_the_run_stops_after():
-    """jaxpar.train.stop.StopSignals' handler, called as the signal would call it, at each
+    """jaxpar.loop.stop.StopSignals' handler, called as the signal would call it, at each
     point of the loop's boundary protocol: the step its line names is the step `passed`
     stops at; a second SIGINT raises, a second SIGTERM changes nothing; past the last step
     the line says the run is finishing."""
     import signal
 
-    from jaxpar.train.stop import StopSignals
+    from jaxpar.loop.stop import StopSignals
 
     lines = []
     stop = StopSignals(sigterm=True, first=1, last=4, directory="runs/ck", say=lines.append)
@@ -189,15 +189,15 @@ def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
 
 def test_interleaved_checkpoints_move_no_whole_layer_stack():
     """Saving and restoring an interleaved pipeline's state reorders its stage-sharded layers
-    (jaxpar.train.checkpoint.reorder_layers). Compiled for each of the composition matrix's
+    (jaxpar.loop.checkpoint.reorder_layers). Compiled for each of the composition matrix's
     interleaved layouts (benchmarks/matrix.py) with a layer sharding of its own, neither
     direction makes XLA's partitioner replicate a stack on every device: it prints
     "Involuntary full rematerialization" when it does (C++, on file descriptor 2, and only
     on a real compile: jaxpar.inspect.findings.compiler_warnings), and the only collectives
     are point to point (no all-gather that it might choose unasked)."""
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
     from jaxpar.inspect.findings import compiler_warnings
-    from jaxpar.train.checkpoint import reorder_layers
+    from jaxpar.loop.checkpoint import reorder_layers
 
     matrix = _matrix()
     layouts = {}
@@ -313,7 +313,7 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
 
     import jax
 
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
 
     # The uninterrupted run in this process: `jaxpar train`'s config, trainer and loop on the
     # same 8 devices compile the child processes' program (XLA's in-process collectives in
@@ -395,7 +395,7 @@ def _ctrl_c_twice(tmp_path):
 def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
     """Orbax retried and then hung on it; one line now, before anything compiles."""
     from jaxpar.errors import ConfigError
-    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.loop.checkpoint import Checkpoints
 
     path = tmp_path / "not_a_folder"
     path.write_text("")
@@ -411,7 +411,7 @@ def test_an_unreadable_latest_step_is_set_aside_for_the_newest_intact_one(tiny_l
 
     from jaxpar.config import CheckpointConfig
     from jaxpar.train import build, run
-    from jaxpar.train.checkpoint import UnreadableCheckpoint
+    from jaxpar.loop.checkpoint import UnreadableCheckpoint
 
     config = dataclasses.replace(tiny_llama, checkpoint=CheckpointConfig(dir=str(tmp_path), every=2, async_save=False))
     trainer = build(config)  # each run resumes from the checkpoint folder, as a new process would
@@ -431,7 +431,7 @@ def test_an_unreadable_latest_step_is_set_aside_for_the_newest_intact_one(tiny_l
     # and nothing set aside.
     from jaxpar.config import apply_overrides
     from jaxpar.errors import ConfigError
-    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.loop.checkpoint import Checkpoints
 
     with pytest.raises(ConfigError, match=r"step 4 .* another shape .* optim.name='adamw' .* resume with the optimizer"):
         Checkpoints.open(tmp_path).restore(build(apply_overrides(config, ["optim.name=sgd"])))

@@ -74,7 +74,7 @@ def test_the_command_line_refuses_a_bad_choice_in_one_line(capsys):
 
 def test_tables_that_dispatch_on_a_choice_hold_one_entry_per_value():
     from jaxpar.kernels.attention.context import KERNELS
-    from jaxpar.train.optim import OPTIMIZERS
+    from jaxpar.step.optim import OPTIMIZERS
 
     assert set(KERNELS) == set(get_args(ContextImpl)) and set(OPTIMIZERS) == set(get_args(Optimizer))
 
@@ -82,7 +82,7 @@ def test_tables_that_dispatch_on_a_choice_hold_one_entry_per_value():
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_every_expert_exchange_resolves_to_one_the_kernel_runs(platform):
     from jaxpar.kernels.experts import EXCHANGES
-    from jaxpar.train.layout import expert_exchange
+    from jaxpar.step.layout import expert_exchange
 
     for choice in get_args(ExpertExchange):
         assert expert_exchange(apply_overrides(Config(), [f"parallel.expert_exchange={choice}"]), platform) in EXCHANGES

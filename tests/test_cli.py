@@ -3,7 +3,7 @@ import json
 import pytest
 
 from jaxpar.commands import main
-from jaxpar.commands.common import resolve_config
+from jaxpar.recipes import resolve_config
 
 
 def test_mesh_overrides_replace_the_recipe_layout():
@@ -91,7 +91,7 @@ def test_png_paths_are_checked_before_compile(tmp_path, capsys):
 def test_jaxpar_warnings_print_as_one_line():
     """The CLI prints jaxpar's warnings without Python's file and source line; others as usual."""
     from jaxpar.commands.common import one_line_warning
-    from jaxpar.train.checkpoint import UnreadableCheckpoint
+    from jaxpar.loop.checkpoint import UnreadableCheckpoint
 
     assert one_line_warning("step 2 cannot be read", UnreadableCheckpoint, "loop.py", 57) == (
         "jaxpar: warning: step 2 cannot be read\n")

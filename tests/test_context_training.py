@@ -15,7 +15,7 @@ from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.testing import check, compare, initial_weights, run_layout, tree_error
 from jaxpar.train import build
-from jaxpar.train.sequence import lay_out_sequences
+from jaxpar.step.sequence import lay_out_sequences
 from jaxpar.sharding import use_layout
 
 RTOL = 1e-5

@@ -1,6 +1,6 @@
-"""Evaluation and metrics: the held-out loss every train.eval_every steps (jaxpar.train.evaluation)
+"""Evaluation and metrics: the held-out loss every train.eval_every steps (jaxpar.loop.evaluation)
 on batches never trained on (jaxpar.data.heldout), rows with a time to JSON Lines and
-TensorBoard (jaxpar.train.metrics), and the trained model applied (jaxpar.train.inference)."""
+TensorBoard (jaxpar.loop.metrics), and the trained model applied (jaxpar.generate.inference)."""
 
 import dataclasses
 import json
@@ -18,8 +18,8 @@ from jaxpar.data.order import split_tokens
 from jaxpar.data.sources import TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
-from jaxpar.train.evaluation import held_out_loss
-from jaxpar.train.inference import forward, unsharded_model
+from jaxpar.loop.evaluation import held_out_loss
+from jaxpar.generate.inference import forward, unsharded_model
 from jaxpar.testing import initial_state
 
 
@@ -266,7 +266,7 @@ def test_cli_tensorboard_path_is_checked_before_compile(tmp_path, capsys):
 
 
 def test_resumed_writers_replace_what_the_lost_run_wrote_past_the_checkpoint(tmp_path):
-    from jaxpar.train.metrics import open_writers
+    from jaxpar.loop.metrics import open_writers
 
     pytest.importorskip("tensorboardX")
     jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")

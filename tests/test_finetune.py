@@ -16,8 +16,8 @@ import numpy as np
 from jaxpar.commands import main
 from jaxpar.hf import model_config, prepare_import
 from jaxpar.train import build
-from jaxpar.train.checkpoint import Checkpoints, saved_config
-from jaxpar.train.inference import forward
+from jaxpar.loop.checkpoint import Checkpoints, saved_config
+from jaxpar.generate.inference import forward
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 FINETUNE = ["mesh.fsdp=2", "mesh.tensor=4", "data.source=text", f"data.path={GOLDEN / 'corpus.txt'}",

@@ -57,7 +57,7 @@ def test_local_and_global_layers_sample_with_the_cache_as_without():
     prompts longer than the window, greedy, data 4 x tensor 2 (the cache's heads split)."""
     from jaxpar.testing import initial_state
     from jaxpar.train import build
-    from jaxpar.train.sample import cached_steps, generate_batch
+    from jaxpar.generate.sample import cached_steps, generate_batch
 
     trainer = build(apply_overrides(GEMMA, ["mesh.data=4", "mesh.tensor=2"]))
     params = initial_state(trainer).params

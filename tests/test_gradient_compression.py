@@ -1,8 +1,8 @@
-"""Gradient compression in training (parallel.gradient_compression, jaxpar.train.compression)
+"""Gradient compression in training (parallel.gradient_compression, jaxpar.step.compression)
 over two simulated hosts: PowerSGD at full rank (on HSDP with tensor + sequence parallelism
 at ZeRO-1) and top-k of every entry (on ZeRO-3), both with microbatches, equal the
 single-device run (fp32: losses and gradients 1e-5, parameters after 3 steps 1e-5), the
-layer stack averaged one layer at a time inside the backward pass (jaxpar.train.compressed);
+layer stack averaged one layer at a time inside the backward pass (jaxpar.step.compressed);
 error feedback holds in the trainer (what was applied plus the replicas' mean residual is
 the sum of the true gradients, 1e-5); the compiled program's cross-host bytes are the
 formula's at ZeRO-0 and -1, the compressor's collectives inside the layer loop;
@@ -22,8 +22,8 @@ from jaxpar.inspect import inspect_step
 from jaxpar.inspect.explain import explain, render
 from jaxpar.testing import check, compare, initial_state, run_layout, tree_error
 from jaxpar.train import build
-from jaxpar.train.checkpoint import Checkpoints, CompressionRestarted
-from jaxpar.train.loop import run
+from jaxpar.loop.checkpoint import Checkpoints, CompressionRestarted
+from jaxpar.loop.run import run
 
 TWO_HOSTS = ["mesh.data=2", "mesh.hosts.data=2"]
 LAYOUTS = {
@@ -138,8 +138,8 @@ def test_a_loss_weighed_by_its_outputs_is_averaged_after_the_backward_pass(tiny_
     is; one that weighs tokens by the model's own outputs is not, so its whole gradient is
     averaged once the backward pass ends, and equals the uncompressed one (top-k of every
     entry, 1e-5)."""
-    from jaxpar.train.compressed import weight_of_batch
-    from jaxpar.train.loss import cross_entropy_sum, task_loss
+    from jaxpar.step.compressed import weight_of_batch
+    from jaxpar.step.loss import cross_entropy_sum, task_loss
 
     def confident_tokens(outputs, batch):  # weights the tokens the model is sure of
         weights = batch["weights"] * (jnp.max(outputs, axis=-1) > 0)

@@ -22,7 +22,7 @@ from jaxpar.hf import export, model_config, prepare_import
 from jaxpar.hf.safetensors import Planned, open_tensor, tensor_index, write_file
 from jaxpar.models.llama import LlamaConfig, llama_from_hf, llama_to_hf
 from jaxpar.train import build
-from jaxpar.train.inference import forward
+from jaxpar.generate.inference import forward
 from jaxpar.testing import initial_state
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"

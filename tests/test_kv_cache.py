@@ -1,4 +1,4 @@
-"""Sampling with a key/value cache (jaxpar.sharding.kv_cache, jaxpar.train.sample): the
+"""Sampling with a key/value cache (jaxpar.sharding.kv_cache, jaxpar.generate.sample): the
 cached attention kernel against the plain reference, and the cached tokens against the
 cache-free path token for token (greedy and drawn) on a user's own model (examples/gpt2.py:
 it names no cache) and on the layouts tests/test_sample.py and tests/test_gemma3.py run."""
@@ -18,7 +18,7 @@ from jaxpar.kernels.attention.cached import cached_attention, write
 from jaxpar.sharding.kv_cache import caching
 from jaxpar.testing import initial_state
 from jaxpar.train import build
-from jaxpar.train.sample import generate_batch
+from jaxpar.generate.sample import generate_batch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
@@ -76,7 +76,7 @@ def test_a_users_own_model_samples_with_the_cache_as_without(tiny_llama, monkeyp
     for and left out when not."""
     import gpt2
 
-    from jaxpar.train import sample
+    from jaxpar.generate import sample
 
     config = apply_overrides(gpt2.recipe(), ["train.compute_dtype=float32", "train.seq_len=16", "train.global_batch=4"])
     trainer = build(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
@@ -112,13 +112,13 @@ def test_a_users_own_model_samples_with_the_cache_as_without(tiny_llama, monkeyp
     ring = build(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=4"]))
     with pytest.raises(ConfigError, match=r"^kv_cache=True with mesh.context=4: a cached step runs one token a row"):
         generate_batch(ring, params, prompts, 2, kv_cache=True)
-    from jaxpar.train.sample import uses_kv_cache
+    from jaxpar.generate.sample import uses_kv_cache
 
     assert uses_kv_cache(ring, None) is False and uses_kv_cache(trainer, None) is True
 
 
 def test_top_p_keeps_the_fewest_likeliest_tokens_that_reach_it():
-    from jaxpar.train.sample import choose
+    from jaxpar.generate.sample import choose
 
     logits = jnp.log(jnp.asarray([0.05, 0.5, 0.3, 0.15], jnp.float32))
     seen = {int(choose(logits, jnp.float32(1.0), jnp.int32(0), jnp.float32(0.75), jax.random.key(i))) for i in range(64)}

@@ -70,7 +70,7 @@ def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
 
 
 # Key/value heads that mesh.tensor does not divide rest whole and are repeated at use
-# (jaxpar.train.layout.kv_repeats): Gemma 3 1B's 4 query heads and 1 kv head beside the ring
+# (jaxpar.step.layout.kv_repeats): Gemma 3 1B's 4 query heads and 1 kv head beside the ring
 # with sequence parallelism; 2 kv heads under Ulysses, which splits heads over context too
 # (each repeated twice for tensor 2 x context 2, so a copy's place matters). The other
 # kernels and layouts are matrix cells.

@@ -1,4 +1,4 @@
-"""LoRA (jaxpar.train.lora, lora.*): adapters on the projections, the rest of the model frozen
+"""LoRA (jaxpar.step.lora, lora.*): adapters on the projections, the rest of the model frozen
 in the compute dtype. A sharded layout equals one device (fp32: losses and first-step
 gradients 1e-5; the adapters after three steps 1e-4, see below); the loss covers the
 assistant's tokens only; the model state of the compiled step is the formula's (2 bytes a
@@ -141,8 +141,8 @@ def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tm
 
     from jaxpar.hf import prepare_import
     from jaxpar.train import build, run
-    from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.inference import forward
+    from jaxpar.loop.checkpoint import Checkpoints
+    from jaxpar.generate.inference import forward
 
     monkeypatch.chdir(GOLDEN.parents[1])
     ckpt = tmp_path / "ckpt"
@@ -184,7 +184,7 @@ def test_lora_from_hugging_face_resumes_from_adapters_only_and_exports_merged(tm
     checkpoints = Checkpoints.open(ckpt)
     trained, _ = checkpoints.restore(trainer)
     checkpoints.close()
-    from jaxpar.train.loop import start_of, with_base
+    from jaxpar.loop.start import start_of, with_base
 
     trained = with_base(trainer, trained, start_of(trainer))
     ours = np.asarray(apply(trainer.weights(trained), {"inputs": rows}))
@@ -207,7 +207,7 @@ def test_a_peft_adapter_imports_to_peft_s_logits(tmp_path):
 
     from jaxpar.hf import prepare_import
     from jaxpar.train import build
-    from jaxpar.train.inference import forward
+    from jaxpar.generate.inference import forward
 
     adapter = GOLDEN / "peft_llama_tied"
     base = ["train.compute_dtype=float32", "mesh.tensor=2", "mesh.fsdp=4", f"lora.init_from={adapter}",
@@ -279,7 +279,7 @@ def test_a_peft_adapter_on_deepseek_s_dense_layer_and_shared_experts_imports_and
     from jaxpar.hf.save import export_adapter
     from jaxpar.recipes import load
     from jaxpar.train import build
-    from jaxpar.train.inference import forward
+    from jaxpar.generate.inference import forward
     from safetensors.numpy import load_file
 
     adapter, base = GOLDEN / "peft_deepseek_v3", GOLDEN / "deepseek_v3"

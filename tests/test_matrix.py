@@ -36,7 +36,7 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_
 from jaxpar.mesh import force_cpu_devices
 force_cpu_devices(8)
 import jax  # noqa: F401
-from jaxpar.commands.common import resolve_config
+from jaxpar.recipes import resolve_config
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
 import jaxpar.models.llama, jaxpar.models.moe  # noqa: F401

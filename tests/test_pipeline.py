@@ -94,7 +94,7 @@ def test_pipeline_order_round_trips():
 
 
 def test_chunks_move_between_orders_point_to_point():
-    """Checkpoints reorder the layers of a stage-sharded state (jaxpar.train.checkpoint):
+    """Checkpoints reorder the layers of a stage-sharded state (jaxpar.loop.checkpoint):
     `relaid_layers` moves chunks between stages by collective permutes and equals the plain
     reorder both ways, bitwise, other dimensions sharded too; arrays outside "layers" are left
     alone. Its rounds are permutations that send exactly the chunks that change device."""

@@ -73,7 +73,7 @@ def test_plan_compiles_the_best_layouts_and_its_overrides_train(tiny_llama):
     import jax
 
     from jaxpar.train import build
-    from jaxpar.train.loop import run
+    from jaxpar.loop.run import run
 
     planned, facts = plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
                           compile_top=1, progress=False)

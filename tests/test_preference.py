@@ -1,4 +1,4 @@
-"""DPO on preference pairs (jaxpar.train.preference, data.source=preference): a row a pair,
+"""DPO on preference pairs (jaxpar.step.preference, data.source=preference): a row a pair,
 the reference's log-probabilities from the starting weights; the first loss is log 2, the
 reward margin grows, a sharded layout equals one device (fp32, 1e-5), and a resumed run
 reads the reference an uninterrupted one read."""

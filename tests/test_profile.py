@@ -6,7 +6,7 @@ import pytest
 
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
-from jaxpar.train.loop import run
+from jaxpar.loop.run import run
 from jaxpar.config import parse_steps
 
 

@@ -80,7 +80,7 @@ def test_key_value_heads_the_tensor_split_does_not_divide_rest_whole_and_are_rep
     from jaxpar.sharding import use_layout
     from jaxpar.sharding.annotate import gather_param
     from jaxpar.sharding.rules import kv_heads_repeat
-    from jaxpar.train.layout import kv_repeats, layout_for
+    from jaxpar.step.layout import kv_repeats, layout_for
 
     assert [kv_heads_repeat(kv, 4) for kv in (1, 2, 4, 8)] == [4, 2, 1, 1]
     assert kv_heads_repeat(2, 2, context=2) == 2 and kv_heads_repeat(3, 2) == 2  # lcm(kv, tensor x Ulysses) / kv

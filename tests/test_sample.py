@@ -1,6 +1,6 @@
-"""Sampling (jaxpar.train.sample, `jaxpar sample`): greedy generation on sharded layouts
+"""Sampling (jaxpar.generate.sample, `jaxpar sample`): greedy generation on sharded layouts
 equals a plain greedy loop on one device, token for token; top-k and temperature draws; the
-command end to end from a checkpoint directory alone (jaxpar.train.checkpoint.saved_config),
+command end to end from a checkpoint directory alone (jaxpar.loop.checkpoint.saved_config),
 and its refusals of bad input."""
 
 import json
@@ -19,10 +19,10 @@ from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.commands import main as jaxpar_main
 from jaxpar.train import build
-from jaxpar.train.checkpoint import saved_config
-from jaxpar.train.inference import unsharded_model
-from jaxpar.train.loop import run
-from jaxpar.train.sample import choose, generate
+from jaxpar.loop.checkpoint import saved_config
+from jaxpar.generate.inference import unsharded_model
+from jaxpar.loop.run import run
+from jaxpar.generate.sample import choose, generate
 from jaxpar.testing import initial_state
 
 PROMPT = [5, 17, 3, 99, 42]
@@ -69,7 +69,7 @@ def test_sampling_under_stages_warns_of_the_whole_model_on_each_device(tiny_llam
     are those of the same weights with no pipeline."""
     import warnings
 
-    from jaxpar.train.sample import StagesGathered
+    from jaxpar.generate.sample import StagesGathered
     from jaxpar.units import byte_size
 
     piped = build(apply_overrides(tiny_llama, ["mesh.stage=2", "train.microbatches=2"]))
@@ -102,14 +102,14 @@ def test_prompts_of_different_lengths_in_one_batch_continue_as_each_alone(tiny_l
     """Three prompts of 5, 2 and 8 tokens in one buffer (4 rows over data=2 x tensor=4): each
     row reads its next token at its own position and continues as it does alone, token for
     token; a row that draws the end-of-text id stops there while the others go on."""
-    from jaxpar.train.sample import generate_batch
+    from jaxpar.generate.sample import generate_batch
 
     trainer = build(apply_overrides(tiny_llama, ["mesh.tensor=4"]))
     params = initial_state(trainer).params
     prompts = [PROMPT, PROMPT[:2], [7, 8, 9, 10, 11, 12, 13, 14]]
     together = generate_batch(trainer, params, prompts, 5, length=16)
     assert together == [generate_batch(trainer, params, [p], 5, length=16)[0] for p in prompts]
-    from jaxpar.train.sample import cached_steps
+    from jaxpar.generate.sample import cached_steps
 
     # compiled once a buffer shape, whatever the prompts' lengths: [4, 16] (three prompts) and [2, 16] (one)
     assert [step._cache_size() for step in cached_steps(trainer)] == [2, 2]
@@ -207,7 +207,7 @@ def test_a_checkpoint_from_before_a_model_field_existed_restores_at_its_default(
     as its default, as long as this run keeps the default too."""
     from jaxpar.config import apply_overrides
     from jaxpar.train import build
-    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.loop.checkpoint import Checkpoints
 
     old = tmp_path / "old"
     shutil.copytree(checkpoint_dir[0], old)
@@ -277,11 +277,11 @@ def test_a_hugging_face_checkpoint_samples_as_published(capsys, monkeypatch):
     """hf:FOLDER: the recipe hf:FOLDER's model, its weights read onto the mesh, its tokenizer,
     and the id that tokenizer puts before a text (Gemma 3's <bos>, data.bos_id) before the
     prompt's own ids."""
-    import jaxpar.train.sample
+    import jaxpar.generate.sample
 
     folder, seen = GOLDEN.parent / "gemma3", []
-    batch = jaxpar.train.sample.generate_batch
-    monkeypatch.setattr(jaxpar.train.sample, "generate_batch", lambda trainer, params, prompts, *a, **k: (
+    batch = jaxpar.generate.sample.generate_batch
+    monkeypatch.setattr(jaxpar.generate.sample, "generate_batch", lambda trainer, params, prompts, *a, **k: (
         seen.extend(list(p) for p in prompts), batch(trainer, params, prompts, *a, **k))[1])
     assert main([f"hf:{folder}", "--prompt", "The old ship", "--max-new-tokens", "4", "--set", "mesh.tensor=4"]) == 0
     header, text = capsys.readouterr().out.splitlines()
@@ -328,7 +328,7 @@ def test_a_chat_answer_stops_at_the_templates_end_of_turn(tmp_path, capsys, monk
     <|endoftext|> (0) as the end of text while its ChatML template ends each turn with
     <|im_end|> (2): `--chat` stops at both, plain sampling at the end of text alone, and an
     answer that ends at the end of turn is reported "stopped"."""
-    import jaxpar.train.sample
+    import jaxpar.generate.sample
 
     folder = tmp_path / "qwen3_chat"
     folder.mkdir()
@@ -340,7 +340,7 @@ def test_a_chat_answer_stops_at_the_templates_end_of_turn(tmp_path, capsys, monk
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 1}))
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hello"}) + "\n")
     seen = []
-    monkeypatch.setattr(jaxpar.train.sample, "generate_batch", lambda trainer, params, prompts, *a, stop_ids, **k: (
+    monkeypatch.setattr(jaxpar.generate.sample, "generate_batch", lambda trainer, params, prompts, *a, stop_ids, **k: (
         seen.append(stop_ids), [[7, 8, 2] for _ in prompts])[1])
     common = [f"hf:{folder}", "--file", str(tmp_path / "prompts.jsonl"), "--set", "mesh.tensor=4"]
     assert main(common + ["--chat"]) == 0 and main(common) == 0

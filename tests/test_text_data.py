@@ -368,7 +368,7 @@ def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path):
     # devices (XLA's in-process collectives, as in a child of its own, which cost 5 s more).
     import jax
 
-    from jaxpar.commands.common import resolve_config
+    from jaxpar.recipes import resolve_config
 
     config = resolve_config(recipe, sets + [f"checkpoint.dir={ckpt}"], len(jax.devices()))
     run(build(config), metrics_file=str(alone), progress=False)

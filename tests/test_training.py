@@ -57,7 +57,7 @@ def test_global_norm_clipping_is_exact_under_sharding(tiny_llama):
 @pytest.mark.parametrize("clip_norm,fused", [(0.01, True), (1e6, False)])
 def test_the_fused_update_is_optaxs_clip_and_adamw(tiny_llama, clip_norm, fused, monkeypatch):
     """The step divides, clips, updates and applies in one pass over each gradient
-    (jaxpar.train.update), the non-finite guard a select inside it where the backend fuses
+    (jaxpar.step.update), the non-finite guard a select inside it where the backend fuses
     multi-output loops (`fused`: a GPU's; forced here on the CPU) or a branch around it (the
     CPU's; `test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it` too). Its
     new weights and moments equal optax's chain of clip_by_global_norm and adamw applied to
@@ -67,10 +67,10 @@ def test_the_fused_update_is_optaxs_clip_and_adamw(tiny_llama, clip_norm, fused,
     division of an already divided gradient. A step with a NaN changes nothing."""
     import jax.numpy as jnp
 
-    import jaxpar.train.trainer
-    from jaxpar.train.optim import make_optimizer
+    import jaxpar.step.trainer
+    from jaxpar.step.optim import make_optimizer
 
-    monkeypatch.setattr(jaxpar.train.trainer, "fuses_multi_output_loops", lambda platform: fused)
+    monkeypatch.setattr(jaxpar.step.trainer, "fuses_multi_output_loops", lambda platform: fused)
     config = apply_overrides(tiny_llama, [f"optim.clip_norm={clip_norm}", "optim.warmup_steps=0"])
     trainer = build(config, jax.devices()[:1])
     source, state = make_source(trainer.batch, trainer.config), initial_state(trainer)
@@ -136,7 +136,7 @@ def _poisoned(layout, config, bad_step):
 
 
 def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, monkeypatch):
-    import jaxpar.train.loop as loop
+    import jaxpar.loop.run as loop
     from jaxpar.errors import TrainingStopped
 
     trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4"]))
@@ -155,7 +155,7 @@ def test_nonfinite_step_is_not_applied_and_stops_the_run_naming_it(tiny_llama, m
 
 
 def test_skip_policy_goes_on_past_a_nonfinite_step(tiny_llama, monkeypatch):
-    import jaxpar.train.loop as loop
+    import jaxpar.loop.run as loop
 
     config = apply_overrides(tiny_llama, ["mesh.data=8", "train.steps=4", "train.on_nonfinite=skip"])
     monkeypatch.setattr(loop, "make_source", lambda layout, config: _poisoned(layout, config, 1))
@@ -167,7 +167,7 @@ def test_skip_policy_goes_on_past_a_nonfinite_step(tiny_llama, monkeypatch):
 def test_the_log_line_counts_steps_done_and_shows_the_prediction_loss_and_the_save():
     """A row's `step` is the steps done (the metrics file's and the line's number alike);
     DeepSeek's `mtp_loss` and a saving step's `save_s` are on the line."""
-    from jaxpar.train.loop import log_line
+    from jaxpar.loop.run import log_line
 
     row = {"step": 20, "loss": 1.25, "mtp_loss": 0.5, "grad_norm": 0.223, "learning_rate": 1.23e-3,
            "tokens_per_s": 7977.0, "save_s": 0.912}
@@ -184,7 +184,7 @@ def test_loss_in_chunks_holds_one_chunk_of_logits(tiny_llama):
     compiled step's temporaries drop by more than half of that (measured: 59.0 MiB -> 49.0
     MiB on CPU under XLA's plain scheduler, which jaxpar.mesh.force_cpu_devices sets; 74.8 ->
     51.5 MiB under the concurrency-optimised one, which held more logits-sized arrays at
-    once; the loss alone, jaxpar.train.loss.chunked_cross_entropy_sum: 384 -> 26 MiB for
+    once; the loss alone, jaxpar.step.loss.chunked_cross_entropy_sum: 384 -> 26 MiB for
     [4, 1024] tokens x 8192 in 16 chunks, three logits-sized arrays -> three chunk-sized)."""
     config = apply_overrides(tiny_llama, ["model.vocab_size=4096", "train.seq_len=64", "mesh.data=1"])
     temps = {}

@@ -92,7 +92,7 @@ def test_own_loss_reaches_both_paths(tiny_llama):
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
-    from jaxpar.train.loss import task_loss
+    from jaxpar.step.loss import task_loss
 
     def doubled(outputs, batch):
         total, weight = task_loss(outputs, batch)

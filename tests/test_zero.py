@@ -13,7 +13,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.inspect import inspect_step
 from jaxpar.testing import check, compare, run_layout
 from jaxpar.train import build
-from jaxpar.train.trainer import OffloadIsANoOp
+from jaxpar.step.trainer import OffloadIsANoOp
 
 ZERO_LAYOUTS = {
     "zero1_dp8": ["mesh.data=8", "parallel.zero_stage=1"],
@@ -108,8 +108,8 @@ def test_bad_zero_and_remat_input(tiny_llama, override, message):
     ({"data": 4, "fsdp": 1, "stage": 2}, ["parallel.zero_stage=1"], "step", 0),
 ])
 def test_the_gradient_reduction_is_chosen_once_from_the_config(tiny_llama, mesh, overrides, when, block):
-    """The table jaxpar.train.reduction documents, read off grad_reduction (no compile)."""
-    from jaxpar.train.reduction import grad_reduction
+    """The table jaxpar.step.reduction documents, read off grad_reduction (no compile)."""
+    from jaxpar.step.reduction import grad_reduction
 
     config = apply_overrides(tiny_llama, [*overrides, "parallel.quantization_block=64"])
     found = grad_reduction(config, {"stage": 1, **mesh}, None)

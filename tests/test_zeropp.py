@@ -30,7 +30,7 @@ from jaxpar.kernels.quantized import (
 )
 from jaxpar.testing import check, compare, initial_state, run_layout, single_device, tree_error
 from jaxpar.train import build
-from jaxpar.train.trainer import OffloadIsANoOp
+from jaxpar.step.trainer import OffloadIsANoOp
 
 MESH = dict(axis_sizes=(2, 2, 2), axis_names=("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
 TWO_HOSTS = ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero_stage=3"]

@@ -18,7 +18,7 @@ LATER = (
         "would work",
     ),
     (
-        "`build`, parallel.quantized_weights (`jaxpar.train.trainer`)",
+        "`build`, parallel.quantized_weights (`jaxpar.step.trainer`)",
         "a parameter whose storage axes do not follow its compute axes cannot be gathered in int8",
     ),
     ("`make_mesh` (`jaxpar.mesh`)", "mesh.hosts.* asks for a host layout the processes the devices come from cannot give"),
@@ -28,7 +28,7 @@ LATER = (
         "the vocabulary (every id is read); data.dtype is not a numpy dtype",
     ),
     (
-        "resuming (`jaxpar.train.checkpoint`)",
+        "resuming (`jaxpar.loop.checkpoint`)",
         "checkpoint.dir holds no checkpoint, or one written with other model.* fields or a float32/bfloat16 "
         "compute_dtype swap",
     ),

@@ -1,6 +1,6 @@
-"""The lora section: adapters' numbers, and what they combine with (jaxpar.train.lora).
+"""The lora section: adapters' numbers, and what they combine with (jaxpar.step.lora).
 Which weights the patterns match, and ranks against their shapes, are checked on the model
-itself when the trainer is built (jaxpar.train.lora.plan), still before the compile."""
+itself when the trainer is built (jaxpar.step.lora.plan), still before the compile."""
 
 from __future__ import annotations
 

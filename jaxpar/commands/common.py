@@ -1,6 +1,5 @@
 """What the commands share: the arguments every run-like command takes (a recipe's --set
-overrides, --cpu-devices), the config a recipe and its overrides make, one-line errors and
-warnings, and running a command as one process of several (jaxpar.distributed). Paths a
+overrides, --cpu-devices), one-line errors and warnings, and running a command as one process of several (jaxpar.distributed). Paths a
 run records for `sample` and `export` to read back are checked here too."""
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ INTERRUPTED_EXIT = 130  # as if SIGINT had: a shell's Ctrl-C
 RECIPE_HELP = ("a shipped recipe (see `jaxpar recipes`), a path to a .py file defining recipe() -> Config "
                "(path.py:function names another), package.module[:function] importable from here, or "
                "hf:FOLDER (a Hugging Face checkpoint folder: its model, to fine-tune)")
-# Paths `jaxpar sample` and `jaxpar export` read from a run's checkpoint, from any folder.
-RECORDED_PATHS = (("data", "tokenizer"), ("checkpoint", "init_from"))
 
 
 def add_overrides(parser, example: str) -> None:
@@ -48,30 +45,6 @@ def add_cpu_devices(parser) -> None:
 def check_cpu_devices(args) -> None:
     if args.cpu_devices < 1:
         raise ConfigError(f"--cpu-devices={args.cpu_devices} must be at least 1")
-
-
-def resolve_config(recipe: str, overrides: list[str], num_devices: int):
-    """The recipe with overrides applied. A recipe's mesh is the layout it was written for:
-    naming any mesh.* axis replaces it (unnamed axes are 1, data fills with -1), and on a
-    single device every layout collapses to the single-device run. The paths a checkpoint
-    records for `sample` and `export` to read back are made absolute (RECORDED_PATHS)."""
-    from jaxpar import recipes
-    from jaxpar.config import with_overrides
-
-    return with_absolute_paths(with_overrides(recipes.load(recipe), overrides, num_devices))
-
-
-def with_absolute_paths(config):
-    """`config` with each of RECORDED_PATHS that is set made absolute, against the current folder."""
-    import dataclasses
-
-    for section, field in RECORDED_PATHS:
-        part = getattr(config, section)
-        value = getattr(part, field)
-        if value and not pathlib.Path(value).is_absolute():
-            absolute = str(pathlib.Path(value).absolute())
-            config = dataclasses.replace(config, **{section: dataclasses.replace(part, **{field: absolute})})
-    return config
 
 
 def one_line_warning(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:
@@ -166,8 +139,8 @@ def recorded_in(args, field: str) -> str | None:
 def restore(trainer, checkpoint: str, step: int | None):
     """(state, step): a run's checkpoint at `step` (None: the newest) restored onto `trainer`,
     read synchronously and closed after, as `sample` and `export` read one."""
-    from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import start_of, with_base
+    from jaxpar.loop.checkpoint import Checkpoints
+    from jaxpar.loop.start import start_of, with_base
 
     checkpoints = Checkpoints.open(checkpoint, async_save=False)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxpar.commands.common import RECIPE_HELP, add_overrides, resolve_config
+from jaxpar.commands.common import RECIPE_HELP, add_overrides
 from jaxpar.errors import ConfigError
 
 
@@ -45,10 +45,11 @@ def run(args) -> int:
     from jaxpar.inspect import inspect_step
     from jaxpar.inspect.explain import explain as explain_step
     from jaxpar.inspect.explain import render
-    from jaxpar.train import build
+    from jaxpar.recipes import resolve_config
+    from jaxpar.step.trainer import build
 
     if args.png:
-        from jaxpar.train.metrics import prepare_file
+        from jaxpar.loop.metrics import prepare_file
 
         prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
     devices = devices if args.target else jax.devices()

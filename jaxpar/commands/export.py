@@ -2,7 +2,7 @@
 run's: `--merge`, the adapters folded in, or `--adapter`, the adapters alone in PEFT's format,
 jaxpar.hf.peft).
 
-The checkpoint's own config (jaxpar.train.checkpoint.saved_config) builds the trainer, on
+The checkpoint's own config (jaxpar.loop.checkpoint.saved_config) builds the trainer, on
 its saved mesh unless --set mesh.* names another; the chosen step (default the newest) is
 restored onto it and exported (jaxpar.hf.export). config.json keeps the keys of the
 checkpoint the run started from (checkpoint.init_from: token ids, context length) under the
@@ -68,8 +68,8 @@ def _export(args) -> int:
     from jaxpar.hf import export
     from jaxpar.hf.load import check_format
     from jaxpar.hf.save import DTYPES
-    from jaxpar.train import build
-    from jaxpar.train.checkpoint import saved_config
+    from jaxpar.step.trainer import build
+    from jaxpar.loop.checkpoint import saved_config
 
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype={args.dtype}; export as one of {', '.join(DTYPES)}")

@@ -1,8 +1,8 @@
 """`jaxpar sample CHECKPOINT --prompt TEXT`: continue a prompt with a trained checkpoint, on a
-mesh of this machine's devices (jaxpar.train.sample: with a key/value cache where the layout
+mesh of this machine's devices (jaxpar.generate.sample: with a key/value cache where the layout
 allows it, `--no-kv-cache` to run the whole sequence again for every token).
 
-The checkpoint directory alone describes the run (jaxpar.train.checkpoint.saved_config);
+The checkpoint directory alone describes the run (jaxpar.loop.checkpoint.saved_config);
 `--set` changes its config as `jaxpar train` does (naming any mesh.* axis replaces the saved
 mesh). `hf:FOLDER` samples a Hugging Face checkpoint's weights as published, its config
 that of the recipe hf:FOLDER. The tokenizer is a Hugging Face tokenizer.json: --tokenizer,
@@ -92,8 +92,8 @@ def _sample(args, texts: list[str]) -> int:
     from jaxpar import recipes
     from jaxpar.config import with_overrides
     from jaxpar.mesh import describe
-    from jaxpar.train import build
-    from jaxpar.train.checkpoint import saved_config
+    from jaxpar.step.trainer import build
+    from jaxpar.loop.checkpoint import saved_config
 
     devices = jax.devices()
     published = args.checkpoint.startswith("hf:")
@@ -119,7 +119,7 @@ def _sample(args, texts: list[str]) -> int:
     stops = _stop_ids(args, run_config, tokenizer, template)
     drawn = _continue(trainer, params, [begin + i for i in ids], args, stops,
                       tokenizer.get_vocab_size(with_added_tokens=True))
-    from jaxpar.train.sample import uses_kv_cache
+    from jaxpar.generate.sample import uses_kv_cache
 
     how = "greedy" if args.temperature == 0 else (
         f"temperature {args.temperature}, top-k {args.top_k or 'all'}, top-p {args.top_p:g}, seed {args.seed}")
@@ -154,7 +154,7 @@ def _continue(trainer, params, prompts: list[list[int]], args, stops: list[int],
     """Each prompt's drawn tokens, --batch prompts at a time in one buffer length (one compile)."""
     from tqdm import tqdm
 
-    from jaxpar.train.sample import generate_batch
+    from jaxpar.generate.sample import generate_batch
 
     size = args.batch or BATCH
     out, batches = [], range(0, len(prompts), size)
@@ -205,7 +205,7 @@ def sampling_config(config, num_devices: int, tokens: int):
     (nothing is trained or saved) but where the weights started (a LoRA run's frozen base is
     read from there)."""
     from jaxpar.config import CheckpointConfig, DataConfig
-    from jaxpar.train.sample import sequence_multiple
+    from jaxpar.generate.sample import sequence_multiple
 
     sizes = config.mesh.resolve(num_devices)
     multiple = sequence_multiple(sizes, config.parallel)

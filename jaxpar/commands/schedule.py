@@ -26,7 +26,7 @@ def run(args) -> int:
     p, m, v = args.stages, args.microbatches, args.chunks
     try:
         if args.png:
-            from jaxpar.train.metrics import prepare_file
+            from jaxpar.loop.metrics import prepare_file
 
             prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
         timeline = build_schedule(args.name, p, m, v)

@@ -8,7 +8,7 @@ import os
 import sys
 
 from jaxpar.commands.common import (INTERRUPTED_EXIT, PREEMPTED_EXIT, RECIPE_HELP, add_cpu_devices, add_overrides,
-                                    check_cpu_devices, distributed_settings, in_cluster, resolve_config)
+                                    check_cpu_devices, distributed_settings, in_cluster)
 from jaxpar.errors import Preempted
 
 
@@ -53,8 +53,9 @@ def _train(args) -> int:
     import jax
 
     from jaxpar.mesh import describe
-    from jaxpar.train import build
-    from jaxpar.train.loop import run
+    from jaxpar.loop.run import run
+    from jaxpar.recipes import resolve_config
+    from jaxpar.step.trainer import build
 
     devices = jax.devices()
     config = resolve_config(args.recipe, args.overrides, len(devices))
@@ -98,7 +99,7 @@ def _train(args) -> int:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT if e.signal == "SIGINT" else PREEMPTED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C before the first step, or a second one: no save
-        from jaxpar.train.stop import Interrupted
+        from jaxpar.loop.stop import Interrupted
 
         said = str(e) if isinstance(e, Interrupted) else "interrupted; nothing saved since the last checkpoint"
         print(f"jaxpar: {said}", file=sys.stderr, flush=True)

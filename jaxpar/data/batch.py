@@ -24,7 +24,7 @@ FIELDS = {
 # Packed documents add, per token, its document within the row and its place in it.
 FIELDS["lm_packed"] = {**FIELDS["lm"], "segment_ids": ("seq", np.int32), "positions": ("seq", np.int32)}
 # Preference pairs: a row a pair (chosen, then rejected, as two segments) and the reference
-# model's log-probabilities of the two answers (jaxpar.train.preference).
+# model's log-probabilities of the two answers (jaxpar.step.preference).
 FIELDS["lm_preference"] = {**FIELDS["lm_packed"], "reference": ((2,), np.float32)}
 
 

@@ -165,7 +165,7 @@ class PreferenceSource(Source):
     chosen conversation then the rejected one (jaxpar.data.chat.pack_pairs), rows in
     data.order. Its batches carry `reference` [B, 2], the reference model's log-probabilities
     of both answers, which the run computes once from its starting weights before the first
-    step (jaxpar.train.preference.attach_reference); until then it has none to give."""
+    step (jaxpar.loop.start.attach_reference); until then it has none to give."""
 
     def __init__(self, batch: BatchLayout, data: Any, vocab_size: int, seed: int):
         super().__init__(batch)
@@ -183,7 +183,7 @@ class PreferenceSource(Source):
     def local(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         if self.reference is None:
             raise ConfigError("data.source=preference: the reference log-probabilities are not computed yet; "
-                              "jaxpar.train.preference.attach_reference(source, trainer, params) first")
+                              "jaxpar.loop.start.attach_reference(source, trainer, params) first")
         ids = self.reader.row_ids(step, rows)
         return {**self.pairs.fields(ids), "reference": self.reference[ids]}
 

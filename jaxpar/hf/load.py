@@ -112,7 +112,7 @@ def renamed(entries: dict[str, Entry], renames: dict[str, str]) -> dict[str, Ent
 
 
 def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[str, Weight], set[str]]:
-    """(hf_weights() for a model whose weights may carry LoRA adapters (jaxpar.train.lora):
+    """(hf_weights() for a model whose weights may carry LoRA adapters (jaxpar.step.lora):
     a frozen `path.base` reads the checkpoint's tensor for `path`; the paths of the adapters,
     which no checkpoint of the base model holds and which start as drawn)."""
     weights, adapters = dict(weights), set()

@@ -140,7 +140,7 @@ def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
 
 
 def merged_master(trainer, state: Any) -> Any:
-    """The float32 weights as the base model lays them out: with LoRA (jaxpar.train.lora),
+    """The float32 weights as the base model lays them out: with LoRA (jaxpar.step.lora),
     each adapter folded into its frozen weight where the shards rest. A run that started from
     a Hugging Face checkpoint folds them into its weights read again at their own precision
     (the state holds them in the compute dtype: a bf16 run's would round the base)."""

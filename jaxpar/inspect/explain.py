@@ -22,7 +22,7 @@ from jaxpar.model import declared, has, layer_windows
 from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.sharding.rules import kv_heads_repeat
-from jaxpar.train.compression import SCOPE as COMPRESSION_SCOPE
+from jaxpar.step.compression import SCOPE as COMPRESSION_SCOPE
 from jaxpar.units import byte_size, count
 
 DP_AXES = ("data", "fsdp")  # the axes parameters and gradients are reduced over

@@ -49,7 +49,7 @@ class Memory:
     peak: int
     host_temporaries: int  # pinned-host buffers (offload); 0 on backends without host memory
     host_state: int  # of the model state, bytes resting in pinned host memory between steps
-    frozen: int = 0  # LoRA's frozen weights (jaxpar.train.lora), compute dtype
+    frozen: int = 0  # LoRA's frozen weights (jaxpar.step.lora), compute dtype
 
     @property
     def model_state(self) -> int:

@@ -1,7 +1,7 @@
 """Compressed gradient averaging with error feedback: top-k sparsification and PowerSGD
 (Vogels et al., NeurIPS 2019), each a `shard_map` kernel over one mesh axis with a plain
 reference beside it. The trainer applies them to the reduction over `data` across hosts
-(jaxpar.train.compression).
+(jaxpar.step.compression).
 
 Each replica r holds its own gradient g_r and a residual e_r, what compression left out of
 its earlier steps. It compresses c_r = g_r + e_r, and keeps e_r' = c_r - sent_r, so that

@@ -127,7 +127,7 @@ _gather.defvjp(_gather_fwd, _gather_bwd, optimize_remat=True)
 
 def _gather_kernel(x, mesh, source, target, block):
     # A shard_map may not be traced under a vmap with spmd_axis_name, which is how gradients
-    # are taken per replica (jaxpar.train.replicas). Parameters are shared by the replicas,
+    # are taken per replica (jaxpar.step.replicas). Parameters are shared by the replicas,
     # so the gather needs no batching: the vmap rule runs it once, outside that vmap.
     @custom_vmap
     def gather(x):

@@ -186,7 +186,7 @@ Score = Callable[[Callable[[Any], Any], Any, dict], tuple]  # (output, hidden, m
 def model_stages(graphdef: nnx.GraphDef, score: Score) -> Stages:
     """Stages of any model that implements jaxpar.model.PipelineStages, scored on the last
     stage by `score(model.output, hidden, microbatch) -> (loss sum, weight)` (the output
-    passed uncalled, so a loss may run it in pieces: jaxpar.train.loss.chunked_task_loss),
+    passed uncalled, so a loss may run it in pieces: jaxpar.step.loss.chunked_task_loss),
     with the report of the layers (an empty one where `apply_layers` returns x alone, not
     (x, report)), plus the module's `output_report(hidden, microbatch)` where it has one."""
 

@@ -78,7 +78,7 @@ def compile_layout(model, overrides: list[str], devices: list, seq_len: int, glo
     from jaxpar.errors import ConfigError
     from jaxpar.inspect import inspect_step
     from jaxpar.plan.step_time import roofline
-    from jaxpar.train import build
+    from jaxpar.step.trainer import build
 
     base = Config(model=model, train=TrainConfig(global_batch=global_batch, seq_len=seq_len, compute_dtype="bfloat16"))
     try:

@@ -64,7 +64,7 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     EP 64 spans 8 hosts); stages dividing the layers (experts split inside them); fsdp x
     data filling the rest; ZeRO over data when there is one; both remat extremes;
     microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
-    heads: they are repeated at use (jaxpar.train.layout.kv_repeats)."""
+    heads: they are repeated at use (jaxpar.step.layout.kv_repeats)."""
     heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
     out = []

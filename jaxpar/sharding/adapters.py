@@ -1,6 +1,6 @@
 """A frozen weight with a low-rank adapter (LoRA): W + scale * A @ B.
 
-jaxpar.train.lora puts a `LoraWeight` where a model had the parameter it adapts. Models
+jaxpar.step.lora puts a `LoraWeight` where a model had the parameter it adapts. Models
 never see the difference: the projection helpers (jaxpar.sharding.projections) multiply
 it unmerged, x @ W + scale * (x @ A) @ B, and `compute_value` (a model that lays a weight
 out itself) gives the merged W + scale * A @ B. The base W is a `Frozen` variable: it is
@@ -98,7 +98,7 @@ def adapter_output(h: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
 
 def check_inputs(weight: LoraWeight, axes: int) -> None:
     """A projection contracts `axes` leading dimensions of the weight: its adapter must have
-    been split there (jaxpar.train.lora.split_of decides from the weight's names)."""
+    been split there (jaxpar.step.lora.split_of decides from the weight's names)."""
     if weight.inputs != axes:
         raise ValueError(
             f"lora: a weight of shape {tuple(weight.base.shape)} is multiplied here over its first {axes} "
@@ -141,7 +141,7 @@ def merge_adapters(weights: dict, scale: float) -> dict:
 
 def split(tree: dict, paths: frozenset[tuple], _prefix: tuple = ()) -> tuple[dict, dict]:
     """(everything else, the leaves at `paths`): a pure-dict tree cut in two (the trainer's
-    trained and frozen weights, jaxpar.train.lora)."""
+    trained and frozen weights, jaxpar.step.lora)."""
     rest, frozen = {}, {}
     for key, value in tree.items():
         path = (*_prefix, key)

@@ -37,7 +37,7 @@ _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxpa
 # (every remat policy keeps it: jaxpar.nn.layer_policy).
 HPZ_NAME = "hpz_secondary"
 UNSHARDABLE_NAMES = ("layers",)  # the layer scan slices this dimension: ZeRO never shards it
-# The vmap axis name of the per-replica gradient computation (jaxpar.train.replicas) when a
+# The vmap axis name of the per-replica gradient computation (jaxpar.step.replicas) when a
 # parameter's gradient is summed over the replicas at its point of use (Layout.replica_sum).
 REPLICAS = "replicas"
 
@@ -116,7 +116,7 @@ class Layout:
     (`attention`), how projections multiply (`projections`), how experts exchange rows.
 
     expert_exchange: how dropless MoE routing moves rows (jaxpar.kernels.experts.exchange).
-    replica_axis: set inside the per-replica vmap (jaxpar.train.replicas), whose mapped
+    replica_axis: set inside the per-replica vmap (jaxpar.step.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     replica_sum: inside that vmap at ZeRO 2-3: every parameter's gradient is summed over the
     replicas where `compute_value` gathers it (`sum_over_replicas`), so inside the layer
@@ -247,7 +247,7 @@ def sum_over_replicas(value: jax.Array, names: Sequence[str | None], layout: Lay
     sharding: hybrid sharding's two-level reduction, per layer.
 
     It returns the replicas' mean, unbatched, as each replica's gradient: the caller's sum
-    over replicas (jaxpar.train.replicas) counts an unbatched gradient once per replica, so
+    over replicas (jaxpar.step.replicas) counts an unbatched gradient once per replica, so
     a parameter also used elsewhere (outside `compute_value`) still sums right. Exact when
     the replica count is a power of two."""
     mesh, axis = mesh_here(layout.mesh), layout.replica_axis

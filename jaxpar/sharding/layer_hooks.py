@@ -5,7 +5,7 @@ state stacked beside it) -> the slice the layer computes with. `jaxpar.nn.scan_l
 scans the state beside the parameters and applies the hook in its loop body, so whatever
 the hook's custom VJP does to the gradient runs inside the backward loop, one layer at a
 time: where a GPU overlaps it with the layers still to go (gradient compression,
-jaxpar.train.compressed).
+jaxpar.step.compressed).
 
 The trainer binds hooks to the arrays a model will hold (`use_layer_hooks`, inside the
 function it differentiates): a stacked parameter is recognised by the identity of the

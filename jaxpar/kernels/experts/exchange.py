@@ -44,7 +44,7 @@ from jaxpar.choices import ExpertExchange, Routing
 from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
 
 ROUTINGS = get_args(Routing)
-# The config's exchanges with auto resolved (jaxpar.train.layout), and the emulated
+# The config's exchanges with auto resolved (jaxpar.step.layout), and the emulated
 # ragged one, which tests run where ragged_all_to_all is missing.
 EXCHANGES = (*(e for e in get_args(ExpertExchange) if e != "auto"), "ragged_emulated")
 EXCHANGED_NAME = "expert_exchange"  # the all-to-all outputs, for remat policies to keep

@@ -1,7 +1,7 @@
 """Grouped matmul for dropless experts: `jax.lax.ragged_dot`, differentiable under `vmap`.
 
 jax.lax.ragged_dot has no batching rule for unbatched weights, which is the case under the
-trainer's per-replica vmap (gradients per data replica, jaxpar.train.replicas). Here the
+trainer's per-replica vmap (gradients per data replica, jaxpar.step.replicas). Here the
 forward and backward are each one call with a `custom_vmap` rule that runs the replicas one
 after another (`lax.map`); unbatched, they are the plain ragged_dot and its transpose.
 """

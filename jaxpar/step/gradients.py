@@ -15,20 +15,20 @@ from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.adapters import join
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
-from jaxpar.train.loss import LossFn, model_loss
-from jaxpar.train.microbatches import split_batch
-from jaxpar.train.reduction import GradReduction, sum_replicas
-from jaxpar.train.replicas import per_replica, split_replicas, stacked_over_data
-from jaxpar.train.sequence import lay_out_sequences
-from jaxpar.train.state import cast_floats
-from jaxpar.train.zero import StateShardings
+from jaxpar.step.loss import LossFn, model_loss
+from jaxpar.step.microbatches import split_batch
+from jaxpar.step.reduction import GradReduction, sum_replicas
+from jaxpar.step.replicas import per_replica, split_replicas, stacked_over_data
+from jaxpar.step.sequence import lay_out_sequences
+from jaxpar.step.state import cast_floats
+from jaxpar.step.zero import StateShardings
 
 
 
 class Gradient(NamedTuple):
     """The step's gradient, `summed / divisor` (a scalar): the batch's weight, or 1 where the
     sum is normalised already. The division is left to the optimizer's passes over the
-    gradient (jaxpar.train.update): one for the norm and one for the update, each dividing
+    gradient (jaxpar.step.update): one for the norm and one for the update, each dividing
     as it reads, so no divided whole-model copy is ever written."""
 
     summed: Any
@@ -46,10 +46,10 @@ GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Gradient]]  # (params, bat
 def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
                 hooks: LayerHooks | None = None, loss_chunks: int = 1) -> LossSum:
     """(params, batch, layer state=None, frozen=None) -> (loss sum, (weight, sums)) of the
-    model under `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.train.loss); with
+    model under `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.step.loss); with
     `hooks` and a layer state ({parameter path: its state}), those parameters' hooks run in
     the model's layer scan (jaxpar.sharding.layer_hooks); `frozen`: LoRA's frozen weights,
-    read beside `params` and not differentiated (jaxpar.train.lora)."""
+    read beside `params` and not differentiated (jaxpar.step.lora)."""
 
     def loss_sum(params, batch, layer_state=None, frozen=None):
         if task == "lm":  # sequences laid out as the context-parallel kernels expect
@@ -71,10 +71,10 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     """Gradient of (sum of per-example losses over the global batch) / (its weight), as
     that sum's gradient and the weight (`Gradient`), accumulated over microbatches in
     float32, in the optimizer's sharding, with the loss and the model's other sums over the
-    batch (jaxpar.train.loss).
+    batch (jaxpar.step.loss).
 
-    Summed over the replicas as `reduction` says (jaxpar.train.reduction; not "compressed",
-    which jaxpar.train.compressed computes): per-replica gradients are reduced over fsdp
+    Summed over the replicas as `reduction` says (jaxpar.step.reduction; not "compressed",
+    which jaxpar.step.compressed computes): per-replica gradients are reduced over fsdp
     inside the replica, then over data once per step ("step": microbatches accumulate
     unreduced) or layer by layer inside each microbatch's backward pass ("layers":
     reduce-scattered into the sharded accumulator). Without accumulation there is no
@@ -82,7 +82,7 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
     shards, like ZeRO-2.
     """
     if reduction.when == "compressed":
-        raise ValueError("a compressed reduction's gradient is jaxpar.train.compressed's, not batch_gradients'")
+        raise ValueError("a compressed reduction's gradient is jaxpar.step.compressed's, not batch_gradients'")
     reduce_to = shardings.grads if microbatches > 1 else shardings.optimizer
     replicas, per_step = reduction.per_replica, reduction.when == "step"
     summed = reduction.replica_sum()  # "layers": summed over the replicas inside the backward pass

@@ -9,13 +9,13 @@ loss of a pair is
 where log pi is the sum of the policy's log-probabilities of the answer's tokens and log ref
 the reference model's. The reference is the run's starting weights, frozen: its
 log-probabilities of every pair are computed once, before the first step, by a forward pass
-over the data (`attach_reference`), and ride in the batches ("reference" [B, 2]). No second
+over the data (jaxpar.loop.start.attach_reference), and ride in the batches ("reference" [B, 2]). No second
 model is held in memory while training; a resumed run computes them again from the same
 starting weights (its seed's initialisation, or checkpoint.init_from), so it reads what an
 uninterrupted run read.
 
 The loss goes through the trainer's loss seam (`jaxpar.train.build(config, loss_fn=...)`,
-jaxpar.train.loss.LossFn), with its metrics: the mean reward margin, the share of pairs whose
+jaxpar.step.loss.LossFn), with its metrics: the mean reward margin, the share of pairs whose
 chosen answer the policy prefers more than the reference does (reward accuracy), and the
 mean chosen and rejected rewards (beta times the log-ratio). Another preference loss is
 written the same way, from `answer_logps`.
@@ -27,9 +27,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpar.train.loss import LossFn
+from jaxpar.step.loss import LossFn
 
 
 def answer_logps(logits: jax.Array, batch: dict) -> jax.Array:
@@ -55,33 +54,3 @@ def dpo_loss(beta: float) -> LossFn:
         return jnp.sum(-jax.nn.log_sigmoid(margin)), jnp.float32(margin.shape[0]), metrics
 
     return loss
-
-
-def reference_logps(trainer, params: Any, source) -> np.ndarray:
-    """[pairs, 2]: the log-probabilities of every pair's answers under `params`, a global
-    batch of rows at a time through the trainer's forward pass (any layout)."""
-    from jaxpar.train.inference import forward
-
-    logits_of = forward(trainer)
-    everywhere = trainer.layout.sharding((None, None))  # each process reads them whole
-
-    @jax.jit
-    def logps(p, batch):
-        return jax.lax.with_sharding_constraint(answer_logps(logits_of(p, batch), batch), everywhere)
-
-    pairs, rows = source.pairs, trainer.batch.global_batch
-    out = np.zeros((len(pairs), 2), np.float32)
-    local = source.batch.rows
-    for start in range(0, len(pairs), rows):
-        ids = np.arange(start, start + rows) % len(pairs)  # the last batch wraps round
-        fields = {k: v[local] for k, v in pairs.fields(ids).items()}
-        batch = source.batch.to_global({**fields, "reference": np.zeros((len(fields["inputs"]), 2), np.float32)})
-        take = min(rows, len(pairs) - start)
-        out[start:start + take] = np.asarray(jax.device_get(logps(params, batch)))[:take]
-    return out
-
-
-def attach_reference(source, trainer, params: Any) -> None:
-    """Give a preference source its reference log-probabilities, from `params` (the run's
-    starting weights)."""
-    source.reference = reference_logps(trainer, params, source)

@@ -1,5 +1,5 @@
 """Text from a trained language model: `generate` continues a prompt token by token on the
-trainer's mesh, in any layout `jaxpar.train.inference.forward` runs (tensor, sequence and
+trainer's mesh, in any layout `jaxpar.generate.inference.forward` runs (tensor, sequence and
 context parallel, FSDP, experts, pipeline stages).
 
 Two ways to run the model, the same tokens either way (tests/test_kv_cache.py):
@@ -26,7 +26,7 @@ compete for expert slots) can see it. Rows are rounded up to what the batch axes
 x fsdp x expert) split, the extra rows repeating the first prompt.
 
 Under pipeline stages (mesh.stage > 1) the forward pass runs the whole model at once, not
-stage by stage: every device gathers every stage's layers (jaxpar.train.pipelined.unpipelined),
+stage by stage: every device gathers every stage's layers (jaxpar.step.pipelined.unpipelined),
 and `generate` warns (StagesGathered) with the bytes of parameters that puts on each device.
 """
 
@@ -46,9 +46,9 @@ from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.model import declared
 from jaxpar.sharding import use_layout
 from jaxpar.sharding.kv_cache import caching
-from jaxpar.train.inference import forward, whole_model
-from jaxpar.train.loss import model_outputs
-from jaxpar.train.replicas import without_axis
+from jaxpar.generate.inference import forward, whole_model
+from jaxpar.step.loss import model_outputs
+from jaxpar.step.replicas import without_axis
 from jaxpar.units import byte_size
 
 

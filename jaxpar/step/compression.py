@@ -1,7 +1,7 @@
 """Compressed gradient reduction over `data` across hosts (parallel.gradient_compression =
 powersgd | topk), with error feedback (jaxpar.kernels.compression holds the kernels).
 
-The step computes one gradient per data replica ([data, ...], jaxpar.train.replicas), each
+The step computes one gradient per data replica ([data, ...], jaxpar.step.replicas), each
 already reduced inside its host over fsdp (exact), and averages them over `data`, whose
 replicas sit one per host (the `gradient-compression` rule), through a compressor instead
 of an all-reduce, so only compressed factors or (value, index) pairs cross the network:
@@ -40,7 +40,7 @@ from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split,
                                         powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
 from jaxpar.kernels.quantized import entries
 from jaxpar.sharding.annotate import ParamNames
-from jaxpar.train.replicas import AXIS, without_data
+from jaxpar.step.replicas import AXIS, without_data
 
 BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
 # The name scope of the compressors' kernels: their collectives carry it in the compiled
@@ -99,7 +99,7 @@ class Compressor:
     treedef: Any  # the parameters' tree, whose leaves `blocks` lists in order
     seed: int
     # The stacked parameters averaged one layer at a time inside the backward pass
-    # (jaxpar.train.compressed); the rest are averaged once it ends.
+    # (jaxpar.step.compressed); the rest are averaged once it ends.
     per_layer: frozenset[str] = frozenset()
 
     @property

@@ -1,5 +1,5 @@
 """The training loop: compile once, run steps, evaluate on held-out batches, show progress,
-write per-step metrics (jaxpar.train.metrics).
+write per-step metrics (jaxpar.loop.metrics).
 
 Metrics of step i are read back while step i+1 runs, so the host never stalls the devices;
 a held-out evaluation after step i is queued before step i+1 and read with step i's row.
@@ -20,12 +20,13 @@ from jaxpar.data.sources import make_source
 from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
-from jaxpar.train.checkpoint import Checkpoints
-from jaxpar.train.evaluation import Sums, collect, open_evaluation
-from jaxpar.train.metrics import Writers, open_writers, prepare_outputs
-from jaxpar.train.profile import Profiler
-from jaxpar.train.stop import Interrupted, StopSignals, say
-from jaxpar.train.trainer import Trainer
+from jaxpar.loop.checkpoint import Checkpoints
+from jaxpar.loop.evaluation import Sums, collect, open_evaluation
+from jaxpar.loop.metrics import Writers, open_writers, prepare_outputs
+from jaxpar.loop.profile import Profiler
+from jaxpar.loop.start import start_of, starting_state
+from jaxpar.loop.stop import Interrupted, StopSignals, say
+from jaxpar.step.trainer import Trainer
 
 
 def tokens_per_step(trainer: Trainer) -> int:
@@ -41,15 +42,15 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     `checkpoint.every` steps and at the end; with none to resume from and
     `checkpoint.init_from` set, start from that Hugging Face checkpoint's weights (jaxpar.hf). `data`: the user's own host-local batches, a
     function step -> batch or an iterable (jaxpar.data.user); default the config's source.
-    With train.eval_every > 0, the held-out loss (jaxpar.train.evaluation) joins the rows of
+    With train.eval_every > 0, the held-out loss (jaxpar.loop.evaluation) joins the rows of
     every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
     batches in the format of `data` (needed with `data`; default the config's held-out part,
     jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
-    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.train.metrics).
+    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.loop.metrics).
     `progress`: a bar (default: when stderr is a terminal); without one, a plain line every
     train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved, and says so at
-    once; a second Ctrl-C raises jaxpar.train.stop.Interrupted without waiting for the save
-    (jaxpar.train.stop); a directory that holds the last step already is left alone. A row's
+    once; a second Ctrl-C raises jaxpar.loop.stop.Interrupted without waiting for the save
+    (jaxpar.loop.stop); a directory that holds the last step already is left alone. A row's
     `step` is the number of steps done (1 for the first), as the plain lines and checkpoints
     count; the row of a step that saved has `save_s`, the time the save held the loop, apart
     from `step_time_s`."""
@@ -77,16 +78,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     evaluation = evaluation.compile(trainer) if evaluation is not None else None
     dpo = cfg.data.source == "preference" and data is None
-    if not resuming:
-        state = started = fresh()
-    else:  # read the start once, and only if LoRA's frozen base or DPO's reference needs it
-        started = fresh() if trainer.frozen_shardings is not None or dpo else None
-        state = with_base(trainer, state, lambda: started)
-    if dpo:  # DPO's reference: the starting weights, frozen
-        from jaxpar.train.preference import attach_reference
-
-        attach_reference(source, trainer, trainer.weights(started))
-    started = None  # on resume a whole second state: not kept while training
+    state = starting_state(trainer, fresh, state, source if dpo else None)
     lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
     if progress or lines:
         tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
@@ -103,7 +95,7 @@ def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = N
 
     # With several processes JAX's preemption service takes SIGTERM: every process learns of
     # it, and all agree on the step after which to save and stop. One process stops on its
-    # own signals (jaxpar.train.stop).
+    # own signals (jaxpar.loop.stop).
     preemptible = jax.process_count() > 1
     preempted_at = None
     end = steps
@@ -181,24 +173,6 @@ def _finish_save(checkpoints: Checkpoints, show: bool, spinner: bool) -> None:
     checkpoints.wait()
     if show:
         tqdm.write(f"saved step {checkpoints.saving} ({time.perf_counter() - checkpoints.began:.1f} s)")
-
-
-def start_of(trainer: Trainer) -> Callable[[], Any]:
-    """() -> the run's state at step 0: the weights of its Hugging Face checkpoint
-    (checkpoint.init_from: checked now, read when called), else its seed's initialisation."""
-    if trainer.config.checkpoint.init_from:
-        from jaxpar.hf import prepare_import
-
-        return prepare_import(trainer, trainer.config.checkpoint.init_from)
-    return trainer.init
-
-
-def with_base(trainer: Trainer, state: Any, start: Callable[[], Any]) -> Any:
-    """A restored state with LoRA's frozen weights, which checkpoints do not hold (they point
-    to them: jaxpar.train.checkpoint.base_of), read again from where the run started."""
-    if trainer.frozen_shardings is None or state.frozen is not None:
-        return state
-    return dataclasses.replace(state, frozen=start().frozen)
 
 
 def _restored(checkpoints: Checkpoints, trainer: Trainer, steps: int, directory: str):
@@ -287,7 +261,7 @@ def log_line(record: dict, steps: int, skipped: int = 0) -> str:
         parts.append(f"mfu {record['mfu']:.1%}")
     if "moe_load" in record:
         parts.append(f"drop {record['moe_dropped']:.1%} load {record['moe_load']:.2f}")
-    if "reward_margin" in record:  # DPO (jaxpar.train.preference)
+    if "reward_margin" in record:  # DPO (jaxpar.step.preference)
         parts.append(f"margin {record['reward_margin']:.3g} accuracy {record['reward_accuracy']:.0%}")
     if skipped:
         parts.append(f"skipped {skipped}")

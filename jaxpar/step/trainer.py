@@ -1,12 +1,12 @@
 """Sharded init and the one jitted train step, composed from their parts:
 
-  config --checks--> sizes --layout_for--> Layout (jaxpar.train.layout)
+  config --checks--> sizes --layout_for--> Layout (jaxpar.step.layout)
          --the model's abstract parameters--> shardings of params, grads, optimizer state
-         (jaxpar.train.zero, jaxpar.train.state)
-         --> gradients, summed over data as the GradReduction says (jaxpar.train.reduction):
-             jaxpar.train.gradients, the pipeline's (jaxpar.train.pipelined) or a
-             compressor's (jaxpar.train.compressed)
-         --> the update (jaxpar.train.update) --> jax.jit at the edge, here.
+         (jaxpar.step.zero, jaxpar.step.state)
+         --> gradients, summed over data as the GradReduction says (jaxpar.step.reduction):
+             jaxpar.step.gradients, the pipeline's (jaxpar.step.pipelined) or a
+             compressor's (jaxpar.step.compressed)
+         --> the update (jaxpar.step.update) --> jax.jit at the edge, here.
 
 `build(config) -> Trainer`; nothing is allocated until `init()` runs:
     init()              -> TrainState, created directly in its shards (out_shardings)
@@ -38,19 +38,19 @@ from jaxpar.model import declared
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.sharding.adapters import join, split
-from jaxpar.train import lora
-from jaxpar.train.layout import layout_for
-from jaxpar.train.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
-from jaxpar.train.compression import Compressor, make_compressor
-from jaxpar.train.gradients import batch_gradients, loss_sum_fn
-from jaxpar.train.loss import LossFn, model_outputs, task_loss
-from jaxpar.train.optim import update_rule
-from jaxpar.train.param_checks import check_params
-from jaxpar.train.pipelined import pipelined_grads, unpipelined
-from jaxpar.train.reduction import GradReduction, grad_reduction, sum_replicas
-from jaxpar.train.state import TrainState, initial_state, place_state
-from jaxpar.train.update import fuses_multi_output_loops, update_fn
-from jaxpar.train.zero import StateShardings, state_shardings
+from jaxpar.step import lora
+from jaxpar.step.layout import layout_for
+from jaxpar.step.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
+from jaxpar.step.compression import Compressor, make_compressor
+from jaxpar.step.gradients import batch_gradients, loss_sum_fn
+from jaxpar.step.loss import LossFn, model_outputs, task_loss
+from jaxpar.step.optim import update_rule
+from jaxpar.step.param_checks import check_params
+from jaxpar.step.pipelined import pipelined_grads, unpipelined
+from jaxpar.step.reduction import GradReduction, grad_reduction, sum_replicas
+from jaxpar.step.state import TrainState, initial_state, place_state
+from jaxpar.step.update import fuses_multi_output_loops, update_fn
+from jaxpar.step.zero import StateShardings, state_shardings
 from jaxpar.xla_options import step_options
 
 __all__ = ["OffloadIsANoOp", "Trainer", "TrainState", "build"]
@@ -82,13 +82,13 @@ class Trainer:
     # (its arguments donated).
     start_from: Any = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
-    reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.train.reduction)
+    reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.step.reduction)
     init_compression: Any = None  # () -> the compression state's start, in its shardings
-    # LoRA (jaxpar.train.lora): {path: Target} of the adapted weights, and the shardings of
+    # LoRA (jaxpar.step.lora): {path: Target} of the adapted weights, and the shardings of
     # their frozen base (TrainState.frozen); None without adapters.
     lora_targets: Any = None
     frozen_shardings: Any = None
-    # Programs made from this trainer when first asked for (sampling's steps: jaxpar.train.sample),
+    # Programs made from this trainer when first asked for (sampling's steps: jaxpar.generate.sample),
     # kept so that later calls reuse their compiles.
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -98,7 +98,7 @@ class Trainer:
 
     @property
     def compressor(self) -> Compressor | None:
-        """parallel.gradient_compression's compressor (jaxpar.train.compression), None without one."""
+        """parallel.gradient_compression's compressor (jaxpar.step.compression), None without one."""
         return self.reduction.compressor
 
     def abstract_state(self) -> TrainState:
@@ -131,7 +131,7 @@ class Trainer:
 def data_loss(config: Config) -> LossFn:
     """The loss a config's data calls for: DPO for preference pairs, else the task's own."""
     if config.data.source == "preference":
-        from jaxpar.train.preference import dpo_loss
+        from jaxpar.step.preference import dpo_loss
 
         return dpo_loss(config.train.dpo_beta)
     return task_loss
@@ -148,8 +148,8 @@ def build(
 
     `tx` replaces the optimizer the config describes (give its `lr_schedule` too for the
     learning_rate metric); `loss_fn(outputs, batch) -> (loss sum, weight)` replaces the
-    loss the data calls for: the task's cross-entropy (jaxpar.train.loss), or DPO on
-    preference pairs (jaxpar.train.preference, train.dpo_beta)."""
+    loss the data calls for: the task's cross-entropy (jaxpar.step.loss), or DPO on
+    preference pairs (jaxpar.step.preference, train.dpo_beta)."""
     loss_fn = data_loss(config) if loss_fn is None else loss_fn
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
@@ -258,7 +258,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     """(the loss sum, the step's gradient: (params, batch, compression state) -> (loss,
     sums, gradient in the optimizer's sharding, the new compression state), the pipeline's
     program or None, `reduction` (its compressor knowing which parameters it averages layer
-    by layer)). One branch a reduction (jaxpar.train.reduction)."""
+    by layer)). One branch a reduction (jaxpar.step.reduction)."""
     if reduction.when == "compressed":  # refused in pipeline stages: no program
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
@@ -281,7 +281,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     """(the loss, the compressed step's gradient function, the reduction whose compressor
     knows which parameters it averages layer by layer): those the model's layer scan runs
     once, where the loss's weight can be read off the batch before the backward pass
-    (jaxpar.train.compressed)."""
+    (jaxpar.step.compressed)."""
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)

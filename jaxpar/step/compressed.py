@@ -1,7 +1,7 @@
 """The step's gradient averaged over `data` through a compressor (parallel.gradient_compression
-= powersgd | topk; jaxpar.train.compression), one layer at a time inside the backward pass.
+= powersgd | topk; jaxpar.step.compression), one layer at a time inside the backward pass.
 
-Each data replica computes its own gradient (jaxpar.train.replicas). A stacked parameter
+Each data replica computes its own gradient (jaxpar.step.replicas). A stacked parameter
 that the model runs through `jaxpar.nn.scan_layers` gets a layer hook
 (jaxpar.sharding.layer_hooks): an identity whose VJP, in the backward loop, averages that
 layer's slice of the gradient over the replicas through the compressor, with that layer's
@@ -31,12 +31,12 @@ from jax.extend import core
 
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.layer_hooks import Hook, LayerHooks
-from jaxpar.train.compression import Compressor, CompressionState
-from jaxpar.train.gradients import Gradient, LossSum, accumulate
-from jaxpar.train.loss import LossFn
-from jaxpar.train.microbatches import split_batch
-from jaxpar.train.replicas import AXIS, inner_layout, split_replicas, without_data
-from jaxpar.train.zero import StateShardings
+from jaxpar.step.compression import Compressor, CompressionState
+from jaxpar.step.gradients import Gradient, LossSum, accumulate
+from jaxpar.step.loss import LossFn
+from jaxpar.step.microbatches import split_batch
+from jaxpar.step.replicas import AXIS, inner_layout, split_replicas, without_data
+from jaxpar.step.zero import StateShardings
 
 CompressedGradFn = Callable[[Any, dict, CompressionState], tuple[jax.Array, dict, Any, CompressionState]]
 

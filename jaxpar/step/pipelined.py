@@ -20,11 +20,11 @@ from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
-from jaxpar.train.gradients import Gradient
-from jaxpar.train.loss import LossFn, chunked_task_loss
-from jaxpar.train.microbatches import split_batch
-from jaxpar.train.replicas import inner_layout, without_axis
-from jaxpar.train.sequence import lay_out_sequences
+from jaxpar.step.gradients import Gradient
+from jaxpar.step.loss import LossFn, chunked_task_loss
+from jaxpar.step.microbatches import split_batch
+from jaxpar.step.replicas import inner_layout, without_axis
+from jaxpar.step.sequence import lay_out_sequences
 
 GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
 

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.train.zero import StateShardings
+from jaxpar.step.zero import StateShardings
 
 
 @jax.tree_util.register_dataclass
@@ -27,9 +27,9 @@ class TrainState:
     master: Any  # pure dict, float32, optimizer sharding; None when compute dtype is float32
     opt_state: Any  # optimizer sharding
     # Gradient compression's error-feedback residuals and factors
-    # (jaxpar.train.compression.CompressionState); None without compression.
+    # (jaxpar.step.compression.CompressionState); None without compression.
     compression: Any = None
-    # LoRA's frozen base weights (jaxpar.train.lora), compute dtype, parameter sharding: the
+    # LoRA's frozen base weights (jaxpar.step.lora), compute dtype, parameter sharding: the
     # forward pass reads them beside `params`; nothing differentiates or updates them. None
     # without adapters.
     frozen: Any = None

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.annotate import REPLICAS, ReplicaSum
-from jaxpar.train.state import cast_floats
+from jaxpar.step.state import cast_floats
 
 AXIS = "data"
 

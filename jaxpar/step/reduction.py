@@ -4,7 +4,7 @@ config (`grad_reduction`), that the trainer's gradient paths read instead of fla
     when="backward"    no per-replica gradients: each layer's gradient is reduced over
                        data x fsdp by the partitioner inside the backward pass, where a GPU
                        overlaps it with the layers still to go (ZeRO 0-3 on a flat mesh)
-    when="layers"      per-replica gradients (jaxpar.train.replicas), reduced inside the
+    when="layers"      per-replica gradients (jaxpar.step.replicas), reduced inside the
                        replica, then summed over the replicas layer by layer inside the
                        backward pass (`jaxpar.sharding.annotate.ReplicaSum`): hybrid
                        sharding and qgZ at ZeRO 2-3
@@ -12,11 +12,11 @@ config (`grad_reduction`), that the trainer's gradient paths read instead of fla
                        the microbatches: ZeRO 0-1 with accumulation or hybrid sharding, qgZ
                        at ZeRO 0-1, pipeline stages
     when="compressed"  each replica's gradient averaged through a compressor, PowerSGD or
-                       top-k, layer by layer where it can (jaxpar.train.compressed)
+                       top-k, layer by layer where it can (jaxpar.step.compressed)
 
 `int8_block` > 0 is ZeRO++ qgZ: the sums over data move int8 with a scale per this many
 elements (jaxpar.kernels.quantized). A new reduction is a `when` (or a field) here, its
-config field and rule, and its branch in `jaxpar.train.trainer._gradients`.
+config field and rule, and its branch in `jaxpar.step.trainer._gradients`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax
 from jaxpar.kernels.quantized import quantized_reduce_scatter
 from jaxpar.sharding import Layout
 from jaxpar.sharding.annotate import ReplicaSum
-from jaxpar.train.compression import Compressor
-from jaxpar.train.replicas import without_data
+from jaxpar.step.compression import Compressor
+from jaxpar.step.replicas import without_data
 
 When = Literal["backward", "layers", "step", "compressed"]
 
@@ -63,7 +63,7 @@ def grad_reduction(config: Any, mesh_shape: Mapping[str, int], compressor: Compr
     int8_block = parallel.quantization_block if parallel.int8_gradients else 0
     if compressor is not None:
         return GradReduction("compressed", compressor=compressor)
-    if mesh_shape["stage"] > 1:  # each stage's replicas accumulate unreduced (jaxpar.train.pipelined)
+    if mesh_shape["stage"] > 1:  # each stage's replicas accumulate unreduced (jaxpar.step.pipelined)
         return GradReduction("step", int8_block)
     replicas = mesh_shape["data"] > 1 and (
         mesh_shape["fsdp"] > 1 or (microbatches > 1 and parallel.zero_stage < 2) or int8_block > 0)

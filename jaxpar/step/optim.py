@@ -1,5 +1,5 @@
 """Optimizer from config: a named optax update rule, warmup + cosine schedule, and
-global-norm clipping (which the trainer applies in its own pass: jaxpar.train.update). Any
+global-norm clipping (which the trainer applies in its own pass: jaxpar.step.update). Any
 optax GradientTransformation can be passed to the trainer instead."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def schedule(optim, steps: int) -> optax.Schedule:
 
 def update_rule(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The named update rule on its schedule, without clipping: the trainer clips with the
-    norm its update pass already computed (jaxpar.train.update), optax's arithmetic. Where
+    norm its update pass already computed (jaxpar.step.update), optax's arithmetic. Where
     `make_optimizer`'s chain has the clip, an identity holds its place, so the optimizer
     state has the chain's tree and checkpoints written with either restore into the other."""
     lr = schedule(optim, steps)

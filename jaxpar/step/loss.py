@@ -72,7 +72,7 @@ LossFn = Callable[[Any, dict], tuple]
 """(model outputs, batch) -> (sum of the per-example losses, their total weight) or (sum,
 weight, {metric name: its sum over the examples}). The step divides each by the weight over
 the whole global batch, so microbatches and replicas add up exactly; the metrics join the
-step's (jaxpar.train.preference's reward margin and accuracy, say; not under pipeline
+step's (jaxpar.step.preference's reward margin and accuracy, say; not under pipeline
 stages, whose last stage keeps the loss and weight alone). `task_loss` is the default;
 `jaxpar.train.build(config, loss_fn=...)` takes another."""
 

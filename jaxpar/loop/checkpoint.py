@@ -6,8 +6,8 @@ in the model's layer order, gradient compression's state (residuals, PowerSGD fa
 item of its own, and a JSON record of the step, the data position (batches are
 a function of the seed and the step: jaxpar.data.sources) and the config. Nothing in it is
 pickled: arrays are tensorstore files, the rest JSON. A LoRA run's checkpoints hold its
-adapters, not the frozen base (jaxpar.train.lora): the record names the base (`base`), and a
-resumed run reads it again from there (jaxpar.train.loop.with_base).
+adapters, not the frozen base (jaxpar.step.lora): the record names the base (`base`), and a
+resumed run reads it again from there (jaxpar.loop.start.with_base).
 
   * Atomic: orbax writes into a temporary directory and renames it when complete, so a run
     killed mid-save leaves the previous checkpoint whole. The run that writes next removes
@@ -25,16 +25,11 @@ resumed run reads it again from there (jaxpar.train.loop.with_base).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import importlib
 import pathlib
 import shutil
-import sys
 import time
-import types
-import typing
 import warnings
 from typing import Any
 
@@ -42,6 +37,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxpar.config import Config, flatten
+from jaxpar.config_record import field_default, jsonable, rebuild, record
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.pipeline.stages import relaid_layers
 
@@ -86,8 +82,7 @@ class Checkpoints:
             "data_position": int(step),
             "seed": trainer.config.train.seed,
             "compute_dtype": trainer.config.train.compute_dtype,
-            "config": {k: _jsonable(v) for k, v in flatten(trainer.config).items()},
-            "model_class": _class_record(type(trainer.config.model)),
+            **record(trainer.config),
         }
         if state.frozen is not None:  # LoRA: adapters only; the base is where the run started (`base`)
             meta["base"] = base_of(trainer.config)
@@ -161,9 +156,9 @@ class Checkpoints:
         for key, value in flatten(trainer.config).items():  # the model must be the one saved
             if not key.startswith("model.") or key == "model.remat":
                 continue
-            if key not in saved and value == _default(trainer.config.model, key[len("model."):]):
+            if key not in saved and value == field_default(trainer.config.model, key[len("model."):]):
                 continue  # a field added since the checkpoint was written, at its default
-            if saved.get(key) != _jsonable(value):
+            if saved.get(key) != jsonable(value):
                 raise ConfigError(
                     f"checkpoint step {step} in {str(self.directory)!r} was written with {key}={saved.get(key)!r}, but "
                     f"this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another checkpoint.dir"
@@ -300,9 +295,9 @@ def _remove_partial(directory: pathlib.Path) -> None:
 def _check_base(trainer, meta: dict, step: int, directory: pathlib.Path) -> None:
     """A LoRA checkpoint resumes onto the base it was trained on, with the same adapters."""
     saved = meta["config"]
-    ours = {k: _jsonable(v) for k, v in flatten(trainer.config).items() if k.startswith("lora.")}
+    ours = {k: jsonable(v) for k, v in flatten(trainer.config).items() if k.startswith("lora.")}
     for key, value in ours.items():
-        if saved.get(key, _jsonable(_default(type(trainer.config.lora)(), key[len("lora."):]))) != value:
+        if saved.get(key, jsonable(field_default(type(trainer.config.lora)(), key[len("lora."):]))) != value:
             raise ConfigError(f"checkpoint step {step} in {str(directory)!r} was written with {key}={saved.get(key)!r}, "
                               f"but this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another "
                               "checkpoint.dir")
@@ -322,7 +317,7 @@ def reorder_layers(trainer, to: str):
     p, v = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
     if trainer.pipeline is None or p == 1 or v == 1:
         return None
-    # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.train.loop.with_base)
+    # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.loop.start.with_base)
     leaves, treedef = jax.tree.flatten(dataclasses.replace(trainer.state_shardings, frozen=None))
     return _reorder_layers(tuple(leaves), treedef, p, v, to)
 
@@ -358,98 +353,7 @@ def saved_config(directory: str | pathlib.Path, step: int | None = None) -> Conf
         meta = checkpoints.meta(chosen)
     finally:
         checkpoints.close()
-    where = f"checkpoint step {chosen} in {str(directory)!r}"
-    if "model_class" not in meta:
-        raise ConfigError(f"{where} was written before checkpoints recorded their model's class, so its config "
-                          "cannot be rebuilt from it alone; train on from it for one step with this jaxpar (jaxpar train "
-                          f"RECIPE --set checkpoint.dir=... --set train.steps={chosen + 1}), which saves one that records it")
-    saved = meta["config"]
-    hints = typing.get_type_hints(Config)
-    sections = {f.name: _rebuild(hints[f.name], saved, f.name + ".", where)
-                for f in dataclasses.fields(Config) if f.name != "model"}
-    return Config(model=_rebuild(_model_class(meta["model_class"], where), saved, "model.", where), **sections)
-
-
-def _class_record(cls: type) -> dict:
-    """Where a class is found again: its module, its qualified name, and the module's file
-    (a recipe file is imported under a name of jaxpar.recipes' making, not importable)."""
-    module = sys.modules.get(cls.__module__)
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "file": getattr(module, "__file__", None)}
-
-
-def _model_class(record: dict, where: str) -> type:
-    name, qualname, file = record["module"], record["qualname"], record.get("file")
-    shown = f"model config class {name}.{qualname}"
-    if name == "__main__":  # another program's __main__ now; never re-run a script for its class
-        raise ConfigError(f"{where} was written with {shown}, defined in a script run as __main__ ({file}); move the "
-                          "class into an importable module or recipe file and save a checkpoint from there")
-    module = sys.modules.get(name)
-    if module is None:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            if not (file and pathlib.Path(file).is_file()):
-                raise ConfigError(f"{where} was written with {shown}, which cannot be imported here ({e}) and whose "
-                                  f"file {file!r} is gone; put its module on sys.path") from None
-            from jaxpar import recipes
-
-            module = recipes.load_file(file)  # a recipe file: imported as `jaxpar train FILE` did
-    found: Any = module
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    if not (isinstance(found, type) and dataclasses.is_dataclass(found)):
-        raise ConfigError(f"{where} was written with {shown}, which {name} no longer defines as a dataclass; restore "
-                          "that class, or use a checkpoint written with the model as it is now")
-    return found
-
-
-def _rebuild(cls: type, saved: dict, prefix: str, where: str) -> Any:
-    """An instance of dataclass `cls` from the flattened record's `prefix`* keys."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for field in dataclasses.fields(cls):
-        key, hint = prefix + field.name, hints.get(field.name)
-        if not field.init:
-            continue
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            values[field.name] = _rebuild(hint, saved, key + ".", where)
-        elif key in saved:
-            values[field.name] = _field_value(saved[key], hint, key, where)
-    return cls(**values)
-
-
-def _field_value(value: Any, hint: Any, key: str, where: str) -> Any:
-    """A saved JSON value as the field's type: as saved, a float from an int, or a value
-    `_jsonable` saved as text (a tuple) read back as a Python literal."""
-    options = [a for a in typing.get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
-    kind = (typing.get_origin(options[0]) or options[0]) if len(options) == 1 else None
-    if value is None or not isinstance(kind, type):
-        return value
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str):
-        try:
-            return ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
-    raise ConfigError(f"{where} records {key}={value!r}, which is not of type {kind.__name__} as the field now is; its "
-                      "class changed since the save: restore the class it was written with, or use a newer checkpoint")
-
-
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
-
-
-def _default(config: Any, name: str) -> Any:
-    """A dataclass field's default (a sentinel where it has none or is no field)."""
-    field = next((f for f in dataclasses.fields(config) if f.name == name), None)
-    return field.default if field is not None and field.default is not dataclasses.MISSING else object()
-
-
-def _jsonable(value: Any) -> Any:
-    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return rebuild(meta, f"checkpoint step {chosen} in {str(directory)!r}", chosen)
 
 
 class UnreadableCheckpoint(JaxparWarning):

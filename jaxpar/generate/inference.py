@@ -23,16 +23,16 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.attention import sequence_order
 from jaxpar.sharding import Layout, sequence_degree, use_layout
-from jaxpar.train.loss import apply_model
-from jaxpar.train.pipelined import unpipelined
-from jaxpar.train.sequence import lay_out_sequences
+from jaxpar.step.loss import apply_model
+from jaxpar.step.pipelined import unpipelined
+from jaxpar.step.sequence import lay_out_sequences
 
 MODEL_FIELDS = ("inputs", "positions", "segment_ids")  # what a forward pass reads of a batch
 
 
 def whole_model(trainer, params: Any) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (inside jit): without a
-    pipeline the trainer's own; with one, jaxpar.train.pipelined.unpipelined."""
+    pipeline the trainer's own; with one, jaxpar.step.pipelined.unpipelined."""
     return unpipelined(params, trainer.layout, trainer.weight_shardings, trainer.config.parallel.pipeline_chunks)
 
 
@@ -71,7 +71,7 @@ def unsharded_model(trainer, state: Any) -> nnx.Module:
     process holds every shard (use `forward`)."""
     if jax.process_count() > 1:
         raise ConfigError(f"unsharded_model gathers every weight into one process, but this run has "
-                          f"{jax.process_count()} processes; use jaxpar.train.inference.forward(trainer)")
+                          f"{jax.process_count()} processes; use jaxpar.generate.inference.forward(trainer)")
     weights = trainer.model_order(jax.device_get(trainer.master_weights(state)))
     return nnx.merge(trainer.graphdef, jax.tree.map(jnp.asarray, weights))
 

@@ -1,7 +1,7 @@
 """Stopping a run of one process cleanly: SIGINT (Ctrl-C) or SIGTERM asks the loop to stop at
 the next step boundary, save (with checkpoint.dir) and end with one line; a second SIGINT
 stops at once, without waiting for the save. Runs of several processes leave SIGTERM to
-JAX's preemption service, which agrees on the step among them (jaxpar.train.loop), and
+JAX's preemption service, which agrees on the step among them (jaxpar.loop.run), and
 `jaxpar launch` turns its own SIGINT into SIGTERM for its processes.
 
 The first signal is answered at once, from the handler, with the step the run will stop

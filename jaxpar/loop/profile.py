@@ -16,7 +16,7 @@ import contextlib
 import jax
 
 from jaxpar.config import parse_steps
-from jaxpar.train.metrics import prepare_folder
+from jaxpar.loop.metrics import prepare_folder
 
 
 class Profiler:

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.model import has
-from jaxpar.train.gradients import Gradient
-from jaxpar.train.state import StatePlacement, TrainState, cast_floats, to_device
-from jaxpar.train.zero import StateShardings
+from jaxpar.step.gradients import Gradient
+from jaxpar.step.state import StatePlacement, TrainState, cast_floats, to_device
+from jaxpar.step.zero import StateShardings
 
 UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradient, compression=None)
 
@@ -36,7 +36,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     arithmetic. The model may adjust its weights after the optimizer (`update(master,
     counts)`, e.g. MoE bias balancing) and turn the step's counts into metrics
     (`summarise(counts)`). `compression`: the gradient compressor's new state
-    (jaxpar.train.compression), kept only with the step. `fused`: the backend fuses
+    (jaxpar.step.compression), kept only with the step. `fused`: the backend fuses
     multi-output loops (GPUs; XLA:CPU does not), see `keep_if_finite`."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 

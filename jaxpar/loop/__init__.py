@@ -1,0 +1,2 @@
+"""The host run around the step: the loop (run.py), its starting state (start.py),
+checkpoints, metric writers, the profiler, stop signals and held-out evaluation."""
