@@ -34,13 +34,13 @@ def make_checkpoint(folder: pathlib.Path, layers: int, embed: int) -> int:
     import numpy as np
 
     from jaxpar.hf.safetensors import Planned, file_names, plan_files, write_file
-    from jaxpar.models.llama import LlamaConfig
+    from jaxpar.models.llama import LLAMA_FORMAT, LlamaConfig
 
     heads = embed // 64
     cfg = LlamaConfig(vocab_size=32000, embed=embed, num_layers=layers, num_heads=heads, num_kv_heads=heads // 2,
                       head_dim=64, mlp=4 * embed, tie_embeddings=False)
     shapes = {}
-    for path, weight in cfg.hf_weights().items():
+    for path, weight in LLAMA_FORMAT.weights(cfg).items():
         stacked = (layers,) if weight.stacked else ()
         ours = {"embedding": (32000, embed), "head": (embed, 32000), "final_norm.scale": (embed,)}.get(path)
         for combo, name in weight.names(stacked + (ours or _layer_shape(cfg, path))):
@@ -55,7 +55,7 @@ def make_checkpoint(folder: pathlib.Path, layers: int, embed: int) -> int:
         write_file(folder / name, group, {"format": "pt"})
     index = {"weight_map": {t.name: n for n, g in zip(names, files) for t in g}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    hf = cfg.to_hf()
+    hf = LLAMA_FORMAT.to_hf(cfg)
     (folder / "config.json").write_text(json.dumps(hf))
     return sum(t.nbytes for t in tensors)
 

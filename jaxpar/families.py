@@ -1,19 +1,19 @@
 """Model families, registered once.
 
-A family is a model config class with what jaxpar knows it by: the Hugging Face
-architectures it reads and writes (the config's own `hf_architectures`, jaxpar.model), the
-model shapes the planner knows by name (`presets`), and recipes by name. One call fills
-every table:
+A family is a model config class with its formats and what jaxpar knows it by: its Hugging
+Face format (`hf`, a jaxpar.hf.HFFormat: the architectures it reads, config.json and the
+tensors' names), the model shapes the planner knows by name (`presets`), and recipes by
+name. One call fills every table:
 
-    register(Family("qwen3", Qwen3Config, presets={"qwen3-8b": Qwen3Config(...)}))
+    register(Family("qwen3", Qwen3Config, hf=QWEN3_FORMAT, presets={"qwen3-8b": Qwen3Config(...)}))
 
 and then `jaxpar train hf:DIR` reads a Qwen3 checkpoint (jaxpar.hf.model_config),
 `jaxpar plan --model qwen3-8b` plans it, and `jaxpar train NAME` runs a recipe the family
 names. The shipped families register in their own modules (models/llama.py, models/moe.py,
 models/mlp.py), which are imported the first time a table is read, so importing this module
 imports no model. A family registered again under its name replaces the earlier one; where
-two families claim one architecture or preset, the later registration wins, and the shipped
-families count as registered first.
+two families claim one architecture or preset (or one config class has formats in two), the
+later registration wins, and the shipped families count as registered first.
 """
 
 from __future__ import annotations
@@ -24,25 +24,27 @@ import pkgutil
 from typing import Any, Callable, Iterator, Mapping
 
 from jaxpar.errors import ConfigError
-from jaxpar.model import declared
 
 SHIPPED = "jaxpar.models"  # every module of this package is imported before a table is read
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """`config_class`'s family. `presets`: {name: a config of it}, model shapes the planner
-    (and `jaxpar explain`, `jaxpar train`) knows by name. `recipes`: {name: "module:function"
-    or a function returning a jaxpar.config.Config}, what `jaxpar train NAME` runs."""
+    """`config_class`'s family. `hf`: its Hugging Face format (a jaxpar.hf.HFFormat; None: it
+    has none, and jaxpar.hf refuses to import or export it). `presets`: {name: a config of
+    it}, model shapes the planner (and `jaxpar explain`, `jaxpar train`) knows by name.
+    `recipes`: {name: "module:function" or a function returning a jaxpar.config.Config},
+    what `jaxpar train NAME` runs."""
 
     name: str
     config_class: type
+    hf: Any = None
     presets: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     recipes: Mapping[str, str | Callable[[], Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def hf_architectures(self) -> tuple[str, ...]:
-        return tuple(declared(self.config_class, "hf_architectures"))
+        return () if self.hf is None else tuple(self.hf.architectures)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -69,9 +71,16 @@ def families() -> list[Family]:
     return shipped + [f for f in _FAMILIES.values() if f not in shipped]
 
 
-def architectures() -> dict[str, type]:
-    """{Hugging Face architecture: the config class that reads it}."""
-    return {arch: f.config_class for f in families() for arch in f.hf_architectures}
+def hf_formats() -> dict[str, Any]:
+    """{Hugging Face architecture: the format (jaxpar.hf.HFFormat) that reads it}."""
+    return {arch: f.hf for f in families() for arch in f.hf_architectures}
+
+
+def hf_format(model: Any) -> Any:
+    """The Hugging Face format of `model`'s family (the family registered for its very
+    class: a subclass is a model of its own), or None."""
+    formats = {f.config_class: f.hf for f in families() if f.hf is not None}
+    return formats.get(type(model))
 
 
 def presets() -> dict[str, Any]:
@@ -118,4 +127,4 @@ def _load_shipped() -> None:
         raise
 
 
-__all__ = ["Family", "View", "architectures", "families", "presets", "recipes", "register"]
+__all__ = ["Family", "View", "families", "hf_format", "hf_formats", "presets", "recipes", "register"]

@@ -40,18 +40,6 @@ default.
   update(params, counts)  the model's own change to its float32 weights after each optimizer
                  step, from the step's summed `counts` (MoE's bias balancing).
   summarise(counts)  {metric name: scalar} from the step's summed `counts` (MoE's load).
-  Hugging Face's format (jaxpar.hf; all four of the first, or none):
-  hf_architectures  the config.json `architectures` it reads and writes ("LlamaForCausalLM",).
-  from_hf(hf)    a classmethod: config.json's dict -> the config.
-  to_hf()        the config as config.json's dict.
-  hf_weights()   {parameter path: jaxpar.hf.Weight}.
-  hf_ignored()   checkpoint tensors the import may leave unread (a tied model's lm_head; a name
-                 ending in "." leaves every tensor under it: a layer the model has no place for).
-  hf_training_fields  fields free to differ from the checkpoint's config (remat, routing).
-  hf_renames()   {prefix of a checkpoint's tensor names: the prefix hf_weights uses}, applied
-                 before matching (transformers' checkpoint conversion mapping: the text model
-                 of a Gemma3ForConditionalGeneration under language_model.model. or
-                 model.language_model.).
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
@@ -70,8 +58,9 @@ Fields some parts read where a config has them (a decoder's shape):
                  layer): explain's traffic formulas sum over them, and a layer that picks its
                  kind with jaxpar.nn.by_kind has each branch counted by its share of layers.
 
-A model family (a config class with its Hugging Face architectures, planner presets and
-recipes) registers once with `jaxpar.families.register`.
+A model's Hugging Face format is no member of its config: a model family (a config class
+with its formats, planner presets and recipes) registers it with the model, once, with
+`jaxpar.families.register(Family(name, ConfigClass, hf=jaxpar.hf.HFFormat(...)))`.
 """
 
 from __future__ import annotations
@@ -158,14 +147,11 @@ MEMBERS: dict[str, Any] = {
     "capabilities": frozenset(), "axis_names": None, "mesh_divides": None, "check": None,
     "sequence_length": None, "input_shape": None, "batch_fields": None, "head_param_count": None,
     "layer_param_count": None, "update": None, "summarise": None,
-    "hf_architectures": (), "from_hf": None, "to_hf": None, "hf_weights": None, "hf_ignored": None,
-    "hf_training_fields": (), "hf_renames": None,
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
     "v_head_dim": 0,
 }
-HF_FORMAT = ("hf_architectures", "from_hf", "to_hf", "hf_weights")  # declared together, or none of them
 _DEFAULT = object()
 
 
@@ -240,7 +226,7 @@ def check_model(model: Any, sizes: Mapping[str, int]) -> None:
 
 
 __all__ = [
-    "ATTENTION", "CAPABILITIES", "EXPERTS", "HF_FORMAT", "MEMBERS", "PROJECTIONS", "REMAT", "SEQUENCE", "STAGES",
+    "ATTENTION", "CAPABILITIES", "EXPERTS", "MEMBERS", "PROJECTIONS", "REMAT", "SEQUENCE", "STAGES",
     "ModelConfig", "PipelineStages", "axis_names", "capabilities", "check_model", "declared", "has", "lacks",
     "mesh_divides", "supports",
 ]

@@ -28,8 +28,8 @@ models.moe's second stack (`dense_layer_ids`), run by `embed`, so a pipeline run
 first stage, and every stage holds them (the pipeline contract: everything outside
 `layers`); their stacked axis is kept whole ("dense_layers").
 
-Hugging Face's DeepseekV3ForCausalLM in and out (deepseek_from_hf, deepseek_to_hf,
-deepseek_hf_weights): its dense layers are model.layers.0 .. dense_layers - 1, its
+Hugging Face's DeepseekV3ForCausalLM in and out (DEEPSEEK_FORMAT: deepseek_from_hf,
+deepseek_to_hf, deepseek_hf_weights): its dense layers are model.layers.0 .. dense_layers - 1, its
 interleaved RoPE pairs (rope_interleave) are laid out as halves in the attention, and its
 routing bias (e_score_correction_bias) is ours (model.router_bias), exported in float32 whatever
 the export's dtype (as published: rounded, it would choose other experts).
@@ -49,6 +49,7 @@ embedding and head as every stage does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -60,9 +61,10 @@ from jaxpar.choices import RouterScores
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
+from jaxpar.hf.format import HFFormat
 from jaxpar.hf.weights import Weight
 from jaxpar.models.llama import RESIDUAL, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
-from jaxpar.models.moe import MoEBlock, MoEConfig, MoETransformer, stack_layer_ids
+from jaxpar.models.moe import MOE_TRAINING_FIELDS, MoEBlock, MoEConfig, MoETransformer, stack_layer_ids
 from jaxpar.nn import param
 from jaxpar.sharding import ahead, attend, column_project, compute_value, constrain, row_project
 
@@ -107,24 +109,6 @@ class DeepSeekConfig(MoEConfig):
     axis_names = {**MoEConfig.axis_names, "kv_latent": "embed", "q_latent": "embed", "mtp_in": None}
     WEIGHTS = MoEConfig.WEIGHTS + ("mtp_weight",)
     mesh_divides = {**MoEConfig.mesh_divides, "fsdp": ("embed", "kv_lora_rank", "q_lora_rank")}  # latents shard as embed
-    hf_architectures = ("DeepseekV3ForCausalLM",)
-    hf_training_fields = MoEConfig.hf_training_fields + ("mtp_layers", "mtp_weight")
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "DeepSeekConfig":
-        return deepseek_from_hf(cls, hf)
-
-    def to_hf(self) -> dict:
-        return deepseek_to_hf(self)
-
-    def hf_weights(self) -> dict:
-        return deepseek_hf_weights(self)
-
-    def hf_ignored(self) -> tuple[str, ...]:
-        """The prediction layer after the main stack, without model.mtp_layers (with it, its
-        copies of the embedding and head are the Weights' `copies`)."""
-        return () if self.mtp_layers else (f"model.layers.{self.dense_layers + self.num_layers}.",)
-
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
         for field in ("qk_norm", "qkv_bias"):  # Llama's, which latent attention has no place for
@@ -362,7 +346,7 @@ def deepseek_from_hf(cls, hf: dict) -> DeepSeekConfig:
     """DeepseekV3ForCausalLM's config.json (transformers 4's remote-code spelling or 5's):
     dropless routing over sigmoid scores with the checkpoint's correction bias; the dense
     first layers; YaRN from rope_scaling / rope_parameters. Its multi-token prediction layers
-    are left unread (hf_ignored)."""
+    are left unread (deepseek_ignored)."""
     if hf.get("quantization_config"):
         raise ConfigError(f"config.json has quantization_config={hf['quantization_config']}: the checkpoint's weights "
                           "are quantized (DeepSeek-V3's release is FP8 in 128 x 128 blocks); jaxpar reads float weights: "
@@ -457,6 +441,12 @@ def deepseek_hf_weights(cfg: DeepSeekConfig) -> dict[str, Weight]:
     return weights
 
 
+def deepseek_ignored(cfg: DeepSeekConfig) -> tuple[str, ...]:
+    """The prediction layer after the main stack, without model.mtp_layers (with it, its
+    copies of the embedding and head are the Weights' `copies`)."""
+    return () if cfg.mtp_layers else (f"model.layers.{cfg.dense_layers + cfg.num_layers}.",)
+
+
 def _mtp_weights(cfg: DeepSeekConfig, index: int) -> dict[str, Weight]:
     """The prediction layer's own tensors (its embedding and head are the model's), each
     left to its initialisation where a checkpoint lacks the layer (`fresh`)."""
@@ -503,7 +493,11 @@ def _layer_weights(cfg: DeepSeekConfig, dense: bool) -> dict[str, Weight]:
 
 
 
-register(Family("deepseek", DeepSeekConfig, presets={
+DEEPSEEK_FORMAT = HFFormat(("DeepseekV3ForCausalLM",), from_hf=functools.partial(deepseek_from_hf, DeepSeekConfig),
+                           to_hf=deepseek_to_hf, weights=deepseek_hf_weights, ignored=deepseek_ignored,
+                           training_fields=MOE_TRAINING_FIELDS + ("mtp_layers", "mtp_weight"))
+
+register(Family("deepseek", DeepSeekConfig, hf=DEEPSEEK_FORMAT, presets={
     # DeepSeek-V3 (arXiv 2412.19437, its config.json): 61 layers, the first 3 dense; 256 routed
     # experts of 2048 and one shared, 8 per token within 4 of 8 groups, gates x 2.5; MLA with
     # latents of 1536 (queries) and 512 (keys and values); YaRN x 40 over 4096 positions; bias

@@ -34,8 +34,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import (RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, llama_from_hf,
-                                 llama_hf_weights, llama_to_hf, refuse_parts, refuse_scaled_tied_head, rope_frequencies)
+from jaxpar.models.llama import (LLAMA_FORMAT, RESIDUAL, Attention, Llama, LlamaConfig, RMSNorm, llama_from_hf,
+                                 llama_hf_weights, llama_to_hf, refuse_parts, refuse_scaled_tied_head, rope_frequencies,
+                                 tied_head_ignored)
 from jaxpar.nn import by_kind, window_kinds
 from jaxpar.sharding import constrain
 
@@ -56,10 +57,6 @@ class Gemma3Config(LlamaConfig):
     rope_linear_factor: float = 1.0  # the global layers' positions divided by it (Hugging Face's "linear" RoPE)
     query_pre_attn_scalar: int = 0  # scores x its -1/2 power (0: head_dim's)
     final_logit_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
-
-    # The text model alone, or that of an image-and-text checkpoint (the 4B to 27B are published
-    # so), whose vision tower and projector are left unread; either exports as Gemma3ForCausalLM.
-    hf_architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
@@ -107,52 +104,52 @@ class Gemma3Config(LlamaConfig):
         keys = sum(min(seq_len, w) if w else seq_len for w in self.layer_windows()) / self.num_layers
         return 12 * self.num_heads * self.head_dim * keys
 
-    # Hugging Face's format
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "Gemma3Config":
-        text = hf.get("text_config")
-        hf = {**TEXT_DEFAULTS, **(text or hf)}  # an image-and-text config.json lists only what differs
-        if text is not None:  # transformers' Gemma3ForConditionalGeneration caps no logits (the published set none)
-            hf["final_logit_softcapping"] = None
-        refuse_unless(hf, attention_bias=False, attn_logit_softcapping=None, use_bidirectional_attention=False)
-        activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        global_theta, factor, local_theta = gemma3_rope(hf)
-        plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
-        return llama_from_hf(
-            cls, {**plain, "rope_theta": global_theta, "hidden_act": activation},
-            qk_norm=True, global_every=gemma3_period(hf), rope_local_theta=local_theta, rope_linear_factor=factor,
-            query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar") or 0),
-            final_logit_softcap=float(hf.get("final_logit_softcapping") or 0))
+# ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)
 
-    def to_hf(self) -> dict:
-        refuse_parts(self, "Gemma3ForCausalLM", qk_norm=True, qkv_bias=False)
-        refuse_scaled_tied_head(self, "Gemma3")
-        hf = llama_to_hf(self, "Gemma3ForCausalLM", "gemma3_text")
-        hf.pop("mlp_bias")
-        hf["hidden_activation"] = hf.pop("hidden_act")
-        return {**hf, "rope_local_base_freq": self.rope_local_theta,
-                "rope_scaling": {"rope_type": "linear", "factor": self.rope_linear_factor} if self.rope_linear_factor != 1 else None,
-                "layer_types": [LOCAL if local else GLOBAL for local in self.local_layers()],
-                "sliding_window": self.sliding_window or None, "sliding_window_pattern": self.global_every,
-                "query_pre_attn_scalar": self.query_pre_attn_scalar or self.head_dim,
-                "final_logit_softcapping": self.final_logit_softcap or None, "attn_logit_softcapping": None}
 
-    def hf_ignored(self) -> tuple[str, ...]:
-        """A tied checkpoint may hold the head it ties; an image-and-text one its vision tower."""
-        return (*super().hf_ignored(), *VISION_PARTS)
+def gemma3_from_hf(hf: dict) -> Gemma3Config:
+    """The text model's config, from a text-only config.json or an image-and-text one's text_config."""
+    text = hf.get("text_config")
+    hf = {**TEXT_DEFAULTS, **(text or hf)}  # an image-and-text config.json lists only what differs
+    if text is not None:  # transformers' Gemma3ForConditionalGeneration caps no logits (the published set none)
+        hf["final_logit_softcapping"] = None
+    refuse_unless(hf, attention_bias=False, attn_logit_softcapping=None, use_bidirectional_attention=False)
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    global_theta, factor, local_theta = gemma3_rope(hf)
+    plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+    return llama_from_hf(
+        Gemma3Config, {**plain, "rope_theta": global_theta, "hidden_act": activation},
+        qk_norm=True, global_every=gemma3_period(hf), rope_local_theta=local_theta, rope_linear_factor=factor,
+        query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar") or 0),
+        final_logit_softcap=float(hf.get("final_logit_softcapping") or 0))
 
-    def hf_renames(self) -> dict[str, str]:
-        """The text model of an image-and-text checkpoint, as transformers saves it (4 and 5:
-        language_model.model.) or holds it in memory (5: model.language_model.)."""
-        return {"language_model.model.": "model.", "model.language_model.": "model."}
 
-    def hf_weights(self) -> dict:
-        layer = "model.layers.{layer}."
-        return {**llama_hf_weights(self),
-                "layers.post_attn_norm.scale": Weight(layer + "post_attention_layernorm.weight"),
-                "layers.mlp_norm.scale": Weight(layer + "pre_feedforward_layernorm.weight"),
-                "layers.post_mlp_norm.scale": Weight(layer + "post_feedforward_layernorm.weight")}
+def gemma3_to_hf(cfg: Gemma3Config) -> dict:
+    refuse_parts(cfg, "Gemma3ForCausalLM", qk_norm=True, qkv_bias=False)
+    refuse_scaled_tied_head(cfg, "Gemma3")
+    hf = llama_to_hf(cfg, "Gemma3ForCausalLM", "gemma3_text")
+    hf.pop("mlp_bias")
+    hf["hidden_activation"] = hf.pop("hidden_act")
+    return {**hf, "rope_local_base_freq": cfg.rope_local_theta,
+            "rope_scaling": {"rope_type": "linear", "factor": cfg.rope_linear_factor} if cfg.rope_linear_factor != 1 else None,
+            "layer_types": [LOCAL if local else GLOBAL for local in cfg.local_layers()],
+            "sliding_window": cfg.sliding_window or None, "sliding_window_pattern": cfg.global_every,
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+            "final_logit_softcapping": cfg.final_logit_softcap or None, "attn_logit_softcapping": None}
+
+
+def gemma3_ignored(cfg: Gemma3Config) -> tuple[str, ...]:
+    """A tied checkpoint may hold the head it ties; an image-and-text one its vision tower."""
+    return (*tied_head_ignored(cfg), *VISION_PARTS)
+
+
+def gemma3_hf_weights(cfg: Gemma3Config) -> dict[str, Weight]:
+    layer = "model.layers.{layer}."
+    return {**llama_hf_weights(cfg),
+            "layers.post_attn_norm.scale": Weight(layer + "post_attention_layernorm.weight"),
+            "layers.mlp_norm.scale": Weight(layer + "pre_feedforward_layernorm.weight"),
+            "layers.post_mlp_norm.scale": Weight(layer + "post_feedforward_layernorm.weight")}
 
 
 # transformers' Gemma3TextConfig defaults, which an image-and-text checkpoint's text_config omits.
@@ -257,7 +254,16 @@ class Gemma3(Llama):
         return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
 
 
-register(Family("gemma3", Gemma3Config, presets={
+# The text model alone, or that of an image-and-text checkpoint (the 4B to 27B are published
+# so), whose vision tower and projector are left unread; either exports as Gemma3ForCausalLM.
+# Its text model's tensors as transformers saves them (4 and 5: language_model.model.) or
+# holds them in memory (5: model.language_model.).
+GEMMA3_FORMAT = dataclasses.replace(
+    LLAMA_FORMAT, architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), from_hf=gemma3_from_hf,
+    to_hf=gemma3_to_hf, weights=gemma3_hf_weights, ignored=gemma3_ignored,
+    renames={"language_model.model.": "model.", "model.language_model.": "model."})
+
+register(Family("gemma3", Gemma3Config, hf=GEMMA3_FORMAT, presets={
     # config.json (text_config) of google/gemma-3-{1b,4b,12b,27b}-pt; Gemma 3 technical report (2025), table 1.
     "gemma3-1b": Gemma3Config(vocab_size=262144, embed=1152, num_layers=26, num_heads=4, num_kv_heads=1,
                               head_dim=256, mlp=6912, sliding_window=512, query_pre_attn_scalar=256),

@@ -7,8 +7,10 @@ that differ: `qk_norm` (an RMSNorm over each query and key head, before RoPE: Qw
 MLP's: SwiGLU's silu, GeGLU's tanh-approximated gelu); a part of its own through
 `attention_module(rngs)` or `mlp_module(rngs)` (DeepSeek's latent attention), or a whole
 layer through `block(rngs)` (models/moe.py swaps the MLP for experts). Its Hugging Face
-format and presets come from the same helpers (`llama_from_hf(cls, hf, **fields)`,
-`llama_to_hf`, `attention_weights`) and one `jaxpar.families.register` call.
+format is Llama's (`LLAMA_FORMAT`, a jaxpar.hf.HFFormat) with what differs replaced
+(`dataclasses.replace`; `llama_from_hf(cls, hf, **fields)`, `llama_to_hf`,
+`attention_weights` for the pieces), registered with its presets in one
+`jaxpar.families.register` call.
 
 Every parameter and key activation carries logical axis names; no collective appears here.
 Sharded shapes under the default rules (storage):
@@ -22,6 +24,7 @@ precision); softmax, norms and RoPE run in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from jaxpar.choices import Activation, Remat
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
+from jaxpar.hf.format import HFFormat
 from jaxpar.hf.weights import Weight
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, FIRST_LAYER, PROJECTIONS, REMAT, SEQUENCE, STAGES
@@ -115,25 +119,6 @@ class LlamaConfig:
 
     def build(self, rngs: nnx.Rngs) -> "Llama":
         return Llama(self, rngs=rngs)
-
-    # Hugging Face's format (jaxpar.hf asks a model for these; functions at the end of the file).
-    hf_architectures = ("LlamaForCausalLM",)
-    hf_training_fields = ("remat", "unroll_layers")  # free to differ from the checkpoint's config
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "LlamaConfig":
-        return llama_from_hf(cls, hf)
-
-    def to_hf(self) -> dict:
-        refuse_parts(self, "LlamaForCausalLM", qk_norm=False, qkv_bias=False, sliding_window=0)
-        return llama_to_hf(self, "LlamaForCausalLM", "llama")
-
-    def hf_weights(self) -> dict:
-        return llama_hf_weights(self)
-
-    def hf_ignored(self) -> tuple[str, ...]:
-        """A tied checkpoint may still hold the head it ties (some exporters write both)."""
-        return ("lm_head.weight",) if self.tie_embeddings else ()
 
     def block(self, rngs: nnx.Rngs) -> nnx.Module:
         """One decoder layer (models.moe swaps the MLP for experts)."""
@@ -479,8 +464,23 @@ def llama_hf_weights(cfg: LlamaConfig) -> dict[str, Weight]:
             "layers.mlp.w_down": Weight(layer + "down_proj.weight", order=(1, 0))}
 
 
+def tied_head_ignored(cfg: LlamaConfig) -> tuple[str, ...]:
+    """A tied checkpoint may still hold the head it ties (some exporters write both)."""
+    return ("lm_head.weight",) if cfg.tie_embeddings else ()
 
-register(Family("llama", LlamaConfig, presets={
+
+def _llama_to_hf(cfg: LlamaConfig) -> dict:
+    """Llama's own config.json: its format has no q/k norms, q/k/v biases or window."""
+    refuse_parts(cfg, "LlamaForCausalLM", qk_norm=False, qkv_bias=False, sliding_window=0)
+    return llama_to_hf(cfg, "LlamaForCausalLM", "llama")
+
+
+TRAINING_FIELDS = ("remat", "unroll_layers")  # free to differ from the checkpoint's config
+LLAMA_FORMAT = HFFormat(("LlamaForCausalLM",), from_hf=functools.partial(llama_from_hf, LlamaConfig),
+                        to_hf=_llama_to_hf, weights=llama_hf_weights, ignored=tied_head_ignored,
+                        training_fields=TRAINING_FIELDS)
+
+register(Family("llama", LlamaConfig, hf=LLAMA_FORMAT, presets={
     # Llama 3 (Grattafiori et al. 2024, table 3): 128K vocabulary, GQA with 8 KV heads.
     "llama3-8b": LlamaConfig(vocab_size=128256, embed=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                              head_dim=128, mlp=14336),

@@ -41,8 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, RESIDUAL, Block, Llama, LlamaConfig, RMSNorm,
-                                 attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
+from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, LLAMA_FORMAT, RESIDUAL, TRAINING_FIELDS, Block, Llama, LlamaConfig,
+                                 RMSNorm, attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
 from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
@@ -138,20 +138,6 @@ class MoEConfig(LlamaConfig):
                               f"of {e // groups} hold; raise model.top_groups or lower model.top_k")
         if not 0 < self.routed_scaling < float("inf"):
             raise ConfigError(f"model.routed_scaling={self.routed_scaling} must be positive, e.g. 1 or 2.5")
-
-    hf_architectures = ("MixtralForCausalLM",)
-    hf_training_fields = ("remat", "unroll_layers", "routing", "capacity_factor", "aux_loss_weight", "z_loss_weight",
-                          "bias_update_rate")
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "MoEConfig":
-        return mixtral_from_hf(cls, hf)
-
-    def to_hf(self) -> dict:
-        return mixtral_to_hf(self)
-
-    def hf_weights(self) -> dict:
-        return mixtral_hf_weights(self)
 
     def build(self, rngs: nnx.Rngs) -> "MoETransformer":
         return MoETransformer(self, rngs=rngs)
@@ -466,7 +452,16 @@ def experts_hf_weights(cfg: MoEConfig, model: str, router: str, expert: str, nam
     return weights
 
 
-register(Family("mixtral", MoEConfig, presets={
+# routing and balancing are training choices, free to differ from the checkpoint's config
+MOE_TRAINING_FIELDS = TRAINING_FIELDS + ("routing", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+                                         "bias_update_rate")
+# Llama's format (the tied head it ignores) with Mixtral's names, experts and routing fields
+MIXTRAL_FORMAT = dataclasses.replace(LLAMA_FORMAT, architectures=("MixtralForCausalLM",),
+                                     from_hf=functools.partial(mixtral_from_hf, MoEConfig),
+                                     to_hf=mixtral_to_hf, weights=mixtral_hf_weights,
+                                     training_fields=MOE_TRAINING_FIELDS)
+
+register(Family("mixtral", MoEConfig, hf=MIXTRAL_FORMAT, presets={
     # Mixtral 8x7B (Jiang et al. 2024): 8 experts of the Mistral 7B MLP, 2 per token. Capacity
     # routing: its compiled FLOPs are those a GPU runs (the dropless grouped matmul compiles
     # densely on CPU, every expert for every token).

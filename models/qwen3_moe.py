@@ -2,8 +2,10 @@
 softmax routing with the top-k gates renormalised when `norm_topk_prob` (Qwen3-30B-A3B and
 -235B-A22B: 128 experts, top 8), no shared experts, as Hugging Face's `Qwen3MoeForCausalLM`.
 
-Nothing here but the family's config and format: the experts are models/moe.py's, the q/k
-norms Llama's part. Routing imports dropless, as the checkpoint computes it.
+Nothing here but the family's config and format, both made of Qwen3's parts
+(models/qwen3.py: `Qwen3Parts`, and the format's translation and refusals, `qwen3_from_hf`,
+`qwen3_to_hf`) with models/moe.py's experts. Routing imports dropless, as the checkpoint
+computes it.
 
 Dense layers among the MoE ones (config.json's `mlp_only_layers`, and `decoder_sparse_step`
 k > 1, which leaves layer i dense unless (i + 1) % k == 0): `model.mlp_only_layers` lists them
@@ -22,22 +24,17 @@ from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
-from jaxpar.models.llama import llama_from_hf, llama_hf_weights, llama_to_hf, refuse_parts, refuse_scaled_tied_head
-from jaxpar.models.moe import MoEConfig, experts_hf_weights, stack_layer_ids
-from jaxpar.models.qwen3 import qwen3_window, qwen3_window_keys
+from jaxpar.models.llama import refuse_parts
+from jaxpar.models.moe import MOE_TRAINING_FIELDS, MoEConfig, experts_hf_weights, stack_layer_ids
+from jaxpar.models.qwen3 import QWEN3_FORMAT, Qwen3Parts, qwen3_from_hf, qwen3_to_hf
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(MoEConfig):
-    qk_norm: bool = True
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
+class Qwen3MoeConfig(Qwen3Parts, MoEConfig):
     # Layers with a dense MLP instead of experts (Hugging Face's mlp_only_layers): their indices
     # in the whole model, comma-separated ("1,3"), which holds num_layers MoE layers and these.
     mlp_only_layers: str = ""
     dense_mlp: int = 256  # the dense layers' MLP width (intermediate_size)
-
-    hf_architectures = ("Qwen3MoeForCausalLM",)
 
     def check(self, sizes: dict[str, int]) -> None:
         super().check(sizes)
@@ -58,49 +55,52 @@ class Qwen3MoeConfig(MoEConfig):
                               "comma-separated, e.g. model.mlp_only_layers=1 or 0,2; empty for none")
         return tuple(sorted(ids))
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
-        k, renormalize = value(hf, "num_experts_per_tok"), bool(hf.get("norm_topk_prob", False))
-        if k == 1 and renormalize:
-            raise ConfigError("config.json has num_experts_per_tok=1 with norm_topk_prob=true: a single renormalised gate "
-                              "is 1 (the router gets no gradient), where jaxpar keeps the router's probability")
-        dense = qwen3_dense_layers(hf)
-        aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-        return llama_from_hf(cls, {**hf, "sliding_window": qwen3_window(hf)}, qk_norm=True,
-                             num_layers=value(hf, "num_hidden_layers") - len(dense),
-                             mlp_only_layers=",".join(map(str, dense)), dense_mlp=value(hf, "intermediate_size"),
-                             mlp=value(hf, "moe_intermediate_size"), top_k=k,
-                             num_experts=hf.get("num_experts") or value(hf, "num_local_experts"),  # transformers 4, 5
-                             routing="dropless", renormalize=renormalize, shared_experts=0, aux_loss_weight=aux,
-                             z_loss_weight=0.0, bias_update_rate=0.0)
 
-    def to_hf(self) -> dict:
-        if self.shared_experts:
-            raise ConfigError(f"model.shared_experts={self.shared_experts}: Qwen3-MoE's format has no shared experts")
-        refuse_parts(self, "Qwen3MoeForCausalLM", qk_norm=True, qkv_bias=False, router_scores="softmax",
-                     expert_groups=1, top_groups=1, routed_scaling=1.0)
-        refuse_scaled_tied_head(self, "Qwen3-MoE")
-        hf = llama_to_hf(self, "Qwen3MoeForCausalLM", "qwen3_moe")
-        hf.pop("mlp_bias")
-        dense = self.dense_layer_ids()
-        return {**hf, "num_hidden_layers": self.num_layers + len(dense), "intermediate_size": self.dense_mlp,
-                "moe_intermediate_size": self.mlp, "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
-                "norm_topk_prob": self.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": list(dense),
-                "router_aux_loss_coef": self.aux_loss_weight, "output_router_logits": self.aux_loss_weight > 0,
-                **qwen3_window_keys(self)}
+# ---------------------------------------------------------------- Hugging Face format (jaxpar.hf)
 
-    def hf_weights(self) -> dict:
-        """The MoE layers' and the dense layers' tensors at their places in the whole model."""
-        mlp = "model.layers.{layer}.mlp."
-        ids = stack_layer_ids(self)
-        weights = experts_hf_weights(self, "Qwen3-MoE", mlp + "gate.weight", mlp + "experts.{expert}.",
-                                     ("gate_proj", "up_proj", "down_proj"))
-        weights = {path: _at(w, ids["layers"]) if path.startswith("layers.") else w for path, w in weights.items()}
-        if ids["dense"]:
-            dense = llama_hf_weights(dataclasses.replace(self, mlp=self.dense_mlp))
-            weights.update({"dense" + path[len("layers"):]: _at(w, ids["dense"])
-                            for path, w in dense.items() if path.startswith("layers.")})
-        return weights
+
+def qwen3_moe_from_hf(hf: dict) -> Qwen3MoeConfig:
+    """Qwen3's fields (qwen3_from_hf) with the experts, their routing and the dense layers."""
+    k, renormalize = value(hf, "num_experts_per_tok"), bool(hf.get("norm_topk_prob", False))
+    if k == 1 and renormalize:
+        raise ConfigError("config.json has num_experts_per_tok=1 with norm_topk_prob=true: a single renormalised gate "
+                          "is 1 (the router gets no gradient), where jaxpar keeps the router's probability")
+    dense = qwen3_dense_layers(hf)
+    aux = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+    return qwen3_from_hf(Qwen3MoeConfig, hf, num_layers=value(hf, "num_hidden_layers") - len(dense),
+                         mlp_only_layers=",".join(map(str, dense)), dense_mlp=value(hf, "intermediate_size"),
+                         mlp=value(hf, "moe_intermediate_size"), top_k=k,
+                         num_experts=hf.get("num_experts") or value(hf, "num_local_experts"),  # transformers 4, 5
+                         routing="dropless", renormalize=renormalize, shared_experts=0, aux_loss_weight=aux,
+                         z_loss_weight=0.0, bias_update_rate=0.0)
+
+
+def qwen3_moe_to_hf(cfg: Qwen3MoeConfig) -> dict:
+    """Qwen3's keys (qwen3_to_hf) with the experts' and the dense layers'."""
+    if cfg.shared_experts:
+        raise ConfigError(f"model.shared_experts={cfg.shared_experts}: Qwen3-MoE's format has no shared experts")
+    refuse_parts(cfg, "Qwen3MoeForCausalLM", router_scores="softmax", expert_groups=1, top_groups=1,
+                 routed_scaling=1.0)
+    hf = qwen3_to_hf(cfg, "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE")
+    dense = cfg.dense_layer_ids()
+    return {**hf, "num_hidden_layers": cfg.num_layers + len(dense), "intermediate_size": cfg.dense_mlp,
+            "moe_intermediate_size": cfg.mlp, "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+            "norm_topk_prob": cfg.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": list(dense),
+            "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": cfg.aux_loss_weight > 0}
+
+
+def qwen3_moe_hf_weights(cfg: Qwen3MoeConfig) -> dict[str, Weight]:
+    """The MoE layers' and the dense layers' (Qwen3's) tensors at their places in the whole model."""
+    mlp = "model.layers.{layer}.mlp."
+    ids = stack_layer_ids(cfg)
+    weights = experts_hf_weights(cfg, "Qwen3-MoE", mlp + "gate.weight", mlp + "experts.{expert}.",
+                                 ("gate_proj", "up_proj", "down_proj"))
+    weights = {path: _at(w, ids["layers"]) if path.startswith("layers.") else w for path, w in weights.items()}
+    if ids["dense"]:
+        dense = QWEN3_FORMAT.weights(dataclasses.replace(cfg, mlp=cfg.dense_mlp))
+        weights.update({"dense" + path[len("layers"):]: _at(w, ids["dense"])
+                        for path, w in dense.items() if path.startswith("layers.")})
+    return weights
 
 
 def _at(weight: Weight, ids: tuple[int, ...]) -> Weight:
@@ -123,7 +123,12 @@ def qwen3_dense_layers(hf: dict) -> tuple[int, ...]:
     return dense
 
 
-register(Family("qwen3-moe", Qwen3MoeConfig, presets={
+# Qwen3's format (its tied head ignored) with experts, and the routing choices free to differ
+QWEN3_MOE_FORMAT = dataclasses.replace(QWEN3_FORMAT, architectures=("Qwen3MoeForCausalLM",),
+                                       from_hf=qwen3_moe_from_hf, to_hf=qwen3_moe_to_hf, weights=qwen3_moe_hf_weights,
+                                       training_fields=MOE_TRAINING_FIELDS)
+
+register(Family("qwen3-moe", Qwen3MoeConfig, hf=QWEN3_MOE_FORMAT, presets={
     # config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, top 8, every
     # layer MoE (intermediate_size, the dense MLP's width, unused). Capacity routing, as the
     # other MoE presets: its compiled FLOPs are those a GPU runs.

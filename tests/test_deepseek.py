@@ -204,18 +204,19 @@ def test_the_published_config_json_reads_as_the_preset_and_writes_back():
     quantization_config it is the deepseek-v3 preset but for the training choices (dropless
     routing, no balancing terms), and our config.json of it reads back the same."""
     from jaxpar.families import presets
+    from jaxpar.models.deepseek import DEEPSEEK_FORMAT as FORMAT
 
     with pytest.raises(ConfigError, match=r"quantization_config=.*convert them to bf16 first"):
-        DeepSeekConfig.from_hf(PUBLISHED)
+        FORMAT.from_hf(PUBLISHED)
     bf16 = {k: v for k, v in PUBLISHED.items() if k != "quantization_config"}
-    imported = DeepSeekConfig.from_hf(bf16)
+    imported = FORMAT.from_hf(bf16)
     training = dict(routing="dropless", bias_update_rate=0.0, aux_loss_weight=0.0, mtp_layers=1)
     assert imported == dataclasses.replace(presets()["deepseek-v3"], **training)
-    assert DeepSeekConfig.from_hf(imported.to_hf()) == imported
+    assert FORMAT.from_hf(FORMAT.to_hf(imported)) == imported
     for key in ("num_hidden_layers", "first_k_dense_replace", "max_position_embeddings", "n_group", "q_lora_rank"):
-        assert imported.to_hf()[key] == PUBLISHED[key], key
+        assert FORMAT.to_hf(imported)[key] == PUBLISHED[key], key
     with pytest.raises(ConfigError, match=r"scoring_func='softmax'; jaxpar's model computes only scoring_func='sigmoid'"):
-        DeepSeekConfig.from_hf({**bf16, "scoring_func": "softmax"})
+        FORMAT.from_hf({**bf16, "scoring_func": "softmax"})
 
 
 @pytest.mark.parametrize("overrides, message", [

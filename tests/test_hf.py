@@ -18,9 +18,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar.config import Config, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
-from jaxpar.hf import export, model_config, prepare_import
+from jaxpar.hf import HFFormat, export, format_of, model_config, prepare_import
 from jaxpar.hf.safetensors import Planned, open_tensor, tensor_index, write_file
-from jaxpar.models.llama import LlamaConfig, llama_from_hf, llama_to_hf
+from jaxpar.models.llama import LLAMA_FORMAT, LlamaConfig, llama_from_hf, llama_to_hf
 from jaxpar.train import build
 from jaxpar.generate.inference import forward
 from jaxpar.testing import initial_state
@@ -267,17 +267,15 @@ def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
 @dataclasses.dataclass(frozen=True)
 class QKNormed(LlamaConfig):
     """A family with QK-norm (Qwen3's attention) written as one would add it: Llama's parts
-    with `qk_norm` on, its own architecture name, and one register call (in the test)."""
+    with `qk_norm` on, Llama's format under its own architecture name, and one register call
+    (in the test)."""
 
     qk_norm: bool = True
-    hf_architectures = ("QKNormedForCausalLM",)
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "QKNormed":
-        return llama_from_hf(cls, hf, qk_norm=True)
 
-    def to_hf(self) -> dict:
-        return llama_to_hf(self, "QKNormedForCausalLM", "qk_normed")
+QK_NORMED_FORMAT = dataclasses.replace(
+    LLAMA_FORMAT, architectures=("QKNormedForCausalLM",), from_hf=lambda hf: llama_from_hf(QKNormed, hf, qk_norm=True),
+    to_hf=lambda cfg: llama_to_hf(cfg, "QKNormedForCausalLM", "qk_normed"))
 
 
 def test_a_family_with_qk_norm_registers_once_builds_and_round_trips(tmp_path, monkeypatch):
@@ -290,7 +288,8 @@ def test_a_family_with_qk_norm_registers_once_builds_and_round_trips(tmp_path, m
     families.families()  # the shipped families, registered before the test's (restored after it)
     monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
     tiny = QKNormed(vocab_size=64, embed=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp=64)
-    families.register(families.Family("qk-normed", QKNormed, presets={"qk-normed-tiny": tiny}))
+    families.register(families.Family("qk-normed", QKNormed, hf=QK_NORMED_FORMAT, presets={"qk-normed-tiny": tiny}))
+    assert format_of(tiny) is QK_NORMED_FORMAT and isinstance(format_of(tiny), HFFormat)
     assert MODELS["qk-normed-tiny"] is tiny and "llama3-8b" in MODELS
 
     trainer = build(Config(model=tiny, train=TrainConfig(global_batch=2, seq_len=8, compute_dtype="float32")),
@@ -300,7 +299,7 @@ def test_a_family_with_qk_norm_registers_once_builds_and_round_trips(tmp_path, m
               for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     assert shapes["layers.attn.q_norm.scale"] == shapes["layers.attn.k_norm.scale"] == (2, 8)
     assert sum(math.prod(s) for s in shapes.values()) == tiny.param_count()
-    assert set(shapes) == set(tiny.hf_weights())
+    assert set(shapes) == set(QK_NORMED_FORMAT.weights(tiny))
 
     export(trainer, state, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["QKNormedForCausalLM"]
@@ -324,7 +323,7 @@ def test_a_family_with_qk_norm_registers_once_builds_and_round_trips(tmp_path, m
 
 @pytest.mark.parametrize("parts", [dict(qkv_bias=True), dict(qk_norm=True, qkv_bias=True, activation="gelu_pytorch_tanh")])
 def test_the_swappable_parts_are_counted_and_mapped(parts):
-    """q/k/v biases and q/k norms are parameters param_count counts and hf_weights maps;
+    """q/k/v biases and q/k norms are parameters param_count counts and the format's weights map;
     Llama's own format, which has neither, refuses to write them."""
     from flax import nnx
 
@@ -335,10 +334,10 @@ def test_the_swappable_parts_are_counted_and_mapped(parts):
               for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
     assert shapes["layers.attn.bq"] == (2, 4, 8) and shapes["layers.attn.bk"] == shapes["layers.attn.bv"] == (2, 2, 8)
     assert sum(math.prod(s) for s in shapes.values()) == cfg.param_count()
-    assert set(shapes) == set(cfg.hf_weights())
+    assert set(shapes) == set(LLAMA_FORMAT.weights(cfg))
     assert llama_to_hf(cfg, "X", "x")["hidden_act"] == cfg.activation
     with pytest.raises(ConfigError, match=r"model.(qk_norm|qkv_bias)=True: LlamaForCausalLM.s format holds only model.\1=False"):
-        cfg.to_hf()
+        LLAMA_FORMAT.to_hf(cfg)
 
 
 def test_a_sliding_window_is_refused_where_it_cannot_be_held():
@@ -353,21 +352,23 @@ def test_a_sliding_window_is_refused_where_it_cannot_be_held():
         validate(apply_overrides(Config(model=LlamaConfig()), ["model.sliding_window=-1"]), 8)
     for model in (LlamaConfig(sliding_window=4), DeepSeekConfig(sliding_window=4)):
         with pytest.raises(ConfigError, match=r"model\.sliding_window=4: .*format holds only model\.sliding_window=0"):
-            model.to_hf()
-    assert MistralConfig().to_hf()["sliding_window"] is None and MistralConfig(sliding_window=4).to_hf()["sliding_window"] == 4
-    assert MistralConfig.from_hf(MistralConfig(sliding_window=4).to_hf()) == MistralConfig(sliding_window=4)
+            format_of(model).to_hf(model)
+    mistral = format_of(MistralConfig())
+    assert mistral.to_hf(MistralConfig())["sliding_window"] is None
+    assert mistral.to_hf(MistralConfig(sliding_window=4))["sliding_window"] == 4
+    assert mistral.from_hf(mistral.to_hf(MistralConfig(sliding_window=4))) == MistralConfig(sliding_window=4)
     # Qwen3: a window for every layer or none; one for some layers is refused
-    from jaxpar.models.qwen3 import Qwen3Config
+    from jaxpar.models.qwen3 import QWEN3_FORMAT, Qwen3Config
 
     hf = json.loads((GOLDEN / "qwen3" / "config.json").read_text())
-    assert Qwen3Config.from_hf({**hf, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
+    assert QWEN3_FORMAT.from_hf({**hf, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
                                 "layer_types": None}).sliding_window == 8
-    assert Qwen3Config.from_hf({**hf, "sliding_window": 8, "layer_types": None}).sliding_window == 0  # not used
+    assert QWEN3_FORMAT.from_hf({**hf, "sliding_window": 8, "layer_types": None}).sliding_window == 0  # not used
     for bad in (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None),
                 dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"])):
         with pytest.raises(ConfigError, match="a window per layer is not supported yet"):
-            Qwen3Config.from_hf({**hf, **bad})
-    assert Qwen3Config.from_hf(Qwen3Config(sliding_window=4).to_hf()) == Qwen3Config(sliding_window=4)
+            QWEN3_FORMAT.from_hf({**hf, **bad})
+    assert QWEN3_FORMAT.from_hf(QWEN3_FORMAT.to_hf(Qwen3Config(sliding_window=4))) == Qwen3Config(sliding_window=4)
 
 
 def test_qwen3_moe_reads_its_dense_layers_either_way_and_refuses_a_lone_renormalised_gate():
@@ -376,25 +377,25 @@ def test_qwen3_moe_reads_its_dense_layers_either_way_and_refuses_a_lone_renormal
     back as the list; a config leaving no layer MoE, a step below 1 or an index past the layers
     is refused in one line, and so is top-1 with norm_topk_prob (a gate of 1, no router
     gradient); transformers 4's num_experts reads as 5's num_local_experts."""
-    from jaxpar.models.qwen3_moe import Qwen3MoeConfig
+    from jaxpar.models.qwen3_moe import QWEN3_MOE_FORMAT as FORMAT
 
     hf = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text())
     four = {**hf, "num_hidden_layers": 4}
-    stepped, listed = (Qwen3MoeConfig.from_hf({**four, **d}) for d in (dict(decoder_sparse_step=2),
+    stepped, listed = (FORMAT.from_hf({**four, **d}) for d in (dict(decoder_sparse_step=2),
                                                                        dict(mlp_only_layers=[2, 0])))
     assert stepped == listed and stepped.num_layers == 2 and stepped.dense_layer_ids() == (0, 2)
-    assert stepped.to_hf()["mlp_only_layers"] == [0, 2] and stepped.to_hf()["num_hidden_layers"] == 4
-    assert Qwen3MoeConfig.from_hf(stepped.to_hf()) == stepped
-    assert Qwen3MoeConfig.from_hf({**four, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).dense_layer_ids() == (0, 2, 3)
+    assert FORMAT.to_hf(stepped)["mlp_only_layers"] == [0, 2] and FORMAT.to_hf(stepped)["num_hidden_layers"] == 4
+    assert FORMAT.from_hf(FORMAT.to_hf(stepped)) == stepped
+    assert FORMAT.from_hf({**four, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).dense_layer_ids() == (0, 2, 3)
     for bad, needle in ((dict(mlp_only_layers=[0, 1]), r"mlp_only_layers=\[0, 1\] with num_hidden_layers=2: no layer "
                                                        r"has experts"),
                         (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 .* a positive step"),
                         (dict(mlp_only_layers=[2]), r"layer indices below num_hidden_layers=2"),
                         (dict(num_experts_per_tok=1), "num_experts_per_tok=1 with norm_topk_prob=true")):
         with pytest.raises(ConfigError, match=needle):
-            Qwen3MoeConfig.from_hf({**hf, **bad})
+            FORMAT.from_hf({**hf, **bad})
     old = {k: v for k, v in hf.items() if k != "num_local_experts"}
-    assert Qwen3MoeConfig.from_hf({**old, "num_experts": 4}) == Qwen3MoeConfig.from_hf(hf)
+    assert FORMAT.from_hf({**old, "num_experts": 4}) == FORMAT.from_hf(hf)
 
 
 def test_gemma3_reads_both_spellings_and_refuses_what_it_does_not_compute():
@@ -406,28 +407,28 @@ def test_gemma3_reads_both_spellings_and_refuses_what_it_does_not_compute():
     Gemma 3 27B's text parameters."""
     from flax import nnx
 
-    from jaxpar.models.gemma3 import Gemma3Config
+    from jaxpar.models.gemma3 import GEMMA3_FORMAT as FORMAT
 
     hf = json.loads((GOLDEN / "gemma3" / "config.json").read_text())
-    ours = Gemma3Config.from_hf(hf)
+    ours = FORMAT.from_hf(hf)
     assert (ours.global_every, ours.sliding_window, ours.rope_linear_factor, ours.rope_local_theta, ours.rope_theta,
             ours.query_pre_attn_scalar, ours.final_logit_softcap) == (3, 5, 4.0, 1e4, 1e6, 24, 30.0)
     assert ours.local_layers() == (True, True, False, True)
     v4 = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
     v4.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0},
               sliding_window_pattern=3)
-    assert Gemma3Config.from_hf(v4) == ours == Gemma3Config.from_hf(ours.to_hf())
+    assert FORMAT.from_hf(v4) == ours == FORMAT.from_hf(FORMAT.to_hf(ours))
     for bad, needle in ((dict(layer_types=["full_attention", "sliding_attention"] * 2), r"every n-th layer global"),
                         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
                         (dict(attention_bias=True), "attention_bias=True"),
                         (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0}}), "'yarn'")):
         with pytest.raises(ConfigError, match=needle):
-            Gemma3Config.from_hf({**hf, **bad})
+            FORMAT.from_hf({**hf, **bad})
     with nnx.use_eager_sharding(False):
         state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: ours.build(nnx.Rngs(0))), nnx.Param))
     shapes = {jax.tree_util.keystr(k, simple=True, separator="."): v.shape
               for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
-    assert set(shapes) == set(ours.hf_weights()) and sum(math.prod(s) for s in shapes.values()) == ours.param_count()
+    assert set(shapes) == set(FORMAT.weights(ours)) and sum(math.prod(s) for s in shapes.values()) == ours.param_count()
     from jaxpar.families import presets
 
     assert round(presets()["gemma3-27b"].param_count() / 1e9, 1) == 27.0
@@ -464,11 +465,11 @@ def test_the_text_model_of_an_image_and_text_gemma3_imports_and_exports_alone(tm
     forward on text alone) to 1e-5. It exports as a Gemma3ForCausalLM holding the text tensors
     bit for bit under the text model's names. transformers' image-and-text model caps no logits
     (the text model's final_logit_softcapping, 30 here, is not applied): nor does the import."""
-    from jaxpar.models.gemma3 import Gemma3Config
+    from jaxpar.models.gemma3 import GEMMA3_FORMAT
 
     folder = GOLDEN / "gemma3_multimodal"
     trainer = hf_trainer(folder)
-    text_only = Gemma3Config.from_hf(json.loads((GOLDEN / "gemma3" / "config.json").read_text()))
+    text_only = GEMMA3_FORMAT.from_hf(json.loads((GOLDEN / "gemma3" / "config.json").read_text()))
     assert trainer.config.model == dataclasses.replace(text_only, final_logit_softcap=0.0)  # as transformers runs it
     golden = np.load(folder / "logits.npy")
     state = prepare_import(trainer, folder)()

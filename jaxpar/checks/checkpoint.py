@@ -40,9 +40,9 @@ def checkpoint_keep(config, sizes) -> None:
 )
 def init_from_needs_hf_format(config, sizes) -> None:
     if config.checkpoint.init_from:
-        from jaxpar.hf.load import check_format
+        from jaxpar.hf.format import format_of
 
         try:
-            check_format(config.model)
+            format_of(config.model)
         except ConfigError as e:
             raise ConfigError(f"checkpoint.init_from={config.checkpoint.init_from!r}: {e}") from None

@@ -66,7 +66,7 @@ def _export(args) -> int:
 
     from jaxpar.config import with_overrides
     from jaxpar.hf import export
-    from jaxpar.hf.load import check_format
+    from jaxpar.hf.format import format_of
     from jaxpar.hf.save import DTYPES
     from jaxpar.step.trainer import build
     from jaxpar.loop.checkpoint import saved_config
@@ -77,8 +77,7 @@ def _export(args) -> int:
     if config.data.tokenizer:  # the file export copies, checked before anything is restored
         recorded_file(config.data.tokenizer, "data.tokenizer", recorded_in(args, "data.tokenizer"),
                       "--set data.tokenizer=PATH to the run's tokenizer.json")
-    check_format(config.model)
-    config.model.to_hf()  # what the format cannot hold is refused before anything is restored
+    format_of(config.model).to_hf(config.model)  # what the format cannot hold is refused before anything is restored
     _check_lora_choice(args, config)
     trainer = build(config)
     state, step = restore(trainer, args.checkpoint, args.step)

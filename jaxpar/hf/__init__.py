@@ -5,19 +5,20 @@ from a trainer's sharded state under any layout.
   prepare_import(trainer, folder)   checks, then () -> TrainState at step 0 with its weights
                                     (checkpoint.init_from runs this before the compile)
   export(trainer, state, folder)    the state's weights as a Hugging Face checkpoint
-  register(config_class)            read checkpoints of a model config of one's own (a family
-                                    of its own: jaxpar.families.register takes presets too)
+  format_of(model)                  the model's HFFormat, refused in one line for a model without
 
-A model takes part by declaring its format on its config: `hf_architectures`, `from_hf(hf)`
-(a classmethod: config.json's dict -> the config), `to_hf()`, `hf_weights()` ({parameter
-path: jaxpar.hf.weights.Weight}) and optionally `hf_ignored()` and `hf_training_fields`
-(jaxpar.model lists them), and registers its family (jaxpar.families). models/llama.py
-(Llama 2, 3, 3.1, 3.2) and models/moe.py (Mixtral) are the examples.
+A model takes part through its family's format, an `HFFormat` (jaxpar.hf.format: the
+architectures it reads, `from_hf` / `to_hf` between config.json's dict and the model config,
+`weights` ({parameter path: jaxpar.hf.Weight}), and optionally `ignored`, `training_fields`
+and `renames`), registered with its model: `jaxpar.families.register(Family(name,
+ConfigClass, hf=HFFormat(...)))`. models/llama.py (Llama 2, 3, 3.1, 3.2) and models/moe.py
+(Mixtral) are the examples; docs/your_model.md shows one for a model of one's own.
 docs/checkpoints_and_data.md walks through a fine-tune.
 """
 
-from jaxpar.hf.load import model_config, prepare_import, register
+from jaxpar.hf.format import HFFormat, format_of
+from jaxpar.hf.load import model_config, prepare_import
 from jaxpar.hf.save import export
 from jaxpar.hf.weights import Weight
 
-__all__ = ["Weight", "export", "model_config", "prepare_import", "register"]
+__all__ = ["HFFormat", "Weight", "export", "format_of", "model_config", "prepare_import"]

@@ -1,5 +1,5 @@
-"""Reading a Hugging Face config.json: the helpers a model's `from_hf` uses, and the check
-that a run's model is the checkpoint's."""
+"""Reading a Hugging Face config.json: the helpers a format's `from_hf` uses
+(jaxpar.hf.format), and the check that a run's model is the checkpoint's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pathlib
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.model import declared
 
 
 def read_config(folder: pathlib.Path) -> dict:
@@ -61,10 +60,9 @@ def rope_settings(hf: dict) -> dict:
     return settings
 
 
-def check_same_model(model: Any, imported: Any, folder: Any) -> None:
+def check_same_model(model: Any, imported: Any, folder: Any, free: tuple[str, ...]) -> None:
     """The run's model config against the one config.json describes: every field must agree
-    but those the model names as training choices (`hf_training_fields`: remat, routing)."""
-    free = set(declared(model, "hf_training_fields"))
+    but the training choices `free` (its format's `training_fields`: remat, routing)."""
     for f in dataclasses.fields(imported):
         ours, theirs = getattr(model, f.name), getattr(imported, f.name)
         if f.name not in free and ours != theirs:

@@ -13,31 +13,24 @@ from __future__ import annotations
 
 import functools
 import pathlib
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import Family, View, architectures
-from jaxpar.families import register as register_family
+from jaxpar.families import View, hf_formats
 from jaxpar.hf.config import architecture, check_same_model, read_config
+from jaxpar.hf.format import format_of
 from jaxpar.hf.peft import adapter_settings, adapter_weights
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
-from jaxpar.model import HF_FORMAT, declared, has, model_name
+from jaxpar.model import model_name
 from jaxpar.sharding.adapters import initial_adapter
 
-# The architectures jaxpar reads: the registered model families' (jaxpar.families).
-ARCHITECTURES = View(architectures)
+# The formats jaxpar reads, by architecture: the registered model families' (jaxpar.families).
+ARCHITECTURES = View(hf_formats)
 ALWAYS_IGNORED = ("rotary_emb.inv_freq",)  # buffers older exporters saved; recomputed
-
-
-def register(config_class: type) -> None:
-    """Let `model_config` (and the recipe hf:DIR) read checkpoints of `config_class`'s
-    `hf_architectures` with `config_class.from_hf`: a family of its own
-    (jaxpar.families.register, which also takes planner presets and recipes)."""
-    register_family(Family(f"{config_class.__module__}.{config_class.__qualname__}", config_class))
 
 
 def model_config(folder: str | pathlib.Path) -> Any:
@@ -47,14 +40,8 @@ def model_config(folder: str | pathlib.Path) -> Any:
     name = architecture(hf, folder)
     if name not in ARCHITECTURES:
         raise ConfigError(f"{str(folder)!r} holds a {name}; jaxpar reads {', '.join(ARCHITECTURES)} "
-                          "(jaxpar.families.register adds a model family of one's own)")
+                          "(jaxpar.families.register adds a model family of one's own, with its format)")
     return ARCHITECTURES[name].from_hf(hf)
-
-
-def check_format(model: Any) -> None:
-    if not all(has(model, a) for a in HF_FORMAT):
-        raise ConfigError(f"model {model_name(model)} declares no Hugging Face format (hf_architectures, from_hf, "
-                          "to_hf, hf_weights: see jaxpar.hf); train it from its own initialisation instead")
 
 
 def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = False) -> Callable[[], Any]:
@@ -64,21 +51,21 @@ def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = Fal
     the checkpoint's precision and its adapters zero (what a merged export folds into)."""
     folder = pathlib.Path(folder)
     model = trainer.config.model
-    check_format(model)
+    form = format_of(model)
     hf = read_config(folder)
     name = architecture(hf, folder)
-    if name not in model.hf_architectures:
+    if name not in form.architectures:
         raise ConfigError(f"checkpoint.init_from={str(folder)!r} holds a {name}, but this run's model "
-                          f"{model_name(model)} reads {', '.join(model.hf_architectures)}; train the recipe hf:{folder}, "
+                          f"{model_name(model)} reads {', '.join(form.architectures)}; train the recipe hf:{folder}, "
                           "whose model is the checkpoint's")
-    check_same_model(model, type(model).from_hf(hf), folder)
-    entries = renamed(tensor_index(folder), declared(model, "hf_renames", lambda: {})())
-    weights = model.hf_weights()
+    check_same_model(model, form.from_hf(hf), folder, form.training_fields)
+    entries = renamed(tensor_index(folder), form.renames)
+    weights = form.weights(model)
     abstract_state = trainer.abstract_state()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_weights(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
     weights, adapters = adapted(weights, shapes)
-    fresh = check_tensors(shapes, weights, entries, folder, tuple(declared(model, "hf_ignored", lambda: ())()))
+    fresh = check_tensors(shapes, weights, entries, folder, tuple(form.ignored(model)))
     if trainer.config.lora.init_from:  # the adapters read from a PEFT folder, not drawn
         given, adapter_entries = read_adapter(trainer, weights, {p: shapes[p + ".base"] for p in trainer.lora_targets})
         weights, entries, adapters = {**weights, **given}, {**entries, **adapter_entries}, set()
@@ -101,8 +88,8 @@ def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = Fal
     return start
 
 
-def renamed(entries: dict[str, Entry], renames: dict[str, str]) -> dict[str, Entry]:
-    """The checkpoint's tensors under the names the model's hf_weights() uses: each name
+def renamed(entries: dict[str, Entry], renames: Mapping[str, str]) -> dict[str, Entry]:
+    """The checkpoint's tensors under the names the format's `weights` uses: each name
     starting with a key of `renames` has that prefix replaced by its value."""
     def name(n: str) -> str:
         old = next((p for p in renames if n.startswith(p)), None)
@@ -112,7 +99,7 @@ def renamed(entries: dict[str, Entry], renames: dict[str, str]) -> dict[str, Ent
 
 
 def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[str, Weight], set[str]]:
-    """(hf_weights() for a model whose weights may carry LoRA adapters (jaxpar.step.lora):
+    """(The format's weights for a model whose weights may carry LoRA adapters (jaxpar.step.lora):
     a frozen `path.base` reads the checkpoint's tensor for `path`; the paths of the adapters,
     which no checkpoint of the base model holds and which start as drawn)."""
     weights, adapters = dict(weights), set()
@@ -170,7 +157,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
     their initialisation (`Weight.fresh`, absent)."""
     unmapped = [p for p in shapes if p not in weights]
     if unmapped:
-        raise ConfigError(f"the model's hf_weights() maps no Hugging Face tensor to {', '.join(unmapped)}; "
+        raise ConfigError(f"the model's Hugging Face format (its weights) maps no tensor to {', '.join(unmapped)}; "
                           "give each parameter a jaxpar.hf.Weight (Weight(None) for one Hugging Face has not)")
     used, fresh = set(), set()
     for path, shape in shapes.items():
@@ -196,7 +183,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], weights: dict[str, Weight]
     if left:
         raise ConfigError(f"{str(folder)!r} holds {len(left)} tensors the model has no place for "
                           f"({', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''}); it is of another architecture "
-                          "than its config.json says, or the model's hf_weights() is incomplete")
+                          "than its config.json says, or the model's Hugging Face format (its weights) is incomplete")
     return fresh
 
 

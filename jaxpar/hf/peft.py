@@ -5,7 +5,7 @@ checkpoint's Linear layers:
   base_model.model.<module>.lora_A.weight   [r, in]     ours: A [*in, r]
   base_model.model.<module>.lora_B.weight   [out, r]    ours: B [r, *out]
 
-for each adapted weight <module>.weight of the base (its `hf_weights()` entry), one tensor
+for each adapted weight <module>.weight of the base (its format's `weights` entry), one tensor
 per layer, and W + (lora_alpha / r) * B @ A in Hugging Face's [out, in] layout. An adapter
 reads and writes through the same `Weight` machinery as the base: a view and an axis order
 per tensor (jaxpar.hf.weights).
@@ -43,8 +43,8 @@ def adapter_weights(weights: dict[str, Weight], targets: dict[str, Any], shapes:
     for path, target in targets.items():
         base = weights.get(path)
         if base is None or base.name is None or not base.name.endswith(".weight"):
-            raise ConfigError(f"lora: {path} has no Linear weight in the model's Hugging Face format (hf_weights() "
-                              f"gives {base.name if base else None!r}); PEFT's format names adapters after one")
+            raise ConfigError(f"lora: {path} has no Linear weight in the model's Hugging Face format (its weights "
+                              f"give {base.name if base else None!r}); PEFT's format names adapters after one")
         shape = shapes[path]
         cut = target.lead + target.inputs
         inputs, outputs = shape[target.lead:cut], shape[cut:]

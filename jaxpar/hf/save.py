@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
 from jaxpar.hf.generation import GENERATION_FILE, generation_config
-from jaxpar.hf.load import check_format, prepare_import
+from jaxpar.hf.format import format_of
+from jaxpar.hf.load import prepare_import
 from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
 from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from jaxpar.hf.peft import adapter_config, adapter_weights
@@ -40,7 +41,7 @@ from jaxpar.pipeline.stages import relaid_layers
 from jaxpar.sharding.adapters import join, merge_adapters
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
-# Keys of a base config.json that the model's own to_hf() and the dtype replace (each of
+# Keys of a base config.json that the format's to_hf and the dtype replace (each of
 # transformers' spellings, so no stale one wins over ours).
 REWRITTEN = ("dtype", "torch_dtype", "rope_parameters", "rope_scaling", "rope_theta", "transformers_version")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -53,15 +54,15 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     config.json (`base_config`'s keys, e.g. the imported checkpoint's token ids, under the
     model's own), and the tokenizer's files when `tokenizer` names a tokenizer.json."""
     model = trainer.config.model
-    check_format(model)
+    form = format_of(model)
     folder = pathlib.Path(folder)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r}; export as one of {', '.join(DTYPES)}")
     check_target(folder)
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
-    hf_config = {**kept, **model.to_hf(), "torch_dtype": dtype}
+    hf_config = {**kept, **form.to_hf(model), "torch_dtype": dtype}
     generation = generation_config(trainer.config)  # where generation stops: the run's ids (jaxpar.hf.generation)
-    tensors = planned_tensors(trainer, merged_master(trainer, state), model.hf_weights(), DTYPES[dtype])
+    tensors = planned_tensors(trainer, merged_master(trainer, state), form.weights(model), DTYPES[dtype])
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
 
@@ -79,7 +80,7 @@ def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dt
     """Write the trainer's adapters (`state`'s float32 ones) into `folder` in PEFT's format;
     `base`: the base model's folder or name, for adapter_config.json."""
     lora, model = trainer.config.lora, trainer.config.model
-    weights = model.hf_weights()
+    weights = format_of(model).weights(model)
     frozen = trainer.abstract_state().frozen
     shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
     adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
