@@ -35,16 +35,22 @@ from jaxpar.mesh import MeshConfig, force_cpu_devices
 __all__ = ["CompileLog", "assert_equivalent", "check", "compare", "compare_layouts", "fast_compiles", "force_cpu_devices", "reference_run",
            "run_layout", "single_device", "tree_error"]
 
-CACHE_DIR = "JAXPAR_TEST_XLA_CACHE"  # set it to keep compiled programs from one test run to the next
+CACHE_DIR = "JAXPAR_TEST_XLA_CACHE"  # the compilation cache's folder (fast_compiles); "run": one for this run only
+CACHE_LIMIT = 1 << 30  # bytes the persistent cache holds before the least recently used go
 COMPILE_LOG = "JAXPAR_COMPILE_LOG"  # a folder: CompileLog's lines of every test process
 
 
 def fast_compiles() -> str:
     """For a test run, before JAX compiles anything; the processes a test starts inherit it:
 
-      * one persistent compilation cache for the run (JAX's, in a temporary directory that
-        pytest-xdist workers and subprocesses share, removed at exit): a program compiled
-        alike by two tests, or by every process of a subprocess scenario, compiles once.
+      * a persistent compilation cache (JAX's), kept from one run to the next outside the
+        clone (`default_cache_dir()`: ~/.cache/jaxpar/test-xla-cache, or under
+        $XDG_CACHE_HOME), shared by pytest-xdist workers and subprocesses: a program compiled
+        alike by two tests, by every process of a subprocess scenario, or by the last run of
+        unchanged code, compiles once. Its entries are keyed by the program, the options and
+        the jax version, so a stale one is never used; the least recently used go past
+        CACHE_LIMIT bytes, and the folder is safe to delete. JAXPAR_TEST_XLA_CACHE names
+        another folder; `run` keeps one for this run only (a cold run), removed at exit.
       * XLA's backend at optimisation level 0: LLVM stops optimising the CPU code it emits,
         about half of a tiny model's compile time. The HLO passes (SPMD partitioning,
         collectives, scheduling) are unchanged, and so are the values: LLVM does not
@@ -52,18 +58,27 @@ def fast_compiles() -> str:
 
     Returns the cache directory. A program loaded from the cache prints none of the
     compiler's warnings: what reads them compiles in jaxpar.inspect.compiler_warnings()."""
-    if CACHE_DIR not in os.environ:  # the run's first process
-        os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
-        atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)
+    if os.environ.get(CACHE_DIR, "") in ("", "run"):  # the run's first process
+        os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-") \
+            if os.environ.get(CACHE_DIR) == "run" else default_cache_dir()
+        if os.environ[CACHE_DIR] != default_cache_dir():
+            atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)
     settings = {"jax_compilation_cache_dir": os.environ[CACHE_DIR],
                 "jax_persistent_cache_min_compile_time_secs": 0,  # tiny programs are worth caching too
-                "jax_persistent_cache_min_entry_size_bytes": -1}
+                "jax_persistent_cache_min_entry_size_bytes": -1,
+                "jax_compilation_cache_max_size": CACHE_LIMIT}
     for name, value in settings.items():
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)
     if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     return os.environ[CACHE_DIR]
+
+
+def default_cache_dir() -> str:
+    """Where test runs keep compiled programs between runs: outside any clone, per user."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "jaxpar", "test-xla-cache")
 
 
 class CompileLog(logging.Handler):

@@ -14,6 +14,7 @@ from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.train import build
 from jaxpar.loop.checkpoint import Checkpoints, PartialSaveRemoved
+from jaxpar.loop.metrics import JsonLines
 from jaxpar.loop.run import run
 
 
@@ -319,7 +320,7 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
     # same 8 devices compile the child processes' program (XLA's in-process collectives in
     # both), so its losses are theirs bitwise; a child of its own cost 5 s more.
     reference = tmp_path / "reference.jsonl"
-    run(build(resolve_config("llama", TINY, len(jax.devices()))), metrics_file=str(reference), progress=False)
+    run(build(resolve_config("llama", TINY, len(jax.devices()))), writers=[JsonLines(str(reference))], progress=False)
     want = {r["step"]: r["loss"] for r in _rows(reference)}
     assert sorted(want) == list(range(1, 9))  # the steps done, as the log lines count
 

@@ -19,6 +19,7 @@ from jaxpar.data.sources import TokenFile, make_source
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
 from jaxpar.loop.evaluation import held_out_loss
+from jaxpar.loop.metrics import JsonLines, TensorBoard, WandB, Writers, writers_for
 from jaxpar.generate.inference import forward, unsharded_model
 from jaxpar.testing import initial_state
 
@@ -79,7 +80,7 @@ def test_evaluation_changes_no_loss_and_rows_hold_the_held_out_loss(tiny_llama, 
     evaluated = apply_overrides(config, ["train.eval_every=2", "train.eval_batches=2"])
     trainer = build(evaluated)
     tb, jsonl = tmp_path / "tb", tmp_path / "runs" / "m.jsonl"  # neither folder exists yet
-    on = run(trainer, progress=False, metrics_file=str(jsonl), tensorboard_dir=str(tb), wandb_project="jaxpar-test")
+    on = run(trainer, progress=False, writers=writers_for(str(jsonl), str(tb), "jaxpar-test"))
     assert [r["loss"] for r in on] == [r["loss"] for r in off]  # bitwise
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
     assert [r["step"] for r in on if "eval_loss" in r] == [2, 4, 5]  # after 2 and 4 steps, and the last (steps done)
@@ -185,11 +186,11 @@ BAD_RUNS = {  # id: (overrides, run's arguments from (rows of a batch, tmp_path)
     "bad-eval_data": (["train.eval_every=2", "train.eval_batches=2"],
                       lambda rows, tmp: {"data": [rows], "eval_data": [rows, {"inputs": rows["inputs"]}]},
                       r"^eval_data: the batch has no targets, weights"),
-    "metrics-file-a-folder": ([], lambda rows, tmp: {"metrics_file": str(tmp)},
+    "metrics-file-a-folder": ([], lambda rows, tmp: {"writers": [JsonLines(str(tmp))]},
                               r"metrics_file='.*' \(--metrics-file\) is a directory"),
-    "tensorboard-a-file": ([], lambda rows, tmp: {"tensorboard_dir": str(tmp / "file")},
+    "tensorboard-a-file": ([], lambda rows, tmp: {"writers": [TensorBoard(str(tmp / "file"))]},
                            r"tensorboard_dir='.*/file' \(--tensorboard\) is a file"),
-    "tensorboard-under-a-file": ([], lambda rows, tmp: {"tensorboard_dir": str(tmp / "file" / "tb")},
+    "tensorboard-under-a-file": ([], lambda rows, tmp: {"writers": [TensorBoard(str(tmp / "file" / "tb"))]},
                                  r"cannot create the folder"),
 }
 
@@ -210,11 +211,11 @@ def test_tensorboard_without_its_package_names_the_extra(tiny_llama, tmp_path, m
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX raises ImportError
     trainer = dataclasses.replace(build(tiny_llama), step=_NoCompile())
     with pytest.raises(ConfigError, match=r"tensorboardX, which is not installed; pip install 'jaxpar\[tensorboard\]'"):
-        run(trainer, progress=False, tensorboard_dir=str(tmp_path / "tb"))
+        run(trainer, progress=False, writers=[TensorBoard(str(tmp_path / "tb"))])
     assert not (tmp_path / "tb").exists()
     monkeypatch.setitem(sys.modules, "wandb", None)  # and W&B's, before the compile too
     with pytest.raises(ConfigError, match=r"logs with wandb, which is not installed; pip install 'jaxpar\[wandb\]'"):
-        run(trainer, progress=False, wandb_project="p")
+        run(trainer, progress=False, writers=[WandB("p")])
 
 
 @pytest.mark.parametrize(
@@ -266,12 +267,12 @@ def test_cli_tensorboard_path_is_checked_before_compile(tmp_path, capsys):
 
 
 def test_resumed_writers_replace_what_the_lost_run_wrote_past_the_checkpoint(tmp_path):
-    from jaxpar.loop.metrics import open_writers
 
     pytest.importorskip("tensorboardX")
     jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
     for start, stop, loss in ((0, 4, 1.0), (2, 4, 2.0)):  # the lost run got to step 4; the checkpoint is at 2
-        writers = open_writers(jsonl, tb, start)
+        writers = Writers(writers_for(jsonl, tb))
+        writers.open(start, None)
         for step in range(start + 1, stop + 1):  # a row's step: the steps done
             writers.write({"step": step, "time": 1000.0 + step, "loss": loss})
         writers.close()

@@ -23,6 +23,7 @@ from jaxpar.data.sources import TextSource, TokenFile, make_source
 from jaxpar.commands import main as tokenize_main
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
+from jaxpar.loop.metrics import JsonLines
 
 WORDS = ("the cat sat on a mat while dog ran far away from big red house near river under old bridge "
          "café naïve garden light rain fell slowly over green hills and quiet town people walked home").split()
@@ -371,7 +372,7 @@ def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path):
     from jaxpar.recipes import resolve_config
 
     config = resolve_config(recipe, sets + [f"checkpoint.dir={ckpt}"], len(jax.devices()))
-    run(build(config), metrics_file=str(alone), progress=False)
+    run(build(config), writers=[JsonLines(str(alone))], progress=False)
     saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     assert saved[0] == 3 and len(saved) > 1, saved
     for step in saved[1:]:

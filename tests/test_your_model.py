@@ -121,12 +121,13 @@ def test_own_data_keeps_the_loop(tiny_llama, tmp_path):
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build, run
+    from jaxpar.loop.metrics import JsonLines
 
     trainer = build(tiny_llama)
     source = make_source(trainer.batch, trainer.config)
     local = lambda step: source.local(step, source.rows)  # noqa: E731  this process's rows (all of them)
     reference = [r["loss"] for r in run(trainer, progress=False)]
-    by_step = [r["loss"] for r in run(trainer, progress=False, data=local, metrics_file=str(tmp_path / "m.jsonl"))]
+    by_step = [r["loss"] for r in run(trainer, progress=False, data=local, writers=[JsonLines(str(tmp_path / "m.jsonl"))])]
     by_iter = [r["loss"] for r in run(trainer, progress=False, data=(local(i) for i in range(3)))]
     assert by_step == reference == by_iter
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3

@@ -2,6 +2,7 @@
 gradients within 1e-5 relative, parameters after three AdamW steps within 1e-5), and shard
 what they say they shard."""
 
+import dataclasses
 import math
 import warnings
 
@@ -109,9 +110,13 @@ def test_bad_zero_and_remat_input(tiny_llama, override, message):
 ])
 def test_the_gradient_reduction_is_chosen_once_from_the_config(tiny_llama, mesh, overrides, when, block):
     """The table jaxpar.step.reduction documents, read off grad_reduction (no compile)."""
+    from jaxpar.mesh import MeshConfig
+    from jaxpar.step.layout import layout_for
     from jaxpar.step.reduction import grad_reduction
 
     config = apply_overrides(tiny_llama, [*overrides, "parallel.quantization_block=64"])
-    found = grad_reduction(config, {"stage": 1, **mesh}, None)
+    sizes = {"stage": 1, "context": 1, "tensor": 1, "expert": 1, **mesh}
+    config = dataclasses.replace(config, mesh=MeshConfig(**sizes))
+    found = grad_reduction(layout_for(config, jax.devices()[:math.prod(sizes.values())], sizes), None)
     assert (found.when, found.int8_block, found.per_replica) == (when, block, when != "backward")
     assert (found.replica_sum() is not None) == (when == "layers")

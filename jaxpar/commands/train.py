@@ -53,6 +53,7 @@ def _train(args) -> int:
     import jax
 
     from jaxpar.mesh import describe
+    from jaxpar.loop.metrics import writers_for
     from jaxpar.loop.run import run
     from jaxpar.recipes import resolve_config
     from jaxpar.step.trainer import build
@@ -78,22 +79,21 @@ def _train(args) -> int:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
             f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
-            f"{'sequence parallel | ' if config.parallel.sequence_parallel else ''}"
+            f"{'sequence parallel | ' if trainer.layout.sequence_parallel else ''}"
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
-            f"{f'pipeline {config.parallel.pipeline_schedule} | ' if trainer.pipeline is not None else ''}"
+            f"{f'pipeline {trainer.layout.pipeline.schedule} | ' if trainer.pipeline is not None else ''}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
             f"{_repeats_summary(trainer.layout.params.repeats)}"
             f"{_lora_summary(trainer)}"
             f"compute {config.train.compute_dtype}"
             f"{', fp8 matmuls' if config.train.matmul_dtype == 'fp8' else ''} | "
-            f"batch {config.train.global_batch} x {config.train.microbatches} microbatches",
+            f"batch {config.train.global_batch} x {trainer.layout.microbatches} microbatches",
             flush=True,
         )
     try:
         # progress None: the loop shows a bar on a terminal, plain lines in a file (SLURM, nohup)
-        history = run(trainer, metrics_file=args.metrics_file if leader else None,
-                      progress=None if leader and not args.no_progress else False,
-                      tensorboard_dir=args.tensorboard if leader else None, wandb_project=args.wandb if leader else None)
+        writers = writers_for(args.metrics_file, args.tensorboard, args.wandb) if leader else []
+        history = run(trainer, progress=None if leader and not args.no_progress else False, writers=writers)
     except Preempted as e:  # every process stops at the same step: not a failure of one
         if leader:
             print(f"jaxpar: {e}", file=sys.stderr, flush=True)

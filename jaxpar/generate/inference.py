@@ -33,7 +33,7 @@ MODEL_FIELDS = ("inputs", "positions", "segment_ids")  # what a forward pass rea
 def whole_model(trainer, params: Any) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (inside jit): without a
     pipeline the trainer's own; with one, jaxpar.step.pipelined.unpipelined."""
-    return unpipelined(params, trainer.layout, trainer.weight_shardings, trainer.config.parallel.pipeline_chunks)
+    return unpipelined(params, trainer.layout, trainer.weight_shardings)
 
 
 def forward(trainer) -> Callable[[Any, dict], Any]:

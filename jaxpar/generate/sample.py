@@ -85,7 +85,8 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     stops = frozenset(stop_ids)
     cached = uses_kv_cache(trainer, kv_cache)
     _warn_of_gathered_stages(trainer, params)
-    multiple = sequence_multiple(trainer.layout.mesh.shape, trainer.config.parallel)
+    layout = trainer.layout
+    multiple = sequence_multiple(layout.mesh.shape, layout.context.seq_layout, layout.sequence_parallel)
     need = max(map(len, prompts)) + max_new_tokens
     length = _round_up(max(length or 0, need), multiple)
     padded = prompts + [prompts[0]] * (_round_up(len(prompts), batch_rows(trainer)) - len(prompts))  # repeat the first
@@ -257,13 +258,13 @@ def choose(logits_V: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p:
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits_V)).astype(jnp.int32)
 
 
-def sequence_multiple(mesh_shape: Mapping[str, int], parallel: Any) -> int:
+def sequence_multiple(mesh_shape: Mapping[str, int], seq_layout: str, sequence_parallel: bool) -> int:
     """What a sequence's length must be a multiple of on this mesh: mesh.context (twice it
     for the zigzag layout's two chunks a device), times mesh.tensor under sequence parallelism
     (jaxpar.checks' seq-divides-context-tensor and zigzag-seq-divides)."""
     context = mesh_shape["context"]
-    chunks = 2 * context if context > 1 and parallel.context_layout == "zigzag" else context
-    sequence_ways = context * (mesh_shape["tensor"] if parallel.sequence_parallel else 1)
+    chunks = 2 * context if context > 1 and seq_layout == "zigzag" else context
+    sequence_ways = context * (mesh_shape["tensor"] if sequence_parallel else 1)
     return math.lcm(chunks, sequence_ways)
 
 

@@ -193,7 +193,7 @@ class Checkpoints:
         if target.compression is not None:
             if not resume_compression:
                 warnings.warn(f"checkpoint step {step} in {str(self.directory)!r} holds no gradient compression state for "
-                              f"this run's parallel.gradient_compression={trainer.config.parallel.gradient_compression} and "
+                              f"this run's parallel.gradient_compression={trainer.layout.compression.method} and "
                               "layout (saved: " + str(meta.get("compression", "none")) + "); its residuals and factors start "
                               "afresh", CompressionRestarted, stacklevel=3)
             restored = dataclasses.replace(
@@ -314,7 +314,7 @@ def reorder_layers(trainer, to: str):
     orders coincide (no interleaved pipeline). Chunks move between stages by collective
     permutes (jaxpar.pipeline.stages.relaid_layers), so no stage's layers are gathered onto
     another."""
-    p, v = trainer.layout.mesh.shape["stage"], trainer.config.parallel.pipeline_chunks
+    p, v = trainer.layout.mesh.shape["stage"], trainer.layout.pipeline.chunks
     if trainer.pipeline is None or p == 1 or v == 1:
         return None
     # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.loop.start.with_base)

@@ -3,8 +3,17 @@ Biases, or any of them together.
 
 A row is a dict: "step" (the steps done: 1 for the first, as the plain log lines and the
 checkpoints count), "time" (unix seconds), and numbers (loss, grad_norm, learning_rate,
-tokens_per_s, step_time_s, mfu, eval_loss, save_s, ...). Every writer has
-`write(row)` and `close()`; `open_writers` gives one that writes to all that were asked for.
+tokens_per_s, step_time_s, mfu, eval_loss, save_s, ...). A run takes a list of writers
+(`run(trainer, writers=[JsonLines("m.jsonl"), TensorBoard("runs/tb")])`; `writers_for` makes
+the list the command line's options ask for); each one has
+
+  prepare()           before anything compiles: refuses a path that cannot be written, or a
+                      missing package, with one line, and creates missing folders;
+  open(start, config) once the run knows the step it starts after (0, or the checkpoint it
+                      resumed from) and its jaxpar.config.Config;
+  write(row), close() each row, and at the run's end.
+
+A writer of your own is any object with these four methods.
 
   JsonLines   one JSON object per row. A resumed run (from the checkpoint of step `start`)
               first drops the rows the lost run wrote past that step, then appends.
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from jaxpar.errors import ConfigError
@@ -31,23 +41,26 @@ WANDB_INSTALL = "pip install 'jaxpar[wandb]'"
 
 
 class Writer(Protocol):
+    def prepare(self) -> None: ...
+
+    def open(self, start: int, config: Any) -> None: ...
+
     def write(self, row: dict) -> None: ...
 
     def close(self) -> None: ...
 
 
-def prepare_outputs(metrics_file: str | None, tensorboard_dir: str | None, wandb_project: str | None = None) -> None:
-    """Before anything compiles: refuse paths that cannot be written (one ConfigError line),
-    a TensorBoard directory without tensorboardX and a W&B project without wandb; create
-    missing parent folders."""
+def writers_for(metrics_file: str | None = None, tensorboard_dir: str | None = None,
+                wandb_project: str | None = None) -> list[Writer]:
+    """The writers `jaxpar train`'s --metrics-file, --tensorboard and --wandb ask for."""
+    writers: list[Writer] = []
     if wandb_project is not None:
-        wandb_module(wandb_project)
+        writers.append(WandB(wandb_project))
     if metrics_file:
-        prepare_file(metrics_file, f"metrics_file={metrics_file!r} (--metrics-file)", "metrics.jsonl")
+        writers.append(JsonLines(metrics_file))
     if tensorboard_dir:
-        summary_writer(tensorboard_dir)
-        prepare_folder(tensorboard_dir, f"tensorboard_dir={tensorboard_dir!r} (--tensorboard)", "the event files",
-                       "runs/tb")
+        writers.append(TensorBoard(tensorboard_dir))
+    return writers
 
 
 def prepare_folder(folder: str, what: str, contents: str, example: str) -> None:
@@ -99,10 +112,18 @@ def wandb_module(project: str) -> Any:
 
 
 class JsonLines:
-    def __init__(self, path: str, start: int = 0):
+    """One JSON object per row, in `path`."""
+
+    def __init__(self, path: str):
+        self.path, self.file = path, None
+
+    def prepare(self) -> None:
+        prepare_file(self.path, f"metrics_file={self.path!r} (--metrics-file)", "metrics.jsonl")
+
+    def open(self, start: int, config: Any = None) -> None:
         if start:  # a resumed run replaces what the lost one logged past the checkpoint
-            truncate_rows(path, start)
-        self.file = open(path, "a" if start else "w")
+            truncate_rows(self.path, start)
+        self.file = open(self.path, "a" if start else "w")
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -113,10 +134,19 @@ class JsonLines:
 
 
 class TensorBoard:
-    def __init__(self, logdir: str, start: int = 0):
+    """Every number of a row as a scalar, in the event files of `logdir`."""
+
+    def __init__(self, logdir: str):
+        self.logdir, self.writer = logdir, None
+
+    def prepare(self) -> None:
+        summary_writer(self.logdir)
+        prepare_folder(self.logdir, f"tensorboard_dir={self.logdir!r} (--tensorboard)", "the event files", "runs/tb")
+
+    def open(self, start: int, config: Any = None) -> None:
         # Named by the step it starts at too: event files are named by the second they open in.
-        self.writer = summary_writer(logdir)(logdir, purge_step=start + 1 if start else None,
-                                             filename_suffix=f".step{start}")
+        self.writer = summary_writer(self.logdir)(self.logdir, purge_step=start + 1 if start else None,
+                                                  filename_suffix=f".step{start}")
 
     def write(self, row: dict) -> None:
         for name, value in numbers(row).items():
@@ -127,11 +157,19 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, project: str, config: Any, start: int = 0):
+    """The rows' numbers as a W&B run's metrics, the config as its config, in `project`."""
+
+    def __init__(self, project: str):
+        self.project, self.wandb, self.run = project, None, None
+
+    def prepare(self) -> None:
+        wandb_module(self.project)
+
+    def open(self, start: int, config: Any = None) -> None:
         from jaxpar.config import flatten
 
-        self.wandb = wandb_module(project)
-        self.run = self.wandb.init(project=project, config=flatten(config) if config is not None else None,
+        self.wandb = wandb_module(self.project)
+        self.run = self.wandb.init(project=self.project, config=flatten(config) if config is not None else None,
                                    tags=[f"from step {start}"] if start else None)
 
     def write(self, row: dict) -> None:
@@ -148,32 +186,28 @@ def numbers(row: dict) -> dict:
 
 
 class Writers:
-    """Every writer asked for, as one."""
+    """A run's writers as one: each row to every one of them."""
 
-    def __init__(self, writers: list[Writer]):
-        self.writers = writers
+    def __init__(self, writers: Sequence[Writer]):
+        self.writers, self.opened = list(writers), []
+
+    def prepare(self) -> None:
+        for writer in self.writers:
+            writer.prepare()
+
+    def open(self, start: int, config: Any) -> None:
+        for writer in self.writers:
+            writer.open(start, config)
+            self.opened.append(writer)
 
     def write(self, row: dict) -> None:
-        for writer in self.writers:
+        for writer in self.opened:
             writer.write(row)
 
     def close(self) -> None:
-        for writer in self.writers:
+        for writer in self.opened:
             writer.close()
-
-
-def open_writers(metrics_file: str | None, tensorboard_dir: str | None, start: int = 0,
-                 wandb_project: str | None = None, config: Any = None) -> Writers:
-    """The writers for a run that starts after step `start` (0, or the checkpoint it resumed from);
-    `config`: the run's jaxpar.config.Config, which W&B records."""
-    writers: list[Writer] = []
-    if wandb_project:
-        writers.append(WandB(wandb_project, config, start))
-    if metrics_file:
-        writers.append(JsonLines(metrics_file, start))
-    if tensorboard_dir:
-        writers.append(TensorBoard(tensorboard_dir, start))
-    return Writers(writers)
+        self.opened = []
 
 
 def truncate_rows(path: str, start: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -21,8 +22,8 @@ from jaxpar.data.user import UserBatches, UserData
 from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.loop.checkpoint import Checkpoints
-from jaxpar.loop.evaluation import Sums, collect, open_evaluation
-from jaxpar.loop.metrics import Writers, open_writers, prepare_outputs
+from jaxpar.loop.evaluation import Evaluation, Sums, collect, open_evaluation
+from jaxpar.loop.metrics import Writer, Writers
 from jaxpar.loop.profile import Profiler
 from jaxpar.loop.start import start_of, starting_state
 from jaxpar.loop.stop import Interrupted, StopSignals, say
@@ -34,120 +35,188 @@ def tokens_per_step(trainer: Trainer) -> int:
     return train.global_batch * (train.seq_len if trainer.config.model.task == "lm" else 1)
 
 
-def run(trainer: Trainer, steps: int | None = None, metrics_file: str | None = None, progress: bool | None = None,
-        data: UserData | None = None, eval_data: UserData | None = None, tensorboard_dir: str | None = None,
-        wandb_project: str | None = None) -> list[dict]:
+def run(trainer: Trainer, steps: int | None = None, progress: bool | None = None, data: UserData | None = None,
+        eval_data: UserData | None = None, writers: Sequence[Writer] = ()) -> list[dict]:
     """Train up to step `steps` (default train.steps) and return per-step metrics. With
     `checkpoint.dir` set, resume from its latest checkpoint (if any), save every
     `checkpoint.every` steps and at the end; with none to resume from and
-    `checkpoint.init_from` set, start from that Hugging Face checkpoint's weights (jaxpar.hf). `data`: the user's own host-local batches, a
-    function step -> batch or an iterable (jaxpar.data.user); default the config's source.
-    With train.eval_every > 0, the held-out loss (jaxpar.loop.evaluation) joins the rows of
-    every eval_every-th step and of the last, as `eval_loss`; `eval_data`: the held-out
-    batches in the format of `data` (needed with `data`; default the config's held-out part,
-    jaxpar.data.heldout). Rows go to `metrics_file` (JSON Lines) and, as TensorBoard scalars,
-    to `tensorboard_dir` and to the W&B project `wandb_project` (jaxpar.loop.metrics).
-    `progress`: a bar (default: when stderr is a terminal); without one, a plain line every
-    train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved, and says so at
-    once; a second Ctrl-C raises jaxpar.loop.stop.Interrupted without waiting for the save
-    (jaxpar.loop.stop); a directory that holds the last step already is left alone. A row's
-    `step` is the number of steps done (1 for the first), as the plain lines and checkpoints
-    count; the row of a step that saved has `save_s`, the time the save held the loop, apart
-    from `step_time_s`."""
+    `checkpoint.init_from` set, start from that Hugging Face checkpoint's weights
+    (jaxpar.loop.start). `data`: the user's own host-local batches, a function step -> batch
+    or an iterable (jaxpar.data.user); default the config's source. With train.eval_every > 0,
+    the held-out loss (jaxpar.loop.evaluation) joins the rows of every eval_every-th step and
+    of the last, as `eval_loss`; `eval_data`: the held-out batches in the format of `data`
+    (needed with `data`; default the config's held-out part, jaxpar.data.heldout). Each row
+    goes to every one of `writers` (jaxpar.loop.metrics: JsonLines, TensorBoard, WandB, or
+    your own). `progress`: a bar (default: when stderr is a terminal); without one, a plain
+    line every train.log_every steps. Ctrl-C or SIGTERM stops at the next step, saved, and
+    says so at once; a second Ctrl-C raises jaxpar.loop.stop.Interrupted without waiting for
+    the save (jaxpar.loop.stop); a directory that holds the last step already is left alone.
+    A row's `step` is the number of steps done (1 for the first), as the plain lines and
+    checkpoints count; the row of a step that saved has `save_s`, the time the save held the
+    loop, apart from `step_time_s`.
+
+    Everything a user gave is checked before the compile (`_Run.open`); then the step
+    compiles, the starting state is made (jaxpar.loop.start), and the steps run with the
+    services called after each (`_Run.after`)."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
     steps = cfg.train.steps if steps is None else steps
-    ckpt = cfg.checkpoint
-    checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save, remove_partial=True) if ckpt.dir else None
-    source = make_source(trainer.batch, cfg) if data is None else UserBatches(trainer.batch, data)
-    if data is not None:  # the first batch is checked before the compile
-        source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
-    if jax.process_index() == 0:  # what the run trains on, in one line, before the compile
-        print(source.describe(steps), flush=True)
-    evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
-    prepare_outputs(metrics_file, tensorboard_dir, wandb_project)
-    profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
-    profiler.prepare()
-    resuming = checkpoints is not None and checkpoints.latest_step() is not None
-    state, start = _restored(checkpoints, trainer, steps, ckpt.dir) if resuming else (None, 0)  # before the compile
-    if start >= steps:
+    services = _Run.open(trainer, steps, data, eval_data, Writers(writers), progress)
+    if services.start >= steps:
         return []
-    fresh = start_of(trainer)  # also on resume: LoRA's frozen base and DPO's reference are read from the start
-
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    evaluation = evaluation.compile(trainer) if evaluation is not None else None
+    services.compile()
     dpo = cfg.data.source == "preference" and data is None
-    state = starting_state(trainer, fresh, state, source if dpo else None)
-    lines = not progress and cfg.train.log_every > 0 and jax.process_index() == 0  # plain log lines instead of a bar
-    if progress or lines:
-        tqdm.write(f"compiled the step in {time.perf_counter() - t0:.1f}s")
-    if start and jax.process_index() == 0:
-        print(f"resumed from step {start} ({ckpt.dir})", flush=True)
-    elif ckpt.init_from and not start and jax.process_index() == 0:
-        print(f"started from the weights of {ckpt.init_from}", flush=True)
+    state = starting_state(trainer, services.fresh, services.restored, services.source if dpo else None)
+    services.restored = None  # on resume a whole second state: not kept while training
+    services.announce(time.perf_counter() - t0)
+    return services.steps(step_fn, state)
 
-    history: list[dict] = []
-    writers = open_writers(metrics_file, tensorboard_dir, start, wandb_project, cfg)
-    bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-    rows = _Rows(trainer, writers, bar, cfg.train.log_every if lines else 0, steps)
-    pending = None  # (step, its metrics, its held-out sums or None), read while the next step runs
 
-    # With several processes JAX's preemption service takes SIGTERM: every process learns of
-    # it, and all agree on the step after which to save and stop. One process stops on its
-    # own signals (jaxpar.loop.stop).
-    preemptible = jax.process_count() > 1
-    preempted_at = None
-    end = steps
-    leader = jax.process_index() == 0
-    stop = StopSignals(sigterm=not preemptible, first=start + 1, last=steps,
-                       directory=str(ckpt.dir) if checkpoints is not None else None, say=say if leader else None)
-    try:
-        stop.install()
-        step = start - 1
-        while step < end:
-            step += 1
-            if step < end:
-                with profiler.step(step):
-                    state, metrics = step_fn(state, source(step))
-                profiler.after(step, state)
-            if pending is not None:  # read step-1 while `step` runs
-                history.append(rows.row(*pending))
-            pending = None
-            if step < end:
-                done = step + 1
-                asked = stop.passed(done)  # both every step: the preemption sync point is collective
-                if (preemptible and multihost_utils.reached_preemption_sync_point(done)) or asked:
-                    preempted_at = end = done  # read this step's metrics, save, and stop
-                    stop.ending()
-                if checkpoints is not None and (done == end or (ckpt.every and done % ckpt.every == 0)):
-                    # Every earlier step has been checked; check this one before saving it
-                    # (the save waits for the step anyway), so no checkpoint holds a step
-                    # past one that stopped the run.
-                    if cfg.train.on_nonfinite == "stop" and float(metrics["nonfinite"]):
-                        rows.check(done, {k: float(v) for k, v in jax.device_get(metrics).items()})
-                    shown = leader and (progress or lines or preempted_at is not None)
-                    rows.saved(_save(checkpoints, trainer, state, done, shown and done == end))
-                # Queued before the next step, which then waits for it: it reads this step's weights.
-                held_out = evaluation.start(trainer.weights(state)) if evaluation is not None and evaluation.due(done, steps) else None
-                pending = (step, metrics, held_out)
-        if checkpoints is not None and checkpoints.saving == end:
-            _finish_save(checkpoints, leader and (progress or lines or preempted_at is not None), spinner=progress)
-    except KeyboardInterrupt:  # a second Ctrl-C: out now, without waiting for a save in flight
-        line, abandoned = (checkpoints.left_by_interrupt() if checkpoints is not None else
-                           ("interrupted; no checkpoint.dir, nothing saved", None))
-        checkpoints = None  # not closed: that would wait for the save
-        raise Interrupted(line, abandoned) from None
-    finally:
-        stop.restore()
-        profiler.stop()
+@dataclasses.dataclass
+class _Run:
+    """A run's services around the step: its batches, checkpoints, held-out evaluation, metric
+    writers and rows, profiler and stop signals; opened (and so checked) before the compile."""
+
+    trainer: Trainer
+    last: int  # the step the run is to end after (train.steps, or the steps run() was given)
+    source: Any  # step -> batch
+    checkpoints: Checkpoints | None
+    evaluation: Evaluation | None
+    writers: Writers
+    profiler: Profiler
+    progress: bool
+    start: int  # the steps done before this run: 0, or the checkpoint's
+    restored: Any  # the checkpoint's state, or None
+    fresh: Callable[[], Any] | None  # the state at step 0 (jaxpar.loop.start.start_of); None: nothing to run
+    end: int = 0  # the step it ends after: `last`, or the one a stop signal or preemption chose
+    stopped: bool = False  # by a stop signal or preemption
+    rows: _Rows | None = None
+    stop: StopSignals | None = None
+
+    @classmethod
+    def open(cls, trainer: Trainer, steps: int, data: UserData | None, eval_data: UserData | None,
+             writers: Writers, progress: bool) -> _Run:
+        cfg, ckpt = trainer.config, trainer.config.checkpoint
+        checkpoints = Checkpoints.open(ckpt.dir, ckpt.keep, ckpt.async_save, remove_partial=True) if ckpt.dir else None
+        source = make_source(trainer.batch, cfg) if data is None else UserBatches(trainer.batch, data)
+        if data is not None:  # the first batch is checked before the compile
+            source.peek((checkpoints.latest_step() if checkpoints is not None else None) or 0)
+        if jax.process_index() == 0:  # what the run trains on, in one line, before the compile
+            print(source.describe(steps), flush=True)
+        evaluation = open_evaluation(trainer, data, eval_data, source if data is None else None)
+        writers.prepare()
+        profiler = Profiler(cfg.train.profile_steps, cfg.train.profile_dir)
+        profiler.prepare()
+        resuming = checkpoints is not None and checkpoints.latest_step() is not None
+        restored, start = _restored(checkpoints, trainer, steps, ckpt.dir) if resuming else (None, 0)
+        # also on resume: LoRA's frozen base and DPO's reference are read from the start
+        fresh = start_of(trainer) if start < steps else None
+        return cls(trainer, steps, source, checkpoints, evaluation, writers, profiler, progress, start, restored, fresh,
+                   end=steps)
+
+    @property
+    def leader(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def lines(self) -> bool:
+        """Plain log lines instead of a bar."""
+        return not self.progress and self.trainer.config.train.log_every > 0 and self.leader
+
+    def compile(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation = self.evaluation.compile(self.trainer)
+
+    def announce(self, compile_s: float) -> None:
+        ckpt = self.trainer.config.checkpoint
+        if self.progress or self.lines:
+            tqdm.write(f"compiled the step in {compile_s:.1f}s")
+        if self.start and self.leader:
+            print(f"resumed from step {self.start} ({ckpt.dir})", flush=True)
+        elif ckpt.init_from and not self.start and self.leader:
+            print(f"started from the weights of {ckpt.init_from}", flush=True)
+
+    def steps(self, step_fn: Callable, state: Any) -> list[dict]:
+        """Run the steps after `start` up to `last`: step i+1 is dispatched before step i's
+        row is read, and after each step the services have their turn (`after`)."""
+        cfg = self.trainer.config
+        history: list[dict] = []
+        self.writers.open(self.start, cfg)
+        bar = tqdm(total=self.last, initial=self.start, disable=not self.progress, unit="step", dynamic_ncols=True)
+        self.rows = _Rows(self.trainer, self.writers, bar, cfg.train.log_every if self.lines else 0, self.last)
+        # With several processes JAX's preemption service takes SIGTERM: every process learns
+        # of it, and all agree on the step after which to save and stop. One process stops on
+        # its own signals (jaxpar.loop.stop).
+        preemptible = jax.process_count() > 1
+        directory = str(cfg.checkpoint.dir) if self.checkpoints is not None else None
+        self.stop = StopSignals(sigterm=not preemptible, first=self.start + 1, last=self.last, directory=directory,
+                                say=say if self.leader else None)
+        pending = None  # (step, metrics, held-out sums), read while the next step runs
+        try:
+            self.stop.install()
+            for step in range(self.start, self.last):
+                with self.profiler.step(step):
+                    state, metrics = step_fn(state, self.source(step))
+                self.profiler.after(step, state)
+                if pending is not None:  # read step-1 while `step` runs
+                    history.append(self.rows.row(*pending))
+                pending = (step, metrics, self.after(step + 1, state, metrics, preemptible))
+                if self.stopped:
+                    break
+            if pending is not None:
+                history.append(self.rows.row(*pending))
+            self.finish_save()
+        except KeyboardInterrupt:  # a second Ctrl-C: out now, without waiting for a save in flight
+            line, abandoned = (self.checkpoints.left_by_interrupt() if self.checkpoints is not None else
+                               ("interrupted; no checkpoint.dir, nothing saved", None))
+            self.checkpoints = None  # not closed: that would wait for the save
+            raise Interrupted(line, abandoned) from None
+        finally:
+            self.close(bar)
+        if self.stopped:
+            raise Preempted(self.end, cfg.checkpoint.dir if self.checkpoints is not None else None,
+                            self.stop.asked or "SIGTERM")
+        return history
+
+    def after(self, done: int, state: Any, metrics: dict, preemptible: bool) -> Sums | None:
+        """The services' turn after step `done` was dispatched: stop signals and preemption
+        (which end the run here: `stopped`), the checkpoint, the held-out evaluation (its sums,
+        or None when not due)."""
+        asked = self.stop.passed(done)  # both every step: the preemption sync point is collective
+        if (preemptible and multihost_utils.reached_preemption_sync_point(done)) or asked:
+            self.end, self.stopped = done, True  # read this step's metrics, save, and stop
+            self.stop.ending()
+        self.save_if_due(done, state, metrics)
+        # Queued before the next step, which then waits for it: it reads this step's weights.
+        if self.evaluation is not None and self.evaluation.due(done, self.last):
+            return self.evaluation.start(self.trainer.weights(state))
+        return None
+
+    def save_if_due(self, done: int, state: Any, metrics: dict) -> None:
+        every = self.trainer.config.checkpoint.every
+        if self.checkpoints is None or not (done == self.end or (every and done % every == 0)):
+            return
+        # Every earlier step has been checked; check this one before saving it (the save
+        # waits for the step anyway), so no checkpoint holds a step past one that stopped the run.
+        if self.trainer.config.train.on_nonfinite == "stop" and float(metrics["nonfinite"]):
+            self.rows.check(done, {k: float(v) for k, v in jax.device_get(metrics).items()})
+        shown = self.leader and (self.progress or self.lines or self.stopped)
+        self.rows.saved(_save(self.checkpoints, self.trainer, state, done, shown and done == self.end))
+
+    def finish_save(self) -> None:
+        if self.checkpoints is not None and self.checkpoints.saving == self.end:
+            _finish_save(self.checkpoints, self.leader and (self.progress or self.lines or self.stopped),
+                         spinner=self.progress)
+
+    def close(self, bar: tqdm) -> None:
+        self.stop.restore()
+        self.profiler.stop()
         bar.close()
-        writers.close()
-        if checkpoints is not None:
-            checkpoints.close()  # waits for saves in flight
-    if preempted_at is not None:
-        raise Preempted(preempted_at, ckpt.dir if checkpoints is not None else None, stop.asked or "SIGTERM")
-    return history
+        self.writers.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # waits for saves in flight
 
 
 def _save(checkpoints: Checkpoints, trainer: Trainer, state: Any, done: int, announce: bool) -> float:

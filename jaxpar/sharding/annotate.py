@@ -109,6 +109,50 @@ class Projections:
 
 
 @dataclasses.dataclass(frozen=True)
+class Zero:
+    """How the training state rests beyond the storage rules (ZeRO over mesh.data).
+
+    stage              0-3: 1 shards the optimizer state over data, 2 the gradients too, 3
+                       the parameters (`ParamGather.zero_axes` then gathers them at use)
+    offload_optimizer  the optimizer state and float32 master weights rest in pinned host
+                       memory (ZeRO-Offload), streamed in for the update
+    """
+
+    stage: int = 0
+    offload_optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How the layer stack runs over mesh.stage (jaxpar.pipeline; one stage: not at all).
+
+    schedule  gpipe | 1f1b | interleaved | zb-h1 (jaxpar.pipeline.schedule)
+    chunks    model chunks each device holds: more than 1 only for interleaved, whose
+              stages then hold strided chunks of the layers
+    """
+
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """How the gradient's reduction over mesh.data is compressed (jaxpar.step.compression).
+
+    method         none | powersgd | topk: a compressor of our own; int8 is `int8_block`
+    powersgd_rank  the rank of PowerSGD's two factors
+    topk_fraction  the share of each device's gradient block top-k sends
+    int8_block     > 0: ZeRO++ qgZ, the reduce-scatter moves int8 with a scale per this
+                   many elements (parallel.quantized_gradients, or gradient_compression=int8)
+    """
+
+    method: str = "none"
+    powersgd_rank: int = 4
+    topk_fraction: float = 0.01
+    int8_block: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """A mesh, the rules that place logical names on it, and one spec for each strategy
     that changes how the step computes: how parameters are gathered (`params`), how
@@ -123,6 +167,11 @@ class Layout:
     scan one layer at a time, rather than held whole per replica until the backward ends
     (None: held per replica).
     attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
+    zero, pipeline, compression: how the training state rests, how the layer stack runs
+    over mesh.stage, how the gradient's reduction over data is compressed (the step's
+    strategies: jaxpar.step reads them, as do explain, the planner and checkpoints).
+    microbatches: each step's batch in this many pieces, one after another (train.microbatches).
+    sequence_parallel: the rules shard the norms' sequence over tensor (Megatron's SP).
     """
 
     mesh: Mesh
@@ -134,6 +183,11 @@ class Layout:
     replica_sum: ReplicaSum | None = None
     projections: Projections = Projections()
     attention: str = "reference"
+    zero: Zero = Zero()
+    pipeline: Pipeline = Pipeline()
+    compression: Compression = Compression()
+    microbatches: int = 1
+    sequence_parallel: bool = False
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))

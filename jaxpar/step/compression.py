@@ -39,7 +39,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split, powersgd_cross_host_floats,
                                         powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
 from jaxpar.kernels.quantized import entries
-from jaxpar.sharding.annotate import ParamNames
+from jaxpar.sharding.annotate import Compression, ParamNames
 from jaxpar.step.replicas import AXIS, without_data
 
 BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
@@ -205,11 +205,11 @@ class Compressor:
         return {"compressed": compressed, "uncompressed": dense}
 
 
-def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
+def make_compressor(asked: Compression, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
                     ) -> Compressor | None:
-    """The compressor parallel.gradient_compression asks for, or None (none, int8). Refuses
+    """The compressor the layout's compression spec asks for, or None (none; int8 is qgZ). Refuses
     a PowerSGD rank above the shorter side of every matrix it would factor (`check_rank`)."""
-    method = parallel.gradient_compression
+    method = asked.method
     if method not in COMPRESSED:
         return None
     flat_names, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))
@@ -220,7 +220,7 @@ def make_compressor(parallel: Any, names: Any, shapes: Any, grad_shardings: Any,
         shards = shard_counts(spec, dict(mesh.shape), len(shape.shape))
         batch = next((i for i, name in enumerate(n.names) if name not in BATCH_NAMES), len(n.names))
         blocks[jax.tree_util.keystr(path, simple=True, separator=".")] = Block(tuple(shape.shape), spec, shards, batch)
-    compressor = Compressor(method, parallel.powersgd_rank, parallel.topk_fraction, mesh, blocks, treedef, seed)
+    compressor = Compressor(method, asked.powersgd_rank, asked.topk_fraction, mesh, blocks, treedef, seed)
     check_rank(compressor)
     return compressor
 

@@ -1,6 +1,9 @@
 """A checked config -> the Layout its step runs under: the mesh (from the axis sizes the
-checks resolved), the rules (defaults, the model's own names, the config's overrides), how
-parameters are gathered, and which attention and expert-exchange kernels run."""
+checks resolved), the rules (defaults, the model's own names, the config's overrides), and
+one spec for each strategy: how parameters are gathered, which attention and
+expert-exchange kernels run, how the state rests (ZeRO, offload), the pipeline, gradient
+compression, microbatches. This is the one place that reads `config.parallel`: everything
+downstream (the step, explain, the planner, checkpoints, sampling) reads the layout."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import jax
 from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.mesh import make_mesh
 from jaxpar.model import ATTENTION, axis_names, declared, supports
-from jaxpar.sharding.annotate import ContextAttention, Layout, ParamGather, Projections
+from jaxpar.sharding.annotate import (Compression, ContextAttention, Layout, ParamGather, Pipeline, Projections,
+                                      Zero)
 from jaxpar.sharding.rules import Rules, default_rules, kv_heads_repeat, parse_table
 
 
@@ -34,7 +38,19 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         expert_exchange=expert_exchange(config, device.platform),
         projections=Projections(parallel.collective_matmul, config.train.matmul_dtype),
         attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),
+        zero=Zero(parallel.zero_stage, parallel.offload_optimizer),
+        pipeline=Pipeline(parallel.pipeline_schedule, parallel.pipeline_chunks),
+        compression=compression(parallel),
+        microbatches=config.train.microbatches,
+        sequence_parallel=parallel.sequence_parallel,
     )
+
+
+def compression(parallel: Any) -> Compression:
+    """parallel's gradient compression as the layout's spec: qgZ by either of its names."""
+    method = parallel.gradient_compression if parallel.gradient_compression != "int8" else "none"
+    block = parallel.quantization_block if parallel.int8_gradients else 0
+    return Compression(method, parallel.powersgd_rank, parallel.topk_fraction, block)
 
 
 def rules_for(config: Any, mesh_shape: Mapping[str, int], rest_whole: Sequence[str] = ()) -> Rules:

@@ -14,10 +14,11 @@ from jaxpar.sharding.annotate import gather_target
 from jaxpar.sharding.replicated import replicated_params, report_replicated
 
 
-def check_params(config: Any, names: Any, shapes: Any, layout: Layout) -> None:
+def check_params(names: Any, shapes: Any, layout: Layout, on_replicated: str) -> None:
+    """`on_replicated`: parallel.on_replicated, what a parameter resting whole everywhere gets."""
     # Own logical names that no rule knows would rest whole on every device: say so first.
-    report_replicated(replicated_params(names, shapes, layout), config.parallel.on_replicated)
-    if config.parallel.quantized_weights:
+    report_replicated(replicated_params(names, shapes, layout), on_replicated)
+    if layout.params.quantize_block:
         check_quantized_gathers(names, shapes, layout)
 
 

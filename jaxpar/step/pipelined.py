@@ -36,8 +36,8 @@ def pipelined_grads(
     """(params, batch) -> (loss, sums, gradients) like the trainer's unpipelined path, and
     the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
     the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
-    p, m, v = layout.mesh.shape["stage"], config.train.microbatches, config.parallel.pipeline_chunks
-    program = compile_schedule(config.parallel.pipeline_schedule, p, m, v)
+    p, m, v = layout.mesh.shape["stage"], layout.microbatches, layout.pipeline.chunks
+    program = compile_schedule(layout.pipeline.schedule, p, m, v)
     stages = model_stages(graphdef, stage_score(loss_fn, config.train.loss_chunks))
     # The executor is manual over stage and data: its rules leave data out, and no kernel
     # folds a vmapped replica axis (data is not vmapped there).
@@ -63,7 +63,7 @@ def pipelined_grads(
     return grads, program
 
 
-def unpipelined(params: Any, layout: Layout, param_shardings: Any, chunks: int) -> tuple[Any, Layout]:
+def unpipelined(params: Any, layout: Layout, param_shardings: Any) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (evaluation, inference):
     the layers in model order, gathered from their stages, and a layout whose rules shard no
     "layers" axis (a scan over a stage-sharded stack aborts XLA's partitioner)."""
@@ -71,7 +71,7 @@ def unpipelined(params: Any, layout: Layout, param_shardings: Any, chunks: int) 
     if stages == 1:
         return params, layout
     whole = jax.tree.map(lambda s: without_axis(s, "stage"), param_shardings)
-    params = jax.lax.with_sharding_constraint(in_model_order(params, stages, chunks), whole)
+    params = jax.lax.with_sharding_constraint(in_model_order(params, stages, layout.pipeline.chunks), whole)
     return params, dataclasses.replace(layout, rules=layout.rules.with_overrides({"layers": ()}, {"layers": ()}))
 
 

@@ -23,7 +23,6 @@ written the same way, from `answer_logps`.
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,7 @@ config field and rule, and its branch in `jaxpar.step.trainer._gradients`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal
 
 import jax
 
@@ -51,25 +51,25 @@ class GradReduction:
         return ReplicaSum(self.int8_block) if self.when == "layers" else None
 
 
-def grad_reduction(config: Any, mesh_shape: Mapping[str, int], compressor: Compressor | None) -> GradReduction:
-    """The reduction a checked config asks for on a mesh of `mesh_shape`.
+def grad_reduction(layout: Layout, compressor: Compressor | None) -> GradReduction:
+    """The reduction the layout's specs ask for (ZeRO stage, microbatches, qgZ, a compressor).
 
     Per-replica gradients where they pay: under hybrid sharding (reduce inside the host
     first), to accumulate ZeRO 0-1 microbatches unreduced, and where the reduction over
     data is our own (qgZ's int8 all-to-all, a compressor). Elsewhere the partitioner
     reduces each layer's gradient inside the backward loop; so it does under hybrid
     sharding at ZeRO 2-3 too, summed over the replicas layer by layer."""
-    parallel, microbatches = config.parallel, config.train.microbatches
-    int8_block = parallel.quantization_block if parallel.int8_gradients else 0
+    mesh_shape, microbatches, stage = layout.mesh.shape, layout.microbatches, layout.zero.stage
+    int8_block = layout.compression.int8_block
     if compressor is not None:
         return GradReduction("compressed", compressor=compressor)
     if mesh_shape["stage"] > 1:  # each stage's replicas accumulate unreduced (jaxpar.step.pipelined)
         return GradReduction("step", int8_block)
     replicas = mesh_shape["data"] > 1 and (
-        mesh_shape["fsdp"] > 1 or (microbatches > 1 and parallel.zero_stage < 2) or int8_block > 0)
+        mesh_shape["fsdp"] > 1 or (microbatches > 1 and stage < 2) or int8_block > 0)
     if not replicas:
         return GradReduction("backward")
-    return GradReduction("step" if parallel.zero_stage < 2 else "layers", int8_block)
+    return GradReduction("step" if stage < 2 else "layers", int8_block)
 
 
 def sum_replicas(reduction: GradReduction, layout: Layout) -> Callable[[Any, Any], Any]:

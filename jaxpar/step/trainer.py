@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.stages import Wrapped
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError, JaxparWarning
@@ -35,6 +36,7 @@ from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared
+from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.sharding.adapters import join, split
@@ -56,38 +58,49 @@ from jaxpar.xla_options import step_options
 __all__ = ["OffloadIsANoOp", "Trainer", "TrainState", "build"]
 
 
+Tree = Any  # a pytree: parameters, gradients, their shardings or names, leaf for leaf
+TreeMap = Callable[[Tree], Tree]
+
+
+def _same(tree: Tree) -> Tree:
+    return tree
+
+
 @dataclasses.dataclass
 class Trainer:
+    """What `build` returns: the jitted program and what it was derived from. Every function
+    is compiled on its first call (or `.lower(...).compile()` ahead of it)."""
+
     config: Config
     layout: Layout
     graphdef: nnx.GraphDef
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule | None
-    param_names: Any
+    param_names: Tree  # a jaxpar.sharding.ParamNames for each parameter
     shardings: StateShardings  # parameter-shaped trees: params, grads, optimizer
     state_shardings: TrainState
     batch: BatchLayout  # the step's batch: its fields, shapes and shardings (what data sources take)
-    init: Any  # () -> TrainState
-    step: Any  # (TrainState, batch) -> (TrainState, metrics)
-    grads: Any  # (params, batch) -> (loss, grads)
-    step_and_grads: Any  # (TrainState, batch) -> (TrainState, metrics, grads)
-    evaluate: Any  # (params, batch) -> (loss sum, weight): the step's loss, no gradient (held-out data)
+    init: Wrapped  # () -> TrainState
+    step: Wrapped  # (TrainState, batch) -> (TrainState, metrics)
+    grads: Wrapped  # (params, batch) -> (loss, grads)
+    step_and_grads: Wrapped  # (TrainState, batch) -> (TrainState, metrics, grads)
+    evaluate: Wrapped  # (weights, batch) -> (loss sum, weight): the step's loss, no gradient (held-out data)
     # A tree as stored (parameters, gradients, a TrainState) -> in the model's layer order,
     # and back. They differ only under interleaved pipelining, whose stages hold strided
     # chunks (jaxpar.pipeline.stages); checkpoints are kept in model order.
-    model_order: Any = lambda tree: tree
-    pipeline_order: Any = lambda tree: tree
-    pipeline: Any = None  # the pipeline's jaxpar.pipeline.program.Program, when mesh.stage > 1
+    model_order: TreeMap = _same
+    pipeline_order: TreeMap = _same
+    pipeline: Program | None = None  # the pipeline's program, when mesh.stage > 1
     # (float32 weights in model order, e.g. imported: jaxpar.hf) -> the TrainState at step 0
     # (its arguments donated).
-    start_from: Any = None
+    start_from: Wrapped | None = None
     compiler_options: dict = dataclasses.field(default_factory=dict)  # jaxpar.xla_options.step_options
     reduction: GradReduction = GradReduction()  # how the gradient is summed over data (jaxpar.step.reduction)
-    init_compression: Any = None  # () -> the compression state's start, in its shardings
-    # LoRA (jaxpar.step.lora): {path: Target} of the adapted weights, and the shardings of
-    # their frozen base (TrainState.frozen); None without adapters.
-    lora_targets: Any = None
-    frozen_shardings: Any = None
+    init_compression: Wrapped | None = None  # () -> the compression state's start, in its shardings
+    # LoRA (jaxpar.step.lora): the adapted weights by path, and the shardings of their frozen
+    # base (TrainState.frozen); None without adapters.
+    lora_targets: dict[str, lora.Target] | None = None
+    frozen_shardings: Tree | None = None
     # Programs made from this trainer when first asked for (sampling's steps: jaxpar.generate.sample),
     # kept so that later calls reuse their compiles.
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -178,22 +191,23 @@ def build(
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names, abstract_params = param_names(abstract), nnx.to_pure_dict(abstract)
-    check_params(config, names, abstract_params, layout)
+    check_params(names, abstract_params, layout, config.parallel.on_replicated)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
     tx = _train_params_only(tx, abstract, frozen)
     (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
-    shardings = state_shardings(names, abstract_params, layout, config.parallel.zero_stage)
-    frozen_shardings = state_shardings(frozen_names, frozen_abstract, layout, config.parallel.zero_stage).params \
+    shardings = state_shardings(names, abstract_params, layout)
+    frozen_shardings = state_shardings(frozen_names, frozen_abstract, layout).params \
         if frozen else None
-    compressor = make_compressor(config.parallel, names, abstract_params, shardings.grads, layout.mesh, config.train.seed)
-    reduction = grad_reduction(config, layout.mesh.shape, compressor)
+    compressor = make_compressor(layout.compression, names, abstract_params, shardings.grads, layout.mesh,
+                                 config.train.seed)
+    reduction = grad_reduction(layout, compressor)
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
-    placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, config.parallel.offload_optimizer,
+    placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, layout.zero.offload_optimizer,
                             compressor.shardings() if compressor else None, frozen_shardings)
     fields = batch_fields(config.model, config.train.seq_len, config.data)
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
-    stages, chunks = layout.mesh.shape["stage"], config.parallel.pipeline_chunks
+    stages, chunks = layout.mesh.shape["stage"], layout.pipeline.chunks
     pipelined = stages > 1
 
     def start_from(weights: Any) -> TrainState:
@@ -211,7 +225,7 @@ def build(
                                                         batch_layout, loss_fn, reduction)
     compressor = reduction.compressor
     update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
-                       config.parallel.offload_optimizer, config.model,
+                       layout.zero.offload_optimizer, config.model,
                        fused=fuses_multi_output_loops(devices[0].platform))
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
@@ -228,7 +242,7 @@ def build(
     def evaluate(weights, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once (`weights`:
         Trainer.weights(state))."""
-        params, flat = unpipelined(weights, layout, weight_shardings, chunks)
+        params, flat = unpipelined(weights, layout, weight_shardings)
         with use_layout(flat):
             total, (weight, _) = loss_sum(params, batch)
         return total, weight
@@ -242,8 +256,8 @@ def build(
         step_and_grads=jit["step_and_grads"](step),
         grads=jit["grads"](grads),
         evaluate=jit["evaluate"](evaluate),
-        model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
-        pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else (lambda tree: tree),
+        model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else _same,
+        pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else _same,
         pipeline=program,
         start_from=jax.jit(start_from, out_shardings=placement.resting, donate_argnums=0),
         compiler_options=options,
@@ -270,7 +284,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
         grads, program = pipelined_grads(config, layout, graphdef, batch.names,
                                          lambda g: reduce(g, shardings.optimizer), loss_fn)
     else:
-        grads = batch_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, reduction)
+        grads = batch_gradients(loss_sum, layout, shardings, batch.names, layout.microbatches, reduction)
         program = None
     return (loss_sum, lambda params, batch, compression, frozen: (*grads(params, batch, frozen), compression),
             program, reduction)
@@ -292,7 +306,7 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     weight_of = weight_of_batch(loss_fn, outputs, example)
     per_layer = hooked_paths(loss_sum, hooks, abstract_params, example) if weight_of is not None else frozenset()
     compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
-    averaged = compressed_gradients(loss_sum, layout, shardings, batch.names, config.train.microbatches, compressor,
+    averaged = compressed_gradients(loss_sum, layout, shardings, batch.names, layout.microbatches, compressor,
                                     weight_of)
 
     def grads(params, batch, compression, frozen):  # LoRA is refused with compression (jaxpar.checks)

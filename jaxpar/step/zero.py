@@ -37,7 +37,9 @@ class StateShardings:
     optimizer: Any  # fp32 master weights and optimizer moments
 
 
-def state_shardings(names: Any, shapes: Any, layout: Layout, stage: int, axes: Sequence[str] = ("data",)) -> StateShardings:
+def state_shardings(names: Any, shapes: Any, layout: Layout, axes: Sequence[str] = ("data",)) -> StateShardings:
+    """The shardings of parameters, gradients and optimizer state at the layout's ZeRO stage."""
+    stage = layout.zero.stage
     storage = shardings_for(names, shapes, layout, "storage")
     axes = tuple(a for a in axes if layout.mesh.shape[a] > 1)
     if not axes:
