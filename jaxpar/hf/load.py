@@ -66,8 +66,10 @@ def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = Fal
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
     weights, adapters = adapted(weights, shapes)
     fresh = check_tensors(shapes, weights, entries, folder, tuple(form.ignored(model)))
-    if trainer.config.lora.init_from:  # the adapters read from a PEFT folder, not drawn
-        given, adapter_entries = read_adapter(trainer, weights, {p: shapes[p + ".base"] for p in trainer.lora_targets})
+    lora, targets = trainer.config.lora, trainer.lora_targets
+    if lora.init_from:  # the adapters read from a PEFT folder, not drawn
+        given, adapter_entries = read_adapter(lora.init_from, lora.rank, lora.alpha, targets, weights,
+                                              {p: shapes[p + ".base"] for p in targets})
         weights, entries, adapters = {**weights, **given}, {**entries, **adapter_entries}, set()
     shardings = [leaf.sharding for _, leaf in leaves]
     if fresh and jax.process_index() == 0:
@@ -75,8 +77,12 @@ def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = Fal
         print(f"{str(folder)!r} holds none of {', '.join(parts)} ({len(fresh)} parameters): they start from the model's "
               "own initialisation", flush=True)
 
+    def draw() -> Any:  # a fresh run's float32 weights, in model order
+        return trainer.model_order(trainer.master_weights(trainer.init()))
+
     def start() -> Any:
-        drawn = {**_drawn(trainer, fresh), **({} if weights_only else _drawn_adapters(trainer, adapters, shapes))}
+        drawn = {**_drawn(draw, fresh),
+                 **({} if weights_only else _drawn_adapters(targets, lora.rank, trainer.config.train.seed, adapters, shapes))}
         arrays = [
             jax.device_put(drawn[path], sharding) if path in drawn else
             jax.make_array_from_callback(shapes[path], sharding, _reader(weights[path], entries, shapes[path]))
@@ -115,31 +121,32 @@ def adapted(weights: dict[str, Weight], shapes: dict[str, tuple]) -> tuple[dict[
     return weights, adapters
 
 
-def _drawn_adapters(trainer, paths: set[str], shapes: dict[str, tuple]) -> dict[str, Any]:
-    """LoRA's adapters at `paths` as the model's build draws them (A drawn, B zero), without
-    drawing the rest of the model."""
+def _drawn_adapters(targets: Mapping[str, Any], rank: int, seed: int, paths: set[str], shapes: dict[str, tuple]
+                    ) -> dict[str, Any]:
+    """LoRA's adapters at `paths` as the model's build draws them from `seed` (A drawn, B
+    zero), without drawing the rest of the model. `targets`: {weight path: its
+    jaxpar.step.lora.Target}."""
     if not paths:
         return {}
-    order, lora, seed = sorted(trainer.lora_targets), trainer.config.lora, trainer.config.train.seed
+    order = sorted(targets)
     out = {}
     for path in paths:
         owner, _, leaf = path.rpartition(".")
-        t = trainer.lora_targets[owner]
-        a, b = initial_adapter(order.index(owner), t.lead, t.inputs, shapes[owner + ".base"], lora.rank, seed)
+        t = targets[owner]
+        a, b = initial_adapter(order.index(owner), t.lead, t.inputs, shapes[owner + ".base"], rank, seed)
         out[path] = np.asarray(b if leaf == "lora_b" else a)
     return out
 
 
-def _drawn(trainer, paths: set[str]) -> dict[str, Any]:
-    """The parameters at `paths` as a fresh run draws them: `trainer.init()` inlined into
-    one program that returns only these, so the compiler drops the other parameters' draws
-    (DeepSeek's missing prediction module: a quarter of init's compile)."""
+def _drawn(draw: Callable[[], Any], paths: set[str]) -> dict[str, Any]:
+    """The parameters at `paths` as `draw` makes them (() -> a fresh run's float32 weights in
+    model order), in one program that returns only these, so the compiler drops the other
+    parameters' draws (DeepSeek's missing prediction module: a quarter of init's compile)."""
     if not paths:
         return {}
 
     def kept():
-        master = trainer.model_order(trainer.master_weights(trainer.init()))
-        return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(master)[0])
+        return {p: leaf for p, leaf in ((_path(k), v) for k, v in jax.tree_util.tree_flatten_with_path(draw())[0])
                 if p in paths}
 
     return jax.jit(kept)()
@@ -191,23 +198,24 @@ def _path(keys) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in keys)
 
 
-def read_adapter(trainer, weights: dict[str, Weight], base_shapes: dict[str, tuple]) -> tuple[dict, dict]:
-    """(Weights of our adapter paths, the adapter folder's tensors) for lora.init_from: its
-    rank and alpha checked against lora.rank and lora.alpha, and every tensor there in the
-    shape ours takes, none left over (jaxpar.hf.load.check_tensors)."""
-    lora = trainer.config.lora
-    folder = pathlib.Path(lora.init_from)
+def read_adapter(folder: str | pathlib.Path, rank: int, alpha: float, targets: Mapping[str, Any],
+                 weights: dict[str, Weight], base_shapes: dict[str, tuple]) -> tuple[dict, dict]:
+    """(Weights of our adapter paths, the adapter folder's tensors) for lora.init_from=`folder`:
+    its rank and alpha checked against lora.rank and lora.alpha (`rank`, `alpha`), and every
+    tensor there in the shape ours takes for `targets` ({weight path: its
+    jaxpar.step.lora.Target}), none left over (jaxpar.hf.load.check_tensors)."""
+    folder = pathlib.Path(folder)
     settings = adapter_settings(folder)
-    for key, ours, theirs in (("rank", lora.rank, settings.get("r")), ("alpha", lora.alpha, settings.get("lora_alpha"))):
+    for key, ours, theirs in (("rank", rank, settings.get("r")), ("alpha", alpha, settings.get("lora_alpha"))):
         if theirs is None or float(theirs) != float(ours):
             raise ConfigError(f"lora.init_from={str(folder)!r} was trained with {'r' if key == 'rank' else 'lora_alpha'}="
                               f"{theirs}, but this run has lora.{key}={ours}; set lora.{key}={theirs}")
-    adapters = adapter_weights(weights, trainer.lora_targets, base_shapes, lora.rank)
+    adapters = adapter_weights(weights, targets, base_shapes, rank)
     entries = tensor_index(folder)
     shapes = {}
-    for path, t in trainer.lora_targets.items():
+    for path, t in targets.items():
         shape, cut = base_shapes[path], t.lead + t.inputs
-        shapes[path + ".lora_a"] = (*shape[:cut], lora.rank)
-        shapes[path + ".lora_b"] = (*shape[:t.lead], lora.rank, *shape[cut:])
+        shapes[path + ".lora_a"] = (*shape[:cut], rank)
+        shapes[path + ".lora_b"] = (*shape[:t.lead], rank, *shape[cut:])
     check_tensors(shapes, adapters, entries, folder, ())
     return adapters, entries
