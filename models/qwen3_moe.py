@@ -31,6 +31,8 @@ from jaxpar.models.qwen3 import QWEN3_FORMAT, Qwen3Parts, qwen3_from_hf, qwen3_t
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig(Qwen3Parts, MoEConfig):
+    """Qwen3's parts (models.qwen3.Qwen3Parts) over models.moe's experts; `mlp` is each expert's width."""
+
     # Layers with a dense MLP instead of experts (Hugging Face's mlp_only_layers): their indices
     # in the whole model, comma-separated ("1,3"), which holds num_layers MoE layers and these.
     mlp_only_layers: str = ""
