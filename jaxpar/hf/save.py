@@ -18,12 +18,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
-from jaxpar.hf.generation import GENERATION_FILE, generation_config
 from jaxpar.hf.format import format_of
+from jaxpar.hf.generation import GENERATION_FILE, generation_config
 from jaxpar.hf.load import prepare_import
 from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
 from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
@@ -39,6 +39,7 @@ from jaxpar.hf.safetensors import (
 from jaxpar.hf.weights import Weight
 from jaxpar.pipeline.stages import relaid_layers
 from jaxpar.sharding.adapters import join, merge_adapters
+from jaxpar.sharding.annotate import Layout
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 # Keys of a base config.json that the format's to_hf and the dtype replace (each of
@@ -62,8 +63,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
     hf_config = {**kept, **form.to_hf(model), "torch_dtype": dtype}
     generation = generation_config(trainer.config)  # where generation stops: the run's ids (jaxpar.hf.generation)
-    tensors = planned_tensors(merged_master(trainer, state), form.weights(model), DTYPES[dtype], trainer.mesh,
-                              trainer.config.parallel.pipeline_chunks)
+    tensors = planned_tensors(merged_master(trainer, state), form.weights(model), DTYPES[dtype], trainer.layout)
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
 
@@ -85,8 +85,7 @@ def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dt
     frozen = trainer.abstract_state().frozen
     shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
     adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
-    tensors = planned_tensors(trainer.master_params(state), adapters, dtype, trainer.mesh,
-                              trainer.config.parallel.pipeline_chunks)
+    tensors = planned_tensors(trainer.master_params(state), adapters, dtype, trainer.layout)
     config = adapter_config(lora, weights, trainer.lora_targets, base)
 
     def write(into: pathlib.Path | None) -> None:
@@ -158,18 +157,16 @@ def merged_master(trainer, state: Any) -> Any:
 
 
 
-def planned_tensors(master: Any, weights: dict[str, Weight], dtype: np.dtype, mesh: Mesh, chunks: int
-                    ) -> list[Planned]:
+def planned_tensors(master: Any, weights: dict[str, Weight], dtype: np.dtype, layout: Layout) -> list[Planned]:
     """Every Hugging Face tensor of `weights`, each with a function gathering its slab of
-    `master` (a tree of float32 weights as the trainer lays them out on `mesh`, each
-    pipeline stage holding `chunks` chunks of the layers: parallel.pipeline_chunks) to the hosts."""
-    stages = mesh.shape["stage"]
+    `master` (a tree of float32 weights as `layout` lays them out) to the hosts."""
+    stages, chunks = layout.mesh.shape["stage"], layout.pipeline.chunks
     if stages > 1 and chunks > 1:  # interleaved: layers back in model order, stages swapping chunks
         shardings = jax.tree.map(lambda x: x.sharding, master)
         relaid = functools.partial(relaid_layers, shardings=shardings, p=stages, v=chunks, to="model")
         master = jax.jit(relaid, out_shardings=shardings)(master)
     leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(layout.mesh, P())
     tensors = []
     for path, weight in weights.items():
         if weight.name is None:
