@@ -103,10 +103,10 @@ def test_a_target_is_checked_before_anything_compiles(tmp_path):
 
 
 def test_explain_prints_the_prediction_with_its_costliest_kernels():
-    from jaxpar.inspect.explain import _predicted_lines
+    from jaxpar.inspect.rows import predicted_lines
 
     cost = step_cost(HLO, GPU)
-    lines = _predicted_lines({"gpu": GPU.describe(), **cost.to_json()})
+    lines = predicted_lines({"gpu": GPU.describe(), **cost.to_json()})
     assert lines[0].startswith(f"predicted step on this GPU: {cost.seconds * 1e3:.1f} ms (attention ")
     assert "3 kernels" not in lines[0] and "9 kernels" in lines[0]  # 4 + 4 runs in the loop, 1 outside
     assert lines[2].split()[:2] == ["a", "attention"]  # the costliest first

@@ -1,0 +1,150 @@
+"""What every row of `jaxpar explain` reads, gathered once from the trainer and the compiled
+step's report (`facts_of`), and the row they make: a measured figure beside its formula.
+
+The row providers (jaxpar.inspect.rows) read a `Facts`, never the trainer: a provider is a
+function of these plain values and the strategy specs the trainer was built with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import Config
+from jaxpar.inspect.hlo import Collective
+from jaxpar.inspect.report import StepReport
+from jaxpar.kernels.quantized import entries
+from jaxpar.model import has
+from jaxpar.sharding import Layout
+from jaxpar.step.compression import Compressor
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8",
+               "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
+
+NO_FORMULA = ("no formula: it reads a decoder's embed, vocab_size and tie_embeddings, which the model config "
+              "does not have (measured only)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamArray:
+    """One trained parameter array: its path, size, logical names and the mesh axes its
+    resting sharding splits it over."""
+
+    path: str
+    size: int
+    names: tuple[str, ...]
+    axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """The step explain accounts for. Parameter counts are in elements: Ψ is the trained
+    parameters; Ψ_E the expert weights; Ψ_L the layer stack (under stages only, else 0);
+    Ψ_s what one pipeline stage holds but experts (Ψ - Ψ_E without stages)."""
+
+    config: Config
+    report: StepReport
+    layout: Layout
+    pipeline: Any  # jaxpar.pipeline.program.Program, when mesh.stage > 1
+    compressor: Compressor | None
+    params: tuple[ParamArray, ...]
+    psi: int
+    psi_frozen: int  # LoRA's frozen weights (elements)
+    frozen_bytes: int | None  # and their bytes; None without a frozen tree
+    psi_experts: int
+    psi_layers: int
+    psi_stage: float
+    moments: float  # optimizer state elements per parameter
+    compute_bytes: int  # train.compute_dtype's itemsize
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return self.report.mesh
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.parallel.zero_stage
+
+    @property
+    def stages(self) -> int:
+        return self.mesh.get("stage", 1)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the step has frozen weights (LoRA's base)."""
+        return self.frozen_bytes is not None
+
+    def params_named(self, name: str) -> int:
+        """Parameters whose logical names include `name`."""
+        return sum(p.size for p in self.params if name in p.names)
+
+
+def facts_of(trainer, report: StepReport) -> Facts:
+    """The facts of `trainer`'s step as `report` measured it."""
+    state = trainer.abstract_state()
+    params = _param_arrays(trainer, state.params)
+    psi = sum(p.size for p in params)
+    p = report.mesh.get("stage", 1)
+    # Expert weights are split over mesh.expert besides; every other parameter is replicated over it.
+    psi_e = sum(a.size for a in params if "experts" in a.names)
+    # A pipeline stage holds 1/stage of the layer stack and all of the rest (embedding, head).
+    # Expert weights live in the layer stack, so a stage holds 1/stage of them too.
+    psi_layers = sum(a.size for a in params if "layers" in a.names) if p > 1 else 0
+    frozen = jax.tree.leaves(state.frozen)
+    return Facts(
+        config=trainer.config, report=report, layout=trainer.layout, pipeline=trainer.pipeline,
+        compressor=trainer.compressor, params=params, psi=psi,
+        psi_frozen=sum(math.prod(x.shape) for x in frozen),
+        frozen_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in frozen) if state.frozen is not None else None,
+        psi_experts=psi_e, psi_layers=psi_layers,
+        psi_stage=psi - psi_e - (psi_layers - (psi_e if p > 1 else 0)) * (1 - 1 / p),  # the rest, on one stage
+        moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / psi,
+        compute_bytes=jnp.dtype(trainer.config.train.compute_dtype).itemsize,
+    )
+
+
+def _param_arrays(trainer, params) -> tuple[ParamArray, ...]:
+    names = jax.tree.leaves(trainer.param_names, is_leaf=lambda x: hasattr(x, "names"))
+    shardings = jax.tree.leaves(trainer.state_shardings.params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return tuple(
+        ParamArray(path=jax.tree_util.keystr(path, simple=True, separator="."), size=math.prod(x.shape),
+                   names=tuple(n.names), axes=tuple(a for entry in entries(sharding.spec, x.ndim) for a in entry))
+        for (path, x), n, sharding in zip(leaves, names, shardings, strict=True)
+    )
+
+
+def itemsize(c: Collective) -> int:
+    """Bytes of one element a collective sends, by its HLO dtype (float32 when unknown)."""
+    return jnp.dtype(_HLO_DTYPES.get(c.dtype, "float32")).itemsize
+
+
+def elements(c: Collective) -> float:
+    """Elements a collective moves per device per step."""
+    return c.bytes_per_step / itemsize(c)
+
+
+def decoder_fields(model) -> bool:
+    """Whether the pipeline traffic formulas can read the model (our decoders' fields)."""
+    return all(has(model, f) for f in ("embed", "vocab_size", "tie_embeddings"))
+
+
+def row(name: str, measured: float, formula: float | None) -> dict[str, Any]:
+    """A measured figure beside its formula (None: no formula) and their ratio."""
+    ratio = measured / formula if formula else None
+    return {"name": name, "measured": measured, "formula": formula, "ratio": ratio}
+
+
+def table_header(title: str) -> str:
+    return f"{title:<52}{'measured':>12}{'formula':>12}{'ratio':>8}"
+
+
+def line(row: dict[str, Any], fmt) -> str:
+    """A row as the table prints it, its figures by `fmt` (jaxpar.units' byte_size or count)."""
+    formula = fmt(row["formula"]) if row["formula"] is not None else ""
+    ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else ""
+    return f"  {row['name']:<50}{fmt(row['measured']):>12}{formula:>12}{ratio:>8}"
