@@ -4,6 +4,7 @@ trains as printed."""
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from jaxpar.inspect.report import Memory, StepReport
 from jaxpar.plan import MODELS, Hardware, plan, render
 from jaxpar.plan.step_time import roofline
 from jaxpar.plan.layouts import Layout, candidates, estimate
+from jaxpar.sharding.annotate import Pipeline
 
 
 def test_every_candidate_fills_the_devices_and_keeps_model_parallelism_in_a_host():
@@ -56,12 +58,13 @@ def test_estimates_order_memory_as_zero_and_remat_promise():
 
 def test_roofline_is_the_stated_arithmetic(tiny_llama):
     config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16", "train.microbatches=4"])
+    layout = SimpleNamespace(pipeline=Pipeline("1f1b", 1), microbatches=4)  # the specs roofline reads
     hw = Hardware(peak_tflops=100.0, matmul_efficiency=0.5, hbm_gb_per_s=1000.0, overlap_data=0.75, overlap_model=0.0)
     memory = Memory(*([0] * 12))
     report = StepReport(mesh={"stage": 2, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}, num_hosts=1,
                         memory=memory, flops=1e13, xla_flops=1e12, collectives=[], findings=[], compile_seconds=0.0,
                         platform="cpu")
-    r = roofline(report, config, hw, hbm_bytes=1e9)
+    r = roofline(report, config, layout, hw, hbm_bytes=1e9)
     assert r["compute_s"] == pytest.approx(1e13 / 50e12) and r["memory_s"] == pytest.approx(1e-3)
     assert r["bubble"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     assert r["step_s"] == pytest.approx(0.2 / 0.8)

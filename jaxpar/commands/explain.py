@@ -62,8 +62,8 @@ def run(args) -> int:
         from jaxpar.pipeline import build_schedule
         from jaxpar.pipeline.picture import save_png
 
-        parallel, t = trainer.config.parallel, trainer.pipeline.timeline
-        timeline = build_schedule(parallel.pipeline_schedule, t.p, t.m, t.v)
-        title = f"{args.recipe}: {parallel.pipeline_schedule}, p={t.p}, m={t.m}, v={t.v}"
+        schedule, t = trainer.layout.pipeline.schedule, trainer.pipeline.timeline
+        timeline = build_schedule(schedule, t.p, t.m, t.v)
+        title = f"{args.recipe}: {schedule}, p={t.p}, m={t.m}, v={t.v}"
         print(f"wrote {save_png(timeline, args.png, title)}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -67,7 +67,7 @@ class Facts:
 
     @property
     def zero_stage(self) -> int:
-        return self.config.parallel.zero_stage
+        return self.layout.zero.stage
 
     @property
     def stages(self) -> int:

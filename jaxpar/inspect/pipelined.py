@@ -106,8 +106,8 @@ def pipeline_traffic_rows(facts: Facts) -> dict[str, Any]:
     if program is None:
         return {}
     t, model, train = program.timeline, facts.config.model, facts.config.train
-    rows = train.global_batch // (mesh["data"] * mesh["fsdp"]) // train.microbatches
-    seq = train.seq_len // (mesh["tensor"] if facts.config.parallel.sequence_parallel else 1)
+    rows = train.global_batch // (mesh["data"] * mesh["fsdp"]) // facts.layout.microbatches
+    seq = train.seq_len // (mesh["tensor"] if facts.layout.sequence_parallel else 1)
     message = rows * seq * model.embed if decoder_fields(model) else None  # one microbatch's hidden states, one shard
     useful = 2 * t.m * (t.p * t.v - 1) / t.p  # messages that carry data, per device
     over_stage = [c for c in facts.report.collectives if c.axes == ("stage",)]
@@ -138,7 +138,7 @@ def pipeline_schedule_rows(facts: Facts) -> dict[str, Any]:
     program = facts.pipeline
     if program is None:
         return {}
-    t, name = program.timeline, facts.config.parallel.pipeline_schedule
+    t, name = program.timeline, facts.layout.pipeline.schedule
     timeline = build_schedule(name, t.p, t.m, t.v)
     return {
         "pipeline": {

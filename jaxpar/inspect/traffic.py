@@ -101,7 +101,7 @@ def context_rows(facts: Facts) -> dict[str, Any]:
     n = mesh.get("context", 1)
     if n == 1 or not has(model, "num_kv_heads"):
         return {}
-    impl, t, micro = config.parallel.context_impl, mesh["tensor"], config.train.microbatches
+    impl, t, micro = facts.layout.context.impl, mesh["tensor"], facts.layout.microbatches
     b = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
     remat = declared(model, "remat")
     kv_heads = model.num_kv_heads * kv_heads_repeat(model.num_kv_heads, t, n if impl == "ulysses" else 1)  # as sent
@@ -109,7 +109,7 @@ def context_rows(facts: Facts) -> dict[str, Any]:
     for window in layer_windows(model):  # Gemma 3's local and global layers send differently
         per_layer = formulas.context_traffic_elements(
             impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, kv_heads // t * model.head_dim,
-            n, window=window, layout=config.parallel.context_layout,
+            n, window=window, layout=facts.layout.context.seq_layout,
         )
         forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
         again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass

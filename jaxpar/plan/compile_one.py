@@ -88,7 +88,7 @@ def compile_layout(model, overrides: list[str], devices: list, seq_len: int, glo
         return {"refused": str(e).split("\n")[0]}
     if report.predicted:  # compiled for a GPU: its kernels' time (jaxpar.inspect.cost)
         return {"memory": float(report.memory.total), "prediction": compiled_prediction(report, trainer.config)}
-    return {"memory": float(report.memory.total), "prediction": roofline(report, trainer.config, hw, hbm_bytes)}
+    return {"memory": float(report.memory.total), "prediction": roofline(report, trainer.config, trainer.layout, hw, hbm_bytes)}
 
 
 def compiled_prediction(report, config) -> dict[str, float]:

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from jaxpar.pipeline.schedule import published_bubble
 from jaxpar.plan.presets import Hardware
+from jaxpar.sharding import Layout
 
 MODEL_AXES = {"tensor", "context", "expert"}
 
 
-def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
+def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
     """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
     `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline bubble), plus
     the collective time the overlap does not hide. Collectives across hosts run at the
     per-device network speed, the rest at NVLink's. The CPU backend widens bf16 collectives
     of activations to f32; on GPUs they stay bf16, so such bytes count half. (HBM traffic
-    comes from formulas: the CPU compiler's own count reflects its weaker fusion.)"""
+    comes from formulas: the CPU compiler's own count reflects its weaker fusion.) The pipeline
+    and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
     compute = report.flops / (peak * hw.matmul_efficiency)
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
@@ -29,9 +31,8 @@ def roofline(report, config, hw: Hardware, hbm_bytes: float) -> dict[str, float]
             model_s += seconds
         else:
             data_s += seconds
-    parallel = config.parallel
-    bubble = published_bubble(parallel.pipeline_schedule, report.mesh.get("stage", 1), config.train.microbatches,
-                              parallel.pipeline_chunks)
+    bubble = published_bubble(layout.pipeline.schedule, report.mesh.get("stage", 1), layout.microbatches,
+                              layout.pipeline.chunks)
     exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
     step = max(compute, memory) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
