@@ -67,9 +67,9 @@ def _model_class(record: dict, where: str) -> type:
             if not (file and pathlib.Path(file).is_file()):
                 raise ConfigError(f"{where} was written with {shown}, which cannot be imported here ({e}) and whose "
                                   f"file {file!r} is gone; put its module on sys.path") from None
-            from jaxpar import recipes  # above this module: only a recipe file's class needs it
+            from jaxpar.recipes import load_file  # only a recipe file's class needs it
 
-            module = recipes.load_file(file)  # a recipe file: imported as `jaxpar train FILE` did
+            module = load_file(file)  # a recipe file: imported as `jaxpar train FILE` did
     found: Any = module
     for part in qualname.split("."):
         found = getattr(found, part, None)
