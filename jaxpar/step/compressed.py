@@ -31,15 +31,12 @@ from jax.extend import core
 
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.layer_hooks import Hook, LayerHooks
-from jaxpar.step.compression import Compressor, CompressionState
-from jaxpar.step.gradients import Gradient, LossSum, accumulate
+from jaxpar.step.compression import Compressor
+from jaxpar.step.gradients import Gradient, GradientPath, LossSum, accumulate
 from jaxpar.step.loss import LossFn
 from jaxpar.step.microbatches import split_batch
 from jaxpar.step.replicas import AXIS, inner_layout, split_replicas, without_data
 from jaxpar.step.zero import StateShardings
-
-CompressedGradFn = Callable[[Any, dict, CompressionState], tuple[jax.Array, dict, Any, CompressionState]]
-
 
 # ------------------------------------------------------------------ the hook
 
@@ -130,10 +127,10 @@ def _depends_on(jaxpr: core.ClosedJaxpr, inputs: int) -> bool:
 
 def compressed_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
                          microbatches: int, compressor: Compressor,
-                         weight_of: Callable[[dict], jax.Array] | None) -> CompressedGradFn:
-    """(params, batch, compression state) -> (loss, sums, gradient averaged over data by
-    the compressor and normalised by the batch's weight (a `Gradient` whose divisor is 1),
-    the new compression state)."""
+                         weight_of: Callable[[dict], jax.Array] | None) -> GradientPath:
+    """The compressed GradientPath (jaxpar.step.gradients): the gradient averaged over data
+    by the compressor and normalised by the batch's weight (a `Gradient` whose divisor is 1),
+    and the new compression state. LoRA is refused with compression, so `frozen` is None."""
     per_layer = compressor.per_layer if weight_of is not None else frozenset()
     hooked = _replica_grads(loss_sum, layout, shardings.grads, per_layer)
     plain = _replica_grads(loss_sum, layout, shardings.grads, frozenset())
@@ -142,7 +139,7 @@ def compressed_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShar
     def split(batch):
         return {k: split_replicas(v, names[k], layout) for k, v in batch.items()}
 
-    def grads(params, batch, state):
+    def grads(params, batch, state, frozen=None):
         weight = weight_of(batch) if weight_of is not None else None
         scale = 1.0 / weight if weight is not None else jnp.ones((), jnp.float32)
         layer_state = {p: s for p, s in compressor.layer_state(state).items() if p in per_layer}

@@ -5,7 +5,7 @@ normalises it (`Gradient`)."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,20 +40,40 @@ class Gradient(NamedTuple):
 
 # (params, batch[, layer hooks' state]) -> (loss sum, (weight, sums))
 LossSum = Callable[..., tuple[jax.Array, tuple[jax.Array, dict]]]
-GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Gradient]]  # (params, batch) -> (loss, sums, gradient)
 
 
-def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: str, remat: str,
-                hooks: LayerHooks | None = None, loss_chunks: int = 1) -> LossSum:
-    """(params, batch, layer state=None, frozen=None) -> (loss sum, (weight, sums)) of the
+class GradientPath(Protocol):
+    """The step's gradient, one signature for every path (this module's, the pipeline's:
+    jaxpar.step.pipelined, a compressor's: jaxpar.step.compressed): (params, a batch
+    `prepare_batch` made, the compression state or None, LoRA's frozen weights or None) ->
+    (loss, the model's sums, the gradient in the optimizer's sharding, the new compression
+    state)."""
+
+    def __call__(self, params: Any, batch: dict, compression: Any, frozen: Any
+                 ) -> tuple[jax.Array, dict, Gradient, Any]: ...
+
+
+def prepare_batch(batch: dict, layout: Layout, task: str) -> dict:
+    """What the step does to its global batch once, before any path splits it into
+    microbatches or replicas: a language model's sequences laid out as the context-parallel
+    kernels expect (jaxpar.step.sequence, which adds "positions")."""
+    return lay_out_sequences(batch, layout) if task == "lm" else batch
+
+
+def prepared_names(names: dict[str, tuple], task: str) -> dict[str, tuple]:
+    """The logical names of `prepare_batch`'s fields: "positions" is named as the inputs."""
+    return {"positions": names["inputs"], **names} if task == "lm" else names
+
+
+def loss_sum_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, remat: str, hooks: LayerHooks | None = None,
+                loss_chunks: int = 1) -> LossSum:
+    """(params, prepared batch, layer state=None, frozen=None) -> (loss sum, (weight, sums)) of the
     model under `loss_fn` (the built-in one in `loss_chunks` groups of tokens: jaxpar.step.loss); with
     `hooks` and a layer state ({parameter path: its state}), those parameters' hooks run in
     the model's layer scan (jaxpar.sharding.layer_hooks); `frozen`: LoRA's frozen weights,
     read beside `params` and not differentiated (jaxpar.step.lora)."""
 
     def loss_sum(params, batch, layer_state=None, frozen=None):
-        if task == "lm":  # sequences laid out as the context-parallel kernels expect
-            batch = lay_out_sequences(batch, layout)
         bound = hooks.bind(params, layer_state) if hooks is not None and layer_state else None
         with use_layer_hooks(bound):  # bound here, inside any checkpoint: to the arrays the model gets
             return model_loss(nnx.merge(graphdef, join(params, frozen)), batch, loss_fn, loss_chunks)
@@ -67,7 +87,7 @@ def loss_sum_fn(graphdef: nnx.GraphDef, layout: Layout, loss_fn: LossFn, task: s
 
 
 def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings, names: dict[str, tuple],
-                    microbatches: int, reduction: GradReduction) -> GradFn:
+                    microbatches: int, reduction: GradReduction) -> GradientPath:
     """Gradient of (sum of per-example losses over the global batch) / (its weight), as
     that sum's gradient and the weight (`Gradient`), accumulated over microbatches in
     float32, in the optimizer's sharding, with the loss and the model's other sums over the
@@ -103,8 +123,9 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
             g = cast_floats(g, jnp.float32)
         return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
 
-    def grads(params, batch, frozen=None) -> tuple[jax.Array, dict, Gradient]:
-        """`frozen`: LoRA's frozen weights, which the loss reads and nothing differentiates."""
+    def grads(params, batch, compression, frozen) -> tuple[jax.Array, dict, Gradient, Any]:
+        """`frozen`: LoRA's frozen weights, which the loss reads and nothing differentiates;
+        `compression` passes through (no compressor on this path)."""
         bound = loss_sum if frozen is None else functools.partial(loss_sum, frozen=frozen)
         one = functools.partial(microbatch, jax.value_and_grad(bound, has_aux=True))
         if microbatches == 1:
@@ -115,7 +136,7 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         if per_step:
             g = reduce(g, shardings.optimizer)
         g = jax.lax.with_sharding_constraint(g, shardings.optimizer)
-        return total / weight, {"weight": weight, **sums}, Gradient(g, weight)
+        return total / weight, {"weight": weight, **sums}, Gradient(g, weight), compression
 
     return grads
 

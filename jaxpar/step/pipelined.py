@@ -20,20 +20,17 @@ from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
-from jaxpar.step.gradients import Gradient
+from jaxpar.step.gradients import Gradient, GradientPath
 from jaxpar.step.loss import LossFn, chunked_task_loss
 from jaxpar.step.microbatches import split_batch
 from jaxpar.step.replicas import inner_layout, without_axis
-from jaxpar.step.sequence import lay_out_sequences
-
-GradFn = Callable[[Any, dict], tuple[jax.Array, dict, Any]]
 
 
 def pipelined_grads(
     config: Config, layout: Layout, graphdef: nnx.GraphDef, names: dict[str, tuple], reduce_over_data: Callable[[Any], Any],
     loss_fn: LossFn,
-) -> tuple[GradFn, Program]:
-    """(params, batch) -> (loss, sums, gradients) like the trainer's unpipelined path, and
+) -> tuple[GradientPath, Program]:
+    """The pipeline's GradientPath (jaxpar.step.gradients; `names`: the prepared batch's), and
     the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
     the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
     p, m, v = layout.mesh.shape["stage"], layout.microbatches, layout.pipeline.chunks
@@ -43,13 +40,12 @@ def pipelined_grads(
     # folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
 
-    def grads(params: Any, batch: dict, frozen: Any = None) -> tuple[jax.Array, dict, Gradient]:
-        """`frozen`: LoRA's frozen weights, which the stages read beside `params`."""
+    def grads(params: Any, batch: dict, compression: Any, frozen: Any) -> tuple[jax.Array, dict, Gradient, Any]:
+        """`frozen`: LoRA's frozen weights, which the stages read beside `params`;
+        `compression` passes through (refused in stages)."""
         layers, other = split_layers(params)
         frozen = split_layers(frozen) if frozen else None
-        if config.model.task == "lm":  # sequences laid out as the context-parallel kernels expect
-            batch = lay_out_sequences(batch, layout)
-        micro = split_batch(batch, m, {"positions": names["inputs"], **names}, layout)
+        micro = split_batch(batch, m, names, layout)
         with use_layout(inside):
             total, weight, d_layers, d_other, reports = pipeline_grads(program, stages, layout.mesh, layers, other, micro,
                                                                        frozen)
@@ -58,7 +54,7 @@ def pipelined_grads(
         # The layers' reports (MoE: "token_metrics" sums, per-layer "counts" in pipeline order,
         # the order the parameters a model's `update` reads are stored in), over the replicas.
         sums = jax.tree.map(lambda a: a.sum(0), {**reports["sums"], **reports["per_layer"]})
-        return total / weight, {"weight": weight, **sums}, Gradient(summed, weight)
+        return total / weight, {"weight": weight, **sums}, Gradient(summed, weight), compression
 
     return grads, program
 

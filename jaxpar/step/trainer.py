@@ -44,7 +44,7 @@ from jaxpar.step import lora
 from jaxpar.step.layout import layout_for
 from jaxpar.step.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.step.compression import Compressor, make_compressor
-from jaxpar.step.gradients import batch_gradients, loss_sum_fn
+from jaxpar.step.gradients import batch_gradients, loss_sum_fn, prepare_batch, prepared_names
 from jaxpar.step.loss import LossFn, model_outputs, task_loss
 from jaxpar.step.optim import update_rule
 from jaxpar.step.param_checks import check_params
@@ -223,17 +223,19 @@ def build(
 
     loss_sum, grads_fn, program, reduction = _gradients(config, layout, graphdef, abstract_params, names, shardings,
                                                         batch_layout, loss_fn, reduction)
-    compressor = reduction.compressor
+    compressor, task = reduction.compressor, config.model.task
     update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
                        layout.zero.offload_optimizer, config.model,
                        fused=fuses_multi_output_loops(devices[0].platform))
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
+        batch = prepare_batch(batch, layout, task)
         loss, sums, grad, compression = grads_fn(state.params, batch, state.compression, state.frozen)
         return (*update(state, loss, sums, grad, compression), grad.value())
 
     def grads(params, batch, frozen=None) -> tuple[jax.Array, Any]:
         """Under compression, from a fresh compression state (no residuals yet)."""
+        batch = prepare_batch(batch, layout, task)
         loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None, frozen)
         return loss, g.value()
 
@@ -244,7 +246,7 @@ def build(
         Trainer.weights(state))."""
         params, flat = unpipelined(weights, layout, weight_shardings)
         with use_layout(flat):
-            total, (weight, _) = loss_sum(params, batch)
+            total, (weight, _) = loss_sum(params, prepare_batch(batch, flat, task))
         return total, weight
 
     jit = _jit_at_the_edge(placement.resting, shardings, weight_shardings, batch_layout.shardings, options)
@@ -269,25 +271,23 @@ def build(
 
 def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
                shardings: StateShardings, batch: BatchLayout, loss_fn: LossFn, reduction: GradReduction):
-    """(the loss sum, the step's gradient: (params, batch, compression state) -> (loss,
-    sums, gradient in the optimizer's sharding, the new compression state), the pipeline's
+    """(the loss sum, the step's GradientPath (jaxpar.step.gradients), the pipeline's
     program or None, `reduction` (its compressor knowing which parameters it averages layer
-    by layer)). One branch a reduction (jaxpar.step.reduction)."""
+    by layer)). One branch a reduction (jaxpar.step.reduction); every path takes the batch
+    `prepare_batch` made, once, in the step."""
+    batch_names = prepared_names(batch.names, config.model.task)
     if reduction.when == "compressed":  # refused in pipeline stages: no program
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
                                                  loss_fn, reduction)
         return loss_sum, grads, None, reduction
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"),
-                           loss_chunks=config.train.loss_chunks)
+    loss_sum = loss_sum_fn(graphdef, loss_fn, declared(config.model, "remat"), loss_chunks=config.train.loss_chunks)
     if layout.mesh.shape["stage"] > 1:
         reduce = sum_replicas(reduction, layout)
-        grads, program = pipelined_grads(config, layout, graphdef, batch.names,
-                                         lambda g: reduce(g, shardings.optimizer), loss_fn)
-    else:
-        grads = batch_gradients(loss_sum, layout, shardings, batch.names, layout.microbatches, reduction)
-        program = None
-    return (loss_sum, lambda params, batch, compression, frozen: (*grads(params, batch, frozen), compression),
-            program, reduction)
+        grads, program = pipelined_grads(config, layout, graphdef, batch_names, lambda g: reduce(g, shardings.optimizer),
+                                         loss_fn)
+        return loss_sum, grads, program, reduction
+    return (loss_sum, batch_gradients(loss_sum, layout, shardings, batch_names, layout.microbatches, reduction), None,
+            reduction)
 
 
 def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
@@ -299,18 +299,17 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)
-    loss_sum = loss_sum_fn(graphdef, layout, loss_fn, config.model.task, declared(config.model, "remat"), hooks,
-                           config.train.loss_chunks)
+    loss_sum = loss_sum_fn(graphdef, loss_fn, declared(config.model, "remat"), hooks, config.train.loss_chunks)
     example = {k: jax.ShapeDtypeStruct(s, batch.fields[k].dtype) for k, s in batch.shapes.items()}
     outputs = jax.eval_shape(lambda p, b: model_outputs(nnx.merge(graphdef, p), b), abstract_params, example)
     weight_of = weight_of_batch(loss_fn, outputs, example)
     per_layer = hooked_paths(loss_sum, hooks, abstract_params, example) if weight_of is not None else frozenset()
     compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
-    averaged = compressed_gradients(loss_sum, layout, shardings, batch.names, layout.microbatches, compressor,
-                                    weight_of)
+    averaged = compressed_gradients(loss_sum, layout, shardings, prepared_names(batch.names, config.model.task),
+                                    layout.microbatches, compressor, weight_of)
 
     def grads(params, batch, compression, frozen):  # LoRA is refused with compression (jaxpar.checks)
-        loss, sums, g, compression = averaged(params, batch, compression)
+        loss, sums, g, compression = averaged(params, batch, compression, frozen)
         g = g._replace(summed=jax.lax.with_sharding_constraint(g.summed, shardings.optimizer))
         return loss, sums, g, compression
 
