@@ -13,7 +13,8 @@ architectures it reads, `from_hf` / `to_hf` between config.json's dict and the m
 and `renames`), registered with its model: `jaxpar.families.register(Family(name,
 ConfigClass, hf=HFFormat(...)))`. models/llama.py (Llama 2, 3, 3.1, 3.2) and models/moe.py
 (Mixtral) are the examples; docs/your_model.md shows one for a model of one's own.
-docs/checkpoints_and_data.md walks through a fine-tune.
+docs/checkpoints_and_data.md walks through a fine-tune. What these functions read of the
+trainer they are given is typed as `jaxpar.hf.program.StepProgram`.
 """
 
 from jaxpar.hf.format import HFFormat, format_of

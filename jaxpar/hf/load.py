@@ -23,6 +23,7 @@ from jaxpar.families import View, hf_formats
 from jaxpar.hf.config import architecture, check_same_model, read_config
 from jaxpar.hf.format import format_of
 from jaxpar.hf.peft import adapter_settings, adapter_weights
+from jaxpar.hf.program import StepProgram
 from jaxpar.hf.safetensors import Entry, tensor_index
 from jaxpar.hf.weights import Weight, read_slice
 from jaxpar.model import model_name
@@ -44,7 +45,7 @@ def model_config(folder: str | pathlib.Path) -> Any:
     return ARCHITECTURES[name].from_hf(hf)
 
 
-def prepare_import(trainer, folder: str | pathlib.Path, weights_only: bool = False) -> Callable[[], Any]:
+def prepare_import(trainer: StepProgram, folder: str | pathlib.Path, weights_only: bool = False) -> Callable[[], Any]:
     """Check the checkpoint in `folder` against `trainer`'s model (reading only config.json
     and the safetensors headers) and return () -> the TrainState at step 0 with its weights.
     `weights_only`: () -> the float32 weights in model order instead, LoRA's frozen ones at

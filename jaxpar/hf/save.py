@@ -28,6 +28,7 @@ from jaxpar.hf.load import prepare_import
 from jaxpar.hf.peft import CONFIG_FILE as ADAPTER_CONFIG
 from jaxpar.hf.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
 from jaxpar.hf.peft import adapter_config, adapter_weights
+from jaxpar.hf.program import StepProgram
 from jaxpar.hf.safetensors import (
     INDEX,
     NAMES,
@@ -48,7 +49,7 @@ REWRITTEN = ("dtype", "torch_dtype", "rope_parameters", "rope_scaling", "rope_th
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float32", max_shard_bytes: int = 5 << 30,
+def export(trainer: StepProgram, state: Any, folder: str | pathlib.Path, dtype: str = "float32", max_shard_bytes: int = 5 << 30,
            base_config: dict | None = None, tokenizer: str | None = None) -> list[pathlib.Path]:
     """Write `state`'s float32 weights (cast to `dtype`) into `folder` in Hugging Face's
     format: safetensors files of at most `max_shard_bytes`, an index when there are several,
@@ -77,7 +78,7 @@ def export(trainer, state: Any, folder: str | pathlib.Path, dtype: str = "float3
     return [folder / n for n in names]
 
 
-def export_adapter(trainer, state: Any, folder: str | pathlib.Path, dtype: np.dtype, base: str = "") -> pathlib.Path:
+def export_adapter(trainer: StepProgram, state: Any, folder: str | pathlib.Path, dtype: np.dtype, base: str = "") -> pathlib.Path:
     """Write the trainer's adapters (`state`'s float32 ones) into `folder` in PEFT's format;
     `base`: the base model's folder or name, for adapter_config.json."""
     lora, model = trainer.config.lora, trainer.config.model
@@ -141,7 +142,7 @@ def check_target(folder: str | pathlib.Path, name: str = "folder") -> None:
         raise ConfigError(f"{shown}: {str(above)!r} is not writable by this user; give a folder you can write")
 
 
-def merged_master(trainer, state: Any) -> Any:
+def merged_master(trainer: StepProgram, state: Any) -> Any:
     """The float32 weights as the base model lays them out: with LoRA (jaxpar.step.lora),
     each adapter folded into its frozen weight where the shards rest. A run that started from
     a Hugging Face checkpoint folds them into its weights read again at their own precision
