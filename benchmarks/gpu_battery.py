@@ -250,7 +250,7 @@ def predicted_section(out: str) -> int:
     return 0
 
 
-# ---- the summary: pure functions of the sections' results (tests/test_gpu_battery.py) ----
+# ---- the summary: pure functions of the sections' results (tests/unit/test_gpu_battery.py) ----
 
 
 def result(done: dict, name: str) -> dict:

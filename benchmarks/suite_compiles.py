@@ -3,7 +3,7 @@
 file and by test, beside pytest's own durations.
 
   python benchmarks/suite_compiles.py                        # the whole suite, as the README runs it
-  python benchmarks/suite_compiles.py tests/test_zero.py -n 0   # any pytest arguments
+  python benchmarks/suite_compiles.py tests/equivalence/test_zero.py -n 0   # any pytest arguments
   python benchmarks/suite_compiles.py --logs DIR --pytest-output FILE   # summarise an earlier run
   ... [--out benchmarks/results/suite_compiles.json] [--top 15]
 

@@ -79,71 +79,58 @@ def shared_run(path: pathlib.Path, config):
         return run
 
 
-# ------------------------------------------------------------------ the smoke subset
+# ------------------------------------------------------------------ the tiers, and the longest tests first
 
-SMOKE = {  # `pytest -m smoke`: each strategy once, for the inner loop; the whole suite is the net
-    "test_llama_equivalence.py::test_layout_equals_single_device[dp_fsdp_tp_sp_two_hosts_loss_chunks]": "data, FSDP, tensor, sequence",
-    "test_zero.py::test_zero_stage_equals_single_device[zero3_dp4_tp2_sp]": "ZeRO-3",
-    "test_zeropp.py::test_hpz_equals_single_device": "ZeRO++ hpZ",
-    "test_zeropp.py::test_quantized_all_gather_equals_reference[source0-target0]": "int8 collectives",
-    "test_zeropp.py::test_optimizer_offload_equals_single_device_and_rests_on_host": "host offload",
-    "test_gradient_compression.py::test_lossless_settings_equal_the_single_device_run[topk_zero3]": "gradient compression",
-    "test_context_training.py::test_context_parallel_training_equals_single_device[ring]": "context: ring",
-    "test_context_training.py::test_context_parallel_training_equals_single_device[ulysses_tp_sp_fsdp]": "context: Ulysses",
-    "test_moe_training.py::test_dropless_routing_equals_single_device[expert4_tensor2]": "expert parallel",
-    "test_pipeline.py::test_pipelined_training_equals_single_device[1f1b_dp_tp_sp_zero1_collective_matmul]": "pipeline, 1F1B",
-    "test_pipeline.py::test_executor_equals_reference[interleaved-2-4-2]": "pipeline, interleaved",
-    "test_pipeline.py::test_executor_equals_reference[zb-h1-4-5-1]": "pipeline, zero bubble",
-    "test_collective_matmul.py::test_equals_whole_array_matmul[bidirectional-row-4]": "collective matmul",
-    "test_training.py::test_loss_is_normalised_by_tokens_not_microbatches": "gradient accumulation",
-    "test_training.py::test_bf16_compute_stays_close_to_fp32": "mixed precision",
-    "test_zero.py::test_remat_policy_equals_single_device[selective]": "remat",
-    "test_xla_options.py::test_step_with_the_overlap_preset_equals_the_single_device_run": "XLA overlap preset",
-    "test_inspect.py::test_zero_memory_and_traffic_match_the_paper[3]": "explain",
-    "test_checkpoint.py::test_resumed_run_repeats_the_uninterrupted_one_bitwise[float32-compute]": "checkpoints",
-    "test_distributed.py::test_each_process_reads_only_its_rows": "several processes",
-    "test_checks.py::test_base_configs_pass_every_rule[llama]": "config checks",
-    "test_cli.py::test_train_writes_metrics": "jaxpar train",
+# Each test lives in the folder of its tier and carries the tier's marker, so `pytest -m unit`
+# runs the unit tier (docs/testing.md, "The tiers"). The smoke subset is marked where each of its
+# tests is written (@pytest.mark.smoke, or a parameter's marks=pytest.mark.smoke).
+TESTS = pathlib.Path(__file__).resolve().parent
+TIERS = {  # folder -> marker
+    "unit": "unit",  # nothing compiles a training step: config, checks, rules, schedules, data, formulas, kernels
+    "equivalence": "equivalence",  # trainers built and their steps compiled: layouts against one device, golden logits
+    "scenarios": "scenario",  # processes started, killed, resumed, preempted; jaxpar train end to end
 }
-
 
 # The longest tests (10-45 s each on 2 cores: several processes, or many compiles) run
 # first, so the workers end together instead of one finishing a long test alone.
 LONGEST_FIRST = (
-    "tests/test_distributed.py::test_sigterm_saves_at_an_agreed_step",
-    "tests/test_text_data.py::test_text_run_resumed_on_two_processes",
-    "tests/test_matrix.py::test_the_cells_that_abort_most_compile_in_forked_children",
-    "tests/test_checkpoint.py::test_killed_anywhere_and_resumed",
-    "tests/test_deepseek.py::test_latent_attention_and_deepseek_moe_equal_single_device",
-    "tests/test_gemma3.py::test_local_and_global_layers_in_an_interleaved_pipeline",
-    "tests/test_pipeline.py::test_pipelined_training_equals_single_device",
-    "tests/test_pipeline.py::test_llama_pp_recipe_trains_in_bfloat16",
-    "tests/test_fp8.py::test_fp8_loss_within_one_percent_of_bf16",
-    "tests/test_distributed.py::test_a_process_that_stops_responding",
-    "tests/test_gradient_compression.py::test_cross_host_bytes_are_the_formula",
-    "tests/test_your_model.py::test_explain_accounts_for_a_user_model_on_a_pipeline",
-    "tests/test_distributed.py::test_each_process_reads_only_its_rows",
-    "tests/test_finetune.py::test_a_hugging_face_llama_is_fine_tuned",
-    "tests/test_preference.py::test_dpo_starts_at_log_2",
+    "tests/scenarios/test_distributed.py::test_sigterm_saves_at_an_agreed_step",
+    "tests/scenarios/test_text_data.py::test_text_run_resumed_on_two_processes",
+    "tests/scenarios/test_matrix.py::test_the_cells_that_abort_most_compile_in_forked_children",
+    "tests/scenarios/test_checkpoint.py::test_killed_anywhere_and_resumed",
+    "tests/equivalence/test_deepseek.py::test_latent_attention_and_deepseek_moe_equal_single_device",
+    "tests/equivalence/test_gemma3.py::test_local_and_global_layers_in_an_interleaved_pipeline",
+    "tests/equivalence/test_pipeline.py::test_pipelined_training_equals_single_device",
+    "tests/equivalence/test_pipeline.py::test_llama_pp_recipe_trains_in_bfloat16",
+    "tests/equivalence/test_fp8.py::test_fp8_loss_within_one_percent_of_bf16",
+    "tests/scenarios/test_distributed.py::test_a_process_that_stops_responding",
+    "tests/equivalence/test_gradient_compression.py::test_cross_host_bytes_are_the_formula",
+    "tests/equivalence/test_your_model.py::test_explain_accounts_for_a_user_model_on_a_pipeline",
+    "tests/scenarios/test_distributed.py::test_each_process_reads_only_its_rows",
+    "tests/scenarios/test_finetune.py::test_a_hugging_face_llama_is_fine_tuned",
+    "tests/equivalence/test_preference.py::test_dpo_starts_at_log_2",
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark the SMOKE tests. Collecting the whole suite, a listed test that does not exist
-    (renamed, removed) is an error, so the subset cannot shrink unseen. The LONGEST_FIRST
-    tests go to the front, in that order (a stable sort: every worker collects the same order)."""
+    """Mark each test with its folder's tier; a test module outside the tier folders is an
+    error (every test has a tier). The LONGEST_FIRST tests go to the front, in that order (a
+    stable sort: every worker collects the same order)."""
+    for item in items:
+        try:
+            folder = pathlib.Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # not under tests/: no tier to give it
+            continue
+        if folder not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(TIERS)}}}/ "
+                                    "(docs/testing.md, \"The tiers\")")
+        item.add_marker(TIERS[folder])
+
     def rank(item) -> int:
         return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
 
     items.sort(key=rank)
-    collected = {item.nodeid.removeprefix("tests/"): item for item in items}
-    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not (
-        config.option.keyword or config.getoption("lf", False))
-    missing = sorted(SMOKE.keys() - collected.keys())
-    if whole_suite and missing:
-        raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {missing}")
-    for nodeid in SMOKE.keys() & collected.keys():
-        collected[nodeid].add_marker(pytest.mark.smoke)
 
 
 @pytest.hookimpl(hookwrapper=True)

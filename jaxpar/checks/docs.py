@@ -50,7 +50,7 @@ def markdown() -> str:
         "# Configuration checks",
         "",
         f"Written from the catalogue in `jaxpar/checks/` by `{COMMAND}`;",
-        "`tests/test_checks.py` fails when this page and the catalogue disagree, so change the rules, not the page.",
+        "`tests/unit/test_checks.py` fails when this page and the catalogue disagree, so change the rules, not the page.",
         "",
         "`jaxpar.checks.validate(config, num_devices, platform=None)`, which `build` calls before anything is",
         "compiled, runs these rules in this order; the first that fails raises a `ConfigError` naming the field, the",

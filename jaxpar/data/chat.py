@@ -17,7 +17,7 @@ The template is the tokenizer's (`chat_template.jinja` beside the tokenizer.json
 with jinja2's sandboxed environment, as `transformers` renders it (`apply_chat_template`):
 a template comes with a stranger's checkpoint, and the sandbox keeps it from reaching
 Python. The rendered text is tokenized as one, special tokens written in it read as theirs
-(tests/test_chat.py holds the ids against transformers' for several templates).
+(tests/unit/test_chat.py holds the ids against transformers' for several templates).
 
 Which tokens are the assistant's: each assistant turn's text is what rendering the
 conversation up to it adds to rendering the conversation before it with the generation

@@ -2,7 +2,7 @@
 trainer's mesh, in any layout `jaxpar.generate.inference.forward` runs (tensor, sequence and
 context parallel, FSDP, experts, pipeline stages).
 
-Two ways to run the model, the same tokens either way (tests/test_kv_cache.py):
+Two ways to run the model, the same tokens either way (tests/equivalence/test_kv_cache.py):
 
   * **with a key/value cache** (the default where the layout allows): one pass over the
     buffer of prompts (prefill) fills a cache of every layer's keys and values, then each new token

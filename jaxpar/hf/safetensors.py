@@ -8,11 +8,11 @@ checkpoint is one `model.safetensors`, or several files and `model.safetensors.i
 jaxpar reads it here rather than through the `safetensors` package: a tensor is opened as a
 numpy memmap, so slicing it reads only the pages the slice touches (each process reads only
 what its devices hold), and writing streams one tensor at a time into a file whose header is
-known up front, so an export never holds a whole file in memory. tests/test_hf.py checks
+known up front, so an export never holds a whole file in memory. tests/equivalence/test_hf.py checks
 both directions against the `safetensors` package.
 
 A header is checked once, when it is read, as strictly as the Rust `safetensors` crate does
-(tests/test_safetensors_hostile.py): a stranger's file can make jaxpar refuse it, in one
+(tests/unit/test_safetensors_hostile.py): a stranger's file can make jaxpar refuse it, in one
 ConfigError line, but never misread it, and an index never leads outside its folder.
 """
 

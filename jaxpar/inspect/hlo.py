@@ -3,7 +3,7 @@
 Input is `jax.jit(f).lower(...).compile().as_text()`: scheduled HLO after SPMD partitioning,
 so every collective the program will really execute is there, with its per-device shapes.
 Replica-group ids are partition ids, and partition p runs on `mesh.devices.flat[p]` (jit's
-device assignment is the mesh in flat order; checked in tests/test_hlo.py), so a group's mesh
+device assignment is the mesh in flat order; checked in tests/unit/test_hlo.py), so a group's mesh
 axes are read off `np.unravel_index(p, mesh.devices.shape)`.
 
 Group syntaxes understood: explicit lists `{{0,1},{2,3}}`, `{}` (all partitions), iota

@@ -104,7 +104,7 @@ def _bytes(q: jax.Array) -> jax.Array:
     """An e4m3 residual kept for the backward as its raw bytes (the same 8 bits, reread by
     `_fp8`). Kept as float8, residuals made NaN losses inside pipeline stages on XLA:CPU
     (jaxlib 0.12): the same program with the same bytes typed uint8 computes the float32
-    reference's losses exactly (tests/test_fp8.py runs FP8 in stages)."""
+    reference's losses exactly (tests/equivalence/test_fp8.py runs FP8 in stages)."""
     return jax.lax.bitcast_convert_type(q, jnp.uint8)
 
 

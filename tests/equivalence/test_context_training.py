@@ -41,7 +41,9 @@ def long_llama(tiny_llama):
     return dataclasses.replace(tiny_llama, train=dataclasses.replace(tiny_llama.train, seq_len=32))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# the smoke tier: context parallelism, the ring and Ulysses
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n in ("ring", "ulysses_tp_sp_fsdp") else n
+                                  for n in LAYOUTS])
 def test_context_parallel_training_equals_single_device(long_llama, reference, name):
     config = apply_overrides(long_llama, LAYOUTS[name] + ["parallel.attention_block=4"])
     check(compare(run_layout(config), reference(long_llama)), RTOL, where=name)

@@ -3,7 +3,7 @@ interleaved pipeline whose every device holds a local and a global layer (the ch
 layer tells each layer its kind), beside a ring over the sequence that stops early in the
 local layers and goes round in the global one, and tensor parallelism; values and gradients
 against one device (fp32; losses and first-step gradients within 1e-5 relative, as every
-layout test). Its logits against transformers' are tests/test_hf.py's (golden gemma3).
+layout test). Its logits against transformers' are tests/equivalence/test_hf.py's (golden gemma3).
 """
 
 import jax

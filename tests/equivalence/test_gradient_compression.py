@@ -40,7 +40,8 @@ def full_rank(config) -> int:
     return max(min(b.sides) for b in compressor.factored().values())
 
 
-@pytest.mark.parametrize("method, layout", [("powersgd", "hsdp_tp_sp_zero1"), ("topk", "zero3")],
+@pytest.mark.parametrize("method, layout", [("powersgd", "hsdp_tp_sp_zero1"),
+                                            pytest.param("topk", "zero3", marks=pytest.mark.smoke)],  # smoke: compression
                          ids=["powersgd_hsdp_tp_sp_zero1", "topk_zero3"])
 def test_lossless_settings_equal_the_single_device_run(tiny_llama, reference, method, layout):
     base = apply_overrides(tiny_llama, ["train.microbatches=2"])

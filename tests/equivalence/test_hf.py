@@ -25,7 +25,7 @@ from jaxpar.train import build
 from jaxpar.generate.inference import forward
 from jaxpar.testing import initial_state
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 PIPELINE = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]
 LAYOUTS = {
     "llama_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE,

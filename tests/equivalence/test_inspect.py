@@ -28,7 +28,7 @@ def bf16_llama(tiny_llama):
     return apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16", "mesh.data=8"])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=pytest.mark.smoke)])  # smoke: explain
 def test_zero_memory_and_traffic_match_the_paper(bf16_llama, stage):
     trainer = build(apply_overrides(bf16_llama, [f"parallel.zero_stage={stage}"]))
     doc = explain(trainer, inspect_step(trainer))
@@ -64,7 +64,7 @@ def test_zero1_accumulates_unreduced_and_reduces_once(bf16_llama):
 def test_hybrid_sharding_crosses_hosts_a_quarter_of_zero3_or_less(tiny_llama):
     """Two simulated hosts of four. Flat ZeRO-3 gathers and reduce-scatters across hosts;
     hybrid sharding (fsdp inside a host, data across) sends only gradient all-reduces across.
-    (The model is tests/test_gradient_compression.py's cross-host one, whose uncompressed
+    (The model is tests/equivalence/test_gradient_compression.py's cross-host one, whose uncompressed
     ZeRO-0 step is this hybrid step: the suite compiles it once.)"""
 
     def crossing(overrides):

@@ -1,7 +1,7 @@
 """Sampling with a key/value cache (jaxpar.sharding.kv_cache, jaxpar.generate.sample): the
 cached attention kernel against the plain reference, and the cached tokens against the
 cache-free path token for token (greedy and drawn) on a user's own model (examples/gpt2.py:
-it names no cache) and on the layouts tests/test_sample.py and tests/test_gemma3.py run."""
+it names no cache) and on the layouts tests/equivalence/test_sample.py and tests/equivalence/test_gemma3.py run."""
 
 import pathlib
 import sys
@@ -20,7 +20,7 @@ from jaxpar.testing import initial_state
 from jaxpar.train import build
 from jaxpar.generate.sample import generate_batch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 
 
 @pytest.mark.parametrize("window", [0, 3])

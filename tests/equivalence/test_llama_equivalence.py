@@ -47,7 +47,9 @@ def mha(tiny_llama):
     )
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# the smoke tier: data, FSDP, tensor, sequence
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n == "dp_fsdp_tp_sp_two_hosts_loss_chunks" else n
+                                  for n in LAYOUTS])
 def test_layout_equals_single_device(mha, reference, name):
     run = run_layout(apply_overrides(mha, LAYOUTS[name]))
     check(compare(run, reference(mha)), RTOL, where=name)

@@ -19,8 +19,8 @@ from jaxpar.commands import main
 from jaxpar.config import Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "chat"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "chat"
 
 
 def chat_lora_config(**train) -> Config:

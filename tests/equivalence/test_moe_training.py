@@ -58,7 +58,9 @@ DROPLESS = {
 }
 
 
-@pytest.mark.parametrize("name", list(DROPLESS))
+# the smoke tier: expert parallel
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n == "expert4_tensor2" else n
+                                  for n in DROPLESS])
 def test_dropless_routing_equals_single_device(tiny_moe, reference, name):
     config = apply_overrides(tiny_moe, ["model.routing=dropless"])
     run = run_layout(apply_overrides(config, DROPLESS[name]))
@@ -105,7 +107,7 @@ def test_dense_layers_among_the_moe_ones_equal_single_device_and_hold_one_mlp_ea
 
 # DeepSeekMoE's routing (a shared expert, sigmoid scores, group-limited choice, scaled gates,
 # the balancing bias moved by the whole batch's loads) is tested under pipeline, expert,
-# data, fsdp and context layouts by tests/test_deepseek.py (its own test here until issue 33).
+# data, fsdp and context layouts by tests/equivalence/test_deepseek.py (its own test here until issue 33).
 
 
 def test_group_limited_routing_is_hugging_faces():

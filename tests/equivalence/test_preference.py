@@ -14,7 +14,7 @@ import pytest
 from jaxpar.config import CheckpointConfig, Config, DataConfig, OptimConfig, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples" / "chat"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "chat"
 
 
 def dpo_config(path: pathlib.Path | None = None, **train) -> Config:

@@ -26,7 +26,7 @@ from jaxpar.generate.sample import choose, generate
 from jaxpar.testing import initial_state
 
 PROMPT = [5, 17, 3, 99, 42]
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "llama_tied"  # a tiny Llama in Hugging Face's format
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "llama_tied"  # a tiny Llama in Hugging Face's format
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "to", "big", "red", "house", "and", "then", "slept"]
 
 

@@ -14,6 +14,7 @@ from jaxpar.testing import check, compare, initial_state, reference_run, run_lay
 from jaxpar.train import build
 
 
+@pytest.mark.smoke  # the smoke tier: gradient accumulation
 def test_loss_is_normalised_by_tokens_not_microbatches(tiny_llama):
     """Microbatches with very different token counts: the mean over all tokens, not the
     mean of per-microbatch means."""
@@ -91,6 +92,7 @@ def test_the_fused_update_is_optaxs_clip_and_adamw(tiny_llama, clip_norm, fused,
     jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)), got)
 
 
+@pytest.mark.smoke  # the smoke tier: mixed precision
 def test_bf16_compute_stays_close_to_fp32(tiny_llama):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
     bf16 = run_layout(apply_overrides(config, ["train.compute_dtype=bfloat16"]))

@@ -62,6 +62,7 @@ def test_a_preset_option_the_jaxlib_lacks_falls_back_or_is_left_out(tiny_llama, 
     assert not refused & set(options)
 
 
+@pytest.mark.smoke  # the smoke tier: XLA overlap preset
 def test_step_with_the_overlap_preset_equals_the_single_device_run(tiny_llama, reference):
     """On CPU the GPU options are accepted and do not change the program's values; on a GPU
     they change its schedule only."""

@@ -21,7 +21,7 @@ from jaxpar.config import TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.testing import check, compare, initial_state, run_layout
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 LAYOUTS = {
     "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
@@ -168,7 +168,7 @@ def test_every_optional_member_is_declared_and_read_through_one_place():
     with pytest.raises(KeyError, match="'vocab_sise' is no optional member of the model contract"):
         model.declared(LlamaConfig(), "vocab_sise")
     assert [m for m in model.MEMBERS if not re.search(rf"\b{m}\b", model.__doc__)] == []
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     raw = re.compile(r"(hasattr|getattr)\([\w.]*model\b[^,]*,\s*[\"']")
     readers = {str(p.relative_to(root)) for p in (root / "jaxpar").rglob("*.py") if raw.search(p.read_text())}
     assert readers - UNDECLARED_READS_KNOWN == set(), readers

@@ -27,7 +27,9 @@ ZERO_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", ZERO_LAYOUTS)
+# the smoke tier: ZeRO-3
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n == "zero3_dp4_tp2_sp" else n
+                                  for n in ZERO_LAYOUTS])
 def test_zero_stage_equals_single_device(tiny_llama, reference, name):
     overrides = ZERO_LAYOUTS[name]
     micro = [o for o in overrides if o.startswith("train.")]
@@ -70,7 +72,7 @@ def test_zero3_over_data_and_fsdp_holds_temporaries_like_zero3_over_fsdp(tiny_ll
     assert hybrid <= 1.25 * fsdp and qgz <= 1.25 * fsdp, (hybrid, qgz, fsdp)
 
 
-@pytest.mark.parametrize("remat", ["full", "selective", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("selective", marks=pytest.mark.smoke), "dots"])  # smoke: remat
 def test_remat_policy_equals_single_device(tiny_llama, reference, remat):
     config = apply_overrides(tiny_llama, [f"model.remat={remat}"])
     layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]

@@ -39,7 +39,8 @@ TWO_HOSTS = ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero_s
 @pytest.mark.parametrize(
     "source, target",
     [
-        (P(("fsdp", "data"), "tensor"), P(None, "tensor")),  # ZeRO-3 over fsdp x data, TP kept
+        pytest.param(P(("fsdp", "data"), "tensor"), P(None, "tensor"),  # ZeRO-3 over fsdp x data, TP kept
+                     marks=pytest.mark.smoke),  # the smoke tier: int8 collectives
         (P("fsdp", ("tensor", "data")), P(None, "tensor")),  # gathered axes on two dimensions
         (P(("fsdp", "data")), P("fsdp")),  # hpZ's first hop: across hosts only
     ],
@@ -73,6 +74,7 @@ def test_quantized_reduce_scatter_equals_reference():
         quantized_reduce_scatter(stacked, mesh, "data", source, P(("data", "fsdp"), "tensor"), 32)
 
 
+@pytest.mark.smoke  # the smoke tier: ZeRO++ hpZ
 def test_hpz_equals_single_device(tiny_llama, reference):
     check(compare(run_layout(apply_overrides(tiny_llama, TWO_HOSTS + ["parallel.hpz=true"])), reference(tiny_llama)), 1e-5, where="hpz")
 
@@ -171,6 +173,7 @@ def test_quantized_traffic_is_int8_and_no_gathered_weight_is_kept(tiny_llama):
     assert quant.memory.temporaries <= plain.memory.temporaries + 2 * layer_params(layers), (quant.memory, plain.memory)
 
 
+@pytest.mark.smoke  # the smoke tier: host offload
 def test_optimizer_offload_equals_single_device_and_rests_on_host(tiny_llama, reference):
     config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=1", "parallel.offload_optimizer=true"])
     with pytest.warns(OffloadIsANoOp, match="parallel.offload_optimizer"):

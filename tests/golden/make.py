@@ -1,4 +1,4 @@
-"""Make the golden Hugging Face checkpoints the import tests read (tests/test_hf.py), and
+"""Make the golden Hugging Face checkpoints the import tests read (tests/equivalence/test_hf.py), and
 check an export loads in `transformers`.
 
 Needs torch and transformers, which jaxpar's tests do not: run it in an environment of its
@@ -180,7 +180,7 @@ def make_tokenizer(out: pathlib.Path, specials: list[str], template: str | None)
 
 
 # Chat templates (written here, in the styles of three families) and the token ids transformers'
-# apply_chat_template gives for a few conversations: tests/test_chat.py renders them with
+# apply_chat_template gives for a few conversations: tests/unit/test_chat.py renders them with
 # jaxpar.data.chat and compares. Each: (special tokens, the tokenizer_config's named ones, template).
 CHATML = ("{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
           "{%- endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -1,14 +1,14 @@
 """The `jaxpar` commands the README and docs/*.md show, so drift between the docs and the
 command line is caught:
 
-  python tests/doc_commands.py            # check every one without running it (seconds)
-  python tests/doc_commands.py --run      # run them, in the order the docs give (long)
+  python tests/scenarios/doc_commands.py            # check every one without running it (seconds)
+  python tests/scenarios/doc_commands.py --run      # run them, in the order the docs give (long)
 
 A check parses the command as `jaxpar` would and, for `train`, `explain` and `plan` on a
 recipe, builds its config with the overrides and runs the config checks
 (`jaxpar.checks.validate`, 8 devices) without compiling: an unknown flag, recipe, key or
-value, or a layout the checks refuse, fails it. tests/test_doc_commands.py checks them all in
-the suite.
+value, or a layout the checks refuse, fails it. tests/scenarios/test_doc_commands.py checks
+them all in the suite.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shlex
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/models/ too
 ENTRY = ".venv/bin/jaxpar"
 # what a check cannot know: paths earlier commands of the same page create

@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpoint.py in place of `python -m jaxpar.commands`, with the same
+"""Run by tests/scenarios/test_checkpoint.py in place of `python -m jaxpar.commands`, with the same
 arguments: `jaxpar train`, with a save that never completes, at a point where waiting for it
 from outside would be a race:
 

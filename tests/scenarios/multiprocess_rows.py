@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py as one of two processes of 4 CPU devices (JAXPAR_*
+"""Run by tests/scenarios/test_distributed.py as one of two processes of 4 CPU devices (JAXPAR_*
 variables set): `multiprocess_rows.py TOKENS REPORT`. Join, then
 
 - build a trainer on data=4 x tensor=2 and record the batch rows this process reads from

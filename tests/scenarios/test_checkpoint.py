@@ -29,7 +29,8 @@ def _host(tree):
 # bfloat16 (with FP8 matmuls): fp32 master weights saved beside the bf16 compute; FP8's
 # scales are taken afresh each step, so nothing of FP8's is saved, and resuming must still
 # repeat the losses
-@pytest.mark.parametrize("compute_dtype, matmul_dtype", [("float32", "compute"), ("bfloat16", "fp8")])
+@pytest.mark.parametrize("compute_dtype, matmul_dtype", [pytest.param("float32", "compute", marks=pytest.mark.smoke),
+                                                         ("bfloat16", "fp8")])  # smoke: checkpoints
 def test_resumed_run_repeats_the_uninterrupted_one_bitwise(tiny_llama, tmp_path, compute_dtype, matmul_dtype):
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=4",
                                           f"train.compute_dtype={compute_dtype}", f"train.matmul_dtype={matmul_dtype}"])
@@ -228,7 +229,7 @@ def _matrix():
 
     name = "jaxpar_benchmarks_matrix"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[1] / "benchmarks" / "matrix.py")
+        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[2] / "benchmarks" / "matrix.py")
         sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
@@ -253,7 +254,7 @@ TINY = ["model.num_layers=1", "train.seq_len=32", "train.global_batch=16", "trai
 def _train_process(metrics, ckpt=None, kill_at_save=None, hold_stop_save=None, output=None):
     """`jaxpar train` in a child process; with `kill_at_save`, one that SIGKILLs itself inside
     that step's save, with `hold_stop_save` (a file) one whose save after a first SIGINT never
-    completes (tests/kill_during_save.py). `output`: the path its stdout and stderr go to
+    completes (tests/scenarios/kill_during_save.py). `output`: the path its stdout and stderr go to
     (+ ".out", ".err"), read while it runs; else pipes."""
     import os
     import subprocess
@@ -362,7 +363,7 @@ def test_killed_anywhere_and_resumed_repeats_the_uninterrupted_losses_bitwise(tm
 
 def _ctrl_c_twice(tmp_path):
     """The first Ctrl-C is answered before the save it asks for completes (that save never
-    does here: tests/kill_during_save.py holds it); the second, inside that save, ends the
+    does here: tests/scenarios/kill_during_save.py holds it); the second, inside that save, ends the
     run at once, exit 130, saying which checkpoint the directory keeps and naming the
     unfinished folder it leaves (as it is)."""
     import os

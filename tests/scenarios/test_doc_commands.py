@@ -1,6 +1,6 @@
-"""The docs' `jaxpar` commands still parse and pass the config checks (tests/doc_commands.py)."""
+"""The docs' `jaxpar` commands still parse and pass the config checks (tests/scenarios/doc_commands.py)."""
 
-import doc_commands
+from . import doc_commands
 
 
 def test_every_command_the_docs_show_parses_and_passes_the_checks():

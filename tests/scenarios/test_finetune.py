@@ -19,7 +19,7 @@ from jaxpar.train import build
 from jaxpar.loop.checkpoint import Checkpoints, saved_config
 from jaxpar.generate.inference import forward
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 FINETUNE = ["mesh.fsdp=2", "mesh.tensor=4", "data.source=text", f"data.path={GOLDEN / 'corpus.txt'}",
             "data.order=epochs", "data.eval_fraction=0.1", "train.eval_every=4", "train.eval_batches=2",
             "train.steps=12", "train.global_batch=8", "train.seq_len=32", "train.compute_dtype=float32",

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("jaxpar_benchmarks_matrix", ROOT / "benchmarks" / "matrix.py")
 matrix = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = matrix  # dataclasses look their module up there
@@ -20,8 +20,8 @@ _spec.loader.exec_module(matrix)
 # The cells most likely to abort in XLA's partitioner: a pipeline's shard_map around fsdp
 # gathers and tensor collectives, a context kernel nested inside pipeline stages, expert
 # all-to-alls beside tensor and fsdp, and ZeRO-3 gathers under sequence parallelism.
-# Left to other tests: zero3 x tensor+sp (tests/test_zero.py trains ZeRO-3 over data x
-# tensor+sp against one device) and 1f1b x fsdp x tensor+sp (tests/test_pipeline.py trains
+# Left to other tests: zero3 x tensor+sp (tests/equivalence/test_zero.py trains ZeRO-3 over data x
+# tensor+sp against one device) and 1f1b x fsdp x tensor+sp (tests/equivalence/test_pipeline.py trains
 # stage x fsdp x tensor at the llama recipe's shape, where the partitioner once aborted).
 COMPILED = ("interleaved x ring x tensor+sp", "fsdp x expert x tensor")
 TIMEOUT_S = 120  # per cell

@@ -5,6 +5,8 @@ fp32 to 1e-5, with packed segments, and trains a sharded Llama to the single-dev
 numbers. `cudnn` (cuDNN's fused kernel through jax.nn.dot_product_attention) runs on GPUs
 only: here its choice is tested (auto picks it exactly where it applies, and an explicit
 request where it cannot run is refused before compile), not its numbers.
+
+Its sharded Llama run is tests/equivalence/test_attention_choice.py.
 """
 
 import types
@@ -19,7 +21,7 @@ from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig, make_mesh
 from jaxpar.sharding import ContextAttention, Layout, attend, default_rules, use_layout
-from jaxpar.testing import check, compare, run_layout, tree_error
+from jaxpar.testing import tree_error
 from jaxpar.train import build
 from jaxpar.step.layout import attention as _attention
 
@@ -42,13 +44,6 @@ def test_flash_equals_reference_with_packed_segments():
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
 
     assert tree_error(loss("flash"), loss("reference")) < 1e-5
-
-
-def test_flash_trains_a_sharded_llama_like_one_device(tiny_llama, reference):
-    """Blocks of 8 over a 16-token sequence: two query and two key tiles."""
-    config = apply_overrides(tiny_llama, ["parallel.attention=flash", "parallel.attention_block=8"])
-    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
-    check(compare(run, reference(tiny_llama)), 1e-5, where="attention=flash")
 
 
 def device(platform="gpu", capability="9.0", version="cuda 12080"):

@@ -1,4 +1,5 @@
-import json
+"""The command line (jaxpar.commands): parsing, refusals, paths, the version line. A whole
+`jaxpar train` run is tests/scenarios/test_cli.py."""
 
 import pytest
 
@@ -25,34 +26,6 @@ def test_unknown_recipe(capsys):
     assert "unknown recipe 'nope'; use one of deepseek, gemma3, llama, llama_long, llama_pp, mistral, mlp_dp, moe, qwen3, qwen3_moe" in capsys.readouterr().err
 
 
-def test_train_writes_metrics(tmp_path, capsys):
-    path = tmp_path / "m.jsonl"
-    overrides = ["train.steps=5", "model.num_layers=1", "train.seq_len=32", "train.log_every=2"]
-    args = ["train", "llama", "--no-progress", "--metrics-file", str(path)]
-    assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # steps done, as the plain lines count
-    assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s", "nonfinite", "first_nonfinite_grad",
-            "nonfinite_grads"} <= set(rows[0])
-    assert set(rows[0]) - readme_metrics() == set(), "README.md's metrics fields lack these"
-    out = capsys.readouterr().out
-    assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in out
-    # without a bar, a plain line every train.log_every steps and after the last
-    lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"], out
-    assert f"loss {rows[1]['loss']:.4f} | grad_norm {rows[1]['grad_norm']:.3g} | lr " in lines[0], lines[0]
-
-
-def readme_metrics() -> set[str]:
-    """The fields README.md says a metrics row can have (its `--metrics-file` paragraph)."""
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    paragraph = text[text.index("`--metrics-file` writes one JSON object per step"):text.index("`jaxpar plot RUN.jsonl")]
-    return set(re.findall(r"`([a-z_]+)`", paragraph))
-
-
 def test_print_config(capsys):
     assert main(["train", "mlp_dp", "--print-config"]) == 0
     assert "train.microbatches=4" in capsys.readouterr().out
@@ -63,7 +36,7 @@ def test_the_paths_sample_and_export_read_back_are_recorded_absolute(tmp_path, m
     does), are made absolute at train time, so a run's checkpoint reads them from any folder."""
     import pathlib
 
-    root = pathlib.Path(__file__).parents[1]
+    root = pathlib.Path(__file__).parents[2]
     monkeypatch.chdir(root)
     config = resolve_config("hf:tests/golden/llama_tied", ["data.tokenizer=tests/golden/llama_tied/tokenizer.json"], 8)
     assert config.data.tokenizer == str(root / "tests/golden/llama_tied/tokenizer.json")
@@ -109,7 +82,7 @@ def test_version_names_jax_jaxlib_and_the_checkout_s_commit(capsys):
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"jaxpar {version('jaxpar')}") and "\n" not in out
     assert f" | jax {version('jax')} | jaxlib {version('jaxlib')} | Python " in out
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     if (root / ".git").exists() and shutil.which("git"):
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
         assert f"(commit {head.strip()[:12]})" in out

@@ -17,7 +17,7 @@ from jaxpar.hf.generation import (
     stop_ids,
 )
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 
 
 def checkpoint(folder: pathlib.Path, config: dict, generation: dict | None = None, tokenizer: str = "") -> str:

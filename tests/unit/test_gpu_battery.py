@@ -5,7 +5,7 @@ import importlib.util
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("jaxpar_benchmarks_gpu_battery", ROOT / "benchmarks" / "gpu_battery.py")
 battery = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = battery  # dataclasses look their module up there

@@ -8,7 +8,7 @@ import sys
 
 from jaxpar.errors import ConfigError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("jaxpar_benchmarks_gpu_compile", ROOT / "benchmarks" / "gpu_compile.py")
 gpu_compile = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = gpu_compile
@@ -40,7 +40,7 @@ def test_a_config_error_before_compile_is_refused_anything_else_failed():
     refused = gpu_compile.failure(raised(ConfigError("train.matmul_dtype=fp8: no\nsecond line")), "build")
     assert (refused["outcome"], refused["phase"]) == ("REFUSED", "build")
     assert refused["message"] == "ConfigError: train.matmul_dtype=fp8: no"  # its first line only
-    assert refused["where"].startswith("tests/test_gpu_compile.py:")
+    assert refused["where"].startswith("tests/unit/test_gpu_compile.py:")
     assert gpu_compile.failure(raised(ConfigError("x")), "trace")["outcome"] == "REFUSED"
     assert gpu_compile.failure(raised(ConfigError("x")), "compile")["outcome"] == "FAILED"
     failed = gpu_compile.failure(raised(ValueError("attend: cudnn takes values of ...")), "trace")

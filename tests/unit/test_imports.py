@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 FOLDERS = {"jaxpar": ROOT / "jaxpar", **{pkg: ROOT / d for pkg, d in PYPROJECT["package-dir"].items()}}
 

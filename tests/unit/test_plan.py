@@ -1,6 +1,8 @@
 """`jaxpar plan` (jaxpar.plan): the layouts it considers can all run, the formula estimates
 order them sensibly, the roofline is the stated arithmetic, and the best plan it prints
-trains as printed."""
+trains as printed.
+
+Here the estimates and the arithmetic; the compiles in child processes: tests/scenarios/test_plan.py."""
 
 import dataclasses
 import math
@@ -10,7 +12,7 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.inspect.report import Memory, StepReport
-from jaxpar.plan import MODELS, Hardware, plan, render
+from jaxpar.plan import MODELS, Hardware
 from jaxpar.plan.step_time import roofline
 from jaxpar.plan.layouts import Layout, candidates, estimate
 from jaxpar.sharding.annotate import Pipeline
@@ -70,30 +72,6 @@ def test_roofline_is_the_stated_arithmetic(tiny_llama):
     assert r["step_s"] == pytest.approx(0.2 / 0.8)
 
 
-def test_plan_compiles_the_best_layouts_and_its_overrides_train(tiny_llama):
-    """A tiny Llama on 8 devices as 2 hosts of 4: the fastest estimate is compiled, fits,
-    and its --set list trains (several compiled, one aborting: the next test)."""
-    import jax
-
-    from jaxpar.train import build
-    from jaxpar.loop.run import run
-
-    planned, facts = plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
-                          compile_top=1, progress=False)
-    assert facts["compiled"] == 1 and facts["candidates"] > 20
-    best = planned[0]
-    assert best.compiled and 0 < best.memory <= facts["budget_bytes"]
-    assert 0 < best.prediction["mfu"] < 1
-    text = render(planned, facts, 1.0, "jaxpar train tiny --set train.global_batch=16 --set train.seq_len=16")
-    assert "best: predicted" in text
-    command = next(line.strip() for line in text.splitlines() if line.strip().startswith("jaxpar train tiny"))
-    sets = command.split("--set ")[1:]  # the command as printed, batch and sequence included, trains
-    assert [s.strip() for s in sets[2:]] == best.overrides
-    config = apply_overrides(tiny_llama, [s.strip() for s in sets] + ["train.steps=1"])
-    history = run(build(config), progress=False)
-    assert len(history) == 1 and math.isfinite(history[0]["loss"])
-
-
 def test_small_models_print_in_their_own_units():
     """A 0.85M-parameter plan reads 853.12K params, MiB and µs, not 0.0B, 0.0Gi and 0.00s."""
     from jaxpar.units import byte_size, duration, params
@@ -101,49 +79,6 @@ def test_small_models_print_in_their_own_units():
     assert params(853_120) == "853.12K" and params(8.03e9) == "8.03B" and params(12) == "12"
     assert byte_size(4.26 * 2**20) == "4.26 MiB" and byte_size(512) == "512 B"
     assert duration(7e-6) == "7 µs" and duration(0.0123) == "12.3 ms" and duration(2.5) == "2.50 s"
-
-
-def test_a_compile_that_aborts_is_reported_failed_and_the_plan_goes_on(tiny_llama, tmp_path, monkeypatch):
-    """jaxpar.plan.compile_one: each layout compiles in a child process. Here the first child
-    dies as XLA does on a failed CHECK (its fatal line, a stack trace, SIGABRT); that layout
-    is reported failed with XLA's line, and the next one compiles and ranks first."""
-    import sys
-
-    from jaxpar.plan import compile_one
-
-    first = tmp_path / "first-compile"
-    crash = (f"import os, sys\nif not os.path.exists({str(first)!r}):\n    open({str(first)!r}, 'w').close()\n"
-             "    sys.stderr.write('F0101 00:00:00.000000 1 spmd_partitioner.cc:1] Check failed: a stand-in\\n'\n"
-             "                     '*** Check failure stack trace: ***\\n    @ 0x7f0000000000 (unknown)\\n')\n"
-             "    os.abort()\n"
-             "from jaxpar.plan.compile_one import main\nsys.exit(main(sys.argv[1:]))\n")
-    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", crash])
-    import jax
-
-    planned, facts = plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
-                          compile_top=1, progress=False)
-    assert facts["compiled"] == 2 and facts["failed"] == 1
-    assert planned[0].compiled and planned[0].memory <= facts["budget_bytes"]
-    assert planned[-1].failed == "compile aborted (SIGABRT) in XLA or the runtime: Check failed: a stand-in"
-    assert not planned[-1].compiled and not planned[-1].refused
-    text = render(planned, facts, 1.0)
-    assert "(1 failed)" in text and "failed: compile aborted (SIGABRT)" in text and "best: predicted" in text
-
-
-def test_a_compile_that_overruns_or_exits_without_a_result_says_so(monkeypatch):
-    import sys
-
-    import jax
-
-    from jaxpar.plan import compile_one
-
-    args = (None, [], jax.devices(), 16, 16, Hardware(), 0.0)
-    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
-    assert compile_one.compile_in_child(*args, timeout_s=0.5) == {
-        "failed": "compile took longer than 0.5 s (--compile-timeout); stopped it"}
-    monkeypatch.setattr(compile_one, "COMMAND", [sys.executable, "-c", "raise MemoryError('no room')"])
-    assert compile_one.compile_in_child(*args, timeout_s=60) == {
-        "failed": "compile process exited with status 1 and no result: MemoryError: no room"}
 
 
 def test_a_model_class_from_a_recipe_file_reaches_the_compile_child(tmp_path, monkeypatch):

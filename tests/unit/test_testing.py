@@ -43,7 +43,7 @@ def test_the_compile_log_records_each_stage_under_its_test_and_the_benchmark_sum
     assert sorted(r["kind"] for r in records) == ["compile", "lowering", "tracing"], records
     assert all(r["test"] == "tests/test_x.py::test_y" and r["fn"] == "<lambda>" and r["s"] >= 0 for r in records), records
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "suite_compiles.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "suite_compiles.py"
     spec = importlib.util.spec_from_file_location("suite_compiles", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

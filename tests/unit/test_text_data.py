@@ -2,14 +2,14 @@
 a tokenizer.json, packing that keeps document boundaries, rows in epochs
 (jaxpar.data.order), each process's own rows, `jaxpar tokenize`, bad input refused before
 compile, a held-out loss on text, and a killed run resumed on two processes repeating the
-uninterrupted one's losses bitwise."""
+uninterrupted one's losses bitwise.
+
+The held-out loss of a text run: tests/equivalence/test_text_data.py; a text run killed and
+resumed on two processes: tests/scenarios/test_text_data.py."""
 
 import dataclasses
 import json
 import os
-import pathlib
-import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -17,13 +17,11 @@ import pytest
 
 from jaxpar.config import apply_overrides
 from jaxpar.data import text
-from jaxpar.data.heldout import HELD_OUT_STEP, HeldOutTokens
 from jaxpar.data.order import Epochs
 from jaxpar.data.sources import TextSource, TokenFile, make_source
 from jaxpar.commands import main as tokenize_main
 from jaxpar.errors import ConfigError
 from jaxpar.train import build, run
-from jaxpar.loop.metrics import JsonLines
 
 WORDS = ("the cat sat on a mat while dog ran far away from big red house near river under old bridge "
          "café naïve garden light rain fell slowly over green hills and quiet town people walked home").split()
@@ -313,76 +311,3 @@ def test_a_missing_package_is_named_with_its_extra(corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ConfigError, match=r"data.tokenizer='.*' needs the tokenizers package: pip install 'jaxpar\[text\]'"):
         text.load_tokenizer(spec)
-
-
-def test_held_out_loss_on_text(tiny_llama, corpus):
-    """data.eval_fraction holds out the stream's tail; with epochs, held-out batch i is the
-    held-out rows i * B to (i + 1) * B - 1 in order, and train.eval_every reports its loss."""
-    config = _text_config(tiny_llama, corpus, "data.order=epochs", "data.eval_fraction=0.2", "train.eval_every=2",
-                          "train.eval_batches=2", "model.num_layers=1")
-    trainer = build(config)
-    training = make_source(trainer.batch, trainer.config)
-    held = HeldOutTokens(training)
-    stream = _expected_stream(corpus)
-    cut = len(stream) - int(len(stream) * 0.2)
-    np.testing.assert_array_equal(training.tokens, stream[:cut])
-    np.testing.assert_array_equal(held.tokens, stream[cut:])
-    rows = (len(held.tokens) - 1) // 16
-    batch = held.local(HELD_OUT_STEP + 3, slice(0, 16))["inputs"]
-    for j, row in enumerate((3 * 16 + np.arange(16)) % rows):
-        np.testing.assert_array_equal(batch[j], held.tokens[row * 16 : row * 16 + 16])
-    history = run(trainer, progress=False)
-    assert [r["step"] for r in history if "eval_loss" in r] == [2, 3]  # after 2 steps, and the last (steps done)
-    assert all(np.isfinite(r["eval_loss"]) for r in history if "eval_loss" in r)
-
-
-# ------------------------------------------------------------------ killed, resumed on two processes
-
-def _cli(*args):
-    return subprocess.Popen([sys.executable, "-m", "jaxpar.commands", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path):
-    """Issue 22's acceptance: the fine-tune of a Hugging Face Llama (tests/golden/llama_tied,
-    its tokenizer.json and end-of-text id, by the recipe hf:DIR) on a text file, in epochs,
-    resumed by `jaxpar launch` on two processes of four devices from a checkpoint that one
-    process wrote after three steps: every later step's loss equals that of the one process
-    running on, bitwise. (The later checkpoints of that run are removed, as if it had been
-    killed after step 3; a SIGKILL at any point: tests/test_checkpoint.py. data=2 x fsdp=2 x
-    tensor=2 is bitwise across process counts as is: no sum over more than 2 devices;
-    docs/distributed.md.)"""
-    golden = pathlib.Path(__file__).parent / "golden"
-    steps = 10  # about 7 steps an epoch: the resumed run crosses into the second
-    sets = ["train.seq_len=32", "train.global_batch=16", "train.compute_dtype=float32", f"train.steps={steps}",
-            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.source=text", f"data.path={golden / 'corpus.txt'}",
-            "data.order=epochs", "optim.lr=3e-3", "checkpoint.every=3", "checkpoint.keep=10"]
-    recipe = f"hf:{golden / 'llama_tied'}"
-    alone, metrics, ckpt = tmp_path / "alone.jsonl", tmp_path / "m.jsonl", tmp_path / "ckpt"
-    train = lambda metrics: ["train", recipe, "--no-progress", "--metrics-file", str(metrics),  # noqa: E731
-                             *[x for s in sets + [f"checkpoint.dir={ckpt}"] for x in ("--set", s)]]
-    # The one process is this one: `jaxpar train`'s config, trainer and loop on the same 8
-    # devices (XLA's in-process collectives, as in a child of its own, which cost 5 s more).
-    import jax
-
-    from jaxpar.recipes import resolve_config
-
-    config = resolve_config(recipe, sets + [f"checkpoint.dir={ckpt}"], len(jax.devices()))
-    run(build(config), writers=[JsonLines(str(alone))], progress=False)
-    saved = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-    assert saved[0] == 3 and len(saved) > 1, saved
-    for step in saved[1:]:
-        shutil.rmtree(ckpt / str(step))
-
-    resumed = _cli("launch", "--nproc", "2", "--cpu-devices-per-proc", "4", "--", *train(metrics))
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-3000:]
-    assert "resumed from step 3" in out and "on 8 cpu devices in 2 processes" in out, out
-    want = [(r["step"], r["loss"]) for r in _rows(alone)]
-    assert [s for s, _ in want] == list(range(1, steps + 1))
-    want = [(s, loss) for s, loss in want if s > 3]
-    assert [(r["step"], r["loss"]) for r in _rows(metrics)] == want

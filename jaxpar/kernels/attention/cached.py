@@ -7,7 +7,7 @@ places j <= p (and j > p - window under a sliding window). Places past a row's l
 one hold whatever was there (zeros, or a longer prompt's padding): the causal mask keeps
 them out, so they never need clearing. The plain reference is
 `reference_attention` over the whole sequence: a query's output is the same however its
-keys arrived (tests/test_kv_cache.py).
+keys arrived (tests/equivalence/test_kv_cache.py).
 """
 
 from __future__ import annotations
