@@ -163,7 +163,11 @@ def _device_ids(text: str) -> tuple[int, ...] | None:
 def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> None:
     """Connect this process to the others (before JAX starts its backends). Collectives
     across processes run over NCCL on GPUs and gloo on CPUs. JAX's own heartbeat is the
-    backstop, at twice the watchdog's timeout, for a process too stuck to run its watchdog.
+    backstop, at three times the watchdog's timeout, for a process too stuck to run its
+    watchdog: at twice it, JAX's coordinator (which counts from a frozen process's last beat,
+    sent up to a beat's period before it froze) could end process 0 with SIGABRT before the
+    watchdog named the frozen one (seen once, on a loaded machine: 8.2 s after a freeze with
+    a 5 s timeout).
     A cluster of one (JAXPAR_CPU_COLLECTIVES=gloo) listens on a free loopback port and keeps
     SIGTERM as a process alone has it: JAX's preemption service would take it, and there is
     no other process to agree on a step with."""
@@ -185,7 +189,7 @@ def join(cluster: Cluster, heartbeat_timeout_s: int, join_timeout_s: int) -> Non
         local_device_ids=list(cluster.local_device_ids) if cluster.local_device_ids else None,
         coordinator_bind_address=cluster.bind,
         initialization_timeout=join_timeout_s,
-        heartbeat_timeout_seconds=2 * heartbeat_timeout_s,
+        heartbeat_timeout_seconds=3 * heartbeat_timeout_s,
         # JAX's own SLURM detection would give each process only device SLURM_LOCALID.
         cluster_detection_method="deactivate",
     )
