@@ -10,21 +10,12 @@ import pathlib
 
 import numpy as np
 
-from jaxpar.config import Config, DataConfig, TrainConfig, apply_overrides
+from jaxpar.config import apply_overrides
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden" / "chat"
 
 
-def chat_config(tmp_path, records: list[dict | str], case: str = "chatml", **data) -> Config:
-    """A tiny Llama on `records` (each a JSON object, or a line as it is) with `case`'s tokenizer."""
-    path = tmp_path / "chats.jsonl"
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    from jaxpar.models.llama import LlamaConfig
-
-    return Config(
-        model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64),
-        train=TrainConfig(steps=2, global_batch=8, seq_len=160, compute_dtype="float32"),
-        data=DataConfig(source="chat", path=str(path), tokenizer=str(GOLDEN / case / "tokenizer.json"), **data))
+from ..unit.test_chat import chat_config
 
 
 def test_sft_on_conversations_equals_one_device_and_trains_only_on_the_assistant(tmp_path, reference):

@@ -8,8 +8,6 @@ tensor; the rest: tests/unit/test_context_kernels.py."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.attention import (
@@ -24,41 +22,7 @@ from jaxpar.kernels.attention import (
 from jaxpar.sharding.attend import fused_attention
 from jaxpar.testing import tree_error
 
-RTOL = 1e-5
-
-
-def mesh_of(**sizes):
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-
-
-def inputs(b, s, h, g, k, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, s, h, k))
-    kv = [jax.random.normal(keys[i], (b, s, g, k)) for i in (1, 2)]
-    cotangent = jax.random.normal(keys[3], (b, s, h, k))
-    return q, kv[0], kv[1], cotangent
-
-
-def packed(b, s, seed=1):
-    """Segment ids [b, s]: a few documents of random lengths per row, then padding (its own id)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(b):
-        cuts = np.sort(rng.choice(np.arange(1, s), size=3, replace=False))
-        rows.append(np.searchsorted(cuts, np.arange(s), side="right"))
-    return jnp.asarray(np.stack(rows), jnp.int32)
-
-
-def jax_reference(q, k, v, segment_ids, causal, window=0):
-    """JAX's own attention; a sliding window of w keys is its local window of w - 1 before the query."""
-    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    local = (window - 1, 0) if window else None
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, local_window_size=local)
-
-
-def value_and_grads(fn, q, k, v, cotangent):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return (out, *vjp(cotangent))
+from ..unit.test_context_kernels import RTOL, mesh_of, inputs, packed, jax_reference, value_and_grads
 
 
 def test_values_of_their_own_head_size_in_every_kernel():

@@ -23,32 +23,12 @@ from jaxpar.generate.inference import forward, unsharded_model
 from jaxpar.testing import initial_state
 
 
-def read_events(file) -> list:
-    """The Events of one event file: TFRecords (length, its CRC, an Event, its CRC) read with
-    tensorboardX's own Event message."""
-    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
-    data, i, events = pathlib.Path(file).read_bytes(), 0, []
-    while i < len(data):
-        (n,) = struct.unpack("<Q", data[i : i + 8])
-        events.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
-        i += 12 + n + 4
-    return events
-
-
-def read_scalars(logdir) -> dict[str, list[tuple[int, float, float]]]:
-    """tag -> [(step, value, wall time)] from the event files in `logdir`, file by file."""
-    scalars: dict = {}
-    for file in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
-        for event in read_events(file):
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value, event.wall_time))
-    return scalars
+from ..unit.test_evaluation import read_scalars
 
 
 def read_wandb_history(folder) -> list[dict]:
     """The history rows of the offline W&B run under `folder` (its .wandb file: after a
     7-byte header, records of a 7-byte header each, crc, length, kind, in 32 KiB blocks)."""
-    import struct
 
     from wandb.proto import wandb_internal_pb2
 

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.config import Config, OptimConfig, TrainConfig, apply_overrides
+from jaxpar.config import apply_overrides
 from jaxpar.mesh import MeshConfig
 from jaxpar.testing import check, compare, reference_run, run_layout
 from jaxpar.train import build
-from jaxpar.models.llama import LlamaConfig
 
 RTOL = 1e-5
 
@@ -27,16 +26,7 @@ RTOL = 1e-5
 # ------------------------------------------------------------------ training equals one device
 
 
-@pytest.fixture
-def deep_llama() -> Config:
-    """Four layers, four microbatches, clipping at a norm the gradients exceed (so the
-    global norm must be taken across stages)."""
-    return Config(
-        model=LlamaConfig(vocab_size=128, embed=32, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64),
-        train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32", microbatches=4),
-        optim=OptimConfig(clip_norm=0.5),
-    )
-
+from ..unit.test_pipeline import deep_llama  # noqa: F401  the fixture, shared
 
 SP = "parallel.sequence_parallel=true"
 LAYOUTS = {

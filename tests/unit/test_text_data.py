@@ -54,7 +54,7 @@ def corpus(tmp_path_factory):
     return {"root": root, "docs": docs, "tokenizer": str(root / "tokenizer.json"), "eos": 1}
 
 
-def _expected_stream(corpus) -> np.ndarray:
+def expected_stream(corpus) -> np.ndarray:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(corpus["tokenizer"])
@@ -62,7 +62,7 @@ def _expected_stream(corpus) -> np.ndarray:
     return np.array([i for doc in ids for i in doc], np.uint16)
 
 
-def _text_config(tiny_llama, corpus, *overrides):
+def text_config(tiny_llama, corpus, *overrides):
     return apply_overrides(tiny_llama, ["mesh.data=8", "data.source=text", f"data.path={corpus['root'] / 'docs.jsonl'}",
                                         f"data.tokenizer={corpus['tokenizer']}", f"data.eos_id={corpus['eos']}",
                                         *overrides])
@@ -76,17 +76,17 @@ def test_documents_from_each_file_type_tokenize_alike(corpus, path):
     assert text.count_documents(files, spec) == 150
     stream = text.tokenize(spec, model_vocab=128, chunk=64)  # chunks of 64 documents: the same stream as one
     assert stream.dtype == np.uint16
-    np.testing.assert_array_equal(stream, _expected_stream(corpus))
+    np.testing.assert_array_equal(stream, expected_stream(corpus))
     assert text.token_dtype(1 << 16) == np.uint16 and text.token_dtype((1 << 16) + 1) == np.uint32
 
 
 def test_packed_rows_keep_document_boundaries(tiny_llama, corpus):
     """Every document ends with <|endoftext|>; in each row a new segment starts right after
     it, positions restart there, and its own target (the next document) weighs nothing."""
-    trainer = build(_text_config(tiny_llama, corpus, "data.order=epochs"))
+    trainer = build(text_config(tiny_llama, corpus, "data.order=epochs"))
     source = make_source(trainer.batch, trainer.config)
     assert isinstance(source, TextSource)
-    np.testing.assert_array_equal(source.tokens, _expected_stream(corpus))
+    np.testing.assert_array_equal(source.tokens, expected_stream(corpus))
     eos = corpus["eos"]
     for step in (0, 7):
         rows = source.local(step, slice(0, 16))
@@ -105,7 +105,7 @@ def test_packed_rows_keep_document_boundaries(tiny_llama, corpus):
     tokens, rows = len(source.tokens), (len(source.tokens) - 1) // 16
     assert source.describe(30) == (f"data: text '{corpus['root'] / 'docs.jsonl'}' | 150 documents, {tokens:,} tokens | "
                                    f"30 steps x 256 tokens = {30 * 16 / rows:.3g} epochs")
-    folder = _text_config(tiny_llama, corpus, f"data.path={corpus['root'] / 'txt'}")
+    folder = text_config(tiny_llama, corpus, f"data.path={corpus['root'] / 'txt'}")
     assert make_source(trainer.batch, folder).describe(30).startswith(f"data: text '{corpus['root'] / 'txt'}' (150 files) "
                                                                        f"| 150 documents, {tokens:,} tokens | ")
 
@@ -132,7 +132,7 @@ def test_epochs_read_every_row_once_per_epoch_in_an_order_of_the_seed():
 def test_each_process_builds_the_rows_of_the_global_batch(tiny_llama, corpus, order):
     """A source asked for rows [lo, hi) (what a process of a multi-process run asks for) makes
     rows lo to hi of the global batch; so does a second source, as another process would."""
-    trainer = build(_text_config(tiny_llama, corpus, f"data.order={order}"))
+    trainer = build(text_config(tiny_llama, corpus, f"data.order={order}"))
     first, second = make_source(trainer.batch, trainer.config), make_source(trainer.batch, trainer.config)
     for step in (0, 9, 23):
         whole = first.local(step, slice(0, 16))
@@ -154,7 +154,7 @@ def worker_pools():
 
 
 def test_tokenize_command_writes_what_text_reads(tiny_llama, corpus, tmp_path, capsys, worker_pools):
-    jsonl, expected = corpus["root"] / "docs.jsonl", _expected_stream(corpus)
+    jsonl, expected = corpus["root"] / "docs.jsonl", expected_stream(corpus)
     common = ["tokenize", str(jsonl), "--tokenizer", corpus["tokenizer"], "--eos-id", "1", "--no-progress"]
     assert tokenize_main(common + ["--out", str(tmp_path / "parallel.npy"), "--workers", "2", "--bos-id", "0"]) == 0
     starts = [0, *(np.flatnonzero(expected == 1)[:-1] + 1)]  # each document after the last one's end
@@ -171,7 +171,7 @@ def test_tokenize_command_writes_what_text_reads(tiny_llama, corpus, tmp_path, c
                    f"train on it with {sets}"
     # Trained on as the line says, the file gives the rows the text gives.
     file_trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", *sets.replace("--set ", "").split()]))
-    text_trainer = build(_text_config(tiny_llama, corpus))
+    text_trainer = build(text_config(tiny_llama, corpus))
     on_file = make_source(file_trainer.batch, file_trainer.config)
     on_text = make_source(text_trainer.batch, text_trainer.config)
     assert isinstance(on_file, TokenFile) and not isinstance(on_file, TextSource)
@@ -295,7 +295,7 @@ class _NoCompile:
 def test_bad_text_input_is_refused_before_compile(tiny_llama, corpus, tmp_path):
     """Each refused by make_source with one line, and so by jaxpar.train.run before it compiles."""
     for case, (overrides, message) in _bad_inputs(tmp_path, corpus).items():
-        trainer = build(_text_config(tiny_llama, corpus, *overrides))
+        trainer = build(text_config(tiny_llama, corpus, *overrides))
         with pytest.raises(ConfigError, match=message) as info:
             make_source(trainer.batch, trainer.config)
         assert "\n" not in str(info.value), case
