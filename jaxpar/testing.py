@@ -58,11 +58,12 @@ def fast_compiles() -> str:
 
     Returns the cache directory. A program loaded from the cache prints none of the
     compiler's warnings: what reads them compiles in jaxpar.inspect.compiler_warnings()."""
-    if os.environ.get(CACHE_DIR, "") in ("", "run"):  # the run's first process
-        os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-") \
-            if os.environ.get(CACHE_DIR) == "run" else default_cache_dir()
-        if os.environ[CACHE_DIR] != default_cache_dir():
-            atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)
+    asked = os.environ.get(CACHE_DIR, "")  # the run's first process; the others inherit its folder
+    if asked == "run":
+        os.environ[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+        atexit.register(shutil.rmtree, os.environ[CACHE_DIR], ignore_errors=True)
+    elif not asked:
+        os.environ[CACHE_DIR] = default_cache_dir()
     settings = {"jax_compilation_cache_dir": os.environ[CACHE_DIR],
                 "jax_persistent_cache_min_compile_time_secs": 0,  # tiny programs are worth caching too
                 "jax_persistent_cache_min_entry_size_bytes": -1,

@@ -278,7 +278,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     batch_names = prepared_names(batch.names, config.model.task)
     if reduction.when == "compressed":  # refused in pipeline stages: no program
         loss_sum, grads, reduction = _compressed(config, layout, graphdef, abstract_params, names, shardings, batch,
-                                                 loss_fn, reduction)
+                                                 batch_names, loss_fn, reduction)
         return loss_sum, grads, None, reduction
     loss_sum = loss_sum_fn(graphdef, loss_fn, declared(config.model, "remat"), loss_chunks=config.train.loss_chunks)
     if layout.mesh.shape["stage"] > 1:
@@ -291,11 +291,12 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
 
 
 def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
-                shardings: StateShardings, batch: BatchLayout, loss_fn: LossFn, reduction: GradReduction):
+                shardings: StateShardings, batch: BatchLayout, batch_names: dict[str, tuple], loss_fn: LossFn,
+                reduction: GradReduction):
     """(the loss, the compressed step's gradient function, the reduction whose compressor
     knows which parameters it averages layer by layer): those the model's layer scan runs
     once, where the loss's weight can be read off the batch before the backward pass
-    (jaxpar.step.compressed)."""
+    (jaxpar.step.compressed). `batch_names`: the prepared batch's (prepared_names)."""
     paths = {jax.tree_util.keystr(k, simple=True, separator="."): n.names
              for k, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, ParamNames))[0]}
     hooks = layer_hooks(reduction.compressor, paths)
@@ -305,8 +306,8 @@ def _compressed(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract
     weight_of = weight_of_batch(loss_fn, outputs, example)
     per_layer = hooked_paths(loss_sum, hooks, abstract_params, example) if weight_of is not None else frozenset()
     compressor = dataclasses.replace(reduction.compressor, per_layer=per_layer)
-    averaged = compressed_gradients(loss_sum, layout, shardings, prepared_names(batch.names, config.model.task),
-                                    layout.microbatches, compressor, weight_of)
+    averaged = compressed_gradients(loss_sum, layout, shardings, batch_names, layout.microbatches, compressor,
+                                    weight_of)
 
     def grads(params, batch, compression, frozen):  # LoRA is refused with compression (jaxpar.checks)
         loss, sums, g, compression = averaged(params, batch, compression, frozen)
