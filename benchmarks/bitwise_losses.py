@@ -19,18 +19,18 @@ import sys
 
 CASES = {  # name: (recipe, overrides)
     "llama default": ("llama", []),
-    "llama fsdp2 tensor4 zero3": ("llama", ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "parallel.zero_stage=3"]),
-    "llama data8 zero1 microbatches2": ("llama", ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero_stage=1",
+    "llama fsdp2 tensor4 zero3": ("llama", ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "parallel.zero.stage=3"]),
+    "llama data8 zero1 microbatches2": ("llama", ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero.stage=1",
                                                   "train.microbatches=2"]),
     "llama_pp (recipe)": ("llama_pp", []),
-    "llama_pp interleaved": ("llama_pp", ["parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2",
+    "llama_pp interleaved": ("llama_pp", ["parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2",
                                           "train.microbatches=4"]),
-    "llama_long ulysses": ("llama_long", ["parallel.context_impl=ulysses", "train.seq_len=512"]),
+    "llama_long ulysses": ("llama_long", ["parallel.context.impl=ulysses", "train.seq_len=512"]),
     "moe (recipe)": ("moe", []),
     "mlp_dp (recipe)": ("mlp_dp", []),
     "deepseek (recipe)": ("deepseek", []),
     "llama powersgd": ("llama", ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4", "mesh.tensor=1",
-                                 "parallel.gradient_compression=powersgd", "train.compute_dtype=float32"]),
+                                 "parallel.compression.method=powersgd", "train.compute_dtype=float32"]),
 }
 
 

@@ -1,4 +1,4 @@
-"""Gradient compression (parallel.gradient_compression) on CPU virtual devices: the bytes that
+"""Gradient compression (parallel.compression.method) on CPU virtual devices: the bytes that
 cross hosts, what compression does to learning, and when it pays.
 
   1. bytes (compiled): the `llama` recipe over two simulated hosts (mesh.data=2 across,
@@ -45,13 +45,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 
-TWO_HOSTS = ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=0"]
+TWO_HOSTS = ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero.stage=0"]
 METHODS = {
     "none": [],
-    "powersgd r4": ["parallel.gradient_compression=powersgd", "parallel.powersgd_rank=4"],
-    "powersgd r1": ["parallel.gradient_compression=powersgd", "parallel.powersgd_rank=1"],
-    "topk 1%": ["parallel.gradient_compression=topk", "parallel.topk_fraction=0.01"],
-    "topk 10%": ["parallel.gradient_compression=topk", "parallel.topk_fraction=0.1"],
+    "powersgd r4": ["parallel.compression.method=powersgd", "parallel.compression.powersgd_rank=4"],
+    "powersgd r1": ["parallel.compression.method=powersgd", "parallel.compression.powersgd_rank=1"],
+    "topk 1%": ["parallel.compression.method=topk", "parallel.compression.topk_fraction=0.01"],
+    "topk 10%": ["parallel.compression.method=topk", "parallel.compression.topk_fraction=0.1"],
 }
 SHAPES = {  # name -> (LlamaConfig fields, the in-host layout on 8 devices)
     "TinyLlama-1.1B": (dict(vocab_size=32000, embed=2048, num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64,
@@ -93,7 +93,7 @@ def schedule(target: str, out: pathlib.Path) -> None:
     for name, overrides in list(METHODS.items())[1:]:
         for stage in (0, 3):
             config = apply_overrides(base, ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4",
-                                            f"parallel.zero_stage={stage}", *overrides])
+                                            f"parallel.zero.stage={stage}", *overrides])
             trainer = build_on(config, devices)
             doc = explain(trainer, inspect_step(trainer))
             row = dict(method=name, zero_stage=stage, **doc["compressed_schedule"],

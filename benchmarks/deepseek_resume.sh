@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 JAXPAR=${JAXPAR:-.venv/bin/jaxpar}
 OUT=$(mktemp -d)
 ARGS="hf:tests/golden/deepseek_v3 --set mesh.stage=2 --set mesh.expert=2 --set mesh.data=2 --set train.microbatches=2
-  --set parallel.zero_stage=1 --set model.mtp_layers=1 --set data.source=text --set data.path=tests/golden/corpus.txt
+  --set parallel.zero.stage=1 --set model.mtp_layers=1 --set data.source=text --set data.path=tests/golden/corpus.txt
   --set data.tokenizer=tests/golden/llama_tied/tokenizer.json --set data.eos_id=2 --set data.order=epochs
   --set train.steps=40 --set train.global_batch=8 --set train.seq_len=64 --set optim.lr=3e-3 --set checkpoint.every=20
   --set train.log_every=1 --no-progress"

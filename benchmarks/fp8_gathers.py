@@ -41,7 +41,7 @@ def main() -> int:
     doc = {"device": devices[0].device_kind, "devices": DEVICES, "layers": LAYERS, "jax": jax.__version__, "runs": {}}
     for matmuls in ("compute", "fp8"):
         config = apply_overrides(jaxpar_config(dict(SHAPE, num_layers=LAYERS), 8, 2048, "dots", 1, matmuls),
-                                 ["mesh.data=1", f"mesh.fsdp={DEVICES}", "parallel.zero_stage=3"])
+                                 ["mesh.data=1", f"mesh.fsdp={DEVICES}", "parallel.zero.stage=3"])
         trainer = build(config, devices)
         rows = summarize(inspect_step(trainer).collectives)
         doc["runs"][matmuls] = [{k: r[k] for k in ("kind", "dtype", "count", "bytes_per_step")} for r in rows]

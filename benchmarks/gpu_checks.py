@@ -6,7 +6,7 @@
   2. grouped: the dropless experts' grouped matmul (jax.lax.ragged_dot, custom VJP)
      against a per-group loop of matmuls, values and gradients, and its time against
      running every row through every expert (the reference's dense cost).
-  3. offload: the `llama` recipe on one GPU with `parallel.offload_optimizer` off and on:
+  3. offload: the `llama` recipe on one GPU with `parallel.zero.offload_optimizer` off and on:
      where the optimizer state rests between steps, the compiled device bytes, losses of
      the same steps (must agree), and step time side by side; and `model.remat=offload`
      beside `full`: pinned-host temporaries and device temporaries.
@@ -174,7 +174,7 @@ def offload_rows(steps: int = 12) -> list[dict]:
     base = resolve_config("llama", [], 1)
     for name, overrides in [
         ("resident", []),
-        ("offload_optimizer", ["parallel.offload_optimizer=true"]),
+        ("offload_optimizer", ["parallel.zero.offload_optimizer=true"]),
         ("remat_full", ["model.remat=full"]),
         ("remat_offload", ["model.remat=offload"]),
     ]:

@@ -144,7 +144,7 @@ def resolved(config, num_devices: int) -> dict:
 def layout_text(sizes, config) -> str:
     """'data=2 fsdp=2 tensor=2 zero1 remat=full': the mesh axes above 1, ZeRO stage, remat."""
     axes = " ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "single device"
-    zero = f" zero{config.parallel.zero_stage}" if config.parallel.zero_stage else ""
+    zero = f" zero{config.parallel.zero.stage}" if config.parallel.zero.stage else ""
     remat = getattr(config.model, "remat", None)
     return f"{axes}{zero}{f' remat={remat}' if remat not in (None, 'none') else ''}"
 

@@ -16,11 +16,11 @@ compared with the single-device run of the same recipe and shape.
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
 
-  data: data, zero1, zero2, zero3 (parallel.zero_stage; ZeRO acts over data and fsdp),
-        topk (parallel.gradient_compression=topk at fraction 1, lossless; mesh.hosts.data=2)
-  fsdp: fsdp          tensor: tensor, tensor+sp (parallel.sequence_parallel)
-  context: ring, ulysses, allgather (parallel.context_impl)       expert: expert
-  stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline_schedule)
+  data: data, zero1, zero2, zero3 (parallel.zero.stage; ZeRO acts over data and fsdp),
+        topk (parallel.compression.method=topk at fraction 1, lossless; mesh.hosts.data=2)
+  fsdp: fsdp          tensor: tensor, tensor+sp (parallel.tensor.sequence_parallel)
+  context: ring, ulysses, allgather (parallel.context.impl)       expert: expert
+  stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline.schedule)
 
 Cells with `expert` use the moe recipe, the others the llama recipe, each with its own model
 shape, seq_len and global batch; the cells marked [deepseek] (every pair with expert, and
@@ -30,7 +30,7 @@ pipeline x data x expert and fsdp x expert x tensor) run DeepSeek-V3's family in
 recipes/mistral.py (a sliding window of 16 keys, the ring in the contiguous order); the cells
 marked [qwen3] (tensor+sp beside every strategy but expert) run recipes/qwen3.py (QK-norm,
 wide heads); every run forces train.compute_dtype=float32,
-train.steps=3, parallel.sequence_parallel=false (the llama recipe turns it on; only
+train.steps=3, parallel.tensor.sequence_parallel=false (the llama recipe turns it on; only
 tensor+sp does here) and the cell's mesh (all six axes named, so the recipe's own mesh is
 replaced: jaxpar.recipes.resolve_config). Overrides a cell needs to be legal at all are listed
 in its `adapted` field with the reason (pipelines: train.microbatches=2; expert x context:
@@ -90,16 +90,16 @@ class Strategy:
 PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 STRATEGIES = (
     Strategy("data", "data"),
-    *(Strategy(f"zero{k}", "data", (f"parallel.zero_stage={k}",)) for k in (1, 2, 3)),
+    *(Strategy(f"zero{k}", "data", (f"parallel.zero.stage={k}",)) for k in (1, 2, 3)),
     # gradient compression at its lossless setting (every entry): each data replica a host of
     # its own, the layer stack compressed layer by layer inside the backward pass
-    Strategy("topk", "data", ("mesh.hosts.data=2", "parallel.gradient_compression=topk", "parallel.topk_fraction=1")),
+    Strategy("topk", "data", ("mesh.hosts.data=2", "parallel.compression.method=topk", "parallel.compression.topk_fraction=1")),
     Strategy("fsdp", "fsdp"),
     Strategy("tensor", "tensor"),
-    Strategy("tensor+sp", "tensor", ("parallel.sequence_parallel=true",)),
-    *(Strategy(impl, "context", (f"parallel.context_impl={impl}",)) for impl in ("ring", "ulysses", "allgather")),
+    Strategy("tensor+sp", "tensor", ("parallel.tensor.sequence_parallel=true",)),
+    *(Strategy(impl, "context", (f"parallel.context.impl={impl}",)) for impl in ("ring", "ulysses", "allgather")),
     Strategy("expert", "expert"),
-    *(Strategy(s, "stage", (f"parallel.pipeline_schedule={s}",) + (("parallel.pipeline_chunks=2",) if s == "interleaved"
+    *(Strategy(s, "stage", (f"parallel.pipeline.schedule={s}",) + (("parallel.pipeline.chunks=2",) if s == "interleaved"
                                                                    else ())) for s in PIPELINES),
 )
 BY_NAME = {s.name: s for s in STRATEGIES}
@@ -219,10 +219,10 @@ class Cell:
     def overrides(self) -> list[str]:
         """Every --set of the cell's run (but checkpoint.dir)."""
         sets = [f"mesh.{axis}={size}" for axis, size in self.mesh.items()]
-        sets.append("parallel.sequence_parallel=false")
+        sets.append("parallel.tensor.sequence_parallel=false")
         for s in self.strategies:
             sets += [o for o in BY_NAME[s].sets if o not in sets]
-        sets = [o for o in sets if not (o == "parallel.sequence_parallel=false" and "tensor+sp" in self.strategies)]
+        sets = [o for o in sets if not (o == "parallel.tensor.sequence_parallel=false" and "tensor+sp" in self.strategies)]
         return sets + list(BASE) + [o for o, _ in self.adapted]
 
     @property

@@ -76,7 +76,7 @@ def main() -> None:
     started = time.perf_counter()
     for kind, n, variant in tqdm(jobs, desc="compiling", unit="step"):
         if kind == "zero":
-            trainer, report, doc = measure(n, [f"mesh.data={n}", f"parallel.zero_stage={variant}"])
+            trainer, report, doc = measure(n, [f"mesh.data={n}", f"parallel.zero.stage={variant}"])
             state = next(r for r in doc["memory"] if r["name"] == "model state")
             psi = doc["params"]
             results["zero"].append({
@@ -93,7 +93,7 @@ def main() -> None:
         elif kind == "activations":
             t = 4  # the model's 4 KV heads cap tensor parallelism at 4
             overrides = ["mesh.data=1", f"mesh.tensor={t}"]
-            overrides += ["parallel.sequence_parallel=true"] if "sp" in variant else []
+            overrides += ["parallel.tensor.sequence_parallel=true"] if "sp" in variant else []
             overrides += ["model.remat=selective"] if "selective" in variant else []
             # Per layer: temporaries of 4 layers minus 2, halved. That also holds per-layer
             # gradient and update buffers, which do not grow with the batch: the activations

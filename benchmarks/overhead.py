@@ -17,7 +17,7 @@ median ratio over all P x R rounds, with its spread: the interquartile range of 
 rounds and the range of the processes' own medians. Quote the median with that spread.
 
   python benchmarks/overhead.py [--devices 8] [--steps 20] [--rounds 9] [--processes 3]
-      [--dtype float32] [--layout "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 parallel.sequence_parallel=true"]
+      [--dtype float32] [--layout "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 parallel.tensor.sequence_parallel=true"]
       [--out benchmarks/results/overhead.json]
 """
 
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=3, help="processes run one after the other, each R rounds")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one process's rounds, as JSON into this file
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="train.compute_dtype")
-    p.add_argument("--layout", default="mesh.data=2 mesh.fsdp=2 mesh.tensor=2 parallel.sequence_parallel=true")
+    p.add_argument("--layout", default="mesh.data=2 mesh.fsdp=2 mesh.tensor=2 parallel.tensor.sequence_parallel=true")
     p.add_argument("--out", default="benchmarks/results/overhead.json")
     return p.parse_args()
 

@@ -2,7 +2,7 @@
 scheduled HLO, the share of collective bytes that run asynchronously with computation between
 their start and done. Variants: XLA's defaults (compiler.preset=none), the overlap preset
 (jaxpar.xla_options), and each with the sequence-parallel gathers and scatters as collective
-matmuls (parallel.collective_matmul=ring).
+matmuls (parallel.tensor.collective_matmul=ring).
 
   python benchmarks/overlap.py [--target benchmarks/targets/h100.pbtxt] [--out ...]
 
@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
                    "one GPU a host on a GPU: 1x8x1)")
     p.add_argument("--target", help="GpuTargetConfig text file: compile for GPUs without one (deviceless)")
     p.add_argument("--collective-matmul", default="none,ring,bidirectional",
-                   help="values of parallel.collective_matmul to compare")
+                   help="values of parallel.tensor.collective_matmul to compare")
     p.add_argument("--fsdp", type=int, default=4)
     p.add_argument("--tensor", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/overlap.json")
@@ -101,7 +101,7 @@ def main() -> int:
     from jaxpar.train import build
 
     base = model_config()
-    sets = ["mesh.data=1", f"mesh.fsdp={args.fsdp}", f"mesh.tensor={args.tensor}", "parallel.sequence_parallel=true"]
+    sets = ["mesh.data=1", f"mesh.fsdp={args.fsdp}", f"mesh.tensor={args.tensor}", "parallel.tensor.sequence_parallel=true"]
     results = {"how": how, "platform": devices[0].platform, "devices": len(devices), "device_kind": devices[0].device_kind,
                "jax": jax.__version__, "layout": sets, "model": dataclasses.asdict(base.model), "variants": {}}
     print(f"{len(devices)} devices: {how}; {' '.join(sets)}")
@@ -109,7 +109,7 @@ def main() -> int:
     for matmul in args.collective_matmul.split(","):
         for preset in ("none", "overlap"):
             start = time.perf_counter()
-            trainer = build(apply_overrides(base, sets + [f"compiler.preset={preset}", f"parallel.collective_matmul={matmul}"]), devices)
+            trainer = build(apply_overrides(base, sets + [f"compiler.preset={preset}", f"parallel.tensor.collective_matmul={matmul}"]), devices)
             found = report(trainer)
             found["compile_s"] = time.perf_counter() - start
             results["variants"][f"preset={preset},collective_matmul={matmul}"] = {**found, "options": trainer.compiler_options}

@@ -79,7 +79,7 @@ def bubble_row(name: str, p: int, m: int, v: int) -> dict:
 
 
 def memory_row(name: str, v: int, m: int) -> dict:
-    from jaxpar.config import Config, ParallelConfig, TrainConfig
+    from jaxpar.config import Config, ParallelConfig, PipelineConfig, TrainConfig
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
     from jaxpar.models.llama import LlamaConfig
@@ -88,7 +88,7 @@ def memory_row(name: str, v: int, m: int) -> dict:
     config = Config(
         model=LlamaConfig(vocab_size=256, embed=128, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=16, mlp=384),
         mesh=MeshConfig(stage=STAGES, data=data),
-        parallel=ParallelConfig(pipeline_schedule=name, pipeline_chunks=v),
+        parallel=ParallelConfig(pipeline=PipelineConfig(schedule=name, chunks=v)),
         train=TrainConfig(global_batch=data * ROWS * m, seq_len=SEQ, microbatches=m, compute_dtype="float32"),
     )
     trainer = build(config)

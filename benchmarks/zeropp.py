@@ -32,10 +32,10 @@ MODEL = dict(vocab_size=32000, embed=2048, num_layers=22, num_heads=32, num_kv_h
 HOST_SIZE = 8
 VARIANTS = {
     "zero3": [],
-    "hpz": ["parallel.hpz=true"],
-    "qwz": ["parallel.quantized_weights=true"],
-    "qgz": ["parallel.quantized_gradients=true"],
-    "hpz+qwz+qgz": ["parallel.hpz=true", "parallel.quantized_weights=true", "parallel.quantized_gradients=true"],
+    "hpz": ["parallel.zero.hpz=true"],
+    "qwz": ["parallel.zero.quantized_weights=true"],
+    "qgz": ["parallel.zero.quantized_gradients=true"],
+    "hpz+qwz+qgz": ["parallel.zero.hpz=true", "parallel.zero.quantized_weights=true", "parallel.zero.quantized_gradients=true"],
 }
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     import jax
     from tqdm import tqdm
 
-    from jaxpar.config import Config, ParallelConfig, TrainConfig, apply_overrides
+    from jaxpar.config import Config, ParallelConfig, TrainConfig, ZeroConfig, apply_overrides
     from jaxpar.inspect import inspect_step
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
@@ -67,7 +67,7 @@ def main() -> None:
     base = Config(
         model=LlamaConfig(**MODEL),
         mesh=MeshConfig(data=hosts, fsdp=HOST_SIZE),
-        parallel=ParallelConfig(zero_stage=3),
+        parallel=ParallelConfig(zero=ZeroConfig(stage=3)),
         train=TrainConfig(global_batch=args.devices, seq_len=args.seq, compute_dtype="bfloat16"),
     )
     base = apply_overrides(base, [f"mesh.hosts.data={hosts}"])
@@ -107,7 +107,7 @@ def main() -> None:
     # ---- the loss, on the llama recipe
     recipe = apply_overrides(
         recipes.load("llama"),
-        ["mesh.data=2", "mesh.hosts.data=2", "parallel.zero_stage=3", f"train.steps={args.steps}"],
+        ["mesh.data=2", "mesh.hosts.data=2", "parallel.zero.stage=3", f"train.steps={args.steps}"],
     )
     losses = {}
     for name in ("zero3", "hpz", "hpz+qwz+qgz"):

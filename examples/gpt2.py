@@ -14,7 +14,7 @@ No collective appears here. Train it:
 
   jaxpar train examples/gpt2.py --set mesh.fsdp=2 --set mesh.tensor=4
   jaxpar train examples/gpt2.py --set mesh.stage=2 --set mesh.fsdp=2 --set mesh.tensor=2 --set train.microbatches=4
-  jaxpar train examples/gpt2.py --set mesh.context=2 --set parallel.context_impl=ring
+  jaxpar train examples/gpt2.py --set mesh.context=2 --set parallel.context.impl=ring
 
 or from Python: `jaxpar.train.run(jaxpar.train.build(recipe()))` (docs/your_model.md).
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.config import Config, OptimConfig, ParallelConfig, TensorConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ATTENTION, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import scan_layers, stack_layers
@@ -187,7 +187,7 @@ def recipe() -> Config:
     return Config(
         model=GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4, n_inner=256),
         mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
-        parallel=ParallelConfig(sequence_parallel=True),
+        parallel=ParallelConfig(tensor=TensorConfig(sequence_parallel=True)),
         train=TrainConfig(steps=40, global_batch=16, seq_len=64, compute_dtype="bfloat16"),
         optim=OptimConfig(lr=3e-3, warmup_steps=5),
     )

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.config import Config, OptimConfig, ParallelConfig, TensorConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import PROJECTIONS, REMAT, SEQUENCE, STAGES
@@ -155,7 +155,7 @@ def recipe() -> Config:
     return Config(
         model=ViTConfig(image_size=16, patch=4, embed=64, num_layers=4, num_heads=4, mlp=128, num_classes=10),
         mesh=MeshConfig(data=-1, fsdp=2, tensor=2),
-        parallel=ParallelConfig(sequence_parallel=True),
+        parallel=ParallelConfig(tensor=TensorConfig(sequence_parallel=True)),
         train=TrainConfig(steps=40, global_batch=32, compute_dtype="bfloat16"),
         optim=OptimConfig(lr=1e-3, warmup_steps=5),
     )

@@ -53,7 +53,7 @@ RULE = "choice-values"  # the catalogue rule that checks every choice field (jax
 
 
 def choice_fields(node: Any, prefix: str = "") -> dict[str, tuple]:
-    """{'parallel.zero_stage': (0, 1, 2, 3), ...}: every Literal-typed field under `node`, a
+    """{'parallel.zero.stage': (0, 1, 2, 3), ...}: every Literal-typed field under `node`, a
     dataclass or an instance of one, by dotted key. An instance is walked as it is, so its
     model's own choice fields count; a class as its annotations say."""
     cls = node if isinstance(node, type) else type(node)

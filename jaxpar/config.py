@@ -11,13 +11,14 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from jaxpar.choices import (Attention, AttentionKernel, CollectiveMatmul, CompilerPreset, ComputeDtype, ContextImpl,
-                            DataOrder, DataSource, ExpertExchange, GradientCompression, LoraBaseDtype, MatmulDtype,
-                            OnNonfinite,
-                            OnReplicated, Optimizer, PipelineSchedule, SequenceLayout, ZeroStage, check_choice)
+from jaxpar.choices import (CompilerPreset, ComputeDtype, DataOrder, DataSource, LoraBaseDtype, MatmulDtype, OnNonfinite,
+                            Optimizer, check_choice)
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ModelConfig
+# parallel's sections are re-exported: a recipe imports them with the rest of the config
+from jaxpar.specs import (RENAMED_KEYS, CompressionConfig, ContextConfig, ParallelConfig,  # noqa: F401
+                          PipelineConfig, RulesConfig, TensorConfig, ZeroConfig)
 
 
 def default_model() -> ModelConfig:
@@ -25,77 +26,6 @@ def default_model() -> ModelConfig:
     from jaxpar.models.llama import LlamaConfig
 
     return LlamaConfig()
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    # Megatron sequence parallelism: activations outside the matmuls sharded by sequence
-    # over mesh.tensor (all-gather before, reduce-scatter after each tensor-parallel block).
-    sequence_parallel: bool = False
-    # Under sequence parallelism, run each column projection's all-gather and each row
-    # projection's reduce-scatter as a collective matmul whose ppermute ring steps overlap
-    # partial matmuls (jaxpar.sharding.projections): none | ring | bidirectional.
-    collective_matmul: CollectiveMatmul = "none"
-    # What the data axis shards besides the batch: 0 nothing, 1 optimizer state,
-    # 2 + gradients, 3 + parameters (jaxpar.step.zero).
-    zero_stage: ZeroStage = 0
-    # ZeRO++ (arXiv 2306.10209). hpz: at zero_stage=3, keep a secondary parameter shard
-    # inside the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
-    hpz: bool = False
-    # qwZ: the parameter all-gathers in int8, one float32 scale per quantization_block elements.
-    quantized_weights: bool = False
-    # qgZ: the gradient reduction over mesh.data as an int8 all-to-all, one float32 scale per
-    # quantization_block elements (as gradient_compression=int8).
-    quantized_gradients: bool = False
-    quantization_block: int = 256  # elements that share one float32 scale under qwZ and qgZ
-    # Compress the gradient reduction over mesh.data across hosts (jaxpar.step.compression;
-    # needs mesh.hosts.data = mesh.data > 1, the in-host part of data parallelism on
-    # mesh.fsdp): none | int8 (qgZ, as quantized_gradients) | powersgd (rank-powersgd_rank
-    # factors of each gradient matrix, warm-started, with error feedback) | topk (the
-    # topk_fraction largest entries of each device's block, with error feedback).
-    gradient_compression: GradientCompression = "none"
-    powersgd_rank: int = 4  # powersgd: the rank of the two factors each gradient matrix is sent as
-    topk_fraction: float = 0.01  # topk: the share of each device's gradient block sent (its largest entries)
-    # fp32 master weights and optimizer state rest in pinned host memory between steps and
-    # are brought to the device for the update.
-    offload_optimizer: bool = False
-    # Attention over a sequence sharded on mesh.context (jaxpar.kernels.attention): ring
-    # (key/value blocks passed round the devices), ulysses (all-to-alls from sequence to head
-    # shards and back) or allgather (keys and values gathered whole, queries kept sharded).
-    context_impl: ContextImpl = "ring"
-    # How a sequence lies over mesh.context: zigzag (2n chunks, device r holds r and 2n-1-r:
-    # the same causal work on every device) or contiguous.
-    context_layout: SequenceLayout = "zigzag"
-    attention_block: int = 512  # the longest query/key tile of the blockwise kernels (tiles divide the layout's chunks)
-    # The context kernels' block forward: pure JAX (jax), one fused Pallas kernel (pallas:
-    # Triton, GPUs) or that kernel in the Pallas interpreter (pallas_interpret: for checking).
-    attention_kernel: AttentionKernel = "jax"
-    # Attention over an unsharded sequence (mesh.context=1): reference (scores materialized,
-    # softmax in float32), flash (jaxpar's blockwise kernel, attention_block tiles, the jax
-    # block forward), cudnn (cuDNN's fused flash attention: CUDA GPUs of compute capability
-    # 8.0 or more, no packed documents, bf16/fp16), or auto (cudnn where it applies, else
-    # flash on GPUs and reference elsewhere).
-    attention: Attention = "auto"
-    # How dropless MoE routing sends each expert device its rows: ragged
-    # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
-    # or auto (ragged on GPUs, padded elsewhere).
-    expert_exchange: ExpertExchange = "auto"
-    # Pipeline parallelism over mesh.stage (jaxpar.pipeline): the schedule, run over
-    # train.microbatches microbatches.
-    pipeline_schedule: PipelineSchedule = "1f1b"
-    pipeline_chunks: int = 1  # model chunks (virtual stages) each device holds; more than 1 only for interleaved
-    # Rule overrides, 'logical=axis+axis,...' on top of the defaults (jaxpar.sharding.rules).
-    storage_rules: str = ""  # where parameters, gradients and optimizer state rest, e.g. 'embed=fsdp'
-    compute_rules: str = ""  # where activations and parameters at their point of use lie, e.g. 'mlp=tensor'
-    # A parameter whose logical names match no rule while a mesh axis that shards
-    # parameters is > 1 rests whole on every device: warn (name it and the rule that would
-    # shard it), error (refuse the layout), or allow (say nothing).
-    on_replicated: OnReplicated = "warn"
-
-    @property
-    def int8_gradients(self) -> bool:
-        """qgZ, by either of its names."""
-        return self.quantized_gradients or self.gradient_compression == "int8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,14 +200,15 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value; e.g. --set train.steps=50")
+        key = RENAMED_KEYS.get(key.strip(), key.strip())
         try:
-            config = _set(config, key.strip().split("."), value.strip(), key.strip())
+            config = _set(config, key.split("."), value.strip(), key)
         except ConfigError as e:
             file = getattr(item, "file", None)  # read from a --config file (jaxpar.config_text.FileOverride)
             if file is None:
                 raise
-            near = difflib.get_close_matches(key.strip(), flatten(config), n=1)
-            hint = f" (did you mean {near[0]}?)" if near and near[0] != key.strip() else ""
+            near = difflib.get_close_matches(key, flatten(config), n=1)
+            hint = f" (did you mean {near[0]}?)" if near and near[0] != key else ""
             raise ConfigError(f"--config {file}: {e}{hint}") from None
     return config
 
@@ -324,7 +255,7 @@ def _parse(text: str, hint: Any, key: str) -> Any:
 
 
 def _parse_choice(text: str, allowed: tuple, key: str) -> Any:
-    """A choice as its Literal's type (parallel.zero_stage=2 is the int 2), refused with the
+    """A choice as its Literal's type (parallel.zero.stage=2 is the int 2), refused with the
     catalogue's message (jaxpar.choices.check_choice) unless allowed."""
     try:
         value = _parse(text, type(allowed[0]), key)

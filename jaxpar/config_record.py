@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from jaxpar.config import Config, flatten
+from jaxpar.config import RENAMED_KEYS, Config, flatten
 from jaxpar.errors import ConfigError
 
 
@@ -34,7 +34,7 @@ def rebuild(meta: dict, where: str, step: int) -> Config:
         raise ConfigError(f"{where} was written before checkpoints recorded their model's class, so its config "
                           "cannot be rebuilt from it alone; train on from it for one step with this jaxpar (jaxpar train "
                           f"RECIPE --set checkpoint.dir=... --set train.steps={step + 1}), which saves one that records it")
-    saved = meta["config"]
+    saved = {RENAMED_KEYS.get(key, key): value for key, value in meta["config"].items()}  # flat keys of before
     hints = typing.get_type_hints(Config)
     sections = {f.name: _rebuild(hints[f.name], saved, f.name + ".", where)
                 for f in dataclasses.fields(Config) if f.name != "model"}
@@ -118,7 +118,26 @@ def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
-def field_default(config: Any, name: str) -> Any:
-    """A dataclass field's default (a sentinel where it has none or is no field)."""
-    field = next((f for f in dataclasses.fields(config) if f.name == name), None)
-    return field.default if field is not None and field.default is not dataclasses.MISSING else object()
+def first_change(saved: dict, config: Config, sections: tuple[str, ...], ignore: tuple[str, ...] = ()
+                 ) -> tuple[str, Any, Any] | None:
+    """(key, saved value, this config's value) of the first key under `sections` (e.g.
+    "model.") that `config` sets otherwise than the record `saved` (a `record`'s "config");
+    None where they agree. A field added since the record was written counts as saved at its
+    default; keys in `ignore` are passed over."""
+    for key, value, default in _leaves(config):
+        if not key.startswith(sections) or key in ignore or (key not in saved and value == default):
+            continue
+        if saved.get(key) != jsonable(value):
+            return key, saved.get(key), value
+    return None
+
+
+def _leaves(node: Any, prefix: str = ""):
+    """(dotted key, value, default) of each leaf field of the dataclass tree `node`; a field
+    without a default gives a sentinel that equals nothing."""
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{field.name}.")
+        else:
+            yield prefix + field.name, value, field.default if field.default is not dataclasses.MISSING else object()

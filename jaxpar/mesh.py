@@ -47,12 +47,12 @@ class HostSplit:
 class MeshConfig:
     """Axis sizes; one axis may be -1 to take whatever the device count leaves."""
 
-    stage: int = 1  # devices a pipeline splits the layers over (parallel.pipeline_schedule)
+    stage: int = 1  # devices a pipeline splits the layers over (parallel.pipeline.schedule)
     data: int = -1  # replicas of the model, each on its share of the batch (-1: what the others leave)
     fsdp: int = 1  # devices the parameters, gradients and optimizer state are sharded over (ZeRO-3), batch split too
     expert: int = 1  # devices a MoE model's experts are split over; the batch too
-    context: int = 1  # devices each sequence is split over (parallel.context_impl)
-    tensor: int = 1  # devices each matmul is split over (Megatron; parallel.sequence_parallel)
+    context: int = 1  # devices each sequence is split over (parallel.context.impl)
+    tensor: int = 1  # devices each matmul is split over (Megatron; parallel.tensor.sequence_parallel)
     hosts: HostSplit = dataclasses.field(default_factory=HostSplit)
 
     def requested(self) -> dict[str, int]:

@@ -81,9 +81,9 @@ STAGES = "stages"  # the module implements `PipelineStages`: a pipeline can cut 
 REMAT = "remat"  # the config's `remat` names a jaxpar.nn policy the model applies to its layers
 
 CAPABILITIES = {
-    SEQUENCE: "sequence parallelism (parallel.sequence_parallel) shards its sequence",
+    SEQUENCE: "sequence parallelism (parallel.tensor.sequence_parallel) shards its sequence",
     ATTENTION: "context parallelism (mesh.context) and the attention kernels (parallel.attention)",
-    PROJECTIONS: "collective matmul (parallel.collective_matmul) and FP8 matmuls (train.matmul_dtype=fp8)",
+    PROJECTIONS: "collective matmul (parallel.tensor.collective_matmul) and FP8 matmuls (train.matmul_dtype=fp8)",
     EXPERTS: "expert parallelism (mesh.expert)",
     STAGES: "pipeline stages (mesh.stage)",
     REMAT: "rematerialisation policies (model.remat)",

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import Config, ParallelConfig, apply_overrides
+from jaxpar.config import Config, PipelineConfig, apply_overrides
 from jaxpar.data.sources import make_source
 from jaxpar.mesh import MeshConfig, force_cpu_devices
 
@@ -149,7 +149,7 @@ class Comparison:
 
 def single_device(config: Config) -> tuple[Config, list[jax.Device]]:
     """The reference: the same config on one device, every mesh axis 1 (and no pipeline)."""
-    plain = dataclasses.replace(config.parallel, pipeline_schedule=ParallelConfig().pipeline_schedule, pipeline_chunks=1)
+    plain = dataclasses.replace(config.parallel, pipeline=PipelineConfig())
     return dataclasses.replace(config, mesh=MeshConfig(data=1), parallel=plain), jax.devices()[:1]
 
 

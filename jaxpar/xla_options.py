@@ -117,7 +117,7 @@ def crashes_windowed_einsum(config) -> bool:
     compiling the llama_pp recipe with train.matmul_dtype=fp8; each of the three alone, or
     any two, compiles). Such a step compiles with it off (left out, XLA's default turns it
     on): the windowed steps then run on one stream."""
-    return (config.train.matmul_dtype == "fp8" and config.parallel.sequence_parallel
+    return (config.train.matmul_dtype == "fp8" and config.parallel.tensor.sequence_parallel
             and config.mesh.stage not in (0, 1))
 
 

@@ -9,7 +9,7 @@ in the contiguous order (which stops early in the local layers) x data 2 (8 devi
   jaxpar train gemma3 --set mesh.stage=2 --set mesh.context=2 --set train.microbatches=4   # a stage holds both kinds
 """
 
-from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.config import Config, ContextConfig, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
 from jaxpar.models.gemma3 import Gemma3Config
 
@@ -20,7 +20,7 @@ def recipe() -> Config:
                            mlp=384, sliding_window=16, global_every=3, query_pre_attn_scalar=16,
                            rope_linear_factor=8.0),
         mesh=MeshConfig(data=-1, context=4),
-        parallel=ParallelConfig(context_impl="ring", context_layout="contiguous"),
+        parallel=ParallelConfig(context=ContextConfig(impl="ring", layout="contiguous")),
         train=TrainConfig(steps=60, global_batch=16, seq_len=64, compute_dtype="bfloat16"),
         optim=OptimConfig(lr=3e-3, warmup_steps=10),
     )

@@ -8,7 +8,7 @@ each window reaches) x data 2 (8 devices).
   jaxpar explain mistral                          # the shortened ring's traffic beside its formula
 """
 
-from jaxpar.config import Config, OptimConfig, ParallelConfig, TrainConfig
+from jaxpar.config import Config, ContextConfig, OptimConfig, ParallelConfig, TrainConfig
 from jaxpar.mesh import MeshConfig
 from jaxpar.models.mistral import MistralConfig
 
@@ -18,7 +18,7 @@ def recipe() -> Config:
         model=MistralConfig(vocab_size=256, embed=128, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=8,
                             mlp=384, sliding_window=16),
         mesh=MeshConfig(data=-1, context=4),
-        parallel=ParallelConfig(context_impl="ring", context_layout="contiguous"),
+        parallel=ParallelConfig(context=ContextConfig(impl="ring", layout="contiguous")),
         train=TrainConfig(steps=60, global_batch=16, seq_len=64, compute_dtype="bfloat16"),
         optim=OptimConfig(lr=3e-3, warmup_steps=10),
     )

@@ -15,15 +15,15 @@ rule = collector(RULES)
 
 @rule(
     "pallas-needs-gpu",
-    fields=["parallel.attention_kernel"],
-    summary="attention_kernel=pallas lowers through Triton, so it needs GPUs (pallas_interpret runs anywhere).",
-    example=["mesh.context=2", "parallel.attention_kernel=pallas", "model.head_dim=16", "train.seq_len=128"],
+    fields=["parallel.context.kernel"],
+    summary="parallel.context.kernel=pallas lowers through Triton, so it needs GPUs (pallas_interpret runs anywhere).",
+    example=["mesh.context=2", "parallel.context.kernel=pallas", "model.head_dim=16", "train.seq_len=128"],
     needs="platform",
 )
 def pallas_needs_gpu(config, platform: str) -> None:
-    if config.parallel.attention_kernel == "pallas" and platform != "gpu":
+    if config.parallel.context.kernel == "pallas" and platform != "gpu":
         raise ConfigError(
-            f"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are {platform}; "
+            f"parallel.context.kernel=pallas lowers through Triton for GPUs, but the devices are {platform}; "
             "use pallas_interpret (the same kernel in the Pallas interpreter: slow, for checking) or jax"
         )
 
@@ -136,11 +136,11 @@ def compiler_options_known(config, platform: str) -> None:
 # rule wraps them; `also` breaks the other one.
 @rule(
     "rule-overrides-parse",
-    fields=["parallel.storage_rules", "parallel.compute_rules"],
+    fields=["parallel.rules.storage", "parallel.rules.compute"],
     summary="Rule overrides read 'logical=axis+axis,...' and name only mesh axes.",
-    example=["parallel.storage_rules=embed=gpu"],
-    also=[["parallel.compute_rules=embed"]],
+    example=["parallel.rules.storage=embed=gpu"],
+    also=[["parallel.rules.compute=embed"]],
 )
 def rule_overrides_parse(config, sizes) -> None:
-    for field in ("storage_rules", "compute_rules"):
-        parse_table(getattr(config.parallel, field), f"parallel.{field}")
+    for field in ("storage", "compute"):
+        parse_table(getattr(config.parallel.rules, field), f"parallel.rules.{field}")

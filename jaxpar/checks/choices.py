@@ -16,7 +16,7 @@ rule = collector(RULES)
     RULE,
     fields=list(choice_fields(Config)),
     summary="Each choice field holds one of the values its Literal type (jaxpar.choices) allows.",
-    example=["parallel.zero_stage=4"],
+    example=["parallel.zero.stage=4"],
     also=[["train.on_nonfinite=ignore"]],
 )
 def choice_values(config, sizes) -> None:

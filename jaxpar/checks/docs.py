@@ -18,7 +18,7 @@ LATER = (
         "would work",
     ),
     (
-        "`build`, parallel.quantized_weights (`jaxpar.step.trainer`)",
+        "`build`, parallel.zero.quantized_weights (`jaxpar.step.trainer`)",
         "a parameter whose storage axes do not follow its compute axes cannot be gathered in int8",
     ),
     ("`make_mesh` (`jaxpar.mesh`)", "mesh.hosts.* asks for a host layout the processes the devices come from cannot give"),

@@ -38,12 +38,12 @@ def mesh_divides_model(config, sizes) -> None:
 
 @rule(
     "seq-divides-context-tensor",
-    fields=["train.seq_len", "mesh.context", "mesh.tensor", "parallel.sequence_parallel"],
+    fields=["train.seq_len", "mesh.context", "mesh.tensor", "parallel.tensor.sequence_parallel"],
     summary="The sequence splits evenly over mesh.context, times mesh.tensor under sequence parallelism.",
-    example=["mesh.tensor=4", "parallel.sequence_parallel=true", "train.seq_len=18"],
+    example=["mesh.tensor=4", "parallel.tensor.sequence_parallel=true", "train.seq_len=18"],
 )
 def seq_divides_context_tensor(config, sizes) -> None:
-    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
+    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.tensor.sequence_parallel else 1)
     field, length = sequence_length(config)
     if supports(config.model, SEQUENCE) and length % seq_ways:
         raise ConfigError(
@@ -54,7 +54,7 @@ def seq_divides_context_tensor(config, sizes) -> None:
 
 @rule(
     "loss-chunks",
-    fields=["train.loss_chunks", "train.seq_len", "mesh.context", "mesh.tensor", "parallel.sequence_parallel",
+    fields=["train.loss_chunks", "train.seq_len", "mesh.context", "mesh.tensor", "parallel.tensor.sequence_parallel",
             "model"],
     summary="train.loss_chunks is 1 or more; above 1 the model is a language model with pipeline stages' members "
     "(capability 'stages'), and each chunk's tokens split evenly over the sequence's shards.",
@@ -71,7 +71,7 @@ def loss_chunks(config, sizes) -> None:
     if config.model.task != "lm" or not supports(config.model, STAGES):
         raise lacks(config.model, STAGES, where, "set train.loss_chunks=1 (the chunked loss scores output(apply_layers("
                     "embed(batch))) in pieces: a language model's jaxpar.model.PipelineStages members)")
-    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.sequence_parallel else 1)
+    seq_ways = sizes["context"] * (sizes["tensor"] if config.parallel.tensor.sequence_parallel else 1)
     if seq % (chunks * seq_ways):
         fits = [c for c in divisors(seq // seq_ways) if c > 1] if seq % seq_ways == 0 else []
         raise ConfigError(f"{where}: a chunk takes one token in every {chunks} of each sequence, so "
@@ -88,47 +88,47 @@ def sequence_length(config) -> tuple[str, int]:
 
 @rule(
     "sequence-parallel-needs-sequence",
-    fields=["parallel.sequence_parallel", "model"],
+    fields=["parallel.tensor.sequence_parallel", "model"],
     summary="Sequence parallelism shards the sequence of a model that declares the 'sequence' capability (its "
     "activations carry seq / norm_seq); on any other it would do nothing.",
-    example=["parallel.sequence_parallel=true"],
+    example=["parallel.tensor.sequence_parallel=true"],
     base="mlp",
 )
 def sequence_parallel_needs_sequence(config, sizes) -> None:
-    if config.parallel.sequence_parallel and not supports(config.model, SEQUENCE):
-        raise lacks(config.model, SEQUENCE, "parallel.sequence_parallel=true", "set parallel.sequence_parallel=false")
+    if config.parallel.tensor.sequence_parallel and not supports(config.model, SEQUENCE):
+        raise lacks(config.model, SEQUENCE, "parallel.tensor.sequence_parallel=true", "set parallel.tensor.sequence_parallel=false")
 
 
 @rule(
     "collective-matmul-needs-sequence-parallel",
-    fields=["parallel.collective_matmul", "parallel.sequence_parallel", "mesh.tensor", "model"],
+    fields=["parallel.tensor.collective_matmul", "parallel.tensor.sequence_parallel", "mesh.tensor", "model"],
     summary="Collective matmul passes sequence chunks round mesh.tensor: a model whose projections go through "
-    "jaxpar's helpers (capability 'projections'), sequence_parallel=true and mesh.tensor > 1.",
-    example=["parallel.collective_matmul=ring"],
-    also=[["parallel.collective_matmul=ring", "parallel.sequence_parallel=true"]],
+    "jaxpar's helpers (capability 'projections'), parallel.tensor.sequence_parallel=true and mesh.tensor > 1.",
+    example=["parallel.tensor.collective_matmul=ring"],
+    also=[["parallel.tensor.collective_matmul=ring", "parallel.tensor.sequence_parallel=true"]],
 )
 def collective_matmul_needs_sequence_parallel(config, sizes) -> None:
-    value, t = config.parallel.collective_matmul, sizes["tensor"]
+    value, t = config.parallel.tensor.collective_matmul, sizes["tensor"]
     if value == "none":
         return
-    where = f"parallel.collective_matmul={value}"
+    where = f"parallel.tensor.collective_matmul={value}"
     if not supports(config.model, PROJECTIONS):
-        raise lacks(config.model, PROJECTIONS, where, "set parallel.collective_matmul=none")
-    if not config.parallel.sequence_parallel:
+        raise lacks(config.model, PROJECTIONS, where, "set parallel.tensor.collective_matmul=none")
+    if not config.parallel.tensor.sequence_parallel:
         raise ConfigError(f"{where} overlaps the sequence-parallel all-gather and reduce-scatter, but "
-                          "parallel.sequence_parallel=false; set parallel.sequence_parallel=true, or "
-                          "parallel.collective_matmul=none")
+                          "parallel.tensor.sequence_parallel=false; set parallel.tensor.sequence_parallel=true, or "
+                          "parallel.tensor.collective_matmul=none")
     if t == 1:
         raise ConfigError(f"{where} needs a ring, but mesh.tensor=1; use mesh.tensor > 1, or "
-                          "parallel.collective_matmul=none")
+                          "parallel.tensor.collective_matmul=none")
 
 
 @rule(
     "matmul-dtype",
-    fields=["train.matmul_dtype", "parallel.collective_matmul", "model"],
+    fields=["train.matmul_dtype", "parallel.tensor.collective_matmul", "model"],
     summary="train.matmul_dtype=fp8 runs the projections a model sends through jaxpar's helpers (capability "
     "'projections'), not inside the collective matmul's ring.",
-    example=["train.matmul_dtype=fp8", "parallel.collective_matmul=ring", "parallel.sequence_parallel=true",
+    example=["train.matmul_dtype=fp8", "parallel.tensor.collective_matmul=ring", "parallel.tensor.sequence_parallel=true",
              "mesh.tensor=2"],
 )
 def matmul_dtype(config, sizes) -> None:
@@ -141,10 +141,10 @@ def matmul_dtype(config, sizes) -> None:
                           f"'{PROJECTIONS}' capability), and FP8 applies only there, so nothing would run in FP8; set "
                           "train.matmul_dtype=compute, or route its projections through the helpers and declare "
                           f"'{PROJECTIONS}' (docs/your_model.md)")
-    if config.parallel.collective_matmul != "none":
-        raise ConfigError(f"train.matmul_dtype={value} with parallel.collective_matmul="
-                          f"{config.parallel.collective_matmul}: the collective matmul's ring multiplies in the "
-                          "compute dtype; set parallel.collective_matmul=none for FP8, or train.matmul_dtype=compute")
+    if config.parallel.tensor.collective_matmul != "none":
+        raise ConfigError(f"train.matmul_dtype={value} with parallel.tensor.collective_matmul="
+                          f"{config.parallel.tensor.collective_matmul}: the collective matmul's ring multiplies in the "
+                          "compute dtype; set parallel.tensor.collective_matmul=none for FP8, or train.matmul_dtype=compute")
 
 
 @rule(
@@ -161,35 +161,35 @@ def attention(config, sizes) -> None:
     if value != "auto" and sizes["context"] > 1:
         raise ConfigError(
             f"parallel.attention={value} with mesh.context={sizes['context']}: a sharded sequence runs the "
-            "context-parallel kernels (parallel.context_impl, attention_kernel); set parallel.attention=auto"
+            "context-parallel kernels (parallel.context.impl, parallel.context.kernel); set parallel.attention=auto"
         )
 
 
 @rule(
     "attention-block-positive",
-    fields=["parallel.attention_block"],
+    fields=["parallel.context.block"],
     summary="The longest attention tile is a positive number of tokens.",
-    example=["parallel.attention_block=0"],
+    example=["parallel.context.block=0"],
 )
 def attention_block_positive(config, sizes) -> None:
-    block = config.parallel.attention_block
+    block = config.parallel.context.block
     if block < 1:
-        raise ConfigError(f"parallel.attention_block={block} must be a positive tile length; e.g. 512")
+        raise ConfigError(f"parallel.context.block={block} must be a positive tile length; e.g. 512")
 
 
 @rule(
     "attention-kernel-needs-context",
-    fields=["parallel.attention_kernel", "mesh.context"],
+    fields=["parallel.context.kernel", "mesh.context"],
     summary="A Pallas block kernel only runs in context-parallel attention, mesh.context > 1.",
-    example=["parallel.attention_kernel=pallas_interpret"],
+    example=["parallel.context.kernel=pallas_interpret"],
 )
 def attention_kernel_needs_context(config, sizes) -> None:
-    kernel = config.parallel.attention_kernel
+    kernel = config.parallel.context.kernel
     if kernel != "jax" and sizes["context"] == 1:
         raise ConfigError(
-            f"parallel.attention_kernel={kernel} is the block kernel of context-parallel attention, "
+            f"parallel.context.kernel={kernel} is the block kernel of context-parallel attention, "
             "but mesh.context=1 runs parallel.attention (whose flash kernel uses the jax block forward); set "
-            "mesh.context>1 or parallel.attention_kernel=jax"
+            "mesh.context>1 or parallel.context.kernel=jax"
         )
 
 
@@ -209,43 +209,43 @@ def context_needs_sequence_model(config, sizes) -> None:
 
 @rule(
     "zigzag-seq-divides",
-    fields=["train.seq_len", "mesh.context", "parallel.context_layout"],
+    fields=["train.seq_len", "mesh.context", "parallel.context.layout"],
     summary="The zigzag layout gives each context device two chunks, so 2 x mesh.context divides the sequence.",
     example=["mesh.context=4", "train.seq_len=20"],
 )
 def zigzag_seq_divides(config, sizes) -> None:
     c, s = sizes["context"], config.train.seq_len
-    if c > 1 and config.parallel.context_layout == "zigzag" and s % (2 * c):
+    if c > 1 and config.parallel.context.layout == "zigzag" and s % (2 * c):
         raise ConfigError(
             f"train.seq_len={s} is not divisible by 2 x mesh.context = {2 * c} (the zigzag layout "
-            f"gives each device two chunks); use a multiple of {2 * c} or parallel.context_layout=contiguous"
+            f"gives each device two chunks); use a multiple of {2 * c} or parallel.context.layout=contiguous"
         )
 
 
 def _tiles(config, c: int) -> tuple[int, int]:
     """(the chunk length the layout deals out, the attention tile that divides it)."""
-    chunk = chunk_length(config.parallel.context_layout, c, config.train.seq_len)
-    return chunk, tile(chunk, config.parallel.attention_block)
+    chunk = chunk_length(config.parallel.context.layout, c, config.train.seq_len)
+    return chunk, tile(chunk, config.parallel.context.block)
 
 
 # The tiles must divide the layout's chunks, so a chunk whose length has no divisor near
-# attention_block would silently run tiny tiles.
+# parallel.context.block would silently run tiny tiles.
 @rule(
     "attention-tiles-not-tiny",
-    fields=["parallel.attention_block", "train.seq_len", "mesh.context"],
+    fields=["parallel.context.block", "train.seq_len", "mesh.context"],
     summary="The sequence's chunks (the whole sequence for attention=flash) split into attention tiles of at least "
-    "a quarter of attention_block (or of the chunk).",
-    example=["mesh.context=2", "train.seq_len=68", "parallel.attention_block=16"],
-    also=[["parallel.attention=flash", "train.seq_len=67", "parallel.attention_block=16"]],
+    "a quarter of parallel.context.block (or of the chunk).",
+    example=["mesh.context=2", "train.seq_len=68", "parallel.context.block=16"],
+    also=[["parallel.attention=flash", "train.seq_len=67", "parallel.context.block=16"]],
 )
 def attention_tiles_not_tiny(config, sizes) -> None:
-    c, s, block = sizes["context"], config.train.seq_len, config.parallel.attention_block
+    c, s, block = sizes["context"], config.train.seq_len, config.parallel.context.block
     if c == 1:
         used = tile(s, block)
         if config.parallel.attention == "flash" and used < min(block, s) // 4:
             unit = 1 << (block.bit_length() - 1)
             raise ConfigError(
-                f"parallel.attention=flash with parallel.attention_block={block}: train.seq_len={s} splits only into "
+                f"parallel.attention=flash with parallel.context.block={block}: train.seq_len={s} splits only into "
                 f"tiles of {used}; use a train.seq_len that is a multiple of {unit}, e.g. {max(unit, s // unit * unit)}"
             )
         return
@@ -254,48 +254,48 @@ def attention_tiles_not_tiny(config, sizes) -> None:
         per = s // chunk
         unit = per * (1 << (block.bit_length() - 1))  # chunks a multiple of a power of two <= block
         raise ConfigError(
-            f"parallel.attention_block={block}: the {chunk}-token chunks of train.seq_len={s} over {per} "
-            f"({config.parallel.context_layout} over mesh.context={c}) split only into tiles of {used}; use a train.seq_len "
+            f"parallel.context.block={block}: the {chunk}-token chunks of train.seq_len={s} over {per} "
+            f"({config.parallel.context.layout} over mesh.context={c}) split only into tiles of {used}; use a train.seq_len "
             f"that is a multiple of {unit}, e.g. {max(unit, s // unit * unit)}"
         )
 
 
 @rule(
     "pallas-shapes",
-    fields=["parallel.attention_kernel", "parallel.attention_block", "train.seq_len", "mesh.context"],
+    fields=["parallel.context.kernel", "parallel.context.block", "train.seq_len", "mesh.context"],
     summary="The Triton kernel needs power-of-two tiles of at least 16 tokens (heads of any size are padded to a power "
     "of two).",
-    example=["mesh.context=2", "parallel.attention_kernel=pallas"],
+    example=["mesh.context=2", "parallel.context.kernel=pallas"],
 )
 def pallas_shapes(config, sizes) -> None:
     c = sizes["context"]
-    if c == 1 or config.parallel.attention_kernel != "pallas":
+    if c == 1 or config.parallel.context.kernel != "pallas":
         return
     chunk, used = _tiles(config, c)
     problem = shape_problem(triton_tile(used), triton_tile(used))
     if problem:
         raise ConfigError(
-            f"parallel.attention_kernel=pallas (Triton) needs {problem} (tiles from parallel.attention_block="
-            f"{config.parallel.attention_block} and the {chunk}-token chunks of train.seq_len={config.train.seq_len} over "
-            f"mesh.context={c}); use attention_kernel=jax, or a train.seq_len whose chunks are a multiple of 16"
+            f"parallel.context.kernel=pallas (Triton) needs {problem} (tiles from parallel.context.block="
+            f"{config.parallel.context.block} and the {chunk}-token chunks of train.seq_len={config.train.seq_len} over "
+            f"mesh.context={c}); use parallel.context.kernel=jax, or a train.seq_len whose chunks are a multiple of 16"
         )
 
 
 @rule(
     "ulysses-divides-heads",
-    fields=["parallel.context_impl", "mesh.context", "model.num_heads", "mesh.tensor"],
+    fields=["parallel.context.impl", "mesh.context", "model.num_heads", "mesh.tensor"],
     summary="Ulysses trades the sequence for heads, so mesh.context divides the query heads per tensor shard (key/value "
     "heads it does not divide are repeated at use, as over tensor).",
-    example=["mesh.tensor=2", "mesh.context=4", "parallel.context_impl=ulysses"],
+    example=["mesh.tensor=2", "mesh.context=4", "parallel.context.impl=ulysses"],
 )
 def ulysses_divides_heads(config, sizes) -> None:
     c = sizes["context"]
-    if c == 1 or config.parallel.context_impl != "ulysses":
+    if c == 1 or config.parallel.context.impl != "ulysses":
         return
     local = config.model.num_heads // sizes["tensor"]
     if local % c:
         raise ConfigError(
-            f"parallel.context_impl=ulysses: mesh.context={c} does not divide the {local} query heads per tensor "
+            f"parallel.context.impl=ulysses: mesh.context={c} does not divide the {local} query heads per tensor "
             f"shard (model.num_heads={config.model.num_heads} / mesh.tensor={sizes['tensor']}); use "
-            f"mesh.context in {divisors(local)}, or context_impl=ring or allgather"
+            f"mesh.context in {divisors(local)}, or parallel.context.impl=ring or allgather"
         )

@@ -57,14 +57,14 @@ def lora_adapter_needs_base(config, sizes) -> None:
 
 @rule(
     "lora-without-compression",
-    fields=["lora.rank", "parallel.gradient_compression"],
+    fields=["lora.rank", "parallel.compression.method"],
     summary="LoRA runs under every layout; not with gradient compression (the adapters' gradients are small already).",
-    example=["lora.rank=4", "parallel.gradient_compression=powersgd", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4"],
+    example=["lora.rank=4", "parallel.compression.method=powersgd", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4"],
 )
 def lora_without_compression(config, sizes) -> None:
     if not config.lora.rank:
         return
-    if config.parallel.gradient_compression != "none":
-        raise ConfigError(f"parallel.gradient_compression={config.parallel.gradient_compression} with lora.rank="
+    if config.parallel.compression.method != "none":
+        raise ConfigError(f"parallel.compression.method={config.parallel.compression.method} with lora.rank="
                           f"{config.lora.rank}: the adapters' gradients are small already, and compression is not "
-                          "built for them; set parallel.gradient_compression=none")
+                          "built for them; set parallel.compression.method=none")

@@ -3,8 +3,10 @@ not run inside its stages yet."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.checks.rule import Rule, collector
-from jaxpar.config import ParallelConfig
+from jaxpar.config import PipelineConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
 from jaxpar.model import STAGES, lacks, supports
@@ -12,53 +14,53 @@ from jaxpar.model import STAGES, lacks, supports
 RULES: list[Rule] = []
 rule = collector(RULES)
 
-PIPELINE_OPTIONS = ("pipeline_schedule", "pipeline_chunks")
 
 
 @rule(
     "pipeline-chunks-positive",
-    fields=["parallel.pipeline_chunks"],
+    fields=["parallel.pipeline.chunks"],
     summary="Each device holds a positive number of model chunks.",
-    example=["parallel.pipeline_chunks=0"],
+    example=["parallel.pipeline.chunks=0"],
 )
 def pipeline_chunks_positive(config, sizes) -> None:
-    v = config.parallel.pipeline_chunks
+    v = config.parallel.pipeline.chunks
     if v < 1:
-        raise ConfigError(f"parallel.pipeline_chunks={v} must be a positive number of chunks per device; e.g. 2")
+        raise ConfigError(f"parallel.pipeline.chunks={v} must be a positive number of chunks per device; e.g. 2")
 
 
 @rule(
     "pipeline-chunks-need-interleaved",
-    fields=["parallel.pipeline_chunks", "parallel.pipeline_schedule"],
+    fields=["parallel.pipeline.chunks", "parallel.pipeline.schedule"],
     summary="Only the interleaved schedule runs several model chunks per device.",
-    example=["parallel.pipeline_chunks=2"],
+    example=["parallel.pipeline.chunks=2"],
 )
 def pipeline_chunks_need_interleaved(config, sizes) -> None:
-    name, v = config.parallel.pipeline_schedule, config.parallel.pipeline_chunks
+    name, v = config.parallel.pipeline.schedule, config.parallel.pipeline.chunks
     if v > 1 and name != "interleaved":
         raise ConfigError(
-            f"parallel.pipeline_chunks={v} gives each device several model chunks, which only the interleaved "
-            f"schedule runs, but parallel.pipeline_schedule={name}; use pipeline_schedule=interleaved or pipeline_chunks=1"
+            f"parallel.pipeline.chunks={v} gives each device several model chunks, which only the interleaved "
+            f"schedule runs, but parallel.pipeline.schedule={name}; use parallel.pipeline.schedule=interleaved or parallel.pipeline.chunks=1"
         )
 
 
-# The pipeline_chunks arm cannot fire: chunks > 1 needs interleaved (the rule above), and a
+# The parallel.pipeline.chunks arm cannot fire: chunks > 1 needs interleaved (the rule above), and a
 # non-default schedule fails here first. It stays so the rule reads as what it means.
 @rule(
     "pipeline-options-need-stages",
-    fields=["parallel.pipeline_schedule", "parallel.pipeline_chunks", "mesh.stage"],
+    fields=["parallel.pipeline.schedule", "parallel.pipeline.chunks", "mesh.stage"],
     summary="Pipeline options left off their defaults need a pipeline, mesh.stage > 1.",
-    example=["parallel.pipeline_schedule=gpipe"],
+    example=["parallel.pipeline.schedule=gpipe"],
 )
 def pipeline_options_need_stages(config, sizes) -> None:
     if sizes["stage"] > 1:
         return
-    parallel, default = config.parallel, ParallelConfig()
-    for field in PIPELINE_OPTIONS:
-        if getattr(parallel, field) != getattr(default, field):
+    asked, default = config.parallel.pipeline, PipelineConfig()
+    for field in dataclasses.fields(PipelineConfig):
+        value, plain = getattr(asked, field.name), getattr(default, field.name)
+        if value != plain:
             raise ConfigError(
-                f"parallel.{field}={getattr(parallel, field)!r} shapes a pipeline, but mesh.stage=1 runs none; "
-                f"set mesh.stage>1, or leave {field} at {getattr(default, field)!r}"
+                f"parallel.pipeline.{field.name}={value!r} shapes a pipeline, but mesh.stage=1 runs none; "
+                f"set mesh.stage>1, or leave parallel.pipeline.{field.name} at {plain!r}"
             )
 
 
@@ -78,17 +80,17 @@ def pipeline_needs_stages(config, sizes) -> None:
 
 @rule(
     "pipeline-layers-split",
-    fields=["model.num_layers", "mesh.stage", "parallel.pipeline_chunks"],
-    summary="The layers split evenly into mesh.stage x pipeline_chunks chunks.",
+    fields=["model.num_layers", "mesh.stage", "parallel.pipeline.chunks"],
+    summary="The layers split evenly into mesh.stage x parallel.pipeline.chunks chunks.",
     example=["mesh.stage=4"],
 )
 def pipeline_layers_split(config, sizes) -> None:
-    p, v = sizes["stage"], config.parallel.pipeline_chunks
+    p, v = sizes["stage"], config.parallel.pipeline.chunks
     layers = config.model.num_layers if p > 1 else 0  # a model with stages here: pipeline-needs-stages passed
     if layers % (p * v):
         stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
         raise ConfigError(
-            f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline_chunks = "
+            f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline.chunks = "
             f"{p} x {v} = {p * v} chunks; use model.num_layers a multiple of {p * v}"
             + (f", or mesh.stage in {stages}" if stages else "")
         )
@@ -96,15 +98,15 @@ def pipeline_layers_split(config, sizes) -> None:
 
 @rule(
     "pipeline-microbatches-per-stage",
-    fields=["train.microbatches", "mesh.stage", "parallel.pipeline_schedule"],
+    fields=["train.microbatches", "mesh.stage", "parallel.pipeline.schedule"],
     summary="1f1b and zb-h1 need at least one microbatch per stage.",
     example=["mesh.stage=2"],
 )
 def pipeline_microbatches_per_stage(config, sizes) -> None:
-    p, name, m = sizes["stage"], config.parallel.pipeline_schedule, config.train.microbatches
+    p, name, m = sizes["stage"], config.parallel.pipeline.schedule, config.train.microbatches
     if p > 1 and name in ("1f1b", "zb-h1") and m < p:
         raise ConfigError(
-            f"parallel.pipeline_schedule={name} needs at least one microbatch per stage: train.microbatches={m} < "
+            f"parallel.pipeline.schedule={name} needs at least one microbatch per stage: train.microbatches={m} < "
             f"mesh.stage={p}; use train.microbatches>={p} (more shrinks the bubble, "
             f"{'(p-1)/(3m+p-1)' if name == 'zb-h1' else '(p-1)/(m+p-1)'})"
         )
@@ -112,51 +114,51 @@ def pipeline_microbatches_per_stage(config, sizes) -> None:
 
 @rule(
     "interleaved-microbatch-groups",
-    fields=["train.microbatches", "mesh.stage", "parallel.pipeline_schedule"],
+    fields=["train.microbatches", "mesh.stage", "parallel.pipeline.schedule"],
     summary="The interleaved schedule sends microbatches in groups of mesh.stage.",
-    example=["mesh.stage=2", "parallel.pipeline_schedule=interleaved", "train.microbatches=3", "train.global_batch=24"],
+    example=["mesh.stage=2", "parallel.pipeline.schedule=interleaved", "train.microbatches=3", "train.global_batch=24"],
 )
 def interleaved_microbatch_groups(config, sizes) -> None:
     p, m = sizes["stage"], config.train.microbatches
-    if p > 1 and config.parallel.pipeline_schedule == "interleaved" and m % p:
+    if p > 1 and config.parallel.pipeline.schedule == "interleaved" and m % p:
         raise ConfigError(
-            f"parallel.pipeline_schedule=interleaved sends microbatches in groups of mesh.stage={p}, but "
+            f"parallel.pipeline.schedule=interleaved sends microbatches in groups of mesh.stage={p}, but "
             f"train.microbatches={m}; use a multiple of {p}, e.g. {p * max(1, round(m / p))}"
         )
 
 
 @rule(
     "pipeline-ring-of-two",
-    fields=["mesh.stage", "mesh.context", "parallel.context_impl"],
+    fields=["mesh.stage", "mesh.context", "parallel.context.impl"],
     summary="Inside pipeline stages ring attention runs on rings of two devices (mesh.context=2).",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.context=4", "parallel.context_impl=ring"],
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.context=4", "parallel.context.impl=ring"],
 )
 def pipeline_ring_of_two(config, sizes) -> None:
     p, n = sizes["stage"], sizes["context"]
-    if p > 1 and n > 2 and config.parallel.context_impl == "ring":
+    if p > 1 and n > 2 and config.parallel.context.impl == "ring":
         raise ConfigError(
-            f"parallel.context_impl=ring with mesh.stage={p} and mesh.context={n}: inside pipeline stages, where "
+            f"parallel.context.impl=ring with mesh.stage={p} and mesh.context={n}: inside pipeline stages, where "
             "devices of different stages run different branches of one switch, a ring step is an all-to-all "
             "between two devices (a collective-permute would wait for every stage), so the ring holds two; "
-            "use mesh.context=2, or parallel.context_impl=ulysses or allgather"
+            "use mesh.context=2, or parallel.context.impl=ulysses or allgather"
         )
 
 
 @rule(
     "pipeline-collective-matmul-pairs",
-    fields=["mesh.stage", "mesh.tensor", "parallel.collective_matmul"],
+    fields=["mesh.stage", "mesh.tensor", "parallel.tensor.collective_matmul"],
     summary="Inside pipeline stages collective matmul runs on tensor rings of two devices (mesh.tensor=2).",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.tensor=4", "parallel.sequence_parallel=true",
-             "parallel.collective_matmul=ring"],
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true",
+             "parallel.tensor.collective_matmul=ring"],
 )
 def pipeline_collective_matmul_pairs(config, sizes) -> None:
-    p, n, value = sizes["stage"], sizes["tensor"], config.parallel.collective_matmul
+    p, n, value = sizes["stage"], sizes["tensor"], config.parallel.tensor.collective_matmul
     if p > 1 and n > 2 and value != "none":
         raise ConfigError(
-            f"parallel.collective_matmul={value} with mesh.stage={p} and mesh.tensor={n}: inside pipeline stages, "
+            f"parallel.tensor.collective_matmul={value} with mesh.stage={p} and mesh.tensor={n}: inside pipeline stages, "
             "where devices of different stages run different branches of one switch, a ring step is an all-to-all "
             "between two devices (a collective-permute would wait for every stage), so the ring holds two; use "
-            "mesh.tensor=2 there, or parallel.collective_matmul=none"
+            "mesh.tensor=2 there, or parallel.tensor.collective_matmul=none"
         )
 
 
@@ -177,40 +179,40 @@ def pipeline_without_cudnn_attention(config, sizes) -> None:
 
 @rule(
     "pipeline-zero-stage",
-    fields=["parallel.zero_stage", "mesh.stage"],
-    summary="A pipeline reduces its gradients once per step, so ZeRO-2/3 would only add traffic: zero_stage <= 1.",
-    example=["mesh.stage=2", "train.microbatches=2", "parallel.zero_stage=2"],
+    fields=["parallel.zero.stage", "mesh.stage"],
+    summary="A pipeline reduces its gradients once per step, so ZeRO-2/3 would only add traffic: parallel.zero.stage <= 1.",
+    example=["mesh.stage=2", "train.microbatches=2", "parallel.zero.stage=2"],
 )
 def pipeline_zero_stage(config, sizes) -> None:
-    p, stage = sizes["stage"], config.parallel.zero_stage
+    p, stage = sizes["stage"], config.parallel.zero.stage
     if p > 1 and stage >= 2:
         raise ConfigError(
-            f"parallel.zero_stage={stage} with mesh.stage={p}: a pipeline stage accumulates its "
+            f"parallel.zero.stage={stage} with mesh.stage={p}: a pipeline stage accumulates its "
             "microbatches' gradients unreduced and reduces them over data once per step, so ZeRO-2/3 would only "
-            "add traffic (DeepSpeed refuses the pair too); use zero_stage 0 or 1, and mesh.fsdp to shard "
+            "add traffic (DeepSpeed refuses the pair too); use parallel.zero.stage 0 or 1, and mesh.fsdp to shard "
             "parameters and gradients inside each stage"
         )
 
 
 @rule(
     "pipeline-without-zero-plus-plus",
-    fields=["parallel.quantized_weights", "parallel.quantized_gradients", "parallel.gradient_compression", "mesh.stage"],
+    fields=["parallel.zero.quantized_weights", "parallel.zero.quantized_gradients", "parallel.compression.method", "mesh.stage"],
     summary="ZeRO++ quantized collectives and gradient compression are not wired into pipeline stages yet.",
-    example=["mesh.stage=2", "train.microbatches=2", "mesh.fsdp=2", "parallel.quantized_weights=true"],
+    example=["mesh.stage=2", "train.microbatches=2", "mesh.fsdp=2", "parallel.zero.quantized_weights=true"],
     also=[["mesh.stage=2", "train.microbatches=2", "mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=2",
-           "parallel.gradient_compression=topk"]],
+           "parallel.compression.method=topk"]],
 )
 def pipeline_without_zero_plus_plus(config, sizes) -> None:
     p = sizes["stage"]
     for flag in ("quantized_weights", "quantized_gradients") if p > 1 else ():
-        if getattr(config.parallel, flag):
+        if getattr(config.parallel.zero, flag):
             raise ConfigError(
-                f"parallel.{flag}=true with mesh.stage={p}: ZeRO++ collectives are not wired into pipeline stages "
-                f"yet; set parallel.{flag}=false or mesh.stage=1"
+                f"parallel.zero.{flag}=true with mesh.stage={p}: ZeRO++ collectives are not wired into pipeline stages "
+                f"yet; set parallel.zero.{flag}=false or mesh.stage=1"
             )
-    if p > 1 and config.parallel.gradient_compression != "none":
+    if p > 1 and config.parallel.compression.method != "none":
         raise ConfigError(
-            f"parallel.gradient_compression={config.parallel.gradient_compression} with mesh.stage={p}: compressed "
-            "gradient reductions are not wired into pipeline stages yet; set parallel.gradient_compression=none or "
+            f"parallel.compression.method={config.parallel.compression.method} with mesh.stage={p}: compressed "
+            "gradient reductions are not wired into pipeline stages yet; set parallel.compression.method=none or "
             "mesh.stage=1"
         )

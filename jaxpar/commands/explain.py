@@ -13,7 +13,7 @@ from jaxpar.errors import ConfigError
 def add_parser(sub) -> None:
     explain = sub.add_parser("explain", help="compile a recipe's step and account for its memory and traffic")
     explain.add_argument("recipe", help=RECIPE_HELP)
-    add_overrides(explain, "parallel.zero_stage=3")
+    add_overrides(explain, "parallel.zero.stage=3")
     explain.add_argument("--devices", type=int, metavar="N",
                          help="compile for N virtual CPU devices (up to 512), or N GPUs with --target; default: the "
                          "accelerators present, else 8 CPU devices as `train` uses")

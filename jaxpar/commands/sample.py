@@ -208,7 +208,7 @@ def sampling_config(config, num_devices: int, tokens: int):
     from jaxpar.generate.sample import sequence_multiple
 
     sizes = config.mesh.resolve(num_devices)
-    multiple = sequence_multiple(sizes, config.parallel.context_layout, config.parallel.sequence_parallel)
+    multiple = sequence_multiple(sizes, config.parallel.context.layout, config.parallel.tensor.sequence_parallel)
     rows = math.prod(sizes[a] for a in BATCH_AXES) * config.train.microbatches
     train = dataclasses.replace(config.train, seq_len=-(-tokens // multiple) * multiple, global_batch=rows)
     return dataclasses.replace(config, train=train, data=DataConfig(),

@@ -73,13 +73,13 @@ def _train(args) -> int:
     model = config.model
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     matmul = trainer.layout.projections.collective
-    # Which attention an unsharded sequence runs (a sharded one runs parallel.context_impl).
+    # Which attention an unsharded sequence runs (a sharded one runs parallel.context.impl).
     has_attention = supports(model, ATTENTION) and trainer.mesh.shape["context"] == 1
     if leader:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
             f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
-            f"{'sequence parallel | ' if trainer.layout.sequence_parallel else ''}"
+            f"{'sequence parallel | ' if trainer.layout.tensor.sequence_parallel else ''}"
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {trainer.layout.pipeline.schedule} | ' if trainer.pipeline is not None else ''}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"

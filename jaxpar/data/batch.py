@@ -93,6 +93,7 @@ class BatchLayout:
     fields: dict[str, Field]
     global_batch: int
     shardings: dict[str, NamedSharding]
+    model_fields: bool = False  # the model declared these fields (batch_fields): jaxpar's sources make none of them
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

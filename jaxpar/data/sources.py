@@ -20,7 +20,6 @@ from jaxpar.data.chat import ChatRows, PackedRows, chat_rows, preference_rows
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import Corpus, TextSpec, read_corpus
 from jaxpar.errors import ConfigError
-from jaxpar.model import has
 
 
 class Source:
@@ -298,7 +297,7 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
     """The config's source of batches laid out as `batch` (a Trainer's `batch`): its model
     config gives the task and the vocabulary or classes, train.seed the random streams."""
     model, seed = config.model, config.train.seed
-    if has(model, "batch_fields"):
+    if batch.model_fields:
         raise ConfigError(f"model {type(model).__name__} declares its own batch fields "
                           f"({', '.join(batch.fields)}), which jaxpar's data sources do not make; "
                           "give your batches to jaxpar.train.run(..., data=...) (docs/your_model.md)")

@@ -86,7 +86,7 @@ def generate_batch(trainer, params: Any, prompts: list[list[int]], max_new_token
     cached = uses_kv_cache(trainer, kv_cache)
     _warn_of_gathered_stages(trainer, params)
     layout = trainer.layout
-    multiple = sequence_multiple(layout.mesh.shape, layout.context.seq_layout, layout.sequence_parallel)
+    multiple = sequence_multiple(layout.mesh.shape, layout.context.layout, layout.tensor.sequence_parallel)
     need = max(map(len, prompts)) + max_new_tokens
     length = _round_up(max(length or 0, need), multiple)
     padded = prompts + [prompts[0]] * (_round_up(len(prompts), batch_rows(trainer)) - len(prompts))  # repeat the first

@@ -107,7 +107,7 @@ def pipeline_traffic_rows(facts: Facts) -> dict[str, Any]:
         return {}
     t, model, train = program.timeline, facts.config.model, facts.config.train
     rows = train.global_batch // (mesh["data"] * mesh["fsdp"]) // facts.layout.microbatches
-    seq = train.seq_len // (mesh["tensor"] if facts.layout.sequence_parallel else 1)
+    seq = train.seq_len // (mesh["tensor"] if facts.layout.tensor.sequence_parallel else 1)
     message = rows * seq * model.embed if decoder_fields(model) else None  # one microbatch's hidden states, one shard
     useful = 2 * t.m * (t.p * t.v - 1) / t.p  # messages that carry data, per device
     over_stage = [c for c in facts.report.collectives if c.axes == ("stage",)]

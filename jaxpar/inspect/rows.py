@@ -55,7 +55,7 @@ def title_rows(facts: Facts) -> dict[str, Any]:
         + (f" ({psi / 1e6:.2f}M trained: lora rank {config.lora.rank})" if psi_frozen else "")
         + f" | mesh {describe_shape(facts.mesh)} "
         f"({report.num_devices} {report.platform} devices, {report.num_hosts} host{'s' if report.num_hosts > 1 else ''}) | "
-        f"zero_stage {facts.zero_stage} | {train.compute_dtype} | batch {train.global_batch} x seq {train.seq_len}"
+        f"zero stage {facts.zero_stage} | {train.compute_dtype} | batch {train.global_batch} x seq {train.seq_len}"
         f" | {train.microbatches} microbatch{'es' if train.microbatches > 1 else ''} | remat {declared(config.model, 'remat')}",
         "params": psi,
     }

@@ -109,7 +109,7 @@ def context_rows(facts: Facts) -> dict[str, Any]:
     for window in layer_windows(model):  # Gemma 3's local and global layers send differently
         per_layer = formulas.context_traffic_elements(
             impl, config.train.seq_len, b, model.num_heads // t * model.head_dim, kv_heads // t * model.head_dim,
-            n, window=window, layout=facts.layout.context.seq_layout,
+            n, window=window, layout=facts.layout.context.layout,
         )
         forward, backward = sum(per_layer["forward"].values()), sum(per_layer["backward"].values())
         again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
@@ -204,7 +204,8 @@ def compression_rows(facts: Facts) -> dict[str, Any]:
              if compressor.per_layer else "after the backward pass")
     gathers = [c for c in over_data if c not in mine and c.kind == "all-gather"]
     return {
-        "compressed_traffic": row(f"gradient bytes over data, {compressor.method} {compressor.knob}",
+        "compressed_traffic": row(f"gradient bytes over data, {compressor.method} {compressor.knob}"
+                                  + ("" if compressor.error_feedback else ", no error feedback"),
                                   sum(c.bytes_per_step for c in mine), formula["compressed"]),
         "compressed_traffic_formula": f"{how}; uncompressed at ZeRO-{stage}: {byte_size(formula['uncompressed'])} "
         f"({baseline} x 4 bytes x Ψ/(fsdp x tensor)), {formula['uncompressed'] / formula['compressed']:.1f}x more",

@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpar.config import Config, flatten
-from jaxpar.config_record import field_default, jsonable, rebuild, record
+from jaxpar.config import Config
+from jaxpar.config_record import first_change, rebuild, record
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.pipeline.stages import relaid_layers
 
@@ -153,24 +153,7 @@ class Checkpoints:
             )
         meta = self.meta(step)
         saved = meta["config"]
-        for key, value in flatten(trainer.config).items():  # the model must be the one saved
-            if not key.startswith("model.") or key == "model.remat":
-                continue
-            if key not in saved and value == field_default(trainer.config.model, key[len("model."):]):
-                continue  # a field added since the checkpoint was written, at its default
-            if saved.get(key) != jsonable(value):
-                raise ConfigError(
-                    f"checkpoint step {step} in {str(self.directory)!r} was written with {key}={saved.get(key)!r}, but "
-                    f"this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another checkpoint.dir"
-                )
-        ours = trainer.config.train.compute_dtype
-        if meta["compute_dtype"] != ours and "float32" in (meta["compute_dtype"], ours):
-            raise ConfigError(
-                f"checkpoint step {step} was written with train.compute_dtype={meta['compute_dtype']} (float32 keeps no "
-                f"separate master weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}, or use "
-                "another checkpoint.dir"
-            )
-        _check_base(trainer, meta, step, self.directory)
+        _check_written_alike(trainer, meta, step, self.directory)
         target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
         items = {"state": _restore_args(dataclasses.replace(target, compression=None, frozen=None))}
         resume_compression = target.compression is not None and meta.get("compression") == compression_signature(trainer)
@@ -193,7 +176,7 @@ class Checkpoints:
         if target.compression is not None:
             if not resume_compression:
                 warnings.warn(f"checkpoint step {step} in {str(self.directory)!r} holds no gradient compression state for "
-                              f"this run's parallel.gradient_compression={trainer.layout.compression.method} and "
+                              f"this run's parallel.compression.method={trainer.layout.compression.method} and "
                               "layout (saved: " + str(meta.get("compression", "none")) + "); its residuals and factors start "
                               "afresh", CompressionRestarted, stacklevel=3)
             restored = dataclasses.replace(
@@ -292,19 +275,26 @@ def _remove_partial(directory: pathlib.Path) -> None:
                   f"{resumes}", PartialSaveRemoved, stacklevel=3)
 
 
-def _check_base(trainer, meta: dict, step: int, directory: pathlib.Path) -> None:
-    """A LoRA checkpoint resumes onto the base it was trained on, with the same adapters."""
-    saved = meta["config"]
-    ours = {k: jsonable(v) for k, v in flatten(trainer.config).items() if k.startswith("lora.")}
-    for key, value in ours.items():
-        if saved.get(key, jsonable(field_default(type(trainer.config.lora)(), key[len("lora."):]))) != value:
-            raise ConfigError(f"checkpoint step {step} in {str(directory)!r} was written with {key}={saved.get(key)!r}, "
-                              f"but this run has {key}={value!r}; set {key}={saved.get(key)!r}, or use another "
-                              "checkpoint.dir")
-    if trainer.frozen_shardings is not None and meta.get("base", base_of(trainer.config)) != base_of(trainer.config):
-        raise ConfigError(f"checkpoint step {step} in {str(directory)!r} holds adapters trained on {meta['base']}, but "
-                          f"this run's frozen weights are {base_of(trainer.config)}; set checkpoint.init_from (and "
-                          "train.seed) as that run had them, or use another checkpoint.dir")
+def _check_written_alike(trainer, meta: dict, step: int, directory: pathlib.Path) -> None:
+    """A checkpoint resumes only onto the model it was written with (its remat aside), in a
+    compute dtype that keeps master weights as it did, and a LoRA one onto the base it was
+    trained on, with the same adapters."""
+    where, config = f"checkpoint step {step} in {str(directory)!r}", trainer.config
+    changed = first_change(meta["config"], config, ("model.", "lora."), ignore=("model.remat",))
+    if changed is not None:
+        key, was, value = changed
+        raise ConfigError(f"{where} was written with {key}={was!r}, but this run has {key}={value!r}; set "
+                          f"{key}={was!r}, or use another checkpoint.dir")
+    ours = config.train.compute_dtype
+    if meta["compute_dtype"] != ours and "float32" in (meta["compute_dtype"], ours):
+        raise ConfigError(
+            f"{where} was written with train.compute_dtype={meta['compute_dtype']} (float32 keeps no separate master "
+            f"weights), but this run has {ours}; set train.compute_dtype={meta['compute_dtype']}, or use another "
+            "checkpoint.dir")
+    if trainer.frozen_shardings is not None and meta.get("base", base_of(config)) != base_of(config):
+        raise ConfigError(f"{where} holds adapters trained on {meta['base']}, but this run's frozen weights are "
+                          f"{base_of(config)}; set checkpoint.init_from (and train.seed) as that run had them, or use "
+                          "another checkpoint.dir")
 
 
 def reorder_layers(trainer, to: str):

@@ -8,11 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
-import numpy as np
-
-from jaxpar.generate.inference import forward
-from jaxpar.step.preference import answer_logps
+from jaxpar.step.preference import reference_logps
 from jaxpar.step.trainer import Trainer
 
 
@@ -49,29 +45,8 @@ def with_base(trainer: Trainer, state: Any, start: Callable[[], Any]) -> Any:
     return dataclasses.replace(state, frozen=start().frozen)
 
 
-def reference_logps(trainer, params: Any, source) -> np.ndarray:
-    """[pairs, 2]: the log-probabilities of every pair's answers under `params`, a global
-    batch of rows at a time through the trainer's forward pass (any layout)."""
-    logits_of = forward(trainer)
+def attach_reference(source, trainer: Trainer, weights: Any) -> None:
+    """Give a preference source its reference log-probabilities, from `weights` (the run's
+    starting weights, as Trainer.weights gives them)."""
     everywhere = trainer.layout.sharding((None, None))  # each process reads them whole
-
-    @jax.jit
-    def logps(p, batch):
-        return jax.lax.with_sharding_constraint(answer_logps(logits_of(p, batch), batch), everywhere)
-
-    pairs, rows = source.pairs, trainer.batch.global_batch
-    out = np.zeros((len(pairs), 2), np.float32)
-    local = source.batch.rows
-    for start in range(0, len(pairs), rows):
-        ids = np.arange(start, start + rows) % len(pairs)  # the last batch wraps round
-        fields = {k: v[local] for k, v in pairs.fields(ids).items()}
-        batch = source.batch.to_global({**fields, "reference": np.zeros((len(fields["inputs"]), 2), np.float32)})
-        take = min(rows, len(pairs) - start)
-        out[start:start + take] = np.asarray(jax.device_get(logps(params, batch)))[:take]
-    return out
-
-
-def attach_reference(source, trainer, params: Any) -> None:
-    """Give a preference source its reference log-probabilities, from `params` (the run's
-    starting weights)."""
-    source.reference = reference_logps(trainer, params, source)
+    source.reference = reference_logps(trainer.forward, everywhere, trainer.batch.global_batch, weights, source)

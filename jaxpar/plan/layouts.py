@@ -45,12 +45,12 @@ class Layout:
         sets = [f"mesh.{a}={n}" for a, n in self.axes.items()]
         if hosts > 1:
             sets += [f"mesh.hosts.{a}={n}" for a, n in self.host_split(devices_per_host).items() if n > 1]
-        sets += [f"parallel.zero_stage={self.zero_stage}", f"model.remat={self.remat}",
+        sets += [f"parallel.zero.stage={self.zero_stage}", f"model.remat={self.remat}",
                  f"train.microbatches={self.microbatches}"]
         if self.tensor > 1:
-            sets.append("parallel.sequence_parallel=true")
+            sets.append("parallel.tensor.sequence_parallel=true")
         if self.stage > 1:
-            sets.append("parallel.pipeline_schedule=1f1b")
+            sets.append("parallel.pipeline.schedule=1f1b")
         return sets
 
     def describe(self) -> str:

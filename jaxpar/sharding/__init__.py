@@ -2,7 +2,6 @@
 
 from jaxpar.sharding.annotate import (
     HPZ_NAME,
-    ContextAttention,
     Layout,
     ParamGather,
     ParamNames,
@@ -27,7 +26,6 @@ __all__ = [
     "column_project",
     "lookup",
     "row_project",
-    "ContextAttention",
     "HPZ_NAME",
     "Layout",
     "ParamGather",

@@ -23,6 +23,7 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.specs import CompressionConfig, ContextConfig, PipelineConfig, TensorConfig, ZeroConfig
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
@@ -79,22 +80,6 @@ class ReplicaSum:
 
 
 @dataclasses.dataclass(frozen=True)
-class ContextAttention:
-    """How attention runs when the compute rules shard "seq" (jaxpar.kernels.attention).
-
-    impl        ring | ulysses | allgather
-    seq_layout  zigzag | contiguous: the order the trainer lays each sequence out in
-    block       query and key tile length of the blockwise kernels
-    kernel      jax | pallas: the block forward (jaxpar.kernels.attention.tiles.Masking)
-    """
-
-    impl: str = "ring"
-    seq_layout: str = "zigzag"
-    block: int = 512
-    kernel: str = "jax"
-
-
-@dataclasses.dataclass(frozen=True)
 class Projections:
     """How the projections (jaxpar.sharding.projections) multiply.
 
@@ -109,85 +94,50 @@ class Projections:
 
 
 @dataclasses.dataclass(frozen=True)
-class Zero:
-    """How the training state rests beyond the storage rules (ZeRO over mesh.data).
-
-    stage              0-3: 1 shards the optimizer state over data, 2 the gradients too, 3
-                       the parameters (`ParamGather.zero_axes` then gathers them at use)
-    offload_optimizer  the optimizer state and float32 master weights rest in pinned host
-                       memory (ZeRO-Offload), streamed in for the update
-    """
-
-    stage: int = 0
-    offload_optimizer: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """How the layer stack runs over mesh.stage (jaxpar.pipeline; one stage: not at all).
-
-    schedule  gpipe | 1f1b | interleaved | zb-h1 (jaxpar.pipeline.schedule)
-    chunks    model chunks each device holds: more than 1 only for interleaved, whose
-              stages then hold strided chunks of the layers
-    """
-
-    schedule: str = "1f1b"
-    chunks: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Compression:
-    """How the gradient's reduction over mesh.data is compressed (jaxpar.step.compression).
-
-    method         none | powersgd | topk: a compressor of our own; int8 is `int8_block`
-    powersgd_rank  the rank of PowerSGD's two factors
-    topk_fraction  the share of each device's gradient block top-k sends
-    int8_block     > 0: ZeRO++ qgZ, the reduce-scatter moves int8 with a scale per this
-                   many elements (parallel.quantized_gradients, or gradient_compression=int8)
-    """
-
-    method: str = "none"
-    powersgd_rank: int = 4
-    topk_fraction: float = 0.01
-    int8_block: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh, the rules that place logical names on it, and one spec for each strategy
-    that changes how the step computes: how parameters are gathered (`params`), how
-    attention runs over a sharded sequence (`context`) and over a whole one
-    (`attention`), how projections multiply (`projections`), how experts exchange rows.
+    """A mesh, the rules that place logical names on it, and one spec for each strategy.
 
-    expert_exchange: how dropless MoE routing moves rows (jaxpar.kernels.experts.exchange).
+    The strategies' specs are parallel's sections as the config holds them (jaxpar.config:
+    `tensor`, `zero`, `compression`, `context`, `pipeline`), so the step, explain, the
+    planner and checkpoints read the very fields a user sets. Beside them, what the specs
+    resolve to for this mesh and device:
+
+    params: how parameters are gathered at use (from `zero` and the mesh).
+    projections: how the projections multiply (`tensor`'s collective matmul, train.matmul_dtype).
+    attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`),
+    parallel.attention with auto resolved.
+    expert_exchange: ragged | padded, how dropless MoE routing moves rows
+    (jaxpar.kernels.experts.exchange), parallel.expert_exchange with auto resolved.
     replica_axis: set inside the per-replica vmap (jaxpar.step.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     replica_sum: inside that vmap at ZeRO 2-3: every parameter's gradient is summed over the
     replicas where `compute_value` gathers it (`sum_over_replicas`), so inside the layer
     scan one layer at a time, rather than held whole per replica until the backward ends
     (None: held per replica).
-    attention: reference | flash | cudnn; attention over an unsharded sequence (`attend`).
-    zero, pipeline, compression: how the training state rests, how the layer stack runs
-    over mesh.stage, how the gradient's reduction over data is compressed (the step's
-    strategies: jaxpar.step reads them, as do explain, the planner and checkpoints).
     microbatches: each step's batch in this many pieces, one after another (train.microbatches).
-    sequence_parallel: the rules shard the norms' sequence over tensor (Megatron's SP).
     """
 
     mesh: Mesh
     rules: Rules
     params: ParamGather = ParamGather()
-    context: ContextAttention = ContextAttention()
+    context: ContextConfig = ContextConfig()
     expert_exchange: str = "padded"
     replica_axis: str | None = None
     replica_sum: ReplicaSum | None = None
     projections: Projections = Projections()
     attention: str = "reference"
-    zero: Zero = Zero()
-    pipeline: Pipeline = Pipeline()
-    compression: Compression = Compression()
+    tensor: TensorConfig = TensorConfig()
+    zero: ZeroConfig = ZeroConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    compression: CompressionConfig = CompressionConfig()
     microbatches: int = 1
-    sequence_parallel: bool = False
+
+    @property
+    def qgz_block(self) -> int:
+        """ZeRO++ qgZ (parallel.zero.quantized_gradients, or compression.method=int8): the
+        gradient's reduce-scatter moves int8 with a float32 scale per this many elements; 0: off."""
+        qgz = self.zero.quantized_gradients or self.compression.method == "int8"
+        return self.zero.quantization_block if qgz else 0
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))

@@ -5,7 +5,7 @@ cudnn (cuDNN's fused flash attention through jax.nn.dot_product_attention, GPUs)
 
 Like `constrain` and `compute_value`, `attend` reads the layout entered around tracing, so a
 model names no mesh and holds no collective. The sequence it sees is laid out as
-`layout.context.seq_layout` says (the trainer permutes each batch into that order and hands
+`layout.context.layout` says (the trainer permutes each batch into that order and hands
 the model matching RoPE positions); the kernels mask by each token's original place.
 """
 
@@ -43,7 +43,7 @@ def context_spec(layout: Layout, causal: bool = True, window: int = 0) -> Contex
         axis=entries(q_spec, 4)[1],
         q_spec=q_spec,
         kv_spec=layout.rules.spec(KV_NAMES, "compute"),
-        seq_layout=layout.context.seq_layout,
+        seq_layout=layout.context.layout,
         masking=Masking(causal, block, block, layout.context.kernel, window),
         replica_axis=layout.replica_axis,
         ring_hop=hop_here(),

@@ -207,6 +207,6 @@ def _expect(ok: bool, names: Names, spec: P, what: str) -> None:
     """Collective matmul needs the Megatron layout; custom compute rules may move it."""
     if not ok:
         raise ValueError(
-            f"parallel.collective_matmul: {tuple(names)} is laid out as {spec} by the compute rules; the collective "
-            f"matmul needs {what}. Drop the parallel.compute_rules that move it, or set parallel.collective_matmul=none"
+            f"parallel.tensor.collective_matmul: {tuple(names)} is laid out as {spec} by the compute rules; the collective "
+            f"matmul needs {what}. Drop the parallel.rules.compute that move it, or set parallel.tensor.collective_matmul=none"
         )

@@ -3,7 +3,7 @@
 A model written with its own logical names ("dm", "ff") matches no rule, so every one of its
 parameters silently rests whole on every device: FSDP and tensor parallelism then save no
 memory at all. `replicated_params` finds them, `report_replicated` warns, refuses or stays
-quiet as `parallel.on_replicated` says.
+quiet as `parallel.rules.on_replicated` says.
 
 The rule, in one sentence: a parameter is reported when it has 2 or more dimensions per
 layer (a stacked `layers` dimension does not count), the storage rules place it on no mesh
@@ -118,7 +118,7 @@ def suggestion_text(rule: str, own: str | None) -> str:
     name to match), or mapping the model's own name onto jaxpar's (`axis_names`)."""
     if own is None:
         return "annotate it with nnx.with_partitioning(init, names) so a rule can place it"
-    head = f"parallel.storage_rules='{rule}'" if rule else f"a parallel.storage_rules entry for '{own}'"
+    head = f"parallel.rules.storage='{rule}'" if rule else f"a parallel.rules.storage entry for '{own}'"
     return f"{head}, or map '{own}' to a jaxpar name in the model's axis_names"
 
 
@@ -134,7 +134,7 @@ def replication_message(entries: Sequence[Replicated], limit: int = 5) -> str:
     entries = sorted(entries, key=lambda e: -math.prod(e.shape))  # stable: tree order among equals
     total = sum(math.prod(e.shape) for e in entries)
     rules = _combined_rules(entries)
-    fix = f"parallel.storage_rules='{rules}'" if rules else "parallel.storage_rules entries for their names"
+    fix = f"parallel.rules.storage='{rules}'" if rules else "parallel.rules.storage entries for their names"
     lines = [f"{len(entries)} parameter(s) ({total:,} values) match no sharding rule and rest whole on every "
              f"device; shard them with {fix}, or give the model config axis_names mapping its own names to "
              f"jaxpar's ({', '.join(PARAM_NAMES)}), e.g. {{'dm': 'embed', 'ff': 'mlp'}}:"]
@@ -156,19 +156,19 @@ def _combined_rules(entries: Sequence[Replicated]) -> str:
 
 
 def report_replicated(entries: Sequence[Replicated], policy: str) -> None:
-    """Act on `entries` as `parallel.on_replicated` says: warn (ReplicatedParams), error
+    """Act on `entries` as `parallel.rules.on_replicated` says: warn (ReplicatedParams), error
     (ConfigError), allow (nothing). An unknown policy is refused even with no entries."""
     check_policy(policy)
     if not entries or policy == "allow":
         return
     message = replication_message(entries)
     if policy == "error":
-        raise ConfigError(f"parallel.on_replicated=error: {message}\n(=warn or =allow lets the layout through)")
-    warnings.warn(f"{message}\n(parallel.on_replicated=allow silences this, =error refuses it)", ReplicatedParams,
+        raise ConfigError(f"parallel.rules.on_replicated=error: {message}\n(=warn or =allow lets the layout through)")
+    warnings.warn(f"{message}\n(parallel.rules.on_replicated=allow silences this, =error refuses it)", ReplicatedParams,
                   stacklevel=3)
 
 
 def check_policy(policy: str) -> None:
     """`policy` is one of POLICIES: report_replicated's own check (the catalogue checks the config's field)."""
     if policy not in POLICIES:
-        raise ConfigError(f"parallel.on_replicated={policy!r} is not a policy; use {', '.join(POLICIES)}")
+        raise ConfigError(f"parallel.rules.on_replicated={policy!r} is not a policy; use {', '.join(POLICIES)}")

@@ -26,7 +26,7 @@ def ahead(x_BS: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     seq = x_BS.shape[1]
     layout = active_layout()
     n = 1 if layout is None else sequence_degree(layout)
-    order = sequence_order(layout.context.seq_layout if layout is not None else "contiguous", n, seq)
+    order = sequence_order(layout.context.layout if layout is not None else "contiguous", n, seq)
     slot_of = np.argsort(order)  # original position -> slot
     later = order + k
     inside = later < seq

@@ -1,4 +1,4 @@
-"""The step's gradient averaged over `data` through a compressor (parallel.gradient_compression
+"""The step's gradient averaged over `data` through a compressor (parallel.compression.method
 = powersgd | topk; jaxpar.step.compression), one layer at a time inside the backward pass.
 
 Each data replica computes its own gradient (jaxpar.step.replicas). A stacked parameter

@@ -1,4 +1,4 @@
-"""Compressed gradient reduction over `data` across hosts (parallel.gradient_compression =
+"""Compressed gradient reduction over `data` across hosts (parallel.compression.method =
 powersgd | topk), with error feedback (jaxpar.kernels.compression holds the kernels).
 
 The step computes one gradient per data replica ([data, ...], jaxpar.step.replicas), each
@@ -7,7 +7,8 @@ replicas sit one per host (the `gradient-compression` rule), through a compresso
 of an all-reduce, so only compressed factors or (value, index) pairs cross the network:
 top-k picks the largest entries of each device's block of its replica's gradient; PowerSGD
 factors each whole gradient matrix, whatever the in-host layout. What a replica left out is
-its residual, added to its next gradient (error feedback); the residuals and PowerSGD's
+its residual, added to its next gradient (error feedback; parallel.compression.error_feedback=false
+drops it instead); the residuals and PowerSGD's
 warm-started factors are training state (TrainState.compression), checkpointed with the
 rest.
 
@@ -18,7 +19,7 @@ replica's estimate of that gradient, and their residuals are in the same units.
 PowerSGD sees a gradient as a batch of matrices (jaxpar.kernels.compression.matrix_shape),
 the batch its leading dimensions named `layers` or `experts` (the layer scan's stack, the
 experts), the rest split into rows and columns where the matrix is closest to square. A
-matrix whose shorter side is below parallel.powersgd_rank is factored at that side's rank,
+matrix whose shorter side is below parallel.compression.powersgd_rank is factored at that side's rank,
 which is exact (as PyTorch's PowerSGD hook does); a rank above every matrix's shorter side
 is refused. Parameters with fewer than two other dimensions (norm scales,
 biases) are averaged exactly. Top-k compresses every parameter.
@@ -39,7 +40,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels.compression import (factor_spec, matrix_shape, matrix_split, powersgd_cross_host_floats,
                                         powersgd_mean, powersgd_start, shard_counts, topk_count, topk_mean)
 from jaxpar.kernels.quantized import entries
-from jaxpar.sharding.annotate import Compression, ParamNames
+from jaxpar.sharding.annotate import ParamNames
+from jaxpar.specs import CompressionConfig
 from jaxpar.step.replicas import AXIS, without_data
 
 BATCH_NAMES = ("layers", "experts")  # leading dimensions PowerSGD treats as a batch of matrices
@@ -98,6 +100,7 @@ class Compressor:
     blocks: dict[str, Block]  # parameter path -> how it is cut
     treedef: Any  # the parameters' tree, whose leaves `blocks` lists in order
     seed: int
+    error_feedback: bool = True  # parallel.compression.error_feedback: carry what is left out to the next step
     # The stacked parameters averaged one layer at a time inside the backward pass
     # (jaxpar.step.compressed); the rest are averaged once it ends.
     per_layer: frozenset[str] = frozenset()
@@ -116,7 +119,7 @@ class Compressor:
         return f"rank {self.rank}" if self.method == "powersgd" else f"fraction {self.fraction}"
 
     def rank_of(self, block: Block) -> int:
-        """The rank a matrix is factored at: parallel.powersgd_rank, or its shorter side."""
+        """The rank a matrix is factored at: parallel.compression.powersgd_rank, or its shorter side."""
         return min(self.rank, *block.sides)
 
     def _state(self, residual: list, factors: dict) -> CompressionState:
@@ -172,7 +175,9 @@ class Compressor:
         `block.spec`; the new residuals [data, ...]; PowerSGD's next q, None without one).
         Traced under the name scope SCOPE, which the compiled program's collectives keep."""
         with jax.named_scope(SCOPE):
-            return self._average(block, estimate, residual, q)
+            mean, left_out, q = self._average(block, estimate, residual, q)
+        # Without error feedback what was left out is dropped: the next step starts from none.
+        return mean, left_out if self.error_feedback else jnp.zeros_like(left_out), q
 
     def _average(self, block, estimate, residual, q):
         if self.method == "topk":
@@ -205,7 +210,7 @@ class Compressor:
         return {"compressed": compressed, "uncompressed": dense}
 
 
-def make_compressor(asked: Compression, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
+def make_compressor(asked: CompressionConfig, names: Any, shapes: Any, grad_shardings: Any, mesh: Mesh, seed: int
                     ) -> Compressor | None:
     """The compressor the layout's compression spec asks for, or None (none; int8 is qgZ). Refuses
     a PowerSGD rank above the shorter side of every matrix it would factor (`check_rank`)."""
@@ -220,7 +225,8 @@ def make_compressor(asked: Compression, names: Any, shapes: Any, grad_shardings:
         shards = shard_counts(spec, dict(mesh.shape), len(shape.shape))
         batch = next((i for i, name in enumerate(n.names) if name not in BATCH_NAMES), len(n.names))
         blocks[jax.tree_util.keystr(path, simple=True, separator=".")] = Block(tuple(shape.shape), spec, shards, batch)
-    compressor = Compressor(method, asked.powersgd_rank, asked.topk_fraction, mesh, blocks, treedef, seed)
+    compressor = Compressor(method, asked.powersgd_rank, asked.topk_fraction, mesh, blocks, treedef, seed,
+                            asked.error_feedback)
     check_rank(compressor)
     return compressor
 
@@ -232,11 +238,11 @@ def check_rank(compressor: Compressor) -> None:
         return
     sides = {k: b.sides for k, b in compressor.factored().items()}
     if not sides:
-        raise ConfigError("parallel.gradient_compression=powersgd: the model has no parameter with two dimensions "
-                          "(besides layers and experts) to factor; use parallel.gradient_compression=topk")
+        raise ConfigError("parallel.compression.method=powersgd: the model has no parameter with two dimensions "
+                          "(besides layers and experts) to factor; use parallel.compression.method=topk")
     path, (a, b) = max(sides.items(), key=lambda kv: min(kv[1]))
     if compressor.rank > min(a, b):
         raise ConfigError(
-            f"parallel.powersgd_rank={compressor.rank} exceeds the shorter side of every matrix PowerSGD factors, "
-            f"the largest being {path}'s gradient, {a} x {b}; use parallel.powersgd_rank <= {min(a, b)}"
+            f"parallel.compression.powersgd_rank={compressor.rank} exceeds the shorter side of every matrix PowerSGD factors, "
+            f"the largest being {path}'s gradient, {a} x {b}; use parallel.compression.powersgd_rank <= {min(a, b)}"
         )

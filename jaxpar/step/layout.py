@@ -14,8 +14,7 @@ import jax
 from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.mesh import make_mesh
 from jaxpar.model import ATTENTION, axis_names, declared, supports
-from jaxpar.sharding.annotate import (Compression, ContextAttention, Layout, ParamGather, Pipeline, Projections,
-                                      Zero)
+from jaxpar.sharding.annotate import Layout, ParamGather, Projections
 from jaxpar.sharding.rules import Rules, default_rules, kv_heads_repeat, parse_table
 
 
@@ -23,34 +22,27 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
     """The step's layout on `devices`, the mesh axes of `sizes` (jaxpar.checks.validate)."""
     parallel, device = config.parallel, devices[0]
     mesh = make_mesh(config.mesh, devices, sizes)
-    zero_axes = ("data",) if parallel.zero_stage >= 3 and mesh.shape["data"] > 1 else ()
+    zero_axes = ("data",) if parallel.zero.stage >= 3 and mesh.shape["data"] > 1 else ()
     repeats = kv_repeats(config, mesh.shape)
     return Layout(
         mesh,
         rules_for(config, mesh.shape, rest_whole=tuple(name for name, _ in repeats)),
         ParamGather(
             zero_axes=zero_axes,
-            hpz=parallel.hpz,
-            quantize_block=parallel.quantization_block if parallel.quantized_weights else 0,
+            hpz=parallel.zero.hpz,
+            quantize_block=parallel.zero.quantization_block if parallel.zero.quantized_weights else 0,
             repeats=repeats,
         ),
-        ContextAttention(parallel.context_impl, parallel.context_layout, parallel.attention_block, parallel.attention_kernel),
+        parallel.context,
         expert_exchange=expert_exchange(config, device.platform),
-        projections=Projections(parallel.collective_matmul, config.train.matmul_dtype),
+        projections=Projections(parallel.tensor.collective_matmul, config.train.matmul_dtype),
         attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),
-        zero=Zero(parallel.zero_stage, parallel.offload_optimizer),
-        pipeline=Pipeline(parallel.pipeline_schedule, parallel.pipeline_chunks),
-        compression=compression(parallel),
+        tensor=parallel.tensor,
+        zero=parallel.zero,
+        pipeline=parallel.pipeline,
+        compression=parallel.compression,
         microbatches=config.train.microbatches,
-        sequence_parallel=parallel.sequence_parallel,
     )
-
-
-def compression(parallel: Any) -> Compression:
-    """parallel's gradient compression as the layout's spec: qgZ by either of its names."""
-    method = parallel.gradient_compression if parallel.gradient_compression != "int8" else "none"
-    block = parallel.quantization_block if parallel.int8_gradients else 0
-    return Compression(method, parallel.powersgd_rank, parallel.topk_fraction, block)
 
 
 def rules_for(config: Any, mesh_shape: Mapping[str, int], rest_whole: Sequence[str] = ()) -> Rules:
@@ -58,11 +50,11 @@ def rules_for(config: Any, mesh_shape: Mapping[str, int], rest_whole: Sequence[s
     names in `rest_whole` stored unsplit (repeated at use: `kv_repeats`), then the config's
     overrides (which win)."""
     parallel = config.parallel
-    rules = default_rules(mesh_shape, parallel.sequence_parallel).with_aliases(axis_names(config.model))
+    rules = default_rules(mesh_shape, parallel.tensor.sequence_parallel).with_aliases(axis_names(config.model))
     rules = rules.with_overrides(storage={name: () for name in rest_whole})
     return rules.with_overrides(
-        storage=parse_table(parallel.storage_rules, "parallel.storage_rules"),
-        compute=parse_table(parallel.compute_rules, "parallel.compute_rules"),
+        storage=parse_table(parallel.rules.storage, "parallel.rules.storage"),
+        compute=parse_table(parallel.rules.compute, "parallel.rules.compute"),
     )
 
 
@@ -75,7 +67,7 @@ def kv_repeats(config: Any, mesh_shape: Mapping[str, int]) -> tuple[tuple[str, i
     kv = declared(model, "num_kv_heads")
     if not kv or not supports(model, ATTENTION):
         return ()
-    ulysses = mesh_shape["context"] if parallel.context_impl == "ulysses" else 1
+    ulysses = mesh_shape["context"] if parallel.context.impl == "ulysses" else 1
     times = kv_heads_repeat(kv, mesh_shape["tensor"], ulysses)
     if times == 1:
         return ()

@@ -15,7 +15,7 @@ from jaxpar.sharding.replicated import replicated_params, report_replicated
 
 
 def check_params(names: Any, shapes: Any, layout: Layout, on_replicated: str) -> None:
-    """`on_replicated`: parallel.on_replicated, what a parameter resting whole everywhere gets."""
+    """`on_replicated`: parallel.rules.on_replicated, what a parameter resting whole everywhere gets."""
     # Own logical names that no rule knows would rest whole on every device: say so first.
     report_replicated(replicated_params(names, shapes, layout), on_replicated)
     if layout.params.quantize_block:
@@ -31,8 +31,8 @@ def check_quantized_gathers(names: Any, shapes: Any, layout: Layout) -> None:
             gathered_axes(layout.param_spec(n.names, shape.shape), gather_target(n.names, layout), len(shape.shape))
         except ValueError as e:
             raise ConfigError(
-                f"parallel.quantized_weights: parameter {jax.tree_util.keystr(path)} cannot be gathered in int8: {e}; "
-                "order parallel.storage_rules so the compute axes come first"
+                f"parallel.zero.quantized_weights: parameter {jax.tree_util.keystr(path)} cannot be gathered in int8: {e}; "
+                "order parallel.rules.storage so the compute axes come first"
             ) from None
 
     jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: isinstance(x, ParamNames))

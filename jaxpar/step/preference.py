@@ -9,7 +9,7 @@ loss of a pair is
 where log pi is the sum of the policy's log-probabilities of the answer's tokens and log ref
 the reference model's. The reference is the run's starting weights, frozen: its
 log-probabilities of every pair are computed once, before the first step, by a forward pass
-over the data (jaxpar.loop.start.attach_reference), and ride in the batches ("reference" [B, 2]). No second
+over the data (`reference_logps`, called by jaxpar.loop.start), and ride in the batches ("reference" [B, 2]). No second
 model is held in memory while training; a resumed run computes them again from the same
 starting weights (its seed's initialisation, or checkpoint.init_from), so it reads what an
 uninterrupted run read.
@@ -23,9 +23,12 @@ written the same way, from `answer_logps`.
 
 from __future__ import annotations
 
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxpar.step.loss import LossFn
 
@@ -53,3 +56,24 @@ def dpo_loss(beta: float) -> LossFn:
         return jnp.sum(-jax.nn.log_sigmoid(margin)), jnp.float32(margin.shape[0]), metrics
 
     return loss
+
+
+def reference_logps(forward: Callable, everywhere: NamedSharding, rows: int, weights: Any, source: Any) -> np.ndarray:
+    """[pairs, 2]: the log-probabilities of every pair's answers of a preference `source`
+    (jaxpar.data.chat.PreferenceSource) under `weights`, `rows` pairs (a global batch) at a
+    time through `forward` (Trainer.forward: any layout), gathered `everywhere` so that each
+    process reads them whole."""
+
+    @jax.jit
+    def logps(w, batch):
+        return jax.lax.with_sharding_constraint(answer_logps(forward(w, batch), batch), everywhere)
+
+    pairs, local = source.pairs, source.batch.rows
+    out = np.zeros((len(pairs), 2), np.float32)
+    for start in range(0, len(pairs), rows):
+        ids = np.arange(start, start + rows) % len(pairs)  # the last batch wraps round
+        fields = {k: v[local] for k, v in pairs.fields(ids).items()}
+        batch = source.batch.to_global({**fields, "reference": np.zeros((len(fields["inputs"]), 2), np.float32)})
+        take = min(rows, len(pairs) - start)
+        out[start:start + take] = np.asarray(jax.device_get(logps(weights, batch)))[:take]
+    return out

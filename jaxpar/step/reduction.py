@@ -60,7 +60,7 @@ def grad_reduction(layout: Layout, compressor: Compressor | None) -> GradReducti
     reduces each layer's gradient inside the backward loop; so it does under hybrid
     sharding at ZeRO 2-3 too, summed over the replicas layer by layer."""
     mesh_shape, microbatches, stage = layout.mesh.shape, layout.microbatches, layout.zero.stage
-    int8_block = layout.compression.int8_block
+    int8_block = layout.qgz_block
     if compressor is not None:
         return GradReduction("compressed", compressor=compressor)
     if mesh_shape["stage"] > 1:  # each stage's replicas accumulate unreduced (jaxpar.step.pipelined)

@@ -20,10 +20,10 @@ SEQUENCE_FIELDS = ("inputs", "targets", "weights", "positions", "segment_ids")
 def lay_out_sequences(batch: dict, layout: Layout) -> dict:
     """`batch` with its [B, S] fields in the layout's sequence order, plus "positions"."""
     n = sequence_degree(layout)
-    if n == 1 or layout.context.seq_layout == "contiguous":
+    if n == 1 or layout.context.layout == "contiguous":
         return batch
     seq_len = batch["inputs"].shape[1]
-    order = jnp.asarray(sequence_order(layout.context.seq_layout, n, seq_len), jnp.int32)
+    order = jnp.asarray(sequence_order(layout.context.layout, n, seq_len), jnp.int32)
     out = dict(batch)
     out.setdefault("positions", jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), batch["inputs"].shape))
     for name in SEQUENCE_FIELDS:

@@ -35,7 +35,7 @@ from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.checks import validate
 from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
-from jaxpar.model import declared
+from jaxpar.model import declared, has
 from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
@@ -44,6 +44,7 @@ from jaxpar.step import lora
 from jaxpar.step.layout import layout_for
 from jaxpar.step.compressed import compressed_gradients, hooked_paths, layer_hooks, weight_of_batch
 from jaxpar.step.compression import Compressor, make_compressor
+from jaxpar.step.forward import make_forward
 from jaxpar.step.gradients import batch_gradients, loss_sum_fn, prepare_batch, prepared_names
 from jaxpar.step.loss import LossFn, model_outputs, task_loss
 from jaxpar.step.optim import update_rule
@@ -85,6 +86,7 @@ class Trainer:
     grads: Wrapped  # (params, batch) -> (loss, grads)
     step_and_grads: Wrapped  # (TrainState, batch) -> (TrainState, metrics, grads)
     evaluate: Wrapped  # (weights, batch) -> (loss sum, weight): the step's loss, no gradient (held-out data)
+    forward: Wrapped  # (weights, batch) -> the model's outputs, the whole model at once (jaxpar.step.forward)
     # A tree as stored (parameters, gradients, a TrainState) -> in the model's layer order,
     # and back. They differ only under interleaved pipelining, whose stages hold strided
     # chunks (jaxpar.pipeline.stages); checkpoints are kept in model order.
@@ -111,7 +113,7 @@ class Trainer:
 
     @property
     def compressor(self) -> Compressor | None:
-        """parallel.gradient_compression's compressor (jaxpar.step.compression), None without one."""
+        """parallel.compression.method's compressor (jaxpar.step.compression), None without one."""
         return self.reduction.compressor
 
     def abstract_state(self) -> TrainState:
@@ -191,7 +193,7 @@ def build(
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     names, abstract_params = param_names(abstract), nnx.to_pure_dict(abstract)
-    check_params(names, abstract_params, layout, config.parallel.on_replicated)
+    check_params(names, abstract_params, layout, config.parallel.rules.on_replicated)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
     tx = _train_params_only(tx, abstract, frozen)
     (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
@@ -206,7 +208,8 @@ def build(
                             compressor.shardings() if compressor else None, frozen_shardings)
     fields = batch_fields(config.model, config.train.seq_len, config.data)
     batch_layout = BatchLayout(fields, config.train.global_batch,
-                               {k: layout.sharding(f.names, "compute") for k, f in fields.items()})
+                               {k: layout.sharding(f.names, "compute") for k, f in fields.items()},
+                               model_fields=has(config.model, "batch_fields"))
     stages, chunks = layout.mesh.shape["stage"], layout.pipeline.chunks
     pipelined = stages > 1
 
@@ -258,6 +261,8 @@ def build(
         step_and_grads=jit["step_and_grads"](step),
         grads=jit["grads"](grads),
         evaluate=jit["evaluate"](evaluate),
+        forward=make_forward(task, graphdef, lambda weights: unpipelined(weights, layout, weight_shardings),
+                             weight_shardings, batch_layout.shardings),
         model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else _same,
         pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else _same,
         pipeline=program,
@@ -367,5 +372,5 @@ class OffloadIsANoOp(JaxparWarning):
 def offload_requests(config: Config) -> dict[str, bool]:
     return {
         "model.remat=offload": declared(config.model, "remat") == "offload",
-        "parallel.offload_optimizer": config.parallel.offload_optimizer,
+        "parallel.zero.offload_optimizer": config.parallel.zero.offload_optimizer,
     }

@@ -7,7 +7,7 @@
   3       sharded      sharded                   sharded
 
 The `fsdp` axis always shards all three (it is ZeRO-3 by construction, through the storage
-rules); `parallel.zero_stage` says what the `data` axis adds on top. So `mesh.fsdp=8` inside a
+rules); `parallel.zero.stage` says what the `data` axis adds on top. So `mesh.fsdp=8` inside a
 host with `mesh.data=4` across hosts is hybrid sharding (HSDP) at stage 0, and stage 1 there
 also spreads the optimizer state over every device.
 

@@ -16,6 +16,6 @@ from jaxpar.testing import check, compare, run_layout
 
 def test_flash_trains_a_sharded_llama_like_one_device(tiny_llama, reference):
     """Blocks of 8 over a 16-token sequence: two query and two key tiles."""
-    config = apply_overrides(tiny_llama, ["parallel.attention=flash", "parallel.attention_block=8"])
+    config = apply_overrides(tiny_llama, ["parallel.attention=flash", "parallel.context.block=8"])
     run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     check(compare(run, reference(tiny_llama)), 1e-5, where="attention=flash")

@@ -17,7 +17,7 @@ from jaxpar.inspect.hlo import collectives
 
 @pytest.mark.parametrize("impl", ["ring", "bidirectional"])
 def test_model_projections_become_rings(impl):
-    """parallel.collective_matmul: the Llama step's sequence-parallel gathers and scatters
+    """parallel.tensor.collective_matmul: the Llama step's sequence-parallel gathers and scatters
     over tensor become collective-permutes. What stays (under a fifth of the plain step's
     gather and scatter bytes) is two activation-sized all-gathers of the backward pass,
     outside the projections."""
@@ -29,10 +29,10 @@ def test_model_projections_become_rings(impl):
         model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),
         train=TrainConfig(global_batch=16, seq_len=16, compute_dtype="float32"),
     )
-    layout = ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true"]
+    layout = ["mesh.data=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true"]
 
     def over_tensor(value: str) -> dict[str, int]:
-        trainer = build(apply_overrides(config, layout + [f"parallel.collective_matmul={value}"]))
+        trainer = build(apply_overrides(config, layout + [f"parallel.tensor.collective_matmul={value}"]))
         text = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
         out: dict[str, int] = {}
         for c in collectives(text, trainer.mesh):

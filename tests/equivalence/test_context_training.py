@@ -19,19 +19,19 @@ from jaxpar.step.sequence import lay_out_sequences
 from jaxpar.sharding import use_layout
 
 RTOL = 1e-5
-SP = "parallel.sequence_parallel=true"
+SP = "parallel.tensor.sequence_parallel=true"
 
 # Each kernel with tensor + SP + fsdp and with data x fsdp (Ulysses there contiguous, the
 # all-gather with microbatches); the ring alone over 8 devices and with the Pallas block.
 # Ulysses and the all-gather alone are held by those (docs/testing.md).
 LAYOUTS = {
-    "ring": ["mesh.data=1", "mesh.context=8", "parallel.context_impl=ring"],
-    "ring_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=ring"],
-    "ulysses_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=ulysses"],
-    "allgather_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context_impl=allgather"],
-    "ulysses_dp_fsdp_contiguous": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=ulysses", "parallel.context_layout=contiguous"],
-    "allgather_dp_fsdp_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context_impl=allgather", "train.microbatches=2"],
-    "ring_pallas_block_kernel": ["mesh.data=2", "mesh.context=4", "parallel.context_impl=ring", "parallel.attention_kernel=pallas_interpret"],
+    "ring": ["mesh.data=1", "mesh.context=8", "parallel.context.impl=ring"],
+    "ring_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context.impl=ring"],
+    "ulysses_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context.impl=ulysses"],
+    "allgather_tp_sp_fsdp": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", SP, "parallel.context.impl=allgather"],
+    "ulysses_dp_fsdp_contiguous": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context.impl=ulysses", "parallel.context.layout=contiguous"],
+    "allgather_dp_fsdp_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "parallel.context.impl=allgather", "train.microbatches=2"],
+    "ring_pallas_block_kernel": ["mesh.data=2", "mesh.context=4", "parallel.context.impl=ring", "parallel.context.kernel=pallas_interpret"],
 }
 
 
@@ -45,7 +45,7 @@ def long_llama(tiny_llama):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n in ("ring", "ulysses_tp_sp_fsdp") else n
                                   for n in LAYOUTS])
 def test_context_parallel_training_equals_single_device(long_llama, reference, name):
-    config = apply_overrides(long_llama, LAYOUTS[name] + ["parallel.attention_block=4"])
+    config = apply_overrides(long_llama, LAYOUTS[name] + ["parallel.context.block=4"])
     check(compare(run_layout(config), reference(long_llama)), RTOL, where=name)
 
 
@@ -94,7 +94,7 @@ def test_packed_documents_train_as_on_one_device(long_llama, reference, tmp_path
     tokens[np.random.default_rng(1).random(20000) < 0.1] = 0  # documents of ~10 tokens
     np.save(path, tokens.astype(np.uint16))
     config = apply_overrides(long_llama, ["data.source=tokens", f"data.path={path}", "data.eos_id=0"])
-    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.context=4", "parallel.attention_block=4"]))
+    run = run_layout(apply_overrides(config, ["mesh.data=2", "mesh.context=4", "parallel.context.block=4"]))
     check(compare(run, reference(config)), RTOL, where="packed ring")
 
 
@@ -102,16 +102,16 @@ def test_packed_documents_train_as_on_one_device(long_llama, reference, tmp_path
     "overrides, message",
     [
         (["mesh.context=8", "mesh.data=1", "train.seq_len=24"], r"train.seq_len=24 is not divisible by 2 x mesh.context = 16"),
-        (["mesh.context=8", "mesh.data=1", "train.seq_len=20", "parallel.context_layout=contiguous"], r"train.seq_len=20 is not divisible by context x tensor = 8"),
-        (["mesh.context=8", "mesh.data=1", "parallel.context_impl=ulysses", "model.num_kv_heads=2"], r"parallel.context_impl=ulysses: mesh.context=8 does not divide the 4 query heads per tensor shard \(model.num_heads=4 / mesh.tensor=1\); use mesh.context in \[1, 2, 4\]"),
-        (["parallel.context_impl=striped"], r"parallel.context_impl='striped'; use one of ring, ulysses, allgather"),
-        (["parallel.context_layout=random"], r"parallel.context_layout='random'; use one of zigzag, contiguous"),
-        (["parallel.attention_block=0"], r"parallel.attention_block=0 must be a positive tile length"),
-        (["mesh.context=2", "parallel.attention_kernel=cudnn"], r"parallel.attention_kernel='cudnn'; use one of jax, pallas, pallas_interpret"),
-        (["parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas is the block kernel of context-parallel attention, but mesh.context=1"),
-        (["mesh.context=2", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas \(Triton\) needs power-of-two tiles of at least 16 tokens, not a query tile of 8 \(tiles from parallel.attention_block=512 and the 8-token chunks of train.seq_len=32 over mesh.context=2\)"),
-        (["mesh.context=2", "model.head_dim=16", "train.seq_len=64", "parallel.attention_kernel=pallas"], r"parallel.attention_kernel=pallas lowers through Triton for GPUs, but the devices are cpu"),
-        (["mesh.context=8", "mesh.data=1", "train.seq_len=16672"], r"parallel.attention_block=512: the 1042-token chunks of train.seq_len=16672 over 16 \(zigzag over mesh.context=8\) split only into tiles of 2; use a train.seq_len that is a multiple of 8192, e.g. 16384"),
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=20", "parallel.context.layout=contiguous"], r"train.seq_len=20 is not divisible by context x tensor = 8"),
+        (["mesh.context=8", "mesh.data=1", "parallel.context.impl=ulysses", "model.num_kv_heads=2"], r"parallel.context.impl=ulysses: mesh.context=8 does not divide the 4 query heads per tensor shard \(model.num_heads=4 / mesh.tensor=1\); use mesh.context in \[1, 2, 4\]"),
+        (["parallel.context.impl=striped"], r"parallel.context.impl='striped'; use one of ring, ulysses, allgather"),
+        (["parallel.context.layout=random"], r"parallel.context.layout='random'; use one of zigzag, contiguous"),
+        (["parallel.context.block=0"], r"parallel.context.block=0 must be a positive tile length"),
+        (["mesh.context=2", "parallel.context.kernel=cudnn"], r"parallel.context.kernel='cudnn'; use one of jax, pallas, pallas_interpret"),
+        (["parallel.context.kernel=pallas"], r"parallel.context.kernel=pallas is the block kernel of context-parallel attention, but mesh.context=1"),
+        (["mesh.context=2", "parallel.context.kernel=pallas"], r"parallel.context.kernel=pallas \(Triton\) needs power-of-two tiles of at least 16 tokens, not a query tile of 8 \(tiles from parallel.context.block=512 and the 8-token chunks of train.seq_len=32 over mesh.context=2\)"),
+        (["mesh.context=2", "model.head_dim=16", "train.seq_len=64", "parallel.context.kernel=pallas"], r"parallel.context.kernel=pallas lowers through Triton for GPUs, but the devices are cpu"),
+        (["mesh.context=8", "mesh.data=1", "train.seq_len=16672"], r"parallel.context.block=512: the 1042-token chunks of train.seq_len=16672 over 16 \(zigzag over mesh.context=8\) split only into tiles of 2; use a train.seq_len that is a multiple of 8192, e.g. 16384"),
         (["data.eos_id=128"], r"data.eos_id=128 must be a token id \(0 to model.vocab_size - 1 = 127\)"),
     ],
 )
@@ -137,7 +137,7 @@ def test_step_memory_grows_linearly_with_the_sequence(long_llama):
     temps = []
     for s in (1024, 2048):
         config = apply_overrides(long_llama, ["mesh.data=1", "mesh.context=8", f"train.seq_len={s}", "train.global_batch=2",
-                                              "parallel.attention_block=32", f"model.remat={remat}"])
+                                              "parallel.context.block=32", f"model.remat={remat}"])
         trainer = build(config)
         compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)

@@ -48,13 +48,13 @@ MODEL = ["model.routing=dropless", "model.mtp_layers=1", "model.mtp_weight=0.3",
          "model.yarn_original_max_positions=8", "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"]
 LAYOUTS = {
     # experts split inside the stages, each stage's all-to-alls among its own expert ranks
-    "zb_stage2_expert2_tensor2_sp": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-                                     "parallel.pipeline_schedule=zb-h1", "train.microbatches=2"],
+    "zb_stage2_expert2_tensor2_sp": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true",
+                                     "parallel.pipeline.schedule=zb-h1", "train.microbatches=2"],
     # DeepSeek-V3's own training layout in small: PP x EP x ZeRO-1 data, the prediction module on the last stage
-    "1f1b_stage2_expert2_data2_zero1": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero_stage=1",
-                                        "parallel.pipeline_schedule=1f1b", "train.microbatches=2"],
+    "1f1b_stage2_expert2_data2_zero1": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero.stage=1",
+                                        "parallel.pipeline.schedule=1f1b", "train.microbatches=2"],
     # the prediction module's shifted tokens cross the context shards
-    "zero3_fsdp2_expert2_ring2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "parallel.zero_stage=3"],
+    "zero3_fsdp2_expert2_ring2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "parallel.zero.stage=3"],
 }
 
 

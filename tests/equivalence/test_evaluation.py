@@ -110,8 +110,8 @@ def test_forward_on_pipeline_and_context_layouts_equals_one_device(tiny_llama):
     want = np.asarray(forward(flat)(initial_state(flat).params, {"inputs": inputs}))
     assert want.shape == (16, 16, 128)
     layouts = {
-        "interleaved pipeline": ["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved",
-                                 "parallel.pipeline_chunks=2"],  # layers rest in pipeline order
+        "interleaved pipeline": ["mesh.stage=2", "mesh.data=4", "parallel.pipeline.schedule=interleaved",
+                                 "parallel.pipeline.chunks=2"],  # layers rest in pipeline order
         "zigzag context": ["mesh.data=2", "mesh.context=4"],  # the sequence is permuted inside
     }
     trainers = {name: build(apply_overrides(config, layout)) for name, layout in layouts.items()}

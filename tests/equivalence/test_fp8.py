@@ -66,8 +66,8 @@ def fp8_llama(tiny_llama):
 
 
 @pytest.mark.parametrize("layout", [
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"],
-    ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "parallel.zero_stage=3", "model.remat=full"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"],
+    ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "parallel.zero.stage=3", "model.remat=full"],
     # context parallelism inside pipeline stages: e4m3 residuals kept as float8 made NaN
     # losses in stages (XLA:CPU); jaxpar.kernels.fp8 keeps their bytes as uint8
     ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "train.microbatches=2"],
@@ -125,7 +125,7 @@ def test_zero3_gathers_the_layers_weights_in_eight_bits(fp8_llama, tmp_path):
     gathers of 32 x 32 and 32 x 64 elements: 7 forward, 7 again in the backward."""
     from jaxpar.inspect.hlo import nbytes, parse
 
-    trainer = build(apply_overrides(fp8_llama, ["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]))
+    trainer = build(apply_overrides(fp8_llama, ["mesh.data=1", "mesh.fsdp=8", "parallel.zero.stage=3"]))
     gathers = [i for instrs in parse(_partitioned_hlo(trainer, tmp_path)).values() for i in instrs
                if i.opcode == "all-gather"]
     elements = {i.name: math.prod(map(int, re.search(r"\[([\d,]*)\]", i.shape).group(1).split(","))) for i in gathers}

@@ -26,8 +26,8 @@ GEMMA = Config(
 def test_local_and_global_layers_in_an_interleaved_pipeline_and_a_ring_equal_one_device(reference):
     """Virtual stages 0..3 hold one layer each, device 0 the local layer 0 and the global layer
     2: a chunk told the wrong first layer runs the wrong kind of attention and fails this."""
-    layout = ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved",
-              "parallel.pipeline_chunks=2", "train.microbatches=2", "parallel.context_layout=contiguous"]
+    layout = ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.pipeline.schedule=interleaved",
+              "parallel.pipeline.chunks=2", "train.microbatches=2", "parallel.context.layout=contiguous"]
     run = run_layout(apply_overrides(GEMMA, layout))
     check(compare(run, reference(GEMMA)), 1e-5, where="gemma3 interleaved x ring x tensor")
 
@@ -45,7 +45,7 @@ def test_explain_counts_each_kind_of_layer_by_its_share():
     from jaxpar.train import build
 
     assert kind_shares(GEMMA.model) == {KIND_SCOPE: (0.25, 0.75)}  # window 0 (global) first
-    trainer = build(apply_overrides(GEMMA, ["mesh.data=2", "mesh.context=4", "parallel.context_layout=contiguous"]))
+    trainer = build(apply_overrides(GEMMA, ["mesh.data=2", "mesh.context=4", "parallel.context.layout=contiguous"]))
     doc = explain(trainer, inspect_step(trainer))
     assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]
     assert "3 layers of window 5 and 1 of every key" in doc["context_traffic_formula"]

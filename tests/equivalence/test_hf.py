@@ -29,34 +29,34 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 PIPELINE = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]
 LAYOUTS = {
     "llama_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE,
-                   ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
+                   ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]],
     "llama_untied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
-                                                                   "parallel.context_impl=ulysses"]],
+                                                                   "parallel.context.impl=ulysses"]],
     # the sliding window (6 keys of 16) under the zigzag ring beside experts, and (mistral, 5 keys)
     # under a ring over the contiguous order that stops after 2 of its 4 blocks
     "mixtral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]],
     "mistral": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
-                                                             "parallel.context_layout=contiguous"]],
+                                                             "parallel.context.layout=contiguous"]],
     # QK-norm: its scale per head_dim whole on every rank whatever splits the heads
     "qwen3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
-                                                            "parallel.sequence_parallel=true"]],
+                                                            "parallel.tensor.sequence_parallel=true"]],
     "qwen3_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
-                                                                 "parallel.context_impl=ulysses"]],
+                                                                 "parallel.context.impl=ulysses"]],
     # local and global layers on one stage (the second: global, local), and under one ring over
     # the contiguous order that stops early in the local layers and goes round in the global one
     "gemma3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
-                                                             "parallel.context_layout=contiguous"]],
+                                                             "parallel.context.layout=contiguous"]],
     "qwen3_moe": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     # dense layers 0 and 2 among MoE 1 and 3 (decoder_sparse_step 2): the experts over expert x fsdp,
     # heads and both MLPs over tensor, the sequence over context (stages are refused: the dense layer 2)
     "qwen3_moe_dense": [["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
-                        ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
+                        ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]],
     # heads over tensor with the latents whole on each rank; the dense layer on the first stage;
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
     # does not save, starts from its initialisation; under stages it sits on the last)
     "deepseek_v3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
-    "deepseek_v3_plain": [["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ulysses"]],
+    "deepseek_v3_plain": [["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.impl=ulysses"]],
 }
 CASES = [(c, i) for c in LAYOUTS for i in range(len(LAYOUTS[c]))]
 EXPORTED_FROM = {"deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],  # one MoE layer: no stages
@@ -254,8 +254,8 @@ def test_an_interleaved_pipeline_exports_the_layers_in_model_order(tmp_path):
                                       mlp=64), train=TrainConfig(global_batch=8, seq_len=16, compute_dtype="float32"))
     written = {}
     for name, sets in (("plain", ["mesh.fsdp=8"]), ("interleaved", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                                     "train.microbatches=4", "parallel.pipeline_chunks=2",
-                                                                     "parallel.pipeline_schedule=interleaved"])):
+                                                                     "train.microbatches=4", "parallel.pipeline.chunks=2",
+                                                                     "parallel.pipeline.schedule=interleaved"])):
         trainer = build(apply_overrides(config, sets))
         export(trainer, initial_state(trainer), tmp_path / name)
         written[name] = _tensors(tmp_path / name)

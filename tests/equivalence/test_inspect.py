@@ -30,7 +30,7 @@ def bf16_llama(tiny_llama):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=pytest.mark.smoke)])  # smoke: explain
 def test_zero_memory_and_traffic_match_the_paper(bf16_llama, stage):
-    trainer = build(apply_overrides(bf16_llama, [f"parallel.zero_stage={stage}"]))
+    trainer = build(apply_overrides(bf16_llama, [f"parallel.zero.stage={stage}"]))
     doc = explain(trainer, inspect_step(trainer))
     state = {row["name"]: row for row in doc["memory"]}["model state"]
     assert abs(state["ratio"] - 1) < 0.05, state
@@ -47,7 +47,7 @@ def test_zero2_reduce_scatters_every_microbatch(bf16_llama):
     """Stage 2 reduces each microbatch's gradient into the sharded accumulator: the layer
     gradients' reduce-scatter runs inside the backward loop, layers x microbatches times,
     and nothing is all-reduced at full size."""
-    trainer = build(apply_overrides(bf16_llama, ["parallel.zero_stage=2", "train.microbatches=2"]))
+    trainer = build(apply_overrides(bf16_llama, ["parallel.zero.stage=2", "train.microbatches=2"]))
     report = inspect_step(trainer)
     layers = trainer.config.model.num_layers
     assert max(c.trip_count for c in report.collectives if c.kind == "reduce-scatter") == layers * 2
@@ -56,7 +56,7 @@ def test_zero2_reduce_scatters_every_microbatch(bf16_llama):
 
 def test_zero1_accumulates_unreduced_and_reduces_once(bf16_llama):
     """Stage 1 with microbatches keeps a whole gradient per replica and reduces it once."""
-    report = inspect_step(build(apply_overrides(bf16_llama, ["parallel.zero_stage=1", "train.microbatches=2"])))
+    report = inspect_step(build(apply_overrides(bf16_llama, ["parallel.zero.stage=1", "train.microbatches=2"])))
     big = [c for c in report.collectives if c.buffer_bytes > 1024 and c.kind in ("all-reduce", "reduce-scatter")]
     assert big and all(c.trip_count == 1 for c in big)
 
@@ -124,14 +124,14 @@ def test_temporary_larger_than_a_layer_becomes_a_finding(tiny_llama):
         findings = inspect_step(build(apply_overrides(config, layout))).findings
         return [f for f in findings if f.kind == OVERSIZED]
 
-    replicated = oversized(["mesh.data=8", "parallel.zero_stage=0"])
+    replicated = oversized(["mesh.data=8", "parallel.zero.stage=0"])
     assert replicated, "a replicated gradient of 16 layers is larger than one layer"
     first = replicated[0]
     dims = re.match(r"f32\[16,([\d,]+)\]", first.detail)
     assert dims and first.op, first  # a gradient of all 16 layers, and the JAX operation that makes it
     size = 16 * math.prod(int(d) for d in dims.group(1).split(",")) * 4
     assert size > layer_bytes and f"{size / layer_bytes:.1f}x one layer's parameters" in first.detail, (first, layer_bytes)
-    assert oversized(["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"]) == []
+    assert oversized(["mesh.data=1", "mesh.fsdp=8", "parallel.zero.stage=3"]) == []
 
 
 def test_temporaries_read_from_hlo_text():
@@ -228,7 +228,7 @@ def test_oversized_temporaries_leave_out_what_the_forward_pass_saves():
 
 
 def test_explain_cli_json(capsys):
-    assert main(["explain", "llama", "--devices", "8", "--json", "--set", "parallel.zero_stage=1"]) == 0
+    assert main(["explain", "llama", "--devices", "8", "--json", "--set", "parallel.zero.stage=1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {row["name"] for row in doc["memory"]} >= {"parameters", "optimizer state", "model state"}
     assert doc["collectives"] and doc["findings"] == []
@@ -262,7 +262,7 @@ def test_explain_context_traffic_matches_the_formulas(tiny_llama, impl, remat, o
     key/value head, repeated twice at use: each device sends its one copy around the ring."""
     kv = ["model.num_kv_heads=1"] if other == "mesh.tensor=2" else []
     config = apply_overrides(tiny_llama, [other, "mesh.context=4", "train.seq_len=32",
-                                          f"parallel.context_impl={impl}", f"model.remat={remat}", *kv])
+                                          f"parallel.context.impl={impl}", f"model.remat={remat}", *kv])
     trainer = build(config)
     doc = explain(trainer, inspect_step(trainer))
     assert abs(doc["context_traffic"]["ratio"] - 1) < 0.05, doc["context_traffic"]

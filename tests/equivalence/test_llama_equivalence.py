@@ -16,7 +16,7 @@ from jaxpar.testing import check, compare, run_layout
 from jaxpar.models.llama import LlamaConfig
 
 RTOL = 1e-5
-SP = "parallel.sequence_parallel=true"
+SP = "parallel.tensor.sequence_parallel=true"
 
 # Each strategy alone, then compositions; a pair that a larger composition below holds
 # (data x fsdp, data x tensor, fsdp x tensor) is left to it, and to benchmarks/matrix.py.
@@ -32,11 +32,11 @@ LAYOUTS = {
     "dp_fsdp_tp_sp_two_hosts_loss_chunks": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "mesh.hosts.data=2",
                                             "train.loss_chunks=4"],
     # Collective matmul (jaxpar.sharding.projections): the SP gathers and scatters as ppermute rings.
-    "tp_sp_collective_ring": ["mesh.data=1", "mesh.tensor=8", SP, "parallel.collective_matmul=ring"],
+    "tp_sp_collective_ring": ["mesh.data=1", "mesh.tensor=8", SP, "parallel.tensor.collective_matmul=ring"],
     "dp_fsdp_tp_sp_collective_bidirectional": [
-        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.collective_matmul=bidirectional"],
+        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.tensor.collective_matmul=bidirectional"],
     "context_fsdp_tp_sp_collective_ring": [
-        "mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.collective_matmul=ring"],
+        "mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "parallel.tensor.collective_matmul=ring"],
 }
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
         model=dataclasses.replace(tiny_llama.model, num_kv_heads=2, tie_embeddings=True, remat="full"),
     )
     layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", SP, "train.microbatches=2", "model.unroll_layers=true"]
-    run = run_layout(apply_overrides(config, layout + [f"parallel.collective_matmul={collective_matmul}"]))
+    run = run_layout(apply_overrides(config, layout + [f"parallel.tensor.collective_matmul={collective_matmul}"]))
     check(compare(run, reference(config)), RTOL, where=f"gqa+tied+remat+microbatches, collective_matmul={collective_matmul}")
 
 
@@ -78,7 +78,7 @@ def test_gqa_tied_remat_and_microbatches(tiny_llama, reference):
 # kernels and layouts are matrix cells.
 KV_REPEATED = {
     "kv1_ring_tensor4_sp": (1, ["mesh.data=1", "mesh.context=2", "mesh.tensor=4", SP]),
-    "kv2_data2_ulysses_tensor2": (2, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ulysses"]),
+    "kv2_data2_ulysses_tensor2": (2, ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.impl=ulysses"]),
 }
 
 

@@ -46,7 +46,7 @@ def test_lora_sft_equals_one_device_and_trains_the_adapters_alone(reference):
     from jaxpar.train import build
 
     config = chat_lora_config(microbatches=2)
-    sharded = run_layout(apply_overrides(config, ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"]))
+    sharded = run_layout(apply_overrides(config, ["mesh.fsdp=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true"]))
     check(compare(sharded, reference(config)), param_rtol=1e-4)
     staged = run_layout(apply_overrides(config, ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     check(compare(staged, reference(config)), param_rtol=1e-4)
@@ -84,7 +84,7 @@ def test_lora_model_state_is_the_formula_s_and_holds_no_float32_frozen_weight():
     from jaxpar.inspect.report import inspect_step, shard_bytes
     from jaxpar.train import build
 
-    config = apply_overrides(load("llama"), ["lora.rank=8", "parallel.zero_stage=1"])
+    config = apply_overrides(load("llama"), ["lora.rank=8", "parallel.zero.stage=1"])
     trainer = build(config)
     report = inspect_step(trainer)
     rows = {r["name"]: r for r in explain(trainer, report)["memory"]}
@@ -117,7 +117,7 @@ def test_an_fp8_base_rests_in_a_byte_and_follows_the_compute_dtype_one():
     from jaxpar.train import build
 
     config = apply_overrides(load("llama"), ["lora.rank=8", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1",
-                                             "parallel.sequence_parallel=false"])
+                                             "parallel.tensor.sequence_parallel=false"])
     losses, frozen = [], []
     for base in ("compute", "fp8"):
         trainer = build(apply_overrides(config, [f"lora.base_dtype={base}"]))

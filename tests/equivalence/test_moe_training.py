@@ -35,9 +35,9 @@ LAYOUTS = {
     # metrics from the layers' report: against one device's whole logits
     "expert4_data2_loss_chunks": ["mesh.data=2", "mesh.expert=4", "train.loss_chunks=2"],
     "expert2_data2_tensor2_sp_collective_matmul": ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
-                                                  "parallel.sequence_parallel=true", "parallel.collective_matmul=ring"],
+                                                  "parallel.tensor.sequence_parallel=true", "parallel.tensor.collective_matmul=ring"],
     "expert2_fsdp2_data2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.microbatches=2"],
-    "expert2_data4_zero3": ["mesh.data=4", "mesh.expert=2", "parallel.zero_stage=3"],
+    "expert2_data4_zero3": ["mesh.data=4", "mesh.expert=2", "parallel.zero.stage=3"],
 }
 
 
@@ -51,10 +51,10 @@ def test_capacity_routing_equals_single_device(tiny_moe, reference, name):
 
 DROPLESS = {
     # (until issue 33 also data 2 x fsdp 2 x expert 2 with microbatches: folded into the first)
-    "expert2_fsdp2_data2_zero2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "parallel.zero_stage=2",
+    "expert2_fsdp2_data2_zero2_microbatches": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "parallel.zero.stage=2",
                                                "train.microbatches=2"],
     "expert4_tensor2": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2"],
-    "expert2_context2_tensor2_ring": ["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2", "parallel.attention_block=4"],
+    "expert2_context2_tensor2_ring": ["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.block=4"],
 }
 
 
@@ -89,7 +89,7 @@ def test_dense_layers_among_the_moe_ones_equal_single_device_and_hold_one_mlp_ea
 
     config = tiny_qwen3_moe_dense()
     run, ref = run_layout(apply_overrides(config, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                                   "parallel.sequence_parallel=true"])), reference(config)
+                                                   "parallel.tensor.sequence_parallel=true"])), reference(config)
     check(compare(run, ref), RTOL, where="qwen3_moe dense layers")
     for k in ("moe_aux_loss", "moe_z_loss", "moe_load"):
         assert run.metrics[k] == pytest.approx(ref.metrics[k], rel=RTOL), k

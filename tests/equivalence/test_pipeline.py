@@ -28,22 +28,22 @@ RTOL = 1e-5
 
 from ..unit.test_pipeline import deep_llama  # noqa: F401  the fixture, shared
 
-SP = "parallel.sequence_parallel=true"
+SP = "parallel.tensor.sequence_parallel=true"
 LAYOUTS = {
     # ZeRO-1 and the collective matmul inside the stages in one layout: its hops are
     # all-to-all swaps there (GPipe over four stages with ZeRO-1: the tied-embeddings test below)
-    "1f1b_dp_tp_sp_zero1_collective_matmul": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP, "parallel.zero_stage=1",
-                                              "parallel.collective_matmul=bidirectional"],
-    "interleaved_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved",
-                            "parallel.pipeline_chunks=2"],
+    "1f1b_dp_tp_sp_zero1_collective_matmul": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP, "parallel.zero.stage=1",
+                                              "parallel.tensor.collective_matmul=bidirectional"],
+    "interleaved_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline.schedule=interleaved",
+                            "parallel.pipeline.chunks=2"],
     # and the loss in 4 chunks of tokens on the last stage (train.loss_chunks)
-    "zb_h1_dp_fsdp_zero1_loss_chunks": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline_schedule=zb-h1",
-                                        "parallel.zero_stage=1", "train.loss_chunks=4"],
+    "zb_h1_dp_fsdp_zero1_loss_chunks": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "parallel.pipeline.schedule=zb-h1",
+                                        "parallel.zero.stage=1", "train.loss_chunks=4"],
     # context parallel inside the stages (PP x CP x TP): the ring's hops are all-to-all swaps
     # there (all-gather context in zero-bubble stages: benchmarks/matrix.py's zb-h1 x allgather)
-    "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context_impl=ring"],
-    "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context_impl=ulysses",
-                               "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"],
+    "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.impl=ring"],
+    "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context.impl=ulysses",
+                               "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"],
 }
 
 
@@ -63,8 +63,8 @@ def test_tied_embeddings_sum_over_first_and_last_stage(deep_llama, reference):
     tied = dataclasses.replace(deep_llama, model=dataclasses.replace(deep_llama.model, tie_embeddings=True))
     ref = reference(tied)
     assert _norm(ref.grads) > tied.optim.clip_norm  # clipping is active
-    run = run_layout(apply_overrides(tied, ["mesh.stage=4", "mesh.data=2", "parallel.pipeline_schedule=gpipe",
-                                            "parallel.zero_stage=1"]))
+    run = run_layout(apply_overrides(tied, ["mesh.stage=4", "mesh.data=2", "parallel.pipeline.schedule=gpipe",
+                                            "parallel.zero.stage=1"]))
     check(compare(run, ref), RTOL, where="tied")
 
 
@@ -75,7 +75,7 @@ def test_llama_pp_recipe_trains_in_bfloat16_like_the_unpipelined_step():
 
     config = apply_overrides(load("llama_pp"), ["model.num_layers=2", "train.seq_len=32", "train.steps=3"])
     piped = run_layout(config).losses
-    flat = run_layout(apply_overrides(config, ["mesh.stage=1", "mesh.data=4", "mesh.tensor=2", SP, "parallel.zero_stage=1"])).losses
+    flat = run_layout(apply_overrides(config, ["mesh.stage=1", "mesh.data=4", "mesh.tensor=2", SP, "parallel.zero.stage=1"])).losses
     np.testing.assert_allclose(piped, flat, rtol=2e-2)
     assert piped[-1] < piped[0]
 
@@ -89,7 +89,7 @@ def test_llama_recipe_shape_on_stage_fsdp_tensor_equals_single_device():
     from jaxpar.recipes import load
 
     config = apply_overrides(load("llama"), ["model.num_layers=2", "train.compute_dtype=float32", "train.steps=3",
-                                             "parallel.sequence_parallel=false"])
+                                             "parallel.tensor.sequence_parallel=false"])
     config = dataclasses.replace(config, mesh=MeshConfig())
     run = run_layout(apply_overrides(config, ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"]))
     check(compare(run, reference_run(config)), RTOL, where="llama recipe shape, stage x fsdp x tensor")
@@ -103,7 +103,7 @@ def test_interleaved_stages_hold_their_own_chunks(deep_llama):
     """Under interleaving a device's layers are strided in the model (chunks s, s + p, ...):
     they are stored that way, so the step moves no weights between stages."""
     config = apply_overrides(
-        deep_llama, ["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"]
+        deep_llama, ["mesh.stage=2", "mesh.data=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"]
     )
     from jaxpar.inspect import inspect_step
 
@@ -129,7 +129,7 @@ def test_explain_accounts_for_the_stages(deep_llama):
     from jaxpar.inspect import inspect_step
     from jaxpar.inspect.explain import explain, render
 
-    config = apply_overrides(deep_llama, ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "parallel.zero_stage=1"])
+    config = apply_overrides(deep_llama, ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "parallel.zero.stage=1"])
     trainer = build(config)
     doc = explain(trainer, inspect_step(trainer))
     rows = {r["name"]: r["ratio"] for r in doc["memory"] if r["ratio"] is not None}

@@ -45,7 +45,7 @@ def _greedy_on_one_device(model, prompt: list[int], new: int) -> list[int]:
 
 def test_greedy_on_sharded_layouts_equals_a_greedy_loop_on_one_device(tiny_llama):
     layouts = {"tensor4": ["mesh.tensor=4"],  # data=2 x tensor=4: vocab-parallel head, batch rows 2
-               "fsdp2_tensor2_sp": ["mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]}
+               "fsdp2_tensor2_sp": ["mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]}
     trainers = {name: build(apply_overrides(tiny_llama, layout)) for name, layout in layouts.items()}
     states = {name: initial_state(trainer) for name, trainer in trainers.items()}  # random weights, the same in each
     want = _greedy_on_one_device(unsharded_model(trainers["tensor4"], states["tensor4"]), PROMPT, 6)
@@ -153,7 +153,7 @@ def checkpoint_dir(tmp_path_factory, tokenizer_file) -> tuple[str, object]:
     (folder / "corpus.txt").write_text(" ".join(rng.choice(WORDS, size=400)))
     directory = str(folder / "checkpoints")
     config = apply_overrides(base_config("llama"), [
-        "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true", f"checkpoint.dir={directory}",
+        "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true", f"checkpoint.dir={directory}",
         "data.source=text", f"data.path={folder / 'corpus.txt'}", f"data.tokenizer={tokenizer_file}"])
     run(build(config), progress=False)
     return directory, config

@@ -102,7 +102,7 @@ def test_bf16_compute_stays_close_to_fp32(tiny_llama):
     assert all(p.dtype == np.float32 for p in params), "master weights must stay float32"
 
 
-@pytest.mark.parametrize("overrides", [["parallel.sequence_parallel=false"], ["parallel.sequence_parallel=true"], ["model.tie_embeddings=true", "parallel.sequence_parallel=true"]])
+@pytest.mark.parametrize("overrides", [["parallel.tensor.sequence_parallel=false"], ["parallel.tensor.sequence_parallel=true"], ["model.tie_embeddings=true", "parallel.tensor.sequence_parallel=true"]])
 def test_no_full_vocabulary_array_on_a_device(tiny_llama, overrides):
     """Vocab-parallel embedding, head and cross-entropy: with tensor=4 no array in the
     compiled step has the full vocabulary (128) as a dimension; every vocab dim is 32."""

@@ -36,7 +36,7 @@ def test_overlap_on_gpus_by_default_with_thresholds_of_one_layer(tiny_llama):
     # FP8 behind sequence parallelism in pipeline stages: the multi-streamed windowed einsum
     # segfaults jaxlib 0.12.0.1's GPU compiler (benchmarks/gpu_compile.py, llama_pp fp8): off
     # (left out, XLA's own default turns it on and the compile still crashes)
-    fp8 = ["train.matmul_dtype=fp8", "parallel.sequence_parallel=true", "mesh.stage=2"]
+    fp8 = ["train.matmul_dtype=fp8", "parallel.tensor.sequence_parallel=true", "mesh.stage=2"]
     assert step_options(apply_overrides(bf16, fp8), "gpu")["xla_gpu_multi_streamed_windowed_einsum"] is False
     for kept in (fp8[:2], fp8[1:], [fp8[0], fp8[2]]):  # any two of the three compile
         assert step_options(apply_overrides(bf16, kept), "gpu")["xla_gpu_multi_streamed_windowed_einsum"] is True
@@ -67,6 +67,6 @@ def test_step_with_the_overlap_preset_equals_the_single_device_run(tiny_llama, r
     """On CPU the GPU options are accepted and do not change the program's values; on a GPU
     they change its schedule only."""
     config = apply_overrides(tiny_llama, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                          "parallel.sequence_parallel=true", "compiler.preset=overlap"])
+                                          "parallel.tensor.sequence_parallel=true", "compiler.preset=overlap"])
     assert len(build(config).compiler_options) == len(overlap_preset(1, 4))
     check(compare(run_layout(config), reference(tiny_llama)), 1e-5, where="overlap preset")

@@ -24,9 +24,9 @@ from jaxpar.testing import check, compare, initial_state, run_layout
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 LAYOUTS = {
-    "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
+    "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true"],
     "pipeline_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"],
-    "ring_context_fsdp_tp": ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.context_impl=ring"],
+    "ring_context_fsdp_tp": ["mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.context.impl=ring"],
 }
 
 
@@ -45,8 +45,8 @@ def test_gpt2_layout_equals_single_device(gpt2, reference, name):
 
 
 VIT_LAYOUTS = {
-    "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
-    "pipeline_fsdp_tp_sp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+    "fsdp_tp_sp": ["mesh.fsdp=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true"],
+    "pipeline_fsdp_tp_sp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true",
                             "train.microbatches=4"],
 }
 
@@ -70,7 +70,7 @@ def test_vit_sequence_is_its_patches(vit):
     from jaxpar.checks import validate
 
     with pytest.raises(ConfigError, match=r"model.sequence_length=9 is not divisible by context x tensor = 2"):
-        validate(apply_overrides(vit, ["model.image_size=12", "mesh.tensor=2", "parallel.sequence_parallel=true"]), 8)
+        validate(apply_overrides(vit, ["model.image_size=12", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]), 8)
 
 
 def test_own_names_without_axis_names_are_refused_under_strict(gpt2):
@@ -80,8 +80,8 @@ def test_own_names_without_axis_names_are_refused_under_strict(gpt2):
     bare = type("BareGPT2", (type(gpt2.model),), {"axis_names": {}})
     model = bare(**{f.name: getattr(gpt2.model, f.name) for f in dataclasses.fields(gpt2.model)})
     config = apply_overrides(dataclasses.replace(gpt2, model=model), ["mesh.fsdp=2", "mesh.tensor=4"])
-    with pytest.raises(ConfigError, match=r"(?s)parallel.on_replicated=error: 10 parameter.*layers.mlp.w_fc"):
-        build(apply_overrides(config, ["parallel.on_replicated=error"]))
+    with pytest.raises(ConfigError, match=r"(?s)parallel.rules.on_replicated=error: 10 parameter.*layers.mlp.w_fc"):
+        build(apply_overrides(config, ["parallel.rules.on_replicated=error"]))
 
 
 def test_own_loss_reaches_both_paths(tiny_llama):

@@ -17,13 +17,13 @@ from jaxpar.train import build
 from jaxpar.step.trainer import OffloadIsANoOp
 
 ZERO_LAYOUTS = {
-    "zero1_dp8": ["mesh.data=8", "parallel.zero_stage=1"],
-    "zero2_dp4_tp2_micro2": ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=2", "train.microbatches=2"],
-    "zero3_dp4_tp2_sp": ["mesh.data=4", "mesh.tensor=2", "parallel.zero_stage=3", "parallel.sequence_parallel=true"],
-    "zero1_micro2_hsdp_two_hosts": ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero_stage=1", "train.microbatches=2"],
+    "zero1_dp8": ["mesh.data=8", "parallel.zero.stage=1"],
+    "zero2_dp4_tp2_micro2": ["mesh.data=4", "mesh.tensor=2", "parallel.zero.stage=2", "train.microbatches=2"],
+    "zero3_dp4_tp2_sp": ["mesh.data=4", "mesh.tensor=2", "parallel.zero.stage=3", "parallel.tensor.sequence_parallel=true"],
+    "zero1_micro2_hsdp_two_hosts": ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero.stage=1", "train.microbatches=2"],
     # data x fsdp at ZeRO 2-3: per-replica gradients summed over the replicas layer by layer
-    "zero3_dp4_fsdp2": ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3"],
-    "zero2_dp2_fsdp4_micro2": ["mesh.data=2", "mesh.fsdp=4", "parallel.zero_stage=2", "train.microbatches=2"],
+    "zero3_dp4_fsdp2": ["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=3"],
+    "zero2_dp2_fsdp4_micro2": ["mesh.data=2", "mesh.fsdp=4", "parallel.zero.stage=2", "train.microbatches=2"],
 }
 
 
@@ -40,7 +40,7 @@ def test_zero_stage_equals_single_device(tiny_llama, reference, name):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_shards_what_it_says(tiny_llama, stage):
     """Per-device elements of each role, from the shardings the step is compiled with."""
-    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", f"parallel.zero_stage={stage}", "train.compute_dtype=bfloat16"]))
+    trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", f"parallel.zero.stage={stage}", "train.compute_dtype=bfloat16"]))
     state = trainer.abstract_state()
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
@@ -66,16 +66,16 @@ def test_zero3_over_data_and_fsdp_holds_temporaries_like_zero3_over_fsdp(tiny_ll
     def temporaries(layout):
         return inspect_step(build(apply_overrides(config, layout))).memory.temporaries
 
-    fsdp = temporaries(["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3"])
-    hybrid = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3"])
-    qgz = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3", "parallel.quantized_gradients=true"])
+    fsdp = temporaries(["mesh.data=1", "mesh.fsdp=8", "parallel.zero.stage=3"])
+    hybrid = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=3"])
+    qgz = temporaries(["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=3", "parallel.zero.quantized_gradients=true"])
     assert hybrid <= 1.25 * fsdp and qgz <= 1.25 * fsdp, (hybrid, qgz, fsdp)
 
 
 @pytest.mark.parametrize("remat", ["full", pytest.param("selective", marks=pytest.mark.smoke), "dots"])  # smoke: remat
 def test_remat_policy_equals_single_device(tiny_llama, reference, remat):
     config = apply_overrides(tiny_llama, [f"model.remat={remat}"])
-    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]
     check(compare(run_layout(apply_overrides(config, layout)), reference(tiny_llama)), 1e-5, where=remat)
 
 
@@ -91,8 +91,8 @@ def test_offload_warns_on_cpu_and_stays_exact(tiny_llama, reference):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("parallel.zero_stage=4", "parallel.zero_stage=4; use one of 0, 1, 2, 3"),
-        ("parallel.zero_stage=-1", "parallel.zero_stage=-1; use one of 0, 1, 2, 3"),
+        ("parallel.zero.stage=4", "parallel.zero.stage=4; use one of 0, 1, 2, 3"),
+        ("parallel.zero.stage=-1", "parallel.zero.stage=-1; use one of 0, 1, 2, 3"),
         ("model.remat=attention", "model.remat='attention'; use one of none, full, selective"),
     ],
 )
@@ -102,13 +102,13 @@ def test_bad_zero_and_remat_input(tiny_llama, override, message):
 
 
 @pytest.mark.parametrize("mesh,overrides,when,block", [
-    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=3"], "backward", 0),
-    ({"data": 2, "fsdp": 4}, ["parallel.zero_stage=1"], "step", 0),  # hybrid: inside the host first
-    ({"data": 2, "fsdp": 4}, ["parallel.zero_stage=3"], "layers", 0),
-    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=1", "train.microbatches=2"], "step", 0),
-    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=2", "train.microbatches=2"], "backward", 0),
-    ({"data": 8, "fsdp": 1}, ["parallel.zero_stage=2", "parallel.quantized_gradients=true"], "layers", 64),
-    ({"data": 4, "fsdp": 1, "stage": 2}, ["parallel.zero_stage=1"], "step", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero.stage=3"], "backward", 0),
+    ({"data": 2, "fsdp": 4}, ["parallel.zero.stage=1"], "step", 0),  # hybrid: inside the host first
+    ({"data": 2, "fsdp": 4}, ["parallel.zero.stage=3"], "layers", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero.stage=1", "train.microbatches=2"], "step", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero.stage=2", "train.microbatches=2"], "backward", 0),
+    ({"data": 8, "fsdp": 1}, ["parallel.zero.stage=2", "parallel.zero.quantized_gradients=true"], "layers", 64),
+    ({"data": 4, "fsdp": 1, "stage": 2}, ["parallel.zero.stage=1"], "step", 0),
 ])
 def test_the_gradient_reduction_is_chosen_once_from_the_config(tiny_llama, mesh, overrides, when, block):
     """The table jaxpar.step.reduction documents, read off grad_reduction (no compile)."""
@@ -116,7 +116,7 @@ def test_the_gradient_reduction_is_chosen_once_from_the_config(tiny_llama, mesh,
     from jaxpar.step.layout import layout_for
     from jaxpar.step.reduction import grad_reduction
 
-    config = apply_overrides(tiny_llama, [*overrides, "parallel.quantization_block=64"])
+    config = apply_overrides(tiny_llama, [*overrides, "parallel.zero.quantization_block=64"])
     sizes = {"stage": 1, "context": 1, "tensor": 1, "expert": 1, **mesh}
     config = dataclasses.replace(config, mesh=MeshConfig(**sizes))
     found = grad_reduction(layout_for(config, jax.devices()[:math.prod(sizes.values())], sizes), None)

@@ -33,7 +33,7 @@ from jaxpar.train import build
 from jaxpar.step.trainer import OffloadIsANoOp
 
 MESH = dict(axis_sizes=(2, 2, 2), axis_names=("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-TWO_HOSTS = ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero_stage=3"]
+TWO_HOSTS = ["mesh.data=2", "mesh.fsdp=4", "mesh.hosts.data=2", "parallel.zero.stage=3"]
 
 
 @pytest.mark.parametrize(
@@ -76,13 +76,13 @@ def test_quantized_reduce_scatter_equals_reference():
 
 @pytest.mark.smoke  # the smoke tier: ZeRO++ hpZ
 def test_hpz_equals_single_device(tiny_llama, reference):
-    check(compare(run_layout(apply_overrides(tiny_llama, TWO_HOSTS + ["parallel.hpz=true"])), reference(tiny_llama)), 1e-5, where="hpz")
+    check(compare(run_layout(apply_overrides(tiny_llama, TWO_HOSTS + ["parallel.zero.hpz=true"])), reference(tiny_llama)), 1e-5, where="hpz")
 
 
 # The compiled ZeRO-3 steps over two hosts that hpZ, qwZ and qgZ are measured against: bf16
 # (what a real run gathers), 4 layers (so keeping a layer's gathered weights would show),
 # built and inspected once per process and compiled once per run (tests share the cache).
-TWO_HOSTS_BF16 = TWO_HOSTS + ["train.compute_dtype=bfloat16", "model.num_layers=4", "parallel.quantization_block=64"]
+TWO_HOSTS_BF16 = TWO_HOSTS + ["train.compute_dtype=bfloat16", "model.num_layers=4", "parallel.zero.quantization_block=64"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +100,7 @@ def test_hpz_backward_gathers_stay_inside_the_host(tiny_llama):
         return crossing, inside, report.memory.temporaries
 
     flat_cross, flat_inside, flat_temps = gathers(_two_hosts_step(tiny_llama))
-    hpz_cross, hpz_inside, hpz_temps = gathers(_two_hosts_step(tiny_llama, "parallel.hpz=true"))
+    hpz_cross, hpz_inside, hpz_temps = gathers(_two_hosts_step(tiny_llama, "parallel.zero.hpz=true"))
     assert hpz_cross <= flat_cross / 4, (hpz_cross, flat_cross)
     assert hpz_inside > flat_inside  # the backward gathers moved inside the host
     assert hpz_temps > flat_temps  # ... at the price of holding the secondary shards
@@ -128,7 +128,7 @@ def _fake_quantized_params(trainer, params):
 def test_qwz_equals_single_device_on_the_rounded_weights(tiny_llama):
     """The int8 gather's only effect is rounding each shard: the single-device gradient at
     the rounded weights is the qwZ gradient (straight-through), to 1e-5."""
-    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=3", "parallel.quantized_weights=true"])
+    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=3", "parallel.zero.quantized_weights=true"])
     trainer = build(config)
     params = initial_state(trainer).params
     batch = make_source(trainer.batch, trainer.config)(0)
@@ -143,7 +143,7 @@ def test_qwz_equals_single_device_on_the_rounded_weights(tiny_llama):
 
 
 def test_qgz_stays_within_int8_rounding(tiny_llama, reference):
-    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=2", "train.microbatches=2", "parallel.quantized_gradients=true"])
+    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=2", "train.microbatches=2", "parallel.zero.quantized_gradients=true"])
     c = compare(run_layout(config), reference(apply_overrides(tiny_llama, ["train.microbatches=2"])))
     assert c.loss_error <= 1e-5 and 0 < c.grad_error <= 0.02 and c.param_error <= 0.01, c
 
@@ -159,7 +159,7 @@ def test_quantized_traffic_is_int8_and_no_gathered_weight_is_kept(tiny_llama):
     from jaxpar.xla_options import layer_params
 
     plain = _two_hosts_step(tiny_llama)
-    quant = _two_hosts_step(tiny_llama, "parallel.quantized_weights=true", "parallel.quantized_gradients=true")
+    quant = _two_hosts_step(tiny_llama, "parallel.zero.quantized_weights=true", "parallel.zero.quantized_gradients=true")
 
     codes = quant.bytes_over(kinds=["all-gather"], dtypes=["s8"])
     scales = quant.bytes_over(["data", "fsdp"], ["all-gather"], ["f32"])
@@ -175,8 +175,8 @@ def test_quantized_traffic_is_int8_and_no_gathered_weight_is_kept(tiny_llama):
 
 @pytest.mark.smoke  # the smoke tier: host offload
 def test_optimizer_offload_equals_single_device_and_rests_on_host(tiny_llama, reference):
-    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero_stage=1", "parallel.offload_optimizer=true"])
-    with pytest.warns(OffloadIsANoOp, match="parallel.offload_optimizer"):
+    config = apply_overrides(tiny_llama, ["mesh.data=4", "mesh.fsdp=2", "parallel.zero.stage=1", "parallel.zero.offload_optimizer=true"])
+    with pytest.warns(OffloadIsANoOp, match="parallel.zero.offload_optimizer"):
         trainer = build(config)
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.abstract_state().opt_state) if x.ndim}
     assert kinds == {"pinned_host"}
@@ -188,13 +188,13 @@ def test_optimizer_offload_equals_single_device_and_rests_on_host(tiny_llama, re
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["mesh.data=1", "mesh.fsdp=8", "parallel.zero_stage=3", "parallel.hpz=true"], "mesh.data=1 leaves no across-host degree"),
-        (["mesh.data=8", "parallel.zero_stage=3", "parallel.hpz=true"], "needs an in-host shard .* mesh.fsdp=1"),
-        (TWO_HOSTS[:3] + ["parallel.zero_stage=2", "parallel.hpz=true"], "needs parallel.zero_stage=3 .* got 2"),
-        (["mesh.data=8", "parallel.quantized_weights=true"], "parameters are not sharded"),
-        (["mesh.data=8", "parallel.quantized_gradients=true"], "mesh.data=8 and zero_stage=0"),
-        (["mesh.data=8", "parallel.zero_stage=1", "parallel.quantized_gradients=true", "parallel.quantization_block=0"], "quantization_block=0 must be a positive"),
-        (["mesh.data=2", "mesh.fsdp=4", "parallel.quantized_weights=true", "parallel.compute_rules=embed=fsdp", "parallel.storage_rules=embed=tensor+fsdp"], "cannot be gathered in int8"),
+        (["mesh.data=1", "mesh.fsdp=8", "parallel.zero.stage=3", "parallel.zero.hpz=true"], "mesh.data=1 leaves no across-host degree"),
+        (["mesh.data=8", "parallel.zero.stage=3", "parallel.zero.hpz=true"], "needs an in-host shard .* mesh.fsdp=1"),
+        (TWO_HOSTS[:3] + ["parallel.zero.stage=2", "parallel.zero.hpz=true"], "needs parallel.zero.stage=3 .* got 2"),
+        (["mesh.data=8", "parallel.zero.quantized_weights=true"], "parameters are not sharded"),
+        (["mesh.data=8", "parallel.zero.quantized_gradients=true"], "mesh.data=8 and parallel.zero.stage=0"),
+        (["mesh.data=8", "parallel.zero.stage=1", "parallel.zero.quantized_gradients=true", "parallel.zero.quantization_block=0"], "quantization_block=0 must be a positive"),
+        (["mesh.data=2", "mesh.fsdp=4", "parallel.zero.quantized_weights=true", "parallel.rules.compute=embed=fsdp", "parallel.rules.storage=embed=tensor+fsdp"], "cannot be gathered in int8"),
     ],
 )
 def test_bad_zeropp_input(tiny_llama, overrides, message):
@@ -211,7 +211,7 @@ def test_fake_quantize_keeps_zeros_and_small_arrays():
 
 
 def test_explain_reports_offloaded_state(tiny_llama):
-    config = apply_overrides(tiny_llama, ["mesh.data=8", "parallel.zero_stage=1", "parallel.offload_optimizer=true", "train.compute_dtype=bfloat16"])
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "parallel.zero.stage=1", "parallel.zero.offload_optimizer=true", "train.compute_dtype=bfloat16"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadIsANoOp)
         memory = inspect_step(build(config)).memory

@@ -168,7 +168,7 @@ def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
     it is the same state in that layout's order, bitwise. (Every number of the state is
     made distinct first, optimizer moments too: a misplaced layer cannot pass unseen.)"""
     deep = apply_overrides(tiny_llama, ["model.num_layers=6", "train.microbatches=2"])
-    interleaved = ["parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=3"]
+    interleaved = ["parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=3"]
     piped = build(apply_overrides(deep, ["mesh.stage=2", "mesh.data=4", *interleaved]))
 
     def distinct(x):
@@ -181,7 +181,7 @@ def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
     want = piped.model_order(_host(state))  # the plain reorder, on the host
     others = [(["mesh.data=8"], 8),
               (["mesh.stage=3", "mesh.data=2", "train.global_batch=24", "train.microbatches=3",
-                "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"], 6)]
+                "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"], 6)]
     for trainer in [piped] + [build(apply_overrides(deep, sets), jax.devices()[:n]) for sets, n in others]:
         got, step = Checkpoints.open(tmp_path).restore(trainer)
         assert step == 1

@@ -96,7 +96,7 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
         assert c.devices == matrix.DEGREE ** len(c.strategies)
         sizes = [int(o.split("=")[1]) for o in c.overrides if o.split("=")[0] in {f"mesh.{a}" for a in matrix.AXES}]
         assert len(sizes) == len(matrix.AXES) and sizes.count(matrix.DEGREE) == len(c.strategies)  # the whole mesh named
-        assert ("parallel.sequence_parallel=true" in c.overrides) == ("tensor+sp" in c.strategies)
+        assert ("parallel.tensor.sequence_parallel=true" in c.overrides) == ("tensor+sp" in c.strategies)
         plain = "moe" if "expert" in c.strategies else "llama"
         variant = matrix.VARIANTS.get(c.family)
         assert c.recipe == (variant[0] if variant else plain if c.family in ("", "lora") else c.family)
@@ -130,7 +130,7 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
         assert name in names
     pipelined = [c for c in cells if "stage" in c.axes]
     assert all("train.microbatches=2" in c.overrides for c in pipelined)
-    assert all("parallel.pipeline_chunks=2" in c.overrides for c in pipelined if "interleaved" in c.strategies)
+    assert all("parallel.pipeline.chunks=2" in c.overrides for c in pipelined if "interleaved" in c.strategies)
 
 
 def test_list_prints_every_cell_and_runs_nothing(capsys):

@@ -20,7 +20,8 @@ from jaxpar.checks.backend import cudnn_attention_problem
 from jaxpar.config import apply_overrides
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig, make_mesh
-from jaxpar.sharding import ContextAttention, Layout, attend, default_rules, use_layout
+from jaxpar.config import ContextConfig
+from jaxpar.sharding import Layout, attend, default_rules, use_layout
 from jaxpar.testing import tree_error
 from jaxpar.train import build
 from jaxpar.step.layout import attention as _attention
@@ -35,7 +36,7 @@ def test_flash_equals_reference_with_packed_segments():
 
     def loss(impl):
         # Tiles of 8 over 24 tokens: segments cross tile boundaries.
-        layout = Layout(mesh, default_rules(mesh.shape, False), context=ContextAttention(block=8), attention=impl)
+        layout = Layout(mesh, default_rules(mesh.shape, False), context=ContextConfig(block=8), attention=impl)
 
         def f(q, k, v):
             with use_layout(layout):

@@ -35,8 +35,8 @@ def replaced(node, key: str, value):
 
 def test_the_config_types_its_choice_fields():
     keys = choice_fields(Config)
-    assert {"parallel.zero_stage", "parallel.expert_exchange", "train.compute_dtype", "data.order"} <= set(keys)
-    assert keys["parallel.zero_stage"] == (0, 1, 2, 3)
+    assert {"parallel.zero.stage", "parallel.expert_exchange", "train.compute_dtype", "data.order"} <= set(keys)
+    assert keys["parallel.zero.stage"] == (0, 1, 2, 3)
 
 
 @pytest.mark.parametrize("base, key, allowed", CASES, ids=[f"{k}@{b}" for b, k, _ in CASES])
@@ -48,8 +48,8 @@ def test_the_catalogue_refuses_a_bad_choice(base, key, allowed):
 
 def test_a_choice_of_another_type_is_refused():
     """True == 1, but it is no ZeRO stage."""
-    with pytest.raises(ConfigError, match=r"^parallel\.zero_stage=True; use one of 0, 1, 2, 3$"):
-        validate(replaced(base_config("llama"), "parallel.zero_stage", True), 8, "cpu")
+    with pytest.raises(ConfigError, match=r"^parallel\.zero\.stage=True; use one of 0, 1, 2, 3$"):
+        validate(replaced(base_config("llama"), "parallel.zero.stage", True), 8, "cpu")
 
 
 @pytest.mark.parametrize("key, allowed", choice_fields(Config).items(), ids=list(choice_fields(Config)))
@@ -60,16 +60,16 @@ def test_set_refuses_a_bad_choice_with_the_rules_message(key, allowed):
 
 
 def test_set_parses_a_choice_as_its_type():
-    config = apply_overrides(Config(), ["parallel.zero_stage=2", "parallel.attention=flash"])
-    assert (config.parallel.zero_stage, config.parallel.attention) == (2, "flash")
-    assert type(config.parallel.zero_stage) is int
-    with pytest.raises(ConfigError, match=r"^parallel\.zero_stage='two'; use one of 0, 1, 2, 3$"):
-        apply_overrides(Config(), ["parallel.zero_stage=two"])
+    config = apply_overrides(Config(), ["parallel.zero.stage=2", "parallel.attention=flash"])
+    assert (config.parallel.zero.stage, config.parallel.attention) == (2, "flash")
+    assert type(config.parallel.zero.stage) is int
+    with pytest.raises(ConfigError, match=r"^parallel\.zero\.stage='two'; use one of 0, 1, 2, 3$"):
+        apply_overrides(Config(), ["parallel.zero.stage=two"])
 
 
 def test_the_command_line_refuses_a_bad_choice_in_one_line(capsys):
-    assert main(["train", "llama", "--set", "parallel.zero_stage=5"]) == 2
-    assert "parallel.zero_stage=5; use one of 0, 1, 2, 3" in capsys.readouterr().err
+    assert main(["train", "llama", "--set", "parallel.zero.stage=5"]) == 2
+    assert "parallel.zero.stage=5; use one of 0, 1, 2, 3" in capsys.readouterr().err
 
 
 def test_tables_that_dispatch_on_a_choice_hold_one_entry_per_value():

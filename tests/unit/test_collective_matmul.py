@@ -314,8 +314,8 @@ def test_rules_that_move_the_megatron_layout_are_refused():
         model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=4, mlp=64),
         train=TrainConfig(global_batch=16, seq_len=16, compute_dtype="float32"),
     )
-    sets = ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true", "parallel.collective_matmul=ring",
-            "parallel.compute_rules=mlp="]
+    sets = ["mesh.data=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true", "parallel.tensor.collective_matmul=ring",
+            "parallel.rules.compute=mlp="]
     trainer = build(apply_overrides(config, sets))
-    with pytest.raises(ValueError, match=r"parallel.collective_matmul: \('batch', 'seq', 'mlp'\) is laid out as"):
+    with pytest.raises(ValueError, match=r"parallel.tensor.collective_matmul: \('batch', 'seq', 'mlp'\) is laid out as"):
         trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch())

@@ -14,8 +14,8 @@ from jaxpar.train import build
 
 
 def test_overrides_convert_to_field_types():
-    c = apply_overrides(Config(), ["mesh.fsdp=2", "train.steps=7", "optim.lr=0.5", "parallel.sequence_parallel=on"])
-    assert (c.mesh.fsdp, c.train.steps, c.optim.lr, c.parallel.sequence_parallel) == (2, 7, 0.5, True)
+    c = apply_overrides(Config(), ["mesh.fsdp=2", "train.steps=7", "optim.lr=0.5", "parallel.tensor.sequence_parallel=on"])
+    assert (c.mesh.fsdp, c.train.steps, c.optim.lr, c.parallel.tensor.sequence_parallel) == (2, 7, 0.5, True)
     assert apply_overrides(Config(), ["mesh.hosts.data=2"]).mesh.hosts.data == 2
     assert flatten(c)["mesh.fsdp"] == 2
 
@@ -26,7 +26,7 @@ def test_overrides_convert_to_field_types():
         ("mesh.fdsp=2", r"unknown key 'mesh.fdsp': mesh has no 'fdsp'; valid keys: mesh.stage, mesh.data, mesh.fsdp"),
         ("trian.steps=2", r"unknown key 'trian.steps'.*valid keys: model, mesh, parallel, train"),
         ("train.steps=ten", r"train.steps='ten' is not a valid int; e.g. train.steps=2"),
-        ("parallel.sequence_parallel=maybe", r"is not a valid bool"),
+        ("parallel.tensor.sequence_parallel=maybe", r"is not a valid bool"),
         ("train.steps", r"is not key=value"),
         ("train=3", r"train is a section; set one of its keys: train.steps"),
         ("train.steps.x=3", r"train.steps is a value, not a section"),
@@ -49,18 +49,18 @@ def llama(**model):
     [
         (llama(), ["mesh.data=4"], r"mesh.data=4 multiplies to 4, but there are 8 devices"),
         (llama(), ["mesh.tensor=8"], r"mesh.tensor=8 does not divide model.num_heads=4; use mesh.tensor in \[1, 2, 4\]"),
-        (llama(), ["mesh.data=1", "mesh.tensor=2", "mesh.context=4", "parallel.context_impl=ulysses"],
+        (llama(), ["mesh.data=1", "mesh.tensor=2", "mesh.context=4", "parallel.context.impl=ulysses"],
          r"mesh.context=4 does not divide the 2 query heads per tensor shard"),
         (llama(num_heads=8, num_kv_heads=8, vocab_size=100), ["mesh.tensor=8"], r"does not divide model.vocab_size=100"),
         (llama(num_heads=8, num_kv_heads=8, mlp=36), ["mesh.tensor=8"], r"does not divide model.mlp=36"),
         (llama(embed=36), ["mesh.fsdp=8", "mesh.data=1"], r"mesh.fsdp=8 does not divide model.embed=36"),
         (llama(), ["train.global_batch=12"], r"train.global_batch=12 is not divisible by data x fsdp x expert x microbatches = 8 x 1 x 1 x 1 = 8"),
         (llama(), ["train.global_batch=16", "train.microbatches=4"], r"= 8 x 1 x 1 x 4 = 32"),
-        (llama(), ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true", "train.seq_len=18", "model.num_heads=4", "model.num_kv_heads=4"], r"train.seq_len=18 is not divisible by context x tensor = 4"),
+        (llama(), ["mesh.data=2", "mesh.tensor=4", "parallel.tensor.sequence_parallel=true", "train.seq_len=18", "model.num_heads=4", "model.num_kv_heads=4"], r"train.seq_len=18 is not divisible by context x tensor = 4"),
         (llama(), ["train.compute_dtype=float16"], r"train.compute_dtype='float16'; use one of float32, bfloat16"),
         (llama(), ["optim.name=adagrad"], r"optim.name='adagrad'; use one of adam, adamw, lion, sgd"),
         (llama(remat="some"), [], r"model.remat='some'; use one of none, full"),
-        (llama(), ["parallel.storage_rules=embed=gpu"], r"unknown mesh axis 'gpu'"),
+        (llama(), ["parallel.rules.storage=embed=gpu"], r"unknown mesh axis 'gpu'"),
         (llama(), ["data.source=tokens"], r"data.source=tokens needs data.path"),
         (Config(mesh=MeshConfig(data=-1, tensor=3)), [], r"mesh.data=-1 cannot fill 8 devices"),
     ],
@@ -207,3 +207,43 @@ def test_print_config_shows_each_field_its_own_comment_never_a_neighbours_or_a_h
     assert problems == [], "\n".join(dict.fromkeys(problems))
     listed = listing(Config(), "train.")  # what the command prints is these meanings
     assert "train.eval_batches=4  # " + field_docs(Config())["train.eval_batches"] in listed.splitlines()
+
+
+def test_parallel_sections_read_their_flat_keys_of_before(tmp_path):
+    """ParallelConfig's sections (issue 54) keep the flat keys of before working: on `--set`,
+    in a --config file, and in a checkpoint's recorded config; each section is the very spec
+    the step's layout carries."""
+    import jax
+
+    from jaxpar.checks import validate
+    from jaxpar.config import RENAMED_KEYS
+    from jaxpar.config_record import rebuild, record
+    from jaxpar.config_text import read_toml
+    from jaxpar.step.layout import layout_for
+
+    asked = {"parallel.tensor.sequence_parallel": "true", "parallel.tensor.collective_matmul": "ring",
+             "parallel.zero.stage": "3", "parallel.zero.offload_optimizer": "true", "parallel.zero.hpz": "true",
+             "parallel.zero.quantized_weights": "true", "parallel.zero.quantized_gradients": "true",
+             "parallel.zero.quantization_block": "64", "parallel.compression.method": "topk",
+             "parallel.compression.powersgd_rank": "2", "parallel.compression.topk_fraction": "0.5",
+             "parallel.context.impl": "ulysses", "parallel.context.layout": "contiguous", "parallel.context.block": "16",
+             "parallel.context.kernel": "pallas_interpret", "parallel.pipeline.schedule": "gpipe",
+             "parallel.pipeline.chunks": "2", "parallel.rules.storage": "embed=fsdp", "parallel.rules.compute": "mlp=tensor",
+             "parallel.rules.on_replicated": "error"}
+    assert set(asked) == set(RENAMED_KEYS.values())
+    old = {new: flat for flat, new in RENAMED_KEYS.items()}
+    new_form = apply_overrides(Config(), [f"{k}={v}" for k, v in asked.items()])
+    assert new_form != Config()
+    assert apply_overrides(Config(), [f"{old[k]}={v}" for k, v in asked.items()]) == new_form
+    path = tmp_path / "old.toml"
+    path.write_text("[parallel]\nzero_stage = 2\npipeline_schedule = \"gpipe\"\n")
+    assert apply_overrides(Config(), read_toml(str(path))) == apply_overrides(
+        Config(), ["parallel.zero.stage=2", "parallel.pipeline.schedule=gpipe"])
+    saved = record(new_form)
+    saved["config"] = {old.get(k, k): v for k, v in saved["config"].items()}
+    assert "parallel.zero_stage" in saved["config"] and rebuild(saved, "an old record", 1) == new_form
+    config = apply_overrides(Config(), ["parallel.zero.stage=1", "parallel.tensor.sequence_parallel=true"])
+    layout = layout_for(config, jax.devices()[:1], validate(config, 1, "cpu"))
+    parallel = config.parallel
+    assert (layout.tensor, layout.zero, layout.compression, layout.context, layout.pipeline) == (
+        parallel.tensor, parallel.zero, parallel.compression, parallel.context, parallel.pipeline)

@@ -128,7 +128,7 @@ LAYERS = [
     ("sharding", ["jaxpar.sharding"]),
     ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed",
                            "jaxpar.curves"]),
-    ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
+    ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.specs", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
               "jaxpar.xla_options", "jaxpar.deviceless"]),
 ]
 # Imports that still run upward, each with its reason (none today); the test fails if one

@@ -176,7 +176,7 @@ def deep_llama() -> Config:
     )
 
 
-SP = "parallel.sequence_parallel=true"
+SP = "parallel.tensor.sequence_parallel=true"
 
 
 # ------------------------------------------------------------------ bad input
@@ -186,19 +186,19 @@ SP = "parallel.sequence_parallel=true"
     "overrides,needle",
     [
         (["mesh.stage=4", "mesh.data=2", "model.num_layers=6"], "model.num_layers=6"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=4"], "2 x 4 = 8"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=4"], "2 x 4 = 8"),
         (["mesh.stage=4", "mesh.data=2", "train.microbatches=2", "train.global_batch=16"], "train.microbatches=2 < mesh.stage=4"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2",
+        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2",
           "train.microbatches=3", "train.global_batch=24"], "groups of mesh.stage=2"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_schedule=pipedream"], "pipeline_schedule='pipedream'"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=2"], "only the interleaved"),
-        (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline_schedule=interleaved", "parallel.pipeline_chunks=2"], "mesh.stage=1"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=2"], "zero_stage=2"),
-        (["mesh.stage=2", "mesh.context=4", "parallel.context_impl=ring"], "use mesh.context=2, or parallel.context_impl=ulysses"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline_chunks=0"], "pipeline_chunks=0"),
-        (["mesh.stage=2", "mesh.tensor=4", SP, "parallel.collective_matmul=ring"], "use mesh.tensor=2 there"),
-        (["mesh.stage=2", "mesh.data=4", "parallel.zero_stage=1", "parallel.quantized_gradients=true"], "quantized_gradients"),
-        (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline_schedule=gpipe"], "parallel.pipeline_schedule='gpipe' shapes a pipeline"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline.schedule=pipedream"], "parallel.pipeline.schedule='pipedream'"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline.chunks=2"], "only the interleaved"),
+        (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"], "mesh.stage=1"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.zero.stage=2"], "parallel.zero.stage=2"),
+        (["mesh.stage=2", "mesh.context=4", "parallel.context.impl=ring"], "use mesh.context=2, or parallel.context.impl=ulysses"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.pipeline.chunks=0"], "parallel.pipeline.chunks=0"),
+        (["mesh.stage=2", "mesh.tensor=4", SP, "parallel.tensor.collective_matmul=ring"], "use mesh.tensor=2 there"),
+        (["mesh.stage=2", "mesh.data=4", "parallel.zero.stage=1", "parallel.zero.quantized_gradients=true"], "quantized_gradients"),
+        (["mesh.data=4", "mesh.tensor=2", "parallel.pipeline.schedule=gpipe"], "parallel.pipeline.schedule='gpipe' shapes a pipeline"),
         (["mesh.stage=4", "mesh.data=2", "model.num_layers=6"], "or mesh.stage in [2, 3, 6]"),
     ],
 )

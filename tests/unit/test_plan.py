@@ -15,7 +15,7 @@ from jaxpar.inspect.report import Memory, StepReport
 from jaxpar.plan import MODELS, Hardware
 from jaxpar.plan.step_time import roofline
 from jaxpar.plan.layouts import Layout, candidates, estimate
-from jaxpar.sharding.annotate import Pipeline
+from jaxpar.config import PipelineConfig
 
 
 def test_every_candidate_fills_the_devices_and_keeps_model_parallelism_in_a_host():
@@ -60,7 +60,7 @@ def test_estimates_order_memory_as_zero_and_remat_promise():
 
 def test_roofline_is_the_stated_arithmetic(tiny_llama):
     config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16", "train.microbatches=4"])
-    layout = SimpleNamespace(pipeline=Pipeline("1f1b", 1), microbatches=4)  # the specs roofline reads
+    layout = SimpleNamespace(pipeline=PipelineConfig("1f1b", 1), microbatches=4)  # the specs roofline reads
     hw = Hardware(peak_tflops=100.0, matmul_efficiency=0.5, hbm_gb_per_s=1000.0, overlap_data=0.75, overlap_model=0.0)
     memory = Memory(*([0] * 12))
     report = StepReport(mesh={"stage": 2, "data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}, num_hosts=1,

@@ -47,14 +47,14 @@ def abstract(make):
 def layout(mesh: MeshConfig, storage: str = "", aliases=None) -> Layout:
     mesh_ = make_mesh(mesh, jax.devices())
     rules = default_rules(mesh_.shape, False).with_aliases(aliases or {})
-    return Layout(mesh_, rules.with_overrides(storage=parse_table(storage, "parallel.storage_rules")))
+    return Layout(mesh_, rules.with_overrides(storage=parse_table(storage, "parallel.rules.storage")))
 
 
 def recipe_layout(config: Config) -> Layout:
     """The layout `build` makes for a config (its rules part: aliases and overrides)."""
     mesh = make_mesh(config.mesh, jax.devices())
-    rules = default_rules(mesh.shape, config.parallel.sequence_parallel).with_aliases(axis_names(config.model))
-    rules = rules.with_overrides(storage=parse_table(config.parallel.storage_rules, "parallel.storage_rules"))
+    rules = default_rules(mesh.shape, config.parallel.tensor.sequence_parallel).with_aliases(axis_names(config.model))
+    rules = rules.with_overrides(storage=parse_table(config.parallel.rules.storage, "parallel.rules.storage"))
     return Layout(mesh, rules)
 
 
@@ -73,7 +73,7 @@ def test_own_names_are_reported_with_a_rule_that_would_shard_them():
     # the largest dimension, onto fsdp (which divides it) first
     assert by_path["embed"].rule == "tok=fsdp"
     assert by_path["up"].rule == "ff=fsdp" and by_path["down"].rule == "ff=fsdp"
-    assert "parallel.storage_rules='ff=fsdp'" in by_path["up"].suggestion
+    assert "parallel.rules.storage='ff=fsdp'" in by_path["up"].suggestion
     assert "axis_names" in by_path["up"].suggestion
 
 
@@ -126,7 +126,7 @@ def test_message_names_the_first_parameters_and_counts_the_rest():
     first, *rest = message.splitlines()
     assert first.startswith("3 parameter(s) (8,192 values)")
     # one override for all: `up` needs no rule of its own once ff=fsdp is there
-    assert "parallel.storage_rules='tok=fsdp,ff=fsdp'" in first
+    assert "parallel.rules.storage='tok=fsdp,ff=fsdp'" in first
     assert rest[0].startswith("  embed names=('tok', 'dm') shape=(128, 32)")  # largest first
     assert rest[-1] == "  ... and 1 more"
 
@@ -137,7 +137,7 @@ def test_warn_policy_warns():
 
 
 def test_error_policy_refuses_naming_the_parameters():
-    with pytest.raises(ConfigError, match=r"^parallel\.on_replicated=error: 3 parameter") as info:
+    with pytest.raises(ConfigError, match=r"^parallel\.rules\.on_replicated=error: 3 parameter") as info:
         report_replicated(own_entries(), "error")
     assert all(path in str(info.value) for path in ("embed", "up", "down"))
 
@@ -151,9 +151,9 @@ def test_allow_policy_and_no_entries_say_nothing():
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices():
-    with pytest.raises(ConfigError, match=r"parallel\.on_replicated='loud'.*warn, error, allow"):
+    with pytest.raises(ConfigError, match=r"parallel\.rules\.on_replicated='loud'.*warn, error, allow"):
         report_replicated([], "loud")
 
 
 def test_the_config_default_is_a_policy():
-    report_replicated([], Config(model=LlamaConfig()).parallel.on_replicated)
+    report_replicated([], Config(model=LlamaConfig()).parallel.rules.on_replicated)

@@ -35,7 +35,7 @@ def test_user_overrides_replace_entries():
 @pytest.mark.parametrize("text, message", [("embed", "is not 'logical=axis"), ("embed=gpu", "unknown mesh axis 'gpu'")])
 def test_bad_rule_text(text, message):
     with pytest.raises(ConfigError, match=message):
-        parse_table(text, "parallel.storage_rules")
+        parse_table(text, "parallel.rules.storage")
 
 
 class Tiny(nnx.Module):
