@@ -129,8 +129,12 @@ class ParallelConfig:
 
     @property
     def int8_gradients(self) -> bool:
-        """qgZ, by either of its names."""
-        return self.zero.quantized_gradients or self.compression.method == "int8"
+        return int8_gradients(self.zero, self.compression)
+
+
+def int8_gradients(zero: ZeroConfig, compression: CompressionConfig) -> bool:
+    """ZeRO++ qgZ, by either of its names: zero.quantized_gradients or compression.method=int8."""
+    return zero.quantized_gradients or compression.method == "int8"
 
 
 # The flat keys ParallelConfig had before its sections (issue 54), kept working: `--set`,

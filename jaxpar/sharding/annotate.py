@@ -23,7 +23,7 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.specs import CompressionConfig, ContextConfig, PipelineConfig, TensorConfig, ZeroConfig
+from jaxpar.specs import CompressionConfig, ContextConfig, PipelineConfig, TensorConfig, ZeroConfig, int8_gradients
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
@@ -136,8 +136,7 @@ class Layout:
     def qgz_block(self) -> int:
         """ZeRO++ qgZ (parallel.zero.quantized_gradients, or compression.method=int8): the
         gradient's reduce-scatter moves int8 with a float32 scale per this many elements; 0: off."""
-        qgz = self.zero.quantized_gradients or self.compression.method == "int8"
-        return self.zero.quantization_block if qgz else 0
+        return self.zero.quantization_block if int8_gradients(self.zero, self.compression) else 0
 
     def sharding(self, names: Sequence[str | None], kind: str = "compute") -> NamedSharding:
         return NamedSharding(mesh_here(self.mesh), self.rules.spec(names, kind))
