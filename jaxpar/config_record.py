@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import pathlib
 import sys
@@ -124,20 +125,18 @@ def first_change(saved: dict, config: Config, sections: tuple[str, ...], ignore:
     "model.") that `config` sets otherwise than the record `saved` (a `record`'s "config");
     None where they agree. A field added since the record was written counts as saved at its
     default; keys in `ignore` are passed over."""
-    for key, value, default in _leaves(config):
-        if not key.startswith(sections) or key in ignore or (key not in saved and value == default):
+    for key, value in flatten(config).items():
+        if not key.startswith(sections) or key in ignore or (key not in saved and value == _default(config, key)):
             continue
         if saved.get(key) != jsonable(value):
             return key, saved.get(key), value
     return None
 
 
-def _leaves(node: Any, prefix: str = ""):
-    """(dotted key, value, default) of each leaf field of the dataclass tree `node`; a field
-    without a default gives a sentinel that equals nothing."""
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{field.name}.")
-        else:
-            yield prefix + field.name, value, field.default if field.default is not dataclasses.MISSING else object()
+def _default(config: Any, key: str) -> Any:
+    """The default of the field at dotted `key` under `config` (a sentinel that equals nothing
+    where it has none)."""
+    *sections, name = key.split(".")
+    node = functools.reduce(getattr, sections, config)
+    field = next(f for f in dataclasses.fields(node) if f.name == name)
+    return field.default if field.default is not dataclasses.MISSING else object()

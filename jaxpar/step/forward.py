@@ -18,10 +18,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxpar.errors import ConfigError
-from jaxpar.kernels.attention import sequence_order
-from jaxpar.sharding import Layout, sequence_degree, use_layout
+from jaxpar.sharding import use_layout
 from jaxpar.step.loss import apply_model
-from jaxpar.step.sequence import lay_out_sequences
+from jaxpar.step.sequence import lay_out_sequences, sequence_permutation
 
 MODEL_FIELDS = ("inputs", "positions", "segment_ids")  # what a forward pass reads of a batch
 
@@ -42,7 +41,7 @@ def make_forward(task: str, graphdef: nnx.GraphDef, whole: Any, weight_shardings
         batch = {k: jax.lax.with_sharding_constraint(v, batch_shardings[k]) for k, v in batch.items()}
         params, layout = whole(weights)
         with use_layout(layout):
-            order = _sequence_order(layout, batch["inputs"].shape[1]) if task == "lm" else None
+            order = sequence_permutation(layout, batch["inputs"].shape[1]) if task == "lm" else None
             if order is not None:
                 batch = lay_out_sequences(batch, layout)
             out = apply_model(nnx.merge(graphdef, params), batch)
@@ -50,14 +49,6 @@ def make_forward(task: str, graphdef: nnx.GraphDef, whole: Any, weight_shardings
         return outputs if order is None else jnp.take(outputs, jnp.argsort(order), axis=1)
 
     return jax.jit(apply, in_shardings=(weight_shardings, None))
-
-
-def _sequence_order(layout: Layout, seq_len: int) -> jax.Array | None:
-    """The order lay_out_sequences puts a sequence in, or None where it keeps it."""
-    n = sequence_degree(layout)
-    if n == 1 or layout.context.layout == "contiguous":
-        return None
-    return jnp.asarray(sequence_order(layout.context.layout, n, seq_len), jnp.int32)
 
 
 def _check_batch(batch: dict, shardings: Mapping[str, NamedSharding]) -> None:

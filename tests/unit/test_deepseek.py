@@ -1,19 +1,7 @@
-"""DeepSeek-V3's decoder as far as it goes (models/deepseek.py, issue 36): a dense layer, then
-multi-head latent attention over DeepSeekMoE experts, equals one device (fp32, 1e-5: losses, gradients,
-parameters and the step's MoE and prediction-module metrics) under zero-bubble pipeline
-stages x expert x tensor + SP, 1F1B stages x expert x ZeRO-1 data (DeepSeek-V3's own layout
-in small) and FSDP ZeRO-3 x expert x ring context parallelism: one model (dropless, queries
-through their own latent, YaRN, multi-token prediction) under all three, against one
-single-device reference.
-
-The stages' layout also holds what tests/equivalence/test_pipeline.py's MoE-in-stages test held until
-issue 33: each chunk's load-balancing and z losses join the objective where the chunk runs,
-its expert counts come back per layer (the bias balancing reads them), and the split
-backward of zero bubble computes the experts' weight gradients apart.
-
-Here the model's parts, counts and config (nothing compiles a training step); the layouts
-against one device, explain and the prediction module's loss (the model compiled whole):
-tests/equivalence/test_deepseek.py."""
+"""DeepSeek-V3's decoder (models/deepseek.py, issue 36): the model's parts, counts and config,
+where nothing compiles a training step. What it is proven equal to one device under, and
+the layouts, explain and the prediction module's loss (the model compiled whole):
+tests/equivalence/test_deepseek.py, whose docstring says it whole."""
 
 import dataclasses
 
