@@ -28,6 +28,7 @@ Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per
 # jaxpar.kernels.experts.EXCHANGES, has the resolved ones and an emulated one for tests
 ExpertExchange = Literal["auto", "padded", "ragged"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+PipelineBalance = Literal["even", "balanced"]  # layers per stage without a list (jaxpar.pipeline.split)
 OnReplicated = Literal["warn", "error", "allow"]
 # train
 ComputeDtype = Literal["float32", "bfloat16"]

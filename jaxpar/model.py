@@ -35,6 +35,8 @@ default.
                  task's (then the data comes from jaxpar.train.run(data=...)).
   head_param_count()  the output matmul's weights (`jaxpar explain` splits a pipeline's
                  recompute by them; default vocab_size x embed where the config has them).
+  leading_layers()  the layers a pipelined module's `embed` runs before its stack (DeepSeek's
+                 dense ones), counted on the first stage in parallel.pipeline.layers (default 0).
   layer_param_count()  one repeated layer's parameters (the XLA overlap preset's combine
                  thresholds; default param_count() / num_layers).
   update(params, counts)  the model's own change to its float32 weights after each optimizer
@@ -146,7 +148,7 @@ class PipelineStages(Protocol):
 MEMBERS: dict[str, Any] = {
     "capabilities": frozenset(), "axis_names": None, "mesh_divides": None, "check": None,
     "sequence_length": None, "input_shape": None, "batch_fields": None, "head_param_count": None,
-    "layer_param_count": None, "update": None, "summarise": None,
+    "layer_param_count": None, "leading_layers": None, "update": None, "summarise": None,
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,

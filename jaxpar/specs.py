@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.choices import (Attention, AttentionKernel, CollectiveMatmul, ContextImpl, ExpertExchange,
-                            GradientCompression, OnReplicated, PipelineSchedule, SequenceLayout, ZeroStage)
+                            GradientCompression, OnReplicated, PipelineBalance, PipelineSchedule, SequenceLayout, ZeroStage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,13 @@ class PipelineConfig:
 
     schedule: PipelineSchedule = "1f1b"  # the order of microbatches' forward and backward passes (jaxpar.pipeline.schedule)
     chunks: int = 1  # model chunks (virtual stages) each device holds; more than 1 only for interleaved
+    # Layers per virtual stage, in whole-model layers (DeepSeek's leading dense ones count on
+    # the first), listed by virtual stage (device s's chunk c is entry c x mesh.stage + s):
+    # '3,4*14,2' (N*K: K stages of N). '' : from `balance`.
+    layers: str = ""
+    # Without `layers`: even (equal chunks, refused where they do not divide) or balanced (the
+    # busiest virtual stage as light as it can be, the head and loss counted on the last).
+    balance: PipelineBalance = "even"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +164,7 @@ RENAMED_KEYS = {
     "parallel.attention_kernel": "parallel.context.kernel",
     "parallel.pipeline_schedule": "parallel.pipeline.schedule",
     "parallel.pipeline_chunks": "parallel.pipeline.chunks",
+    "parallel.pipeline_layers": "parallel.pipeline.layers",
     "parallel.storage_rules": "parallel.rules.storage",
     "parallel.compute_rules": "parallel.rules.compute",
     "parallel.on_replicated": "parallel.rules.on_replicated",

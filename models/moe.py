@@ -116,6 +116,12 @@ class MoEConfig(LlamaConfig):
                               "split the MoE layers alone, and only dense layers before every MoE one run (on the first "
                               "stage); set mesh.stage=1")
 
+    def leading_layers(self) -> int:
+        """The dense layers before the first MoE one: the embedding runs them on a pipeline's
+        first stage (jaxpar.model's `leading_layers`)."""
+        first = stack_layer_ids(self)["layers"][0] if self.num_layers else 0
+        return len([i for i in self.dense_layer_ids() if i < first])
+
     def dense_layer_ids(self) -> tuple[int, ...]:
         """The layers, by index in the whole model (num_layers MoE layers and these), whose MLP
         is dense, of the family's `dense_mlp` width: none here (the module docstring)."""

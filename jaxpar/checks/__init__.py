@@ -58,16 +58,19 @@ def _run(rule: Rule, config: Any, given: Any) -> Any:
 
 def base_config(name: str) -> Any:
     """The small configs the rules' examples break: a tiny Llama (as tests/conftest.py's
-    tiny_llama), the same as a 4-expert MoE, or a small MLP classifier; 8 devices."""
+    tiny_llama), the same as a 4-expert MoE, or as DeepSeek (a dense layer first, then 2 MoE
+    ones), or a small MLP classifier; 8 devices."""
     from jaxpar.config import Config, TrainConfig
     from jaxpar.models.llama import LlamaConfig
     from jaxpar.models.mlp import MLPConfig
+    from jaxpar.models.deepseek import DeepSeekConfig
     from jaxpar.models.moe import MoEConfig
 
     dims = dict(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, mlp=64)
     models = {
         "llama": lambda: LlamaConfig(**dims),
         "moe": lambda: MoEConfig(**dims, num_experts=4, top_k=2),
+        "deepseek": lambda: DeepSeekConfig(**dims, num_experts=4, top_k=2, expert_groups=2, top_groups=1, dense_layers=1),
         "mlp": lambda: MLPConfig(in_features=16, hidden=32, num_classes=4),
     }
     if name not in models:

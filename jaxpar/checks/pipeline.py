@@ -10,6 +10,7 @@ from jaxpar.config import PipelineConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
 from jaxpar.model import STAGES, lacks, supports
+from jaxpar.pipeline.split import balanced, compact, head_layers, leading_layers, parse_layers
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -79,21 +80,124 @@ def pipeline_needs_stages(config, sizes) -> None:
 
 
 @rule(
+    "pipeline-layers-or-balance",
+    fields=["parallel.pipeline.layers", "parallel.pipeline.balance"],
+    summary="Layers per stage come from a list or from a rule, not both.",
+    example=["mesh.stage=2", "parallel.pipeline.layers=1,3", "parallel.pipeline.balance=balanced"],
+)
+def pipeline_layers_or_balance(config, sizes) -> None:
+    pipeline = config.parallel.pipeline
+    if pipeline.layers and pipeline.balance != "even":
+        raise ConfigError(f"parallel.pipeline.layers={pipeline.layers!r} lists each stage's layers, and "
+                          f"parallel.pipeline.balance={pipeline.balance} would choose them; set one of the two")
+
+
+@rule(
+    "pipeline-layers-list",
+    fields=["parallel.pipeline.layers", "mesh.stage", "parallel.pipeline.chunks"],
+    summary="parallel.pipeline.layers lists one count per virtual stage (mesh.stage x parallel.pipeline.chunks), "
+    "written N or N*K.",
+    example=["mesh.stage=2", "parallel.pipeline.layers=1,1,2"],
+)
+def pipeline_layers_list(config, sizes) -> None:
+    text, p, v = config.parallel.pipeline.layers, sizes["stage"], config.parallel.pipeline.chunks
+    if not text or p == 1:
+        return
+    try:
+        counts = parse_layers(text)
+    except ValueError as e:
+        raise ConfigError(f"parallel.pipeline.layers={text!r}: {e}; write counts like '3,4*14,2'") from None
+    if len(counts) != p * v:
+        raise ConfigError(f"parallel.pipeline.layers={text!r} lists {len(counts)} stages, but mesh.stage x "
+                          f"parallel.pipeline.chunks = {p} x {v} = {p * v} virtual stages run; give {p * v} counts")
+
+
+@rule(
+    "pipeline-layers-sum",
+    fields=["parallel.pipeline.layers", "model.num_layers"],
+    summary="parallel.pipeline.layers counts every layer of the model once (a model's leading layers, DeepSeek's "
+    "dense ones, on the first stage).",
+    example=["mesh.stage=2", "parallel.pipeline.layers=1,2"],
+)
+def pipeline_layers_sum(config, sizes) -> None:
+    counts = _listed(config, sizes)
+    if counts is None:
+        return
+    model, leading = config.model, leading_layers(config.model)
+    total = model.num_layers + leading
+    if sum(counts) != total:
+        parts = f" = {leading} leading + {model.num_layers} in the stack" if leading else ""
+        raise ConfigError(f"parallel.pipeline.layers={config.parallel.pipeline.layers!r} holds {sum(counts)} layers, "
+                          f"but the model has {total}{parts}; e.g. "
+                          f"parallel.pipeline.layers={compact(_suggest(config, sizes))}")
+
+
+@rule(
+    "pipeline-layers-leading",
+    fields=["parallel.pipeline.layers"],
+    summary="The first stage holds the layers the model runs with its embedding (DeepSeek's leading dense ones).",
+    example=["mesh.stage=2", "mesh.data=4", "parallel.pipeline.layers=0,3"],
+    base="deepseek",
+)
+def pipeline_layers_leading(config, sizes) -> None:
+    counts, leading = _listed(config, sizes), leading_layers(config.model)
+    if counts is not None and counts[0] < leading:
+        raise ConfigError(f"parallel.pipeline.layers={config.parallel.pipeline.layers!r} puts {counts[0]} layers on "
+                          f"the first stage, but the model's embedding runs its {leading} leading layers there; "
+                          f"start the list with at least {leading}")
+
+
+@rule(
+    "pipeline-layers-empty-stage",
+    fields=["parallel.pipeline.layers"],
+    summary="Only the first and last virtual stages may hold no layers (a middle one would pass its input on "
+    "for a tick and do nothing).",
+    example=["mesh.stage=4", "mesh.data=2", "parallel.pipeline.layers=1,0,1,0"],
+)
+def pipeline_layers_empty_stage(config, sizes) -> None:
+    counts = _listed(config, sizes)
+    if counts is not None and 0 in counts[1:-1]:
+        raise ConfigError(f"parallel.pipeline.layers={config.parallel.pipeline.layers!r} leaves virtual stage "
+                          f"{counts.index(0, 1)} empty; give every stage but the first and last at least one layer")
+
+
+@rule(
     "pipeline-layers-split",
-    fields=["model.num_layers", "mesh.stage", "parallel.pipeline.chunks"],
-    summary="The layers split evenly into mesh.stage x parallel.pipeline.chunks chunks.",
+    fields=["model.num_layers", "mesh.stage", "parallel.pipeline.chunks", "parallel.pipeline.balance"],
+    summary="Without a list of layers per stage, parallel.pipeline.balance=even splits the layers into equal "
+    "chunks: mesh.stage x parallel.pipeline.chunks divides them.",
     example=["mesh.stage=4"],
 )
 def pipeline_layers_split(config, sizes) -> None:
-    p, v = sizes["stage"], config.parallel.pipeline.chunks
+    p, v, pipeline = sizes["stage"], config.parallel.pipeline.chunks, config.parallel.pipeline
     layers = config.model.num_layers if p > 1 else 0  # a model with stages here: pipeline-needs-stages passed
-    if layers % (p * v):
+    if layers % (p * v) and not pipeline.layers and pipeline.balance == "even":
         stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
         raise ConfigError(
             f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline.chunks = "
-            f"{p} x {v} = {p * v} chunks; use model.num_layers a multiple of {p * v}"
+            f"{p} x {v} = {p * v} chunks; use parallel.pipeline.balance=balanced (here "
+            f"parallel.pipeline.layers={compact(_suggest(config, sizes))}), model.num_layers a multiple of {p * v}"
             + (f", or mesh.stage in {stages}" if stages else "")
         )
+
+
+def _listed(config, sizes) -> tuple[int, ...] | None:
+    """The listed counts, where the list applies and parses (else the rules above refuse it)."""
+    text, p, v = config.parallel.pipeline.layers, sizes["stage"], config.parallel.pipeline.chunks
+    if not text or p == 1:
+        return None
+    try:
+        counts = parse_layers(text)
+    except ValueError:
+        return None
+    return counts if len(counts) == p * v else None
+
+
+def _suggest(config, sizes) -> tuple[int, ...]:
+    """The balanced whole-model counts, for a message."""
+    model, p, v = config.model, sizes["stage"], config.parallel.pipeline.chunks
+    leading = leading_layers(model)
+    return balanced(model.num_layers + leading, p * v, leading, head_layers(model, config.train.seq_len))
 
 
 @rule(

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 #   sizes    the resolved mesh axis sizes, {'stage': 1, 'data': 8, ...}
 #   platform the devices' backend ('cpu', 'gpu', ...); skipped when validate is given none
 NEEDS = ("devices", "sizes", "platform")
-BASES = ("llama", "moe", "mlp")
+BASES = ("llama", "moe", "deepseek", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from jaxpar.step.pipelined import unpipelined
 def whole_model(trainer, params: Any) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (inside jit): without a
     pipeline the trainer's own; with one, jaxpar.step.pipelined.unpipelined."""
-    return unpipelined(params, trainer.layout, trainer.weight_shardings)
+    return unpipelined(params, trainer.layout, trainer.weight_shardings, trainer.stage_split)
 
 
 def forward(trainer) -> Callable[[Any, dict], Any]:

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.model import FIRST_LAYER
 from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
+from jaxpar.pipeline.split import StageSplit
 
 STAGE, DATA = "stage", "data"
 
@@ -82,7 +83,8 @@ def pipeline_grads(
     """Loss sums, weights and weight gradients of a whole batch, per data replica.
 
     layers: the stacked layer weights [p * v * Lc, ...] in pipeline order (device s holds
-            its v chunks contiguously; `to_pipeline_order`), sharded over `stage`
+            its v chunks contiguously, each padded to the widest: jaxpar.pipeline.split), sharded
+            over `stage`
     other:  every other weight, replicated over `stage`
     micro:  batch fields [m, B, ...], B sharded over `data`
     frozen: (stacked layers, other) of weights the stages read and nothing differentiates
@@ -157,9 +159,9 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
     seed = (one, none)  # d(loss sum), d(weight)
 
-    def into(a, d, start):  # a[start : start + per_chunk] += d
+    def into(a, d, start):  # a[start : start + len(d)] += d (a chunk's own layers, its padding untouched)
         return jax.lax.dynamic_update_slice_in_dim(
-            a, jax.lax.dynamic_slice_in_dim(a, start, per_chunk, 0) + d.astype(a.dtype), start, 0)
+            a, jax.lax.dynamic_slice_in_dim(a, start, d.shape[0], 0) + d.astype(a.dtype), start, 0)
 
     def report_only(acc, rep):
         """acc = (d_layers, d_other, chunk offset, report sums, per-layer reports) + a report."""
@@ -177,9 +179,14 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         return acc if rep is None else report_only(acc, rep)
 
     used = set(program.tables["branch"].ravel().tolist())
+    split = program.layers  # None: every chunk is the device's rows / v
+    sizes = split.sizes if split is not None else (per_chunk,)
+    offsets = jnp.asarray(split.offsets if split is not None else [vs * per_chunk for vs in range(p * v)], jnp.int32)
 
-    def make_branches(stages: Stages) -> list:
-        """The switch's branches over `stages` (bound to the tick's frozen chunk, if any)."""
+    def make_branches(stages: Stages, size_class: int) -> list:
+        """The switch's branches of one size class over `stages` (bound to the tick's frozen
+        chunk, if any, cut to the class's layers): each runs the chunk's first
+        sizes[size_class] rows, the rest being padding (jaxpar.pipeline.split)."""
         # Each branch: (input, gradient in, microbatch, chunk, other, accumulated) ->
         #   (output sent on, input gradient sent back, accumulated, loss, weight).
         # Gradients are added inside the branches that make them, so other ticks neither build
@@ -242,8 +249,10 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         # compiled program's accounting its branch shares), and XLA compiles the chunk's forward
         # and backward only as often as the schedule needs (1F1B over two stages runs 3 of the 10
         # ops: PP x ring x TP's step traced in 1.0 s, not 2.5, and compiled in 5.1 s, not 10.9).
-        branches = [functions[name] if i in used else idle for i, name in enumerate(BRANCHES)]
-        return branches
+        n, base = sizes[size_class], len(BRANCHES) * size_class
+        cut = (lambda c: c) if n == per_chunk else (lambda c: _chunk(c, 0, n))  # noqa: E731
+        sized = lambda fn: lambda x, g, mb, c, o, acc: fn(x, g, mb, cut(c), o, acc)  # noqa: E731
+        return [sized(functions[name]) if base + i in used else idle for i, name in enumerate(BRANCHES)]
 
     send_on = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
     send_back = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
@@ -256,10 +265,12 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     def tick(carry, row):
         acts, grads, d_layers, d_other, sums, per_layer, loss, weight = carry
         start = row["chunk"] * per_chunk
-        chunk = _chunk(layers, start, per_chunk)
-        branches = make_branches(_with_frozen(all_stages, (_chunk(frozen_layers, start, per_chunk), frozen_other)))
+        chunk, frozen_chunk = _chunk(layers, start, per_chunk), _chunk(frozen_layers, start, per_chunk)
+        branches = [b for k, n in enumerate(sizes)
+                    for b in make_branches(_with_frozen(all_stages, (_chunk(frozen_chunk, 0, n) if n < per_chunk
+                                                                     else frozen_chunk, frozen_other)), k)]
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
-        mb = at_layer(mb, (row["chunk"] * p + jax.lax.axis_index(STAGE)) * per_chunk)  # chunk c is virtual stage c p + s
+        mb = at_layer(mb, offsets[row["chunk"] * p + jax.lax.axis_index(STAGE)])  # chunk c is virtual stage c p + s
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
         out, back, (d_layers, d_other, _, sums, per_layer), l, w = jax.lax.switch(
@@ -292,34 +303,16 @@ def _seed(report: dict) -> dict:
     return {**ct, "loss": jnp.ones_like(report["loss"])}
 
 
-def to_pipeline_order(x: jax.Array, p: int, v: int) -> jax.Array:
-    """Stacked layers [L, ...] in model order -> pipeline order: device s's v chunks
-    (virtual stages s, s + p, ...) contiguous, so sharding the leading axis over `stage`
-    gives each device its own. Identity when v = 1."""
-    if v == 1:
-        return x
-    return x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-
-
-def to_model_order(x: jax.Array, p: int, v: int) -> jax.Array:
-    """The inverse of `to_pipeline_order`."""
-    if v == 1:
-        return x
-    return x.reshape(p, v, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-
-
-def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, micro: dict):
+def reference_grads(stages: Stages, split: StageSplit, layers: Any, other: Any, micro: dict):
     """The plain reference: each microbatch through the p * v chunks in turn on one device,
-    differentiated by `jax.grad`; same arguments (pipeline order) and sums as
-    `pipeline_grads`, without the replica axis (the reports' losses included, the reports
-    themselves not returned)."""
+    differentiated by `jax.grad`; same arguments (pipeline order, padded as `split` says) and
+    sums as `pipeline_grads`, without the replica axis (the reports' losses included, the
+    reports themselves not returned)."""
     stages = _with_aux(stages)
-    per_chunk = jax.tree.leaves(layers)[0].shape[0] // (p * v)
-    m = jax.tree.leaves(micro)[0].shape[0]
+    n, m = len(split.counts), jax.tree.leaves(micro)[0].shape[0]
 
     def chunk(tree, vs):  # virtual stage vs lives on device vs % p as its chunk vs // p
-        row = ((vs % p) * v + vs // p) * per_chunk
-        return jax.tree.map(lambda a: a[row : row + per_chunk], tree)
+        return jax.tree.map(lambda a: a[split.start(vs): split.start(vs) + split.counts[vs]], tree)
 
     def loss(layers, other):
         total = weight = 0.0
@@ -327,10 +320,10 @@ def reference_grads(stages: Stages, p: int, v: int, layers: Any, other: Any, mic
             mb = jax.tree.map(lambda a: a[i], micro)
             x, rep = stages.first(chunk(layers, 0), other, at_layer(mb, 0))
             total = total + rep["loss"]
-            for vs in range(1, p * v - 1):
-                x, rep = stages.mid(chunk(layers, vs), other, x, at_layer(mb, vs * per_chunk))
+            for vs in range(1, n - 1):
+                x, rep = stages.mid(chunk(layers, vs), other, x, at_layer(mb, split.offsets[vs]))
                 total = total + rep["loss"]
-            l, w, rep = stages.last(chunk(layers, p * v - 1), other, x, at_layer(mb, (p * v - 1) * per_chunk))
+            l, w, rep = stages.last(chunk(layers, n - 1), other, x, at_layer(mb, split.offsets[n - 1]))
             total, weight = total + l + rep["loss"], weight + w
         return total, weight
 

@@ -20,6 +20,10 @@ GPipe's grow with m, 1F1B's stay near p.
 
 The loss is computed by the last stage's backward, which recomputes that chunk's forward
 anyway, so the last stage's forward only waits (its input is already in its slot).
+
+Where virtual stages hold different numbers of layers (jaxpar.pipeline.split), each distinct
+count is a size class and an op's branch is its kind + len(BRANCHES) x its class: the
+executor compiles one chunk body per (kind, size) it runs, each over exactly its layers.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import dataclasses
 import numpy as np
 
 from jaxpar.pipeline.schedule import Op, Timeline, build_schedule
+from jaxpar.pipeline.split import StageSplit
 
 # branch ids, in the order the executor lists its functions
 BRANCHES = (
@@ -59,25 +64,34 @@ class Program:
     split: bool  # backward split into input gradient and weight gradient (zb-h1)
     act_slots_used: tuple[int, ...]  # what each device needs
     grad_slots_used: tuple[int, ...]
+    layers: StageSplit | None = None  # an uneven split's layers per virtual stage (None: equal chunks)
 
     @property
     def ticks(self) -> int:
         return self.timeline.steps
 
+    @property
+    def size_classes(self) -> int:
+        return len(self.layers.sizes) if self.layers is not None else 1
+
     def branch_shares(self, device: int | None = None) -> dict[int, tuple[float, ...]]:
         """For the compiled program's accounting (jaxpar.inspect.hlo): the share of the
         executor's switch runs that take each branch on `device` (None: the average device)."""
         column = self.tables["branch"] if device is None else self.tables["branch"][:, device]
-        return {len(BRANCHES): tuple(float((column == b).sum()) / column.size for b in range(len(BRANCHES)))}
+        n = len(BRANCHES) * self.size_classes
+        return {n: tuple(float((column == b).sum()) / column.size for b in range(n))}
 
 
-def compile_schedule(name: str, p: int, m: int, v: int = 1) -> Program:
+def compile_schedule(name: str, p: int, m: int, v: int = 1, layers: StageSplit | None = None) -> Program:
+    """`layers`: the layers of each virtual stage (None: equal chunks, one size class)."""
     timeline = build_schedule(name, p, m, v, unit=True)
-    return program(timeline)
+    return program(timeline, layers)
 
 
-def program(timeline: Timeline) -> Program:
+def program(timeline: Timeline, layers: StageSplit | None = None) -> Program:
     p, v = timeline.p, timeline.v
+    uneven = layers is not None and not layers.even
+    size_class = layers.size_class if uneven else lambda vs: 0
     last = p * v - 1
     split = any(op is not None and op.kind == "W" for row in timeline.grid for op in row)
     when: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
@@ -107,7 +121,7 @@ def program(timeline: Timeline) -> Program:
                 continue
             vs = op.chunk * p + s
             key = (op.microbatch, vs)
-            tables["branch"][t, s] = BRANCH[_branch(op, vs, last, split)]
+            tables["branch"][t, s] = BRANCH[_branch(op, vs, last, split)] + len(BRANCHES) * size_class(vs)
             tables["microbatch"][t, s] = op.microbatch
             tables["chunk"][t, s] = op.chunk
             tables["act_slot"][t, s] = act_slot.get((s, key), -1)
@@ -117,7 +131,8 @@ def program(timeline: Timeline) -> Program:
                 tables["recv_act"][t, (s + 1) % p] = act_slot[((s + 1) % p, (op.microbatch, vs + 1))]
             if op.kind == "B" and vs > 0:
                 tables["recv_grad"][t, (s - 1) % p] = grad_slot[((s - 1) % p, (op.microbatch, vs - 1))]
-    return Program(timeline, tables, max(*act_used, 1), max(*grad_used, 1), split, act_used, grad_used)
+    return Program(timeline, tables, max(*act_used, 1), max(*grad_used, 1), split, act_used, grad_used,
+                   layers if uneven else None)
 
 
 def _branch(op: Op, vs: int, last: int, split: bool) -> str:

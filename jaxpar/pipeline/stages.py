@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxpar.pipeline.executor import STAGE, Stages, no_report, to_model_order, to_pipeline_order
+from jaxpar.pipeline.executor import STAGE, Stages, no_report
+from jaxpar.pipeline.split import StageSplit
 
 LAYERS = "layers"  # the key of the stacked layers in the model's parameter tree
 
@@ -33,26 +34,32 @@ def join_layers(layers: Any, other: dict) -> dict:
     return {**other, LAYERS: layers}
 
 
-def in_pipeline_order(tree: Any, p: int, v: int) -> Any:
+def in_pipeline_order(tree: Any, split: StageSplit) -> Any:
     """Every array under a "layers" key of `tree` (parameters, gradients, optimizer state,
-    a whole TrainState) put in pipeline order (`to_pipeline_order`)."""
-    return _under_layers(tree, lambda a: to_pipeline_order(a, p, v), p, v)
+    a whole TrainState) stacked over the model's layers, put in pipeline order
+    (`StageSplit.to_pipeline_order`: padded where stages differ)."""
+    return _under_layers(tree, split.to_pipeline_order, split.layers)
 
 
-def in_model_order(tree: Any, p: int, v: int) -> Any:
+def in_model_order(tree: Any, split: StageSplit) -> Any:
     """The inverse of `in_pipeline_order`."""
-    return _under_layers(tree, lambda a: to_model_order(a, p, v), p, v)
+    return _under_layers(tree, split.to_model_order, split.rows)
 
 
-def _under_layers(tree: Any, fn, p: int, v: int) -> Any:
-    """`fn` on the arrays under a "layers" key that are stacked over the layers (an
-    optimizer's placeholders or per-layer scalars of other shapes are left alone)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _stacked_layers(path, x, p, v) else x, tree)
+def _under_layers(tree: Any, fn, rows: int) -> Any:
+    """`fn` on the arrays under a "layers" key stacked over `rows` rows (an optimizer's
+    placeholders or per-layer scalars of other shapes are left alone)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _stacked_layers(path, x, rows) else x, tree)
 
 
-def _stacked_layers(path, x: Any, p: int, v: int) -> bool:
-    stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] % (p * v) == 0 and x.shape[0] >= p * v
+def _stacked_layers(path, x: Any, rows: int) -> bool:
+    stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] == rows
     return stacked and any(getattr(k, "key", None) == LAYERS for k in path)
+
+
+def stored_shapes(tree: Any, split: StageSplit) -> Any:
+    """The abstract arrays of `tree` (model order) as they rest in pipeline order."""
+    return _under_layers(tree, lambda a: jax.ShapeDtypeStruct((split.rows, *a.shape[1:]), a.dtype), split.layers)
 
 
 # ------------------------------------------------ the two orders as a collective, for checkpoints
@@ -153,18 +160,19 @@ def relaid_layers(tree: Any, shardings: Any, p: int, v: int, to: str) -> Any:
     between stages with collective permutes instead of gathering the stack. An array whose
     layer axis is not sharded over `stage` (replicated: every device has every chunk) gets
     the plain reorder, which needs no communication then."""
-    plain = {"model": to_model_order, "pipeline": to_pipeline_order}[to]
+    even = StageSplit(p, v, (1,) * (p * v))  # the plain reorders of equal chunks, whatever their size
+    plain = {"model": even.to_model_order, "pipeline": even.to_pipeline_order}[to]
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     placed = treedef.flatten_up_to(shardings)
     out = [x for _, x in leaves]
     moving = []  # (index, sharding) of the stacks sharded over `stage`, moved by one shard_map below
     for i, ((path, x), sharding) in enumerate(zip(leaves, placed)):
-        if not _stacked_layers(path, x, p, v):
+        if not (getattr(x, "ndim", 0) and x.shape[0] % (p * v) == 0 and _stacked_layers(path, x, x.shape[0])):
             continue
         if tuple(sharding.spec)[:1] in ((STAGE,), ((STAGE,),)):
             moving.append((i, sharding))
         else:
-            out[i] = plain(x, p, v)
+            out[i] = plain(x)
     if moving:
         blocks = [_on_device(out[i], sharding) for i, sharding in moving]
         specs = [sharding.spec for _, sharding in moving]

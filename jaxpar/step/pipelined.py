@@ -18,6 +18,7 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
+from jaxpar.pipeline.split import StageSplit, stage_split
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.step.gradients import Gradient, GradientPath
@@ -34,7 +35,7 @@ def pipelined_grads(
     the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
     the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
     p, m, v = layout.mesh.shape["stage"], layout.microbatches, layout.pipeline.chunks
-    program = compile_schedule(layout.pipeline.schedule, p, m, v)
+    program = compile_schedule(layout.pipeline.schedule, p, m, v, layer_split(config, layout))
     stages = model_stages(graphdef, stage_score(loss_fn, config.train.loss_chunks))
     # The executor is manual over stage and data: its rules leave data out, and no kernel
     # folds a vmapped replica axis (data is not vmapped there).
@@ -59,15 +60,20 @@ def pipelined_grads(
     return grads, program
 
 
-def unpipelined(params: Any, layout: Layout, param_shardings: Any) -> tuple[Any, Layout]:
+def layer_split(config: Config, layout: Layout) -> StageSplit:
+    """The layers of each virtual stage (mesh.stage > 1)."""
+    return stage_split(config.model, layout.pipeline, layout.mesh.shape["stage"], config.train.seq_len)
+
+
+def unpipelined(params: Any, layout: Layout, param_shardings: Any, split: StageSplit | None) -> tuple[Any, Layout]:
     """(params, layout) for running the whole model in one program (evaluation, inference):
-    the layers in model order, gathered from their stages, and a layout whose rules shard no
-    "layers" axis (a scan over a stage-sharded stack aborts XLA's partitioner)."""
-    stages = layout.mesh.shape["stage"]
-    if stages == 1:
+    the layers in model order (`split`'s padding dropped), gathered from their stages, and a
+    layout whose rules shard no "layers" axis (a scan over a stage-sharded stack aborts XLA's
+    partitioner)."""
+    if split is None:
         return params, layout
     whole = jax.tree.map(lambda s: without_axis(s, "stage"), param_shardings)
-    params = jax.lax.with_sharding_constraint(in_model_order(params, stages, layout.pipeline.chunks), whole)
+    params = jax.lax.with_sharding_constraint(in_model_order(params, split), whole)
     return params, dataclasses.replace(layout, rules=layout.rules.with_overrides({"layers": ()}, {"layers": ()}))
 
 

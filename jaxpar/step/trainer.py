@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -37,7 +38,8 @@ from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared, has
 from jaxpar.pipeline.program import Program
-from jaxpar.pipeline.stages import in_model_order, in_pipeline_order
+from jaxpar.pipeline.split import StageSplit, model_order_rows
+from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, stored_shapes
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.sharding.adapters import join, split
 from jaxpar.step import lora
@@ -49,7 +51,7 @@ from jaxpar.step.gradients import batch_gradients, loss_sum_fn, prepare_batch, p
 from jaxpar.step.loss import LossFn, model_outputs, task_loss
 from jaxpar.step.optim import update_rule
 from jaxpar.step.param_checks import check_params
-from jaxpar.step.pipelined import pipelined_grads, unpipelined
+from jaxpar.step.pipelined import layer_split, pipelined_grads, unpipelined
 from jaxpar.step.reduction import GradReduction, grad_reduction, sum_replicas
 from jaxpar.step.state import TrainState, initial_state, place_state
 from jaxpar.step.update import fuses_multi_output_loops, update_fn
@@ -88,11 +90,13 @@ class Trainer:
     evaluate: Wrapped  # (weights, batch) -> (loss sum, weight): the step's loss, no gradient (held-out data)
     forward: Wrapped  # (weights, batch) -> the model's outputs, the whole model at once (jaxpar.step.forward)
     # A tree as stored (parameters, gradients, a TrainState) -> in the model's layer order,
-    # and back. They differ only under interleaved pipelining, whose stages hold strided
-    # chunks (jaxpar.pipeline.stages); checkpoints are kept in model order.
+    # and back. They differ under interleaved pipelining, whose stages hold strided chunks,
+    # and where stages hold different numbers of layers, padded to the widest's as they rest
+    # (jaxpar.pipeline.split); checkpoints are kept in model order.
     model_order: TreeMap = _same
     pipeline_order: TreeMap = _same
     pipeline: Program | None = None  # the pipeline's program, when mesh.stage > 1
+    stage_split: StageSplit | None = None  # the layers of each virtual stage, when mesh.stage > 1
     # (float32 weights in model order, e.g. imported: jaxpar.hf) -> the TrainState at step 0
     # (its arguments donated).
     start_from: Wrapped | None = None
@@ -192,7 +196,11 @@ def build(
         return lora.adapt(model, targets, config.lora, config.train.seed) if targets else model
 
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    pipelined = layout.mesh.shape["stage"] > 1
+    layers = layer_split(config, layout) if pipelined else None
     names, abstract_params = param_names(abstract), nnx.to_pure_dict(abstract)
+    if pipelined:  # as the stack rests: in pipeline order, each stage's rows padded to the widest's
+        abstract_params = stored_shapes(abstract_params, layers)
     check_params(names, abstract_params, layout, config.parallel.rules.on_replicated)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
     tx = _train_params_only(tx, abstract, frozen)
@@ -210,13 +218,10 @@ def build(
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()},
                                model_fields=has(config.model, "batch_fields"))
-    stages, chunks = layout.mesh.shape["stage"], layout.pipeline.chunks
-    pipelined = stages > 1
-
     def start_from(weights: Any) -> TrainState:
         """From the float32 weights in model order (LoRA's frozen ones included)."""
         if pipelined:  # each stage's chunks contiguous, so `stage` shards them to it
-            weights = in_pipeline_order(weights, stages, chunks)
+            weights = in_pipeline_order(weights, layers)
         master, frozen_weights = split(weights, frozen)
         return initial_state(master, tx, config.train.compute_dtype, compressor.init() if compressor else None,
                              lora.quantize_bases(frozen_weights) if frozen_weights else None)
@@ -229,7 +234,8 @@ def build(
     compressor, task = reduction.compressor, config.model.task
     update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
                        layout.zero.offload_optimizer, config.model,
-                       fused=fuses_multi_output_loops(devices[0].platform))
+                       fused=fuses_multi_output_loops(devices[0].platform),
+                       model_layers=functools.partial(model_order_rows, split=layers) if pipelined else None)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
         batch = prepare_batch(batch, layout, task)
@@ -247,7 +253,7 @@ def build(
     def evaluate(weights, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once (`weights`:
         Trainer.weights(state))."""
-        params, flat = unpipelined(weights, layout, weight_shardings)
+        params, flat = unpipelined(weights, layout, weight_shardings, layers)
         with use_layout(flat):
             total, (weight, _) = loss_sum(params, prepare_batch(batch, flat, task))
         return total, weight
@@ -261,12 +267,14 @@ def build(
         step_and_grads=jit["step_and_grads"](step),
         grads=jit["grads"](grads),
         evaluate=jit["evaluate"](evaluate),
-        forward=make_forward(task, graphdef, lambda weights: unpipelined(weights, layout, weight_shardings),
+        forward=make_forward(task, graphdef, lambda weights: unpipelined(weights, layout, weight_shardings, layers),
                              weight_shardings, batch_layout.shardings),
-        model_order=(lambda tree: in_model_order(tree, stages, chunks)) if pipelined else _same,
-        pipeline_order=(lambda tree: in_pipeline_order(tree, stages, chunks)) if pipelined else _same,
-        pipeline=program,
-        start_from=jax.jit(start_from, out_shardings=placement.resting, donate_argnums=0),
+        model_order=(lambda tree: in_model_order(tree, layers)) if pipelined else _same,
+        pipeline_order=(lambda tree: in_pipeline_order(tree, layers)) if pipelined else _same,
+        pipeline=program, stage_split=layers,
+        # donated where the state can reuse the weights' buffers: not padded into more rows
+        start_from=jax.jit(start_from, out_shardings=placement.resting,
+                           donate_argnums=() if pipelined and not layers.even else 0),
         compiler_options=options,
         reduction=reduction,
         init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,

@@ -30,14 +30,16 @@ UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradien
 
 def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, clip_norm: float,
               shardings: StateShardings, placement: StatePlacement, compute_dtype: Any, offload: bool,
-              model: Any, fused: bool = True) -> UpdateFn:
+              model: Any, fused: bool = True, model_layers: Callable[[Any], Any] | None = None) -> UpdateFn:
     """(state, loss, sums, gradient, compression) -> (new state, metrics). `clip_norm` > 0:
     the gradient is clipped to that global norm first, with optax.clip_by_global_norm's
     arithmetic. The model may adjust its weights after the optimizer (`update(master,
     counts)`, e.g. MoE bias balancing) and turn the step's counts into metrics
     (`summarise(counts)`). `compression`: the gradient compressor's new state
     (jaxpar.step.compression), kept only with the step. `fused`: the backend fuses
-    multi-output loops (GPUs; XLA:CPU does not), see `keep_if_finite`."""
+    multi-output loops (GPUs; XLA:CPU does not), see `keep_if_finite`. `model_layers`: the
+    step's per-layer counts as the model's layers (a pipeline's padding rows dropped, for
+    `summarise`; `update` reads them as the weights rest)."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
     def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any) -> TrainState:
@@ -74,7 +76,8 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
             compression = state.compression
         grad_norm = jnp.sqrt(sum(squares))
         new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression), fused)
-        return new, step_metrics(loss, sums, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
+        shown = {**sums, "counts": model_layers(sums["counts"])} if model_layers and "counts" in sums else sums
+        return new, step_metrics(loss, shown, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 
     return update
 

@@ -47,9 +47,11 @@ def tiny_deepseek():
 MODEL = ["model.routing=dropless", "model.mtp_layers=1", "model.mtp_weight=0.3", "model.yarn_factor=4",
          "model.yarn_original_max_positions=8", "model.yarn_mscale=0.7", "model.yarn_mscale_all_dim=1"]
 LAYOUTS = {
-    # experts split inside the stages, each stage's all-to-alls among its own expert ranks
-    "zb_stage2_expert2_tensor2_sp": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true",
-                                     "parallel.pipeline.schedule=zb-h1", "train.microbatches=2"],
+    # experts split inside the stages, each stage's all-to-alls among its own expert ranks; the
+    # first stage holds the dense layer alone (its MoE rows all padding), the last both MoE ones
+    "zb_stage2_uneven_expert2_tensor2_sp": ["mesh.stage=2", "mesh.expert=2", "mesh.tensor=2",
+                                            "parallel.tensor.sequence_parallel=true", "parallel.pipeline.schedule=zb-h1",
+                                            "train.microbatches=2", "parallel.pipeline.layers=1,2"],
     # DeepSeek-V3's own training layout in small: PP x EP x ZeRO-1 data, the prediction module on the last stage
     "1f1b_stage2_expert2_data2_zero1": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero.stage=1",
                                         "parallel.pipeline.schedule=1f1b", "train.microbatches=2"],

@@ -44,6 +44,12 @@ LAYOUTS = {
     "1f1b_ring_tp": ["mesh.stage=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.impl=ring"],
     "interleaved_ulysses_dp": ["mesh.stage=2", "mesh.data=2", "mesh.context=2", "parallel.context.impl=ulysses",
                                "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"],
+    # stages of different sizes (each padded to the widest as it rests: jaxpar.pipeline.split)
+    "1f1b_uneven_dp_tp_sp_zero1": ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", SP, "parallel.zero.stage=1",
+                                   "parallel.pipeline.layers=1,3"],
+    "interleaved_uneven_fsdp_tp": ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.pipeline.schedule=interleaved",
+                                   "parallel.pipeline.chunks=2", "parallel.pipeline.layers=1,2,1,0"],
+    "zb_h1_uneven_dp": ["mesh.stage=4", "mesh.data=2", "parallel.pipeline.schedule=zb-h1", "parallel.pipeline.layers=0,2,1,1"],
 }
 
 
@@ -58,13 +64,13 @@ def test_pipelined_training_equals_single_device(deep_llama, reference, layout):
 
 def test_tied_embeddings_sum_over_first_and_last_stage(deep_llama, reference):
     """The one table is used by the first stage (lookup) and the last (logits): its
-    gradient is the sum of both. GPipe over four stages with ZeRO-1 (the layouts above run
-    1F1B, interleaving and zero bubble over two)."""
+    gradient is the sum of both. GPipe over four stages of 1, 1, 2 and 0 layers with ZeRO-1
+    (the layouts above run 1F1B, interleaving and zero bubble over two)."""
     tied = dataclasses.replace(deep_llama, model=dataclasses.replace(deep_llama.model, tie_embeddings=True))
     ref = reference(tied)
     assert _norm(ref.grads) > tied.optim.clip_norm  # clipping is active
     run = run_layout(apply_overrides(tied, ["mesh.stage=4", "mesh.data=2", "parallel.pipeline.schedule=gpipe",
-                                            "parallel.zero.stage=1"]))
+                                            "parallel.zero.stage=1", "parallel.pipeline.layers=1,1,2,0"]))
     check(compare(run, ref), RTOL, where="tied")
 
 

@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config, OptimConfig, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.executor import Stages, pipeline_grads, reference_grads, to_model_order, to_pipeline_order
+from jaxpar.pipeline.executor import Stages, pipeline_grads, reference_grads
 from jaxpar.pipeline.program import BRANCHES, compile_schedule
+from jaxpar.pipeline.split import StageSplit
 from jaxpar.pipeline.stages import in_pipeline_order, relaid_layers, relayout_rounds
 from jaxpar.train import build
 from jaxpar.models.llama import LlamaConfig
@@ -30,6 +31,9 @@ RTOL = 1e-5
 # (schedule, p, m, v): m not a multiple of p where the schedule allows it
 PLANS = [("gpipe", 4, 3, 1), ("1f1b", 4, 6, 1), ("1f1b", 2, 2, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2),
          ("interleaved", 2, 2, 3), ("zb-h1", 4, 5, 1)]
+# (schedule, p, m, v, layers of each virtual stage): stages of different sizes, empty first and last ones
+UNEVEN = [("gpipe", 4, 3, 1, (0, 3, 2, 1)), ("1f1b", 4, 6, 1, (2, 1, 3, 2)), ("1f1b", 2, 2, 1, (3, 1)),
+          ("interleaved", 2, 4, 2, (1, 2, 3, 1)), ("zb-h1", 4, 5, 1, (1, 2, 2, 0))]
 
 
 # ------------------------------------------------------------------ tick tables
@@ -88,9 +92,19 @@ def test_gpipe_buffers_grow_with_microbatches_1f1b_buffers_do_not():
 
 def test_pipeline_order_round_trips():
     x = jnp.arange(24.0).reshape(12, 2)
-    y = to_pipeline_order(x, 2, 3)  # device 0 holds virtual stages 0, 2, 4: layers 0-1, 4-5, 8-9
+    even = StageSplit(2, 3, (2,) * 6)
+    y = even.to_pipeline_order(x)  # device 0 holds virtual stages 0, 2, 4: layers 0-1, 4-5, 8-9
     assert y[:6, 0].tolist() == [0, 2, 8, 10, 16, 18]
-    np.testing.assert_array_equal(to_model_order(y, 2, 3), x)
+    np.testing.assert_array_equal(even.to_model_order(y), x)
+    assert even.pipeline_rows[:6].tolist() == [0, 1, 4, 5, 8, 9]  # the gather the reshapes are
+    # uneven: each virtual stage padded to the widest (3 rows); device 0 holds stages 0 and 2
+    uneven = StageSplit(2, 2, (1, 2, 3, 0))
+    y = uneven.to_pipeline_order(np.arange(6.0))
+    assert y.tolist() == [0, 0, 0, 3, 4, 5, 1, 2, 0, 0, 0, 0]
+    assert uneven.pipeline_rows.tolist() == [0, -1, -1, 3, 4, 5, 1, 2, -1, -1, -1, -1]
+    assert uneven.offsets == (0, 1, 3, 6) and uneven.sizes == (3, 2, 1, 0)
+    np.testing.assert_array_equal(uneven.to_model_order(y), np.arange(6.0))
+    np.testing.assert_array_equal(uneven.to_model_order(uneven.to_pipeline_order(jnp.arange(6.0))), np.arange(6.0))
 
 
 def test_chunks_move_between_orders_point_to_point():
@@ -109,7 +123,7 @@ def test_chunks_move_between_orders_point_to_point():
         mesh = jax.make_mesh((p, rest), ("stage", "fsdp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:p * rest])
         tree = {"layers": {"w": jnp.arange(p * v * 2 * 4 * 3.0).reshape(p * v * 2, 4, 3)}, "embed": jnp.arange(8.0)}
         shardings = {"layers": {"w": NamedSharding(mesh, P("stage", "fsdp"))}, "embed": NamedSharding(mesh, P())}
-        piped = jax.device_put(in_pipeline_order(tree, p, v), shardings)
+        piped = jax.device_put(in_pipeline_order(tree, StageSplit(p, v, (2,) * (p * v))), shardings)
         move = lambda t, to: jax.jit(lambda x: relaid_layers(x, shardings, p, v, to), out_shardings=shardings)(t)  # noqa: E731
         model = move(piped, "model")
         jax.tree.map(np.testing.assert_array_equal, model, tree)
@@ -134,32 +148,38 @@ def _toy():
     )
 
 
-# the smoke tier: pipeline, interleaved and zero bubble
-@pytest.mark.parametrize("name,p,m,v", [pytest.param(*plan, marks=pytest.mark.smoke)
-                                        if plan in (("interleaved", 2, 4, 2), ("zb-h1", 4, 5, 1)) else plan for plan in PLANS])
-def test_executor_equals_reference(name, p, m, v):
+# the smoke tier: pipeline, interleaved and zero bubble, and uneven stages
+@pytest.mark.parametrize("name,p,m,v,counts", [
+    pytest.param(*plan, marks=pytest.mark.smoke) if plan[:4] in (("interleaved", 2, 4, 2), ("zb-h1", 4, 5, 1)) else plan
+    for plan in [(*plan, None) for plan in PLANS] + UNEVEN])
+def test_executor_equals_reference(name, p, m, v, counts):
     """Loss sums and every gradient (layers, embedding, head) against jax.grad through the
-    chunks in turn on one device, with data replicas beside the stages."""
+    chunks in turn on one device, with data replicas beside the stages; with stages of
+    different sizes, the padding rows' gradients exactly zero."""
     data = 8 // p if 8 // p <= 2 else 2
     mesh = jax.make_mesh((p, data, 8 // (p * data)), ("stage", "data", "tensor"), axis_types=(AxisType.Auto,) * 3)
     k = jax.random.split(jax.random.key(0), 5)
     d, rows = 8, 2 * data
-    layers = {"w": jax.random.normal(k[0], (p * v * 2, d, d)) / 3}
+    split = StageSplit(p, v, counts or (2,) * (p * v))
+    layers = {"w": jax.random.normal(k[0], (split.layers, d, d)) / 3}
     other = {"embedding": jax.random.normal(k[1], (16, d)), "head": jax.random.normal(k[2], (d, 2))}
     micro = {
         "inputs": jax.random.randint(k[3], (m, rows, 3), 0, 16),
         "targets": jax.random.normal(k[4], (m, rows, 3, 2)),
         "weights": (jnp.arange(m * rows * 3).reshape(m, rows, 3) % 3 > 0).astype(jnp.float32),
     }
-    layers = jax.tree.map(lambda a: to_pipeline_order(a, p, v), layers)
+    layers = jax.tree.map(split.to_pipeline_order, layers)
     stages = _toy()
-    prog = compile_schedule(name, p, m, v)
+    prog = compile_schedule(name, p, m, v, split)
+    assert prog.size_classes == len(set(split.counts))
     loss, weight, d_layers, d_other, _ = jax.jit(lambda l, o, mb: pipeline_grads(prog, stages, mesh, l, o, mb))(layers, other, micro)
-    ref = reference_grads(stages, p, v, layers, other, micro)
+    ref = reference_grads(stages, split, layers, other, micro)
     got = (loss.sum(0), weight.sum(0), jax.tree.map(lambda g: g.sum(0), d_layers), jax.tree.map(lambda g: g.sum(0), d_other))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * float(jnp.max(jnp.abs(b))))
     assert jax.tree.leaves(d_layers)[0].shape[0] == data  # one gradient per replica, reduced by the caller
+    assert not np.any(np.asarray(d_layers["w"])[:, split.padding()])  # nothing reads a padding row
+    assert np.all(np.abs(np.asarray(got[2]["w"]))[~split.padding()].sum((1, 2)) > 0)  # every real layer learns
 
 
 # ------------------------------------------------------------------ training equals one device
