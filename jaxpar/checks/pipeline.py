@@ -128,8 +128,7 @@ def pipeline_layers_sum(config, sizes) -> None:
     if sum(counts) != total:
         parts = f" = {leading} leading + {model.num_layers} in the stack" if leading else ""
         raise ConfigError(f"parallel.pipeline.layers={config.parallel.pipeline.layers!r} holds {sum(counts)} layers, "
-                          f"but the model has {total}{parts}; e.g. "
-                          f"parallel.pipeline.layers={compact(_suggest(config, sizes))}")
+                          f"but the model has {total}{parts}; give counts that sum to {total}")
 
 
 @rule(
@@ -165,19 +164,29 @@ def pipeline_layers_empty_stage(config, sizes) -> None:
     "pipeline-layers-split",
     fields=["model.num_layers", "mesh.stage", "parallel.pipeline.chunks", "parallel.pipeline.balance"],
     summary="Without a list of layers per stage, parallel.pipeline.balance=even splits the layers into equal "
-    "chunks: mesh.stage x parallel.pipeline.chunks divides them.",
+    "chunks (mesh.stage x parallel.pipeline.chunks divides them), and balanced needs a layer for every middle stage.",
     example=["mesh.stage=4"],
+    also=[["mesh.stage=4", "mesh.data=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2",
+           "train.microbatches=4", "parallel.pipeline.balance=balanced"]],
 )
 def pipeline_layers_split(config, sizes) -> None:
     p, v, pipeline = sizes["stage"], config.parallel.pipeline.chunks, config.parallel.pipeline
     layers = config.model.num_layers if p > 1 else 0  # a model with stages here: pipeline-needs-stages passed
-    if layers % (p * v) and not pipeline.layers and pipeline.balance == "even":
+    if p == 1 or pipeline.layers:
+        return
+    suggested = _suggest(config, sizes)
+    if pipeline.balance == "balanced" and suggested is None:
+        raise ConfigError(f"parallel.pipeline.balance=balanced: model.num_layers={layers} cannot fill mesh.stage x "
+                          f"parallel.pipeline.chunks = {p} x {v} = {p * v} virtual stages (each but the first and last "
+                          f"holds a layer); use fewer stages or chunks")
+    if layers % (p * v) and pipeline.balance == "even":
         stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
         raise ConfigError(
             f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline.chunks = "
-            f"{p} x {v} = {p * v} chunks; use parallel.pipeline.balance=balanced (here "
-            f"parallel.pipeline.layers={compact(_suggest(config, sizes))}), model.num_layers a multiple of {p * v}"
-            + (f", or mesh.stage in {stages}" if stages else "")
+            f"{p} x {v} = {p * v} chunks; use "
+            + (f"parallel.pipeline.balance=balanced (here parallel.pipeline.layers={compact(suggested)}), "
+               if suggested else "")
+            + f"model.num_layers a multiple of {p * v}" + (f", or mesh.stage in {stages}" if stages else "")
         )
 
 
@@ -193,11 +202,14 @@ def _listed(config, sizes) -> tuple[int, ...] | None:
     return counts if len(counts) == p * v else None
 
 
-def _suggest(config, sizes) -> tuple[int, ...]:
-    """The balanced whole-model counts, for a message."""
+def _suggest(config, sizes) -> tuple[int, ...] | None:
+    """The balanced whole-model counts (None: too few layers to fill the stages)."""
     model, p, v = config.model, sizes["stage"], config.parallel.pipeline.chunks
     leading = leading_layers(model)
-    return balanced(model.num_layers + leading, p * v, leading, head_layers(model, config.train.seq_len))
+    try:
+        return balanced(model.num_layers + leading, p * v, leading, head_layers(model, config.train.seq_len))
+    except ValueError:
+        return None
 
 
 @rule(

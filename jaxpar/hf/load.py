@@ -62,7 +62,7 @@ def prepare_import(trainer: StepProgram, folder: str | pathlib.Path, weights_onl
     check_same_model(model, form.from_hf(hf), folder, form.training_fields)
     entries = renamed(tensor_index(folder), form.renames)
     weights = form.weights(model)
-    abstract_state = trainer.abstract_state()
+    abstract_state = trainer.model_order_state()  # the weights read in model order
     leaves, treedef = jax.tree_util.tree_flatten_with_path(trainer.master_weights(abstract_state))
     shapes = {_path(p): leaf.shape for p, leaf in leaves}
     weights, adapters = adapted(weights, shapes)

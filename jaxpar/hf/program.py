@@ -20,8 +20,11 @@ class StepProgram(Protocol):
     start_from: Callable[[Tree], Tree]  # float32 weights in model order -> the TrainState at step 0
     model_order: Callable[[Tree], Tree]  # a stored tree -> the model's layer order
     pipeline_order: Callable[[Tree], Tree]  # and back
+    stage_split: Any  # jaxpar.pipeline.split.StageSplit: the layers of each stage (None without stages)
 
     def abstract_state(self) -> Tree: ...
+
+    def model_order_state(self) -> Tree: ...  # abstract_state() in model order (unpadded)
 
     def master_params(self, state: Tree) -> Tree: ...
 

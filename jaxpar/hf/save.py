@@ -38,7 +38,8 @@ from jaxpar.hf.safetensors import (
     write_file,
 )
 from jaxpar.hf.weights import Weight
-from jaxpar.pipeline.stages import relaid_layers
+from jaxpar.pipeline.split import StageSplit
+from jaxpar.pipeline.stages import relaid_layers, to_model_layout
 from jaxpar.sharding.adapters import join, merge_adapters
 from jaxpar.sharding.annotate import Layout
 
@@ -64,7 +65,8 @@ def export(trainer: StepProgram, state: Any, folder: str | pathlib.Path, dtype: 
     kept = {k: v for k, v in (base_config or {}).items() if k not in REWRITTEN}
     hf_config = {**kept, **form.to_hf(model), "torch_dtype": dtype}
     generation = generation_config(trainer.config)  # where generation stops: the run's ids (jaxpar.hf.generation)
-    tensors = planned_tensors(merged_master(trainer, state), form.weights(model), DTYPES[dtype], trainer.layout)
+    tensors = planned_tensors(merged_master(trainer, state), form.weights(model), DTYPES[dtype], trainer.layout,
+                              trainer.stage_split)
     files = plan_files(tensors, max_shard_bytes)
     names = file_names(len(files))
 
@@ -86,7 +88,7 @@ def export_adapter(trainer: StepProgram, state: Any, folder: str | pathlib.Path,
     frozen = trainer.abstract_state().frozen
     shapes = {p: _leaf(frozen, p + ".base").shape for p in trainer.lora_targets}
     adapters = adapter_weights(weights, trainer.lora_targets, shapes, lora.rank)
-    tensors = planned_tensors(trainer.master_params(state), adapters, dtype, trainer.layout)
+    tensors = planned_tensors(trainer.master_params(state), adapters, dtype, trainer.layout, trainer.stage_split)
     config = adapter_config(lora, weights, trainer.lora_targets, base)
 
     def write(into: pathlib.Path | None) -> None:
@@ -158,13 +160,16 @@ def merged_master(trainer: StepProgram, state: Any) -> Any:
 
 
 
-def planned_tensors(master: Any, weights: dict[str, Weight], dtype: np.dtype, layout: Layout) -> list[Planned]:
+def planned_tensors(master: Any, weights: dict[str, Weight], dtype: np.dtype, layout: Layout,
+                    split: StageSplit | None) -> list[Planned]:
     """Every Hugging Face tensor of `weights`, each with a function gathering its slab of
-    `master` (a tree of float32 weights as `layout` lays them out) to the hosts."""
-    stages, chunks = layout.mesh.shape["stage"], layout.pipeline.chunks
-    if stages > 1 and chunks > 1:  # interleaved: layers back in model order, stages swapping chunks
-        shardings = jax.tree.map(lambda x: x.sharding, master)
-        relaid = functools.partial(relaid_layers, shardings=shardings, p=stages, v=chunks, to="model")
+    `master` (a tree of float32 weights as `layout` lays them out; `split`: its stages'
+    layers) to the hosts."""
+    shardings = jax.tree.map(lambda x: x.sharding, master)
+    if split is not None and not split.even:  # stages of several sizes: unpadded, in model order
+        master = jax.jit(functools.partial(to_model_layout, shardings=shardings, split=split))(master)
+    elif split is not None and split.v > 1:  # interleaved: layers back in model order, stages swapping chunks
+        relaid = functools.partial(relaid_layers, shardings=shardings, p=split.p, v=split.v, to="model")
         master = jax.jit(relaid, out_shardings=shardings)(master)
     leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
     replicated = NamedSharding(layout.mesh, P())

@@ -19,7 +19,6 @@ from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpar.inspect.buffers import temporaries
 from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
@@ -28,7 +27,7 @@ from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summa
 from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
-from jaxpar.pipeline.executor import to_pipeline_order
+from jaxpar.pipeline.split import StageSplit
 from jaxpar.xla_options import layer_params
 
 
@@ -213,7 +212,9 @@ def kind_shares(model, program=None, stage: int | None = None) -> dict[str, tupl
     distinct, kinds = window_kinds(layer_windows(model))
     if len(distinct) < 2:
         return {}
-    if stage is not None:  # device `stage` holds row `stage` of the layers in pipeline order
+    if stage is not None:  # device `stage` holds row `stage` of the layers in pipeline order, padding aside
         p, v = program.timeline.p, program.timeline.v
-        kinds = tuple(to_pipeline_order(np.asarray(kinds), p, v).reshape(p, -1)[stage].tolist())
+        split = program.layers or StageSplit(p, v, (len(kinds) // (p * v),) * (p * v))
+        rows = split.pipeline_rows.reshape(p, -1)[stage]
+        kinds = tuple(kinds[i] for i in rows if i >= 0)
     return {KIND_SCOPE: tuple(kinds.count(k) / len(kinds) for k in range(len(distinct)))}

@@ -39,7 +39,8 @@ import orbax.checkpoint as ocp
 from jaxpar.config import Config
 from jaxpar.config_record import first_change, rebuild, record
 from jaxpar.errors import ConfigError, JaxparWarning
-from jaxpar.pipeline.stages import relaid_layers
+from jaxpar.pipeline.split import StageSplit
+from jaxpar.pipeline.stages import from_model_layout, relaid_layers, to_model_layout
 
 
 @dataclasses.dataclass
@@ -154,7 +155,7 @@ class Checkpoints:
         meta = self.meta(step)
         saved = meta["config"]
         _check_written_alike(trainer, meta, step, self.directory)
-        target = trainer.abstract_state()  # pipeline and model order have the same shapes and shardings
+        target = trainer.model_order_state()
         items = {"state": _restore_args(dataclasses.replace(target, compression=None, frozen=None))}
         resume_compression = target.compression is not None and meta.get("compression") == compression_signature(trainer)
         if resume_compression:
@@ -301,22 +302,27 @@ def reorder_layers(trainer, to: str):
     """The jitted move of a TrainState's stacked layers to model order (`to="model"`, before
     a save) or back to the stages' pipeline order (`to="pipeline"`, after a restore), in the
     state's own shardings (a checkpoint's state: LoRA's frozen weights None); None where the
-    orders coincide (no interleaved pipeline). Chunks move between stages by collective
+    orders coincide (equal stages of one chunk each). Chunks move between stages by collective
     permutes (jaxpar.pipeline.stages.relaid_layers), so no stage's layers are gathered onto
     another."""
-    p, v = trainer.layout.mesh.shape["stage"], trainer.layout.pipeline.chunks
-    if trainer.pipeline is None or p == 1 or v == 1:
+    split = trainer.stage_split
+    if split is None or split.even and split.v == 1:
         return None
     # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.loop.start.with_base)
     leaves, treedef = jax.tree.flatten(dataclasses.replace(trainer.state_shardings, frozen=None))
-    return _reorder_layers(tuple(leaves), treedef, p, v, to)
+    return _reorder_layers(tuple(leaves), treedef, split, to)
 
 
 @functools.lru_cache(maxsize=16)  # one jitted function per layout: a save does not trace afresh
-def _reorder_layers(shardings: tuple, treedef, p: int, v: int, to: str):
+def _reorder_layers(shardings: tuple, treedef, split: StageSplit, to: str):
+    """Stages of one size: chunks permuted between them; of several: the model order's own
+    layout (jaxpar.pipeline.stages.model_layout), the jit's output taking it from the body."""
     out = jax.tree.unflatten(treedef, shardings)
+    if not split.even:
+        move = to_model_layout if to == "model" else from_model_layout
+        return jax.jit(functools.partial(move, shardings=out, split=split), out_shardings=out if to == "pipeline" else None)
     donate = (0,) if to == "pipeline" else ()  # a restored state is ours to reuse; a saved one is still training
-    return jax.jit(functools.partial(relaid_layers, shardings=out, p=p, v=v, to=to), out_shardings=out,
+    return jax.jit(functools.partial(relaid_layers, shardings=out, p=split.p, v=split.v, to=to), out_shardings=out,
                    donate_argnums=donate)
 
 

@@ -187,6 +187,9 @@ def balanced(total: int, stages: int, leading: int = 0, last_extra: float = 0.0)
             key = (cost, distinct, first)
             if best is None or key < best[0]:
                 best = (key, first, last)
+    if best is None:
+        raise ValueError(f"{total} layers cannot fill {stages} virtual stages (the first with at least {leading}, "
+                         f"the {stages - 2} middle ones with one each)")
     _, first, last = best
     rest, mids = total - first - last, stages - 2
     middle = [rest // mids + (1 if i < rest % mids else 0) for i in range(mids)] if mids else []

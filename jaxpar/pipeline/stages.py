@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.pipeline.executor import STAGE, Stages, no_report
 from jaxpar.pipeline.split import StageSplit
@@ -186,6 +188,66 @@ def relaid_layers(tree: Any, shardings: Any, p: int, v: int, to: str) -> Any:
 def _on_device(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """Offloaded optimizer state is moved on the device (the jit puts it back)."""
     return x if sharding.memory_kind in (None, "device") else jax.device_put(x, sharding.with_memory_kind("device"))
+
+
+# ------------------------------------------------ uneven stages: the model order's own layout
+#
+# Stages of different sizes rest padded ([rows] in pipeline order, sharded over `stage`);
+# in model order the stack has `layers` rows, which `stage` need not divide. There the layer
+# axis stays whole and `stage` moves onto another dimension of each leaf, so a device holds
+# 1/p of every layer, as many bytes as its stage's share: checkpoints are written and read in
+# that layout, the move between the two an all-to-all within `stage` and a local gather.
+
+
+def model_layout(sharding: NamedSharding, shape: tuple[int, ...], p: int) -> NamedSharding:
+    """Where a stacked leaf of `shape` (model order) rests when `stage` cannot shard its layer
+    axis: `stage` on the dimension it divides that leaves the largest shard, else on none
+    (replicated over `stage`: per-layer scalars, tiny)."""
+    mesh = sharding.mesh
+    axes = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)  # noqa: E731
+    spec = [axes(e) for e in tuple(sharding.spec)] + [()] * (len(shape) - len(tuple(sharding.spec)))
+    spec[0] = tuple(a for a in spec[0] if a != STAGE)
+    shards = lambda d: int(np.prod([mesh.shape[a] for a in spec[d]]))  # noqa: E731
+    fits = [d for d in range(1, len(shape)) if shape[d] % (shards(d) * p) == 0]
+    if fits:
+        d = max(fits, key=lambda d: shape[d] // shards(d))
+        spec[d] = (*spec[d], STAGE)
+    return NamedSharding(mesh, P(*[e if e else None for e in spec]))
+
+
+def model_layout_state(abstract: Any, split: StageSplit) -> Any:
+    """`abstract` (ShapeDtypeStructs with shardings, as the state rests) as it is in model
+    order: the stacked leaves [layers, ...] in `model_layout`."""
+    def leaf(path, a):
+        if not _stacked_layers(path, a, split.rows):
+            return a
+        shape = (split.layers, *a.shape[1:])
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=model_layout(a.sharding, shape, split.p))
+    return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+def to_model_layout(tree: Any, shardings: Any, split: StageSplit) -> Any:
+    """Inside jit: `tree` (as it rests, laid out by `shardings`) in model order and layout:
+    each stacked leaf resharded to the model layout at its padded size (an all-to-all over
+    `stage`), then its rows gathered where they now all are."""
+    def leaf(path, x, sharding):
+        if not _stacked_layers(path, x, split.rows):
+            return x
+        target = model_layout(sharding, (split.layers, *x.shape[1:]), split.p)
+        x = jax.lax.with_sharding_constraint(_on_device(x, sharding), target)
+        return jax.lax.with_sharding_constraint(split.to_model_order(x), target)
+    return jax.tree_util.tree_map_with_path(leaf, tree, shardings)
+
+
+def from_model_layout(tree: Any, shardings: Any, split: StageSplit) -> Any:
+    """The inverse of `to_model_layout`: padded into pipeline order where the rows are, then
+    resharded to `shardings` (the jit's out_shardings)."""
+    def leaf(path, x, sharding):
+        if not _stacked_layers(path, x, split.layers):
+            return x
+        x = split.to_pipeline_order(x)
+        return jax.lax.with_sharding_constraint(x, model_layout(sharding, (split.layers, *x.shape[1:]), split.p))
+    return jax.tree_util.tree_map_with_path(leaf, tree, shardings)
 
 
 Score = Callable[[Callable[[Any], Any], Any, dict], tuple]  # (output, hidden, microbatch) -> (loss sum, weight)

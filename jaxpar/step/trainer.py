@@ -39,7 +39,7 @@ from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared, has
 from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.split import StageSplit, model_order_rows
-from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, stored_shapes
+from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, model_layout_state, stored_shapes
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
 from jaxpar.sharding.adapters import join, split
 from jaxpar.step import lora
@@ -124,6 +124,13 @@ class Trainer:
         """ShapeDtypeStructs with shardings: for AOT lowering without allocating anything."""
         shapes = jax.eval_shape(self.init)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+
+    def model_order_state(self) -> TrainState:
+        """`abstract_state()` as checkpoints and imports hold it: the stacked layers in model
+        order; where stages differ in size, unpadded and in a layout of their own
+        (jaxpar.pipeline.stages.model_layout_state)."""
+        state, split = self.abstract_state(), self.stage_split
+        return state if split is None or split.even else model_layout_state(state, split)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         return self.batch.abstract()

@@ -27,6 +27,8 @@ from jaxpar.testing import initial_state
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 PIPELINE = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]
+UNEVEN = [*PIPELINE, "parallel.pipeline.layers=1,3"]  # stages of 1 and 3 layers: a local/global period split (Gemma 3)
+DENSE_STAGE = [*PIPELINE, "parallel.pipeline.layers=1,2"]  # DeepSeek's dense layer alone on the first stage
 LAYOUTS = {
     "llama_tied": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE,
                    ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.tensor.sequence_parallel=true"]],
@@ -44,7 +46,7 @@ LAYOUTS = {
                                                                  "parallel.context.impl=ulysses"]],
     # local and global layers on one stage (the second: global, local), and under one ring over
     # the contiguous order that stops early in the local layers and goes round in the global one
-    "gemma3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.context=4", "mesh.tensor=2",
+    "gemma3": [["mesh.fsdp=2", "mesh.tensor=4"], UNEVEN, ["mesh.context=4", "mesh.tensor=2",
                                                              "parallel.context.layout=contiguous"]],
     "qwen3_moe": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     # dense layers 0 and 2 among MoE 1 and 3 (decoder_sparse_step 2): the experts over expert x fsdp,
@@ -55,11 +57,12 @@ LAYOUTS = {
     # 8 experts over expert x fsdp
     # (their config.json says num_nextn_predict_layers=1: the prediction layer, which transformers
     # does not save, starts from its initialisation; under stages it sits on the last)
-    "deepseek_v3": [["mesh.fsdp=2", "mesh.tensor=4"], PIPELINE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+    "deepseek_v3": [["mesh.fsdp=2", "mesh.tensor=4"], DENSE_STAGE, ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]],
     "deepseek_v3_plain": [["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "parallel.context.impl=ulysses"]],
 }
 CASES = [(c, i) for c in LAYOUTS for i in range(len(LAYOUTS[c]))]
 EXPORTED_FROM = {"deepseek_v3_plain": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],  # one MoE layer: no stages
+                 "deepseek_v3": DENSE_STAGE, "gemma3": UNEVEN,  # padded stacks, unpadded in the files
                  "qwen3_moe_dense": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]}  # dense among MoE: no stages
 MTP_LAYER = {"deepseek_v3": "model.layers.3.", "deepseek_v3_plain": "model.layers.3."}  # exported beside transformers' tensors
 
