@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.choices import Remat
 from jaxpar.kernels.attention.context import RESIDUALS_NAME
 from jaxpar.kernels.experts.exchange import EXCHANGED_NAME
-from jaxpar.sharding import HPZ_NAME
+from jaxpar.sharding import HPZ_NAME, active_layout
 from jaxpar.sharding.kv_cache import active_cache, run_nested
 from jaxpar.sharding.layer_hooks import take_layer_hooks
 
@@ -135,12 +135,16 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     benchmarks/results/predictions.json), at the price of a compile that grows with the
     depth. A policy's recomputation is then kept from being merged back into the forward
     pass (`prevent_cse`), so remat saves the memory it does in the loop.
+
+    Under parallel.two_batch_overlap each layer runs on two halves of the rows (`on_halves`).
     """
     policy = layer_policy(remat)
     graphdef, stacked = nnx.split(layers)
     leaves, treedef = jax.tree.flatten(stacked)
     states, hooks = take_layer_hooks(leaves)
     cache = active_cache()  # sampling: the stack's key/value cache entry, a layer's slice a step
+    layout = active_layout()
+    halves = cache is None and layout is not None and layout.two_batch_overlap and x.ndim >= 2 and x.shape[0] % 2 == 0
 
     def body(carry: jax.Array, xs: tuple[list, list, Any, Any]) -> tuple[jax.Array, Any]:
         carry = checkpoint_name(carry, OFFLOADED_NAME)
@@ -148,8 +152,10 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
         layer = [x if hook is None else hook(x, state) for x, state, hook in zip(leaves, states, hooks)]
         extra = () if index is None else (index,)
         call = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer))
-        out, cached = (call(carry, *args, *extra), None) if cache is None else \
-            run_nested(cache, cached, call, carry, *args, *extra)
+        if cache is not None:
+            out, cached = run_nested(cache, cached, call, carry, *args, *extra)
+        else:
+            out = on_halves(call, carry, *args, *extra) if halves else call(carry, *args, *extra)
         out, report = out if isinstance(out, tuple) else (out, None)
         return out, (report, cached)
 
@@ -168,6 +174,28 @@ def scan_layers(layers: nnx.Module, x: jax.Array, *args: Any, remat: str = "none
     if cache is not None:
         cache.made.append(cached)
     return out if reports is None else (out, reports)
+
+
+def on_halves(fn: Callable, x: jax.Array, *args: Any) -> Any:
+    """fn(x, *args) as two calls on halves of the rows, joined: two independent chains in one
+    program, so the scheduler can run one half's collectives (an expert all-to-all) while
+    the other half computes (parallel.two_batch_overlap). Row 2i + h goes to half h, so each
+    device splits its own rows. An argument whose leading axis is the rows' (ndim >= 2) is
+    split with x; the others go to both. Of what fn returns, arrays with a leading rows axis
+    are joined back in order, the rest are added: a layer's report must then hold, besides
+    per-row values, only sums over the rows (MoE's expert counts)."""
+    rows = x.shape[0]
+    per_row = lambda a: isinstance(a, jax.Array) and a.ndim >= 2 and a.shape[0] == rows  # noqa: E731
+    half = lambda a, h: a.reshape(rows // 2, 2, *a.shape[1:])[:, h] if per_row(a) else a  # noqa: E731
+    outs = [fn(*(half(a, h) for a in (x, *args))) for h in (0, 1)]
+    whole = jax.eval_shape(fn, x, *args)
+
+    def join(shape, a, b):
+        if a.shape == shape.shape:
+            return a + b
+        return jnp.stack([a, b], axis=1).reshape(shape.shape)
+
+    return jax.tree.map(join, whole, *outs)
 
 
 # The named scope of a layer's switch over its kinds: jaxpar.inspect counts each branch by the

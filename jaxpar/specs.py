@@ -133,6 +133,10 @@ class ParallelConfig:
     # (jax.lax.ragged_all_to_all, GPUs), padded (a worst-case buffer per peer, any backend),
     # or auto (ragged on GPUs, padded elsewhere).
     expert_exchange: ExpertExchange = "auto"
+    # Each layer runs on two halves of the batch's rows, one's collectives (the experts'
+    # dispatch and combine, a tensor-parallel reduction) free to run while the other computes:
+    # XLA's scheduler overlaps what the program gives it independent work to hide behind.
+    two_batch_overlap: bool = False
 
     @property
     def int8_gradients(self) -> bool:

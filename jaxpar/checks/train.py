@@ -73,6 +73,24 @@ def batch_divides_data_ways(config, sizes) -> None:
 
 
 @rule(
+    "two-batch-overlap-rows",
+    fields=["parallel.two_batch_overlap", "train.global_batch", "train.microbatches", "mesh.data", "mesh.fsdp",
+            "mesh.expert"],
+    summary="parallel.two_batch_overlap halves each device's rows of a microbatch: they are even.",
+    example=["parallel.two_batch_overlap=true", "mesh.data=8", "train.global_batch=8"],
+)
+def two_batch_overlap_rows(config, sizes) -> None:
+    train = config.train
+    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"] * train.microbatches
+    rows = train.global_batch // ways
+    if config.parallel.two_batch_overlap and rows % 2:
+        raise ConfigError(
+            f"parallel.two_batch_overlap=true runs each layer on two halves of a device's rows, but each holds "
+            f"train.global_batch / (data x fsdp x expert x microbatches) = {train.global_batch} / {ways} = {rows}; "
+            f"use train.global_batch={2 * rows * ways}, or parallel.two_batch_overlap=false")
+
+
+@rule(
     "eval-every",
     fields=["train.eval_every"],
     summary="Held-out evaluation runs every so many steps, or (0) never.",

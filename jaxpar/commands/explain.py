@@ -20,6 +20,11 @@ def add_parser(sub) -> None:
     explain.add_argument("--target", metavar="FILE",
                          help="compile for GPUs this GpuTargetConfig describes (benchmarks/targets/h100.pbtxt), "
                          "without one (needs pip install 'jax[cuda13]'), and predict the step's time on them")
+    explain.add_argument("--cost-profile", metavar="PATH",
+                         help="with --target: compile twice, the second time scheduled by jaxpar's cost model: the first "
+                         "program's kernel and collective times written to PATH as XLA's latency profile, which the "
+                         "GPU's scheduler then reads (train with compiler.options="
+                         "xla_gpu_pgle_profile_file_or_directory_path=PATH to use it); the table is the second program's")
     explain.add_argument("--json", action="store_true", help="print JSON instead of the table")
     explain.add_argument("--png", metavar="PATH", help="with mesh.stage > 1: also draw the pipeline schedule as a PNG")
 
@@ -48,15 +53,24 @@ def run(args) -> int:
     from jaxpar.recipes import resolve_config
     from jaxpar.step.trainer import build
 
-    if args.png:
-        from jaxpar.loop.metrics import prepare_file
+    from jaxpar.loop.metrics import prepare_file
 
+    if args.png:
         prepare_file(args.png, f"--png={args.png!r}", "schedule.png")
     devices = devices if args.target else jax.devices()
-    trainer = build(resolve_config(args.recipe, args.overrides, len(devices)), devices)
+    if args.cost_profile:
+        if devices[0].platform != "gpu":
+            raise ConfigError(f"--cost-profile={args.cost_profile!r} writes the costs of a program compiled for GPUs, but "
+                              f"the devices are {devices[0].platform}; add --target (e.g. benchmarks/targets/h100.pbtxt)")
+        prepare_file(args.cost_profile, f"--cost-profile={args.cost_profile!r}", "costs.pbtxt")
+    config = resolve_config(args.recipe, args.overrides, len(devices))
+    trainer = build(config, devices)
     if args.png and trainer.pipeline is None:
         raise ConfigError("--png draws the pipeline schedule, but mesh.stage=1; set mesh.stage>1")
-    doc = explain_step(trainer, inspect_step(trainer))
+    report = inspect_step(trainer)
+    if args.cost_profile:
+        trainer, report = _scheduled_by_costs(config, devices, report, args.cost_profile)
+    doc = explain_step(trainer, report)
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     if args.png:
         from jaxpar.pipeline import build_schedule
@@ -67,3 +81,21 @@ def run(args) -> int:
         title = f"{args.recipe}: {schedule}, p={t.p}, m={t.m}, v={t.v}"
         print(f"wrote {save_png(timeline, args.png, title)}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _scheduled_by_costs(config, devices, report, path: str):
+    """(trainer, report) of the step compiled again with the first compile's costs as XLA's
+    latency profile, written to `path`."""
+    import dataclasses
+    import pathlib
+
+    from jaxpar.inspect import inspect_step
+    from jaxpar.step.trainer import build
+
+    target = pathlib.Path(path).absolute()
+    target.write_text(report.latency_profile)
+    option = f"xla_gpu_pgle_profile_file_or_directory_path={target}"
+    given = config.compiler.options
+    compiler = dataclasses.replace(config.compiler, options=f"{given},{option}" if given else option)
+    trainer = build(dataclasses.replace(config, compiler=compiler), devices)
+    return trainer, inspect_step(trainer)

@@ -22,9 +22,10 @@ import json
 import math
 import re
 from collections import defaultdict
+from typing import Any, Sequence
 
 from jaxpar.inspect.buffers import entry_name, running_computations
-from jaxpar.inspect.hlo import ARRAY, callees, closing, dot_flops, executions, nbytes, parse, split_outside
+from jaxpar.inspect.hlo import ARRAY, _done_of, callees, closing, dot_flops, executions, nbytes, parse, split_outside
 
 # Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
 # and the second half of an async pair (its start is counted).
@@ -121,12 +122,109 @@ def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: flo
     return StepCost(kernels)
 
 
-def exposed_collective_seconds(collectives, gpu: GpuCost = GpuCost()) -> float:
-    """Seconds a step waits on collectives (jaxpar.inspect.hlo.Collective): those the
-    scheduler did not overlap with compute, their bytes per step over the link (NVLink
-    inside a host, the NIC across hosts); overlapped ones are taken as hidden."""
-    return sum(c.bytes_per_step / ((gpu.inter_host_gb_per_s if c.crosses_hosts else gpu.link_gb_per_s) * 1e9)
-               for c in collectives if not c.overlapped)
+def exposed_collective_seconds(covers: list[Cover]) -> float:
+    """Seconds a step waits on collectives: what of each one's transfer no compute the
+    scheduler placed between its start and done covers (`collective_covers`)."""
+    return sum((c.transfer_s - c.covered_s) * c.collective.trip_count for c in covers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cover:
+    """One collective's transfer, per run, and the share of it compute hides."""
+
+    collective: Any  # jaxpar.inspect.hlo.Collective
+    transfer_s: float  # its bytes over the links it crosses
+    covered_s: float  # compute scheduled between its start and done, spent while it was the link's to move
+
+    @property
+    def share(self) -> float:
+        return self.covered_s / self.transfer_s if self.transfer_s else 1.0
+
+
+def transfer_seconds(c, gpu: GpuCost, host_of: Sequence[int] | None = None) -> float:
+    """A collective's bytes per run over NVLink inside a host and the NIC across hosts: an
+    all-to-all sends each peer its share, so only the peers on other hosts cost NIC time,
+    in parallel with NVLink for the rest; other collectives crossing hosts run at the NIC's
+    rate (their ring's slowest hop)."""
+    nvlink, nic = gpu.link_gb_per_s * 1e9, gpu.inter_host_gb_per_s * 1e9
+    if not c.crosses_hosts:
+        return c.link_bytes / nvlink
+    if c.kind in ("all-to-all", "ragged-all-to-all") and host_of is not None and c.groups:
+        group = max(c.groups, key=len)
+        mine = host_of[group[0]]
+        away = sum(host_of[p] != mine for p in group) / max(len(group) - 1, 1)
+        return max(c.link_bytes * away / nic, c.link_bytes * (1 - away) / nvlink)
+    return c.link_bytes / nic
+
+
+def collective_covers(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: Sequence[int] | None = None
+                      ) -> list[Cover]:
+    """Each collective's transfer and the compute hiding it, read off the schedule XLA
+    compiled: walking each computation in its run order, a kernel's time covers the transfers
+    in flight, first started first (the links move one thing at a time), until their done.
+    A synchronous collective, or compute outside its window, covers nothing; a done in another
+    computation (a transfer pipelined across loop iterations) is credited only the compute
+    after its start (a lower bound)."""
+    comps = parse(hlo_text)
+    shapes = {ins.name: ins.shape for instrs in comps.values() for ins in instrs}
+    flops = _flops_per_computation(comps, shapes)
+    by_start = {(c.computation, c.name): c for c in colls}
+    finishers = {o: ins for instrs in comps.values() for ins in instrs
+                 if re.search(r"-(done|update)$", ins.opcode) for o in ins.operands}
+    covered: dict[int, float] = {}
+    transfer = {id(c): transfer_seconds(c, gpu, host_of) for c in colls}
+    for comp, instrs in comps.items():
+        waiting: dict[str, Any] = {}  # the name that completes it -> collective, in start order
+        left: dict[int, float] = {}
+        for ins in instrs:
+            c = by_start.get((comp, ins.name))
+            if c is not None:
+                done = _done_of(ins, finishers) if c.is_async else None
+                if done is not None:
+                    waiting[done.name] = c
+                    left[id(c)] = transfer[id(c)]
+                continue
+            if ins.name in waiting:
+                c = waiting.pop(ins.name)
+                covered[id(c)] = transfer[id(c)] - left.pop(id(c))
+                continue
+            if ins.opcode in _FREE or ins.opcode.startswith(_COLLECTIVE) or not waiting:
+                continue
+            spend = _kernel(ins, 1, comps, shapes, flops, gpu).seconds
+            for c in waiting.values():
+                used = min(spend, left[id(c)])
+                left[id(c)] -= used
+                spend -= used
+                if spend <= 0:
+                    break
+        for c in waiting.values():
+            covered[id(c)] = transfer[id(c)] - left[id(c)]
+    return [Cover(c, transfer[id(c)], covered.get(id(c), 0.0)) for c in colls]
+
+
+def latency_profile(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: Sequence[int] | None = None) -> str:
+    """This cost model as XLA's latency profile (a ProfiledInstructionsProto, text): each
+    kernel's time and each collective's transfer, by instruction name. Compiled again with
+    it (compiler.options=xla_gpu_pgle_profile_file_or_directory_path=FILE), the GPU's
+    latency-hiding scheduler knows how long each collective takes and places compute
+    beside it accordingly; without, it takes one small constant for every collective
+    (benchmarks/expert_overlap.py measures the difference)."""
+    comps = parse(hlo_text)
+    shapes = {ins.name: ins.shape for instrs in comps.values() for ins in instrs}
+    flops = _flops_per_computation(comps, shapes)
+    lines = [f'costs {{ name: "{ins.name}" cost_us: {_kernel(ins, 1, comps, shapes, flops, gpu).seconds * 1e6:.3f} }}'
+             for instrs in comps.values() for ins in instrs
+             if ins.opcode not in _FREE and not ins.opcode.startswith(_COLLECTIVE)]
+    lines += [f'costs {{ name: "{c.name}" cost_us: {transfer_seconds(c, gpu, host_of) * 1e6:.3f} }}' for c in colls]
+    return "\n".join(lines) + "\n"
+
+
+def covered_share(covers: list[Cover], kinds: Sequence[str] = ("all-to-all", "ragged-all-to-all")) -> dict:
+    """{transfer_s, covered_s a step, share} of the collectives of `kinds`."""
+    mine = [c for c in covers if c.collective.kind in kinds]
+    total = sum(c.transfer_s * c.collective.trip_count for c in mine)
+    hidden = sum(c.covered_s * c.collective.trip_count for c in mine)
+    return {"transfer_s": total, "covered_s": hidden, "share": hidden / total if total else None}
 
 
 def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCost) -> Kernel:

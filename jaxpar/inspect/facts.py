@@ -44,7 +44,9 @@ class ParamArray:
 class Facts:
     """The step explain accounts for. Parameter counts are in elements: Ψ is the trained
     parameters; Ψ_E the expert weights; Ψ_L the layer stack (under stages only, else 0);
-    Ψ_s what one pipeline stage holds but experts (Ψ - Ψ_E without stages)."""
+    these are the model's own counts. Ψ_s is what one pipeline stage holds but experts
+    (Ψ - Ψ_E without stages), Ψ_Es its expert weights before the split over expert: these
+    are as stored, with the rows that pad stages of fewer layers (jaxpar.pipeline.split)."""
 
     config: Config
     report: StepReport
@@ -54,10 +56,11 @@ class Facts:
     params: tuple[ParamArray, ...]
     psi: int
     psi_frozen: int  # LoRA's frozen weights (elements)
-    frozen_bytes: int | None  # and their bytes; None without a frozen tree
+    frozen_bytes: float | None  # the bytes of them one stage holds, as stored; None without a frozen tree
     psi_experts: int
     psi_layers: int
     psi_stage: float
+    psi_experts_stage: float
     moments: float  # optimizer state elements per parameter
     compute_bytes: int  # train.compute_dtype's itemsize
 
@@ -78,6 +81,11 @@ class Facts:
         """Whether the step has frozen weights (LoRA's base)."""
         return self.frozen_bytes is not None
 
+    @property
+    def stage_split(self) -> Any:
+        """The pipeline's jaxpar.pipeline.split.StageSplit where stages differ in size, else None."""
+        return self.pipeline.layers if self.pipeline is not None else None
+
     def params_named(self, name: str) -> int:
         """Parameters whose logical names include `name`."""
         return sum(p.size for p in self.params if name in p.names)
@@ -87,24 +95,40 @@ def facts_of(trainer, report: StepReport) -> Facts:
     """The facts of `trainer`'s step as `report` measured it."""
     state = trainer.abstract_state()
     params = _param_arrays(trainer, state.params)
-    psi = sum(p.size for p in params)
     p = report.mesh.get("stage", 1)
-    # Expert weights are split over mesh.expert besides; every other parameter is replicated over it.
-    psi_e = sum(a.size for a in params if "experts" in a.names)
-    # A pipeline stage holds 1/stage of the layer stack and all of the rest (embedding, head).
-    # Expert weights live in the layer stack, so a stage holds 1/stage of them too.
-    psi_layers = sum(a.size for a in params if "layers" in a.names) if p > 1 else 0
-    frozen = jax.tree.leaves(state.frozen)
+    split = trainer.stage_split if p > 1 else None
+    # A stacked array rests as rows (padded where stages differ): a stage holds 1/stage of
+    # them, the model has split.layers of them. Expert weights live in the stack too.
+    unpad = split.layers / split.rows if split is not None else 1.0
+    stacked = lambda a: p > 1 and "layers" in a.names
+    real = lambda a: a.size * unpad if stacked(a) else a.size
+    held = lambda a: a.size / p if stacked(a) else a.size
+    experts = [a for a in params if "experts" in a.names]
+    psi_frozen, frozen_bytes = _frozen(state.frozen, p, unpad)
     return Facts(
         config=trainer.config, report=report, layout=trainer.layout, pipeline=trainer.pipeline,
-        compressor=trainer.compressor, params=params, psi=psi,
-        psi_frozen=sum(math.prod(x.shape) for x in frozen),
-        frozen_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in frozen) if state.frozen is not None else None,
-        psi_experts=psi_e, psi_layers=psi_layers,
-        psi_stage=psi - psi_e - (psi_layers - (psi_e if p > 1 else 0)) * (1 - 1 / p),  # the rest, on one stage
-        moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / psi,
+        compressor=trainer.compressor, params=params, psi=round(sum(map(real, params))),
+        psi_frozen=psi_frozen, frozen_bytes=frozen_bytes,
+        psi_experts=round(sum(map(real, experts))), psi_layers=round(sum(real(a) for a in params if stacked(a))),
+        psi_stage=sum(held(a) for a in params if "experts" not in a.names),
+        psi_experts_stage=sum(map(held, experts)),
+        moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / sum(a.size for a in params),
         compute_bytes=jnp.dtype(trainer.config.train.compute_dtype).itemsize,
     )
+
+
+def _frozen(frozen, p: int, unpad: float) -> tuple[int, float | None]:
+    """LoRA's frozen weights: (the model's count, the bytes one stage holds as stored; None
+    without them). Under stages those under "layers" are stacked, as the parameters."""
+    if frozen is None:
+        return 0, None
+    stacked = frozen.get("layers") if p > 1 else None
+    count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    if stacked is None:
+        return count(frozen), nbytes(frozen)
+    return (round(count(frozen) - count(stacked) * (1 - unpad)),
+            nbytes(frozen) - nbytes(stacked) * (1 - 1 / p))
 
 
 def _param_arrays(trainer, params) -> tuple[ParamArray, ...]:

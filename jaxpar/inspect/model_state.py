@@ -58,13 +58,14 @@ def formula_ways(facts: Facts) -> int:
 
 def expected_state(facts: Facts) -> formulas.ModelState:
     """The model state's formula: the dense parameters and the expert weights (split over
-    expert besides), a float32 accumulator under microbatches, LoRA's adapters as their
-    weights' sides rest and its frozen weights."""
+    expert besides) one stage holds as stored (padding rows included), a float32
+    accumulator under microbatches, LoRA's adapters as their weights' sides rest and its
+    frozen weights."""
     mesh, stage, compute_bytes = facts.mesh, facts.zero_stage, facts.compute_bytes
     data, fsdp, tensor, expert = mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["expert"]
     moments = round(4 * facts.moments)
     dense = formulas.model_state(facts.psi_stage, stage, data, fsdp * tensor, compute_bytes, moments)
-    routed = formulas.model_state(facts.psi_experts / facts.stages, stage, data, fsdp * tensor * expert, compute_bytes, moments)
+    routed = formulas.model_state(facts.psi_experts_stage, stage, data, fsdp * tensor * expert, compute_bytes, moments)
     expected = formulas.ModelState(*(getattr(dense, f) + getattr(routed, f) for f in ("params", "grads", "master", "optimizer")))
     if facts.config.train.microbatches > 1:  # the accumulator is float32
         expected = formulas.ModelState(expected.params, expected.grads * 4 / compute_bytes, expected.master, expected.optimizer)
@@ -85,8 +86,14 @@ def memory_formula(facts: Facts) -> str:
 
 
 def _stages_note(facts: Facts) -> str:
-    p = facts.stages
-    return f"; layers ({facts.psi_layers / facts.psi:.0%}) also over stage = {p}" if p > 1 else ""
+    p, split = facts.stages, facts.stage_split
+    if p == 1:
+        return ""
+    text = f"; layers ({facts.psi_layers / facts.psi:.0%}) also over stage = {p}"
+    if split is None:
+        return text
+    return (text + f", every chunk padded to the widest ({split.widest} layers): {split.rows - split.layers} zero rows, "
+            f"{1 - split.layers / split.rows:.0%} of the stack as stored")
 
 
 def _experts_note(facts: Facts) -> str:

@@ -11,23 +11,32 @@ from jaxpar.model import declared, has
 from jaxpar.pipeline import bubble_fraction, build_schedule, peak_in_flight
 from jaxpar.pipeline import render as draw
 from jaxpar.pipeline.schedule import published_bubble
+from jaxpar.pipeline.split import compact, leading_layers
 from jaxpar.sharding.embedding import rows_sharded
 from jaxpar.units import count
 
 
+def chunk_layers(program) -> tuple[int, int, int]:
+    """(layers of the first virtual stage, of the last, of all): a chunk's work is its layers
+    (equal chunks: 1 each, so the forms below are the (n-1)/n ones of n chunks)."""
+    split, t = program.layers, program.timeline
+    counts = split.counts if split is not None else (1,) * (t.p * t.v)
+    return counts[0], counts[-1], sum(counts)
+
+
 def pipeline_recompute(program) -> tuple[float, float]:
     """Matmul work of a pipelined step over that of a plain one: (for the layers, for the
-    head). In units of one chunk's forward, a plain step does 3 per chunk and microbatch
+    head). In units of one layer's forward, a plain step does 3 per layer and microbatch
     (forward, input and weight gradients). The executor's backward runs the forward again
     (4), except that the last chunk's forward is left to its backward (3). Split, the input
     gradient is forward + input gradients (2; none on the first chunk), and the weight
     gradient forward + input gradients + weight gradients (3): inside a chunk a layer's
     weight gradient needs the gradient flowing back from the layers above it. The head runs
-    only in the last chunk's backward: 3 fused, 2 + 3 split."""
-    n = program.timeline.p * program.timeline.v
+    only in the last chunk's backward: 3 fused, 2 + 3 split. Each chunk weighs by its layers."""
+    first, last, n = chunk_layers(program)
     if program.split:
-        return ((n - 1) * 1 + (n - 1) * 2 + n * 3) / (3 * n), 5 / 3
-    return ((n - 1) * 1 + n * 3) / (3 * n), 1.0
+        return ((n - last) * 1 + (n - first) * 2 + n * 3) / (3 * n), 5 / 3
+    return ((n - last) * 1 + n * 3) / (3 * n), 1.0
 
 
 def head_params(model) -> int:
@@ -50,14 +59,24 @@ def one_hot_lookup_flops(model, layout) -> float:
 
 
 def expert_passes(program) -> float:
-    """All-to-alls per layer and microbatch under the executor, averaged over its n chunks.
+    """All-to-alls per layer and microbatch under the executor, averaged over the layers.
     Fused: a forward (not on the last chunk), the backward's recompute and the backward:
     2 + 2 + 2, the last chunk 4. Split: a forward (not last), the input-gradient op's
     forward and backward (not first), the weight-gradient op's forward and backward."""
-    n = program.timeline.p * program.timeline.v
+    first, last, n = chunk_layers(program)
     if program.split:
-        return (2 * (n - 1) + 4 * (n - 1) + 4 * n) / n
-    return (6 * (n - 1) + 4) / n
+        return (2 * (n - last) + 4 * (n - first) + 4 * n) / n
+    return (6 * (n - last) + 4 * last) / n
+
+
+def gather_passes(program) -> float:
+    """Gathers or reduce-scatters over fsdp of a layer's weights per microbatch, averaged
+    over the layers: a forward 1 (not on the last chunk); fused, a backward 3; split, an
+    input gradient 2 (not on the first chunk) and a weight gradient 3."""
+    first, last, n = chunk_layers(program)
+    if program.split:
+        return ((n - last) * 1 + (n - first) * 2 + n * 3) / n
+    return ((n - last) * 1 + n * 3) / n
 
 
 def pipeline_gradient_traffic(facts: Facts) -> tuple[float | None, str]:
@@ -71,25 +90,27 @@ def pipeline_gradient_traffic(facts: Facts) -> tuple[float | None, str]:
     chunk (3 passes: a lookup's gradient needs no gathered table), the final norm and head
     by the last (3, split 5), on 1 stage in p. Expert weights (Ψ_E of the layers; Ψ_s
     holds none of them) are split e ways besides and reduce over data only; the rest reduce
-    over data x expert. Measured within 3% on CPU; the rest is gathers the compiler shares
-    between a recompute and its backward."""
+    over data x expert. Passes weigh each chunk by its layers (gather_passes); gathers move
+    the model's layers, the reduction over data what a stage stores (padding rows too).
+    Measured within 3% on CPU; the rest is gathers the compiler shares between a recompute
+    and its backward."""
     program, model = facts.pipeline, facts.config.model
     if not decoder_fields(model):
         return None, NO_FORMULA
     psi_layers, psi_stage, psi_experts = facts.psi_layers, facts.psi_stage, facts.psi_experts
-    p, v, m = program.timeline.p, program.timeline.v, program.timeline.m
-    n = p * v
+    p, m = program.timeline.p, program.timeline.m
     d, f, t, e = (facts.mesh[a] for a in ("data", "fsdp", "tensor", "expert"))
-    layer_passes = ((n - 1) * 3 + n * 3) / n if program.split else ((n - 1) * 1 + n * 3) / n
+    layer_passes = gather_passes(program)
     head_passes = 5 if program.split else 3
     psi_embedding = facts.params_named("vocab") - (0 if model.tie_embeddings else model.vocab_size * model.embed)
-    psi_head = psi_stage - (psi_layers - psi_experts) / p - psi_embedding  # final norm and head
+    psi_head = facts.psi - psi_layers - psi_embedding  # final norm and head
     if model.tie_embeddings:
         psi_head += psi_embedding  # the one table serves the head too
     layers_here = (psi_layers - psi_experts + psi_experts / e) / p
     uses = layers_here * layer_passes + (psi_embedding * 3 + psi_head * head_passes) / p
     fsdp_part = uses / t * m * (f - 1) / f
-    data_part = 2 * psi_stage / (t * f) * (d * e - 1) / (d * e) + 2 * psi_experts / (p * e * t * f) * (d - 1) / d
+    data_part = (2 * psi_stage / (t * f) * (d * e - 1) / (d * e)
+                 + 2 * facts.psi_experts_stage / (e * t * f) * (d - 1) / d)
     return fsdp_part + data_part, (
         f"over fsdp, per microbatch, {layer_passes:.2f} gathers or reduce-scatters of a stage's layers (Ψ_L/p, "
         f"experts /e), 3 of the embedding and {head_passes} of the head on 1 stage in p: x m (f-1)/f / tensor; "
@@ -151,8 +172,20 @@ def pipeline_schedule_rows(facts: Facts) -> dict[str, Any]:
             "activation_slots": program.act_slots,
             "gradient_slots": program.grad_slots,
             "stage_flops": list(facts.report.stage_flops),
+            **stage_layers(facts),
         },
     }
+
+
+def stage_layers(facts: Facts) -> dict[str, Any]:
+    """Where stages differ in size: the layers of each virtual stage as parallel.pipeline.layers
+    writes them (whole-model layers), the widest, and the zero rows each device stores."""
+    split = facts.stage_split
+    if split is None:
+        return {}
+    rows = split.padding().reshape(split.p, split.v * split.widest)  # pipeline order: device s's rows together
+    return {"layers": compact(split.whole_model(leading_layers(facts.config.model))), "widest": split.widest,
+            "padding_rows": [int(r.sum()) for r in rows]}
 
 
 def pipeline_schedule_lines(doc: dict[str, Any]) -> list[str]:
@@ -166,6 +199,9 @@ def pipeline_schedule_lines(doc: dict[str, Any]) -> list[str]:
     lines.append(f"  bubble {pp['bubble']:.3f} (published {pp['published_bubble']:.3f}); {pp['in_flight']} microbatch "
                  f"chunks in flight on stage 0; executor: {pp['ticks']} lockstep ticks, "
                  f"{pp['activation_slots']} activation and {pp['gradient_slots']} gradient slots per device")
+    if "layers" in pp:
+        lines.append(f"  layers per virtual stage {pp['layers']}: each padded to the widest, {pp['widest']} rows; "
+                     "zero rows per stage " + " ".join(map(str, pp["padding_rows"])))
     mean = sum(pp["stage_flops"]) / len(pp["stage_flops"])
     lines.append("  matmul FLOPs per stage / mean: " + " ".join(f"{f / mean:.2f}" for f in pp["stage_flops"])
                  + " (the last stage runs the head and loss, and leaves its forward to its backward)")

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.inspect.buffers import temporaries
-from jaxpar.inspect.cost import GpuCost, exposed_collective_seconds, step_cost
+from jaxpar.inspect.cost import (GpuCost, collective_covers, covered_share, exposed_collective_seconds, latency_profile,
+                                 step_cost)
 from jaxpar.inspect.findings import Finding, compiler_warnings, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
@@ -73,8 +74,10 @@ class StepReport:
     compile_seconds: float
     platform: str
     stage_flops: tuple[float, ...] = ()  # pipelines: matmul FLOPs per step on each stage's devices
-    # Compiled for a GPU (one there, or deviceless): the step's time by jaxpar.inspect.cost
+    # Compiled for a GPU (one there, or deviceless): the step's time by jaxpar.inspect.cost,
+    # and those costs as XLA's latency profile (jaxpar.inspect.cost.latency_profile)
     predicted: dict | None = None
+    latency_profile: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_devices(self) -> int:
@@ -158,7 +161,8 @@ def inspect_step(trainer) -> StepReport:
     each = [{**(shares or {}), **kind_shares(trainer.config.model, program, s)} or None for shares, s in zip(each, stages)]
     shares = each[0]
     (flops, _), *stage_flops = matmul_flops_each(text, each)
-    colls = collectives(text, mesh, host_of_positions(mesh, num_hosts), shares)
+    host_of = host_of_positions(mesh, num_hosts)
+    colls = collectives(text, mesh, host_of, shares)
     return StepReport(
         mesh=dict(mesh.shape),
         num_hosts=num_hosts,
@@ -170,17 +174,32 @@ def inspect_step(trainer) -> StepReport:
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
-        predicted=predicted_step(text, colls, mesh.devices.flat[0]),
+        predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of),
+        latency_profile=gpu_latency_profile(text, colls, mesh.devices.flat[0], host_of),
     )
 
 
-def predicted_step(hlo_text: str, colls: list[Collective], device) -> dict | None:
-    """The step's time by jaxpar.inspect.cost, for a program compiled for a GPU it knows."""
+def gpu_latency_profile(hlo_text: str, colls: list[Collective], device, host_of: list[int]) -> str | None:
+    gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
+    return None if gpu is None else latency_profile(hlo_text, colls, gpu, host_of)
+
+
+def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list[int] | None = None) -> dict | None:
+    """The step's time by jaxpar.inspect.cost, for a program compiled for a GPU it knows:
+    its kernels, plus what of each collective no compute in its window covers; and the
+    expert all-to-alls' cover, collective by collective."""
     gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
     if gpu is None:
         return None
+    covers = collective_covers(hlo_text, colls, gpu, host_of)
+    exchange = [c for c in covers if c.collective.kind in ("all-to-all", "ragged-all-to-all")]
     return {"gpu": gpu.describe(), "bf16_tflops": gpu.bf16_tflops,
-            **step_cost(hlo_text, gpu, exposed_collective_seconds(colls, gpu)).to_json()}
+            **step_cost(hlo_text, gpu, exposed_collective_seconds(covers)).to_json(),
+            "all_to_all_cover": {**covered_share(covers), "each": [
+                {"name": c.collective.name, "kind": c.collective.kind, "axes": list(c.collective.axes),
+                 "crosses_hosts": c.collective.crosses_hosts, "runs": c.collective.trip_count,
+                 "bytes": c.collective.link_bytes, "transfer_s": c.transfer_s, "covered_s": c.covered_s}
+                for c in exchange]}}
 
 
 def temporary_findings(trainer, hlo_text: str, state=None) -> list[Finding]:

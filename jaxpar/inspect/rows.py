@@ -123,6 +123,20 @@ def predicted_lines(predicted: dict[str, Any]) -> list[str]:
     for k in predicted["top"][:5]:
         lines.append(f"  {k['name']:<40} {k['kind']:<10} {k['runs']:>5g} x {k['seconds'] * 1e6:8.0f} us"
                      f"  {k['flops'] / 1e9:9.1f} GFLOP  {k['bytes'] / 2**20:9.1f} MiB")
+    return lines + cover_lines(predicted.get("all_to_all_cover"))
+
+
+def cover_lines(cover: dict[str, Any] | None) -> list[str]:
+    """The expert all-to-alls' transfer time against the compute XLA scheduled beside them."""
+    if not cover or not cover["each"]:
+        return []
+    lines = [f"  all-to-all time covered by compute: {cover['share']:.0%} ({cover['covered_s'] * 1e3:.2f} of "
+             f"{cover['transfer_s'] * 1e3:.2f} ms a step; the rest is exposed)",
+             f"  {'all-to-all':<34}{'axes':<12}{'runs':>6}{'bytes':>12}{'transfer':>11}{'covered':>9}"]
+    for c in sorted(cover["each"], key=lambda c: -c["transfer_s"] * c["runs"])[:12]:
+        share = c["covered_s"] / c["transfer_s"] if c["transfer_s"] else 1.0
+        lines.append(f"  {c['name'][:33]:<34}{'+'.join(c['axes']) or '-':<12}{c['runs']:>6g}{byte_size(c['bytes']):>12}"
+                     f"{c['transfer_s'] * 1e6:>8.1f} us{share:>9.0%}")
     return lines
 
 

@@ -172,7 +172,8 @@ def balanced(total: int, stages: int, leading: int = 0, last_extra: float = 0.0)
     """Whole-model counts over `stages` virtual stages that make the busiest one the least
     busy, a stage's cost its layers plus `last_extra` (the head and loss, in layers) on the
     last one; the first holds at least `leading`, the middle ones at least one. Ties: the
-    fewest distinct middle sizes (each a compiled chunk), then the lighter first stage."""
+    fewest distinct middle sizes (each a compiled chunk), then the evenest (least sum of
+    squared costs: no stage left idle that could share the work), then the lighter first."""
     if stages == 1:
         return (total,)
     best = None
@@ -184,7 +185,9 @@ def balanced(total: int, stages: int, leading: int = 0, last_extra: float = 0.0)
             big = math.ceil(rest / mids) if mids else 0
             cost = max(first, last + last_extra, big)
             distinct = len({rest // mids, big}) if mids and rest % mids else 1
-            key = (cost, distinct, first)
+            spread = first ** 2 + (last + last_extra) ** 2 + (big ** 2 * (rest % mids) + (rest // mids) ** 2 * (
+                mids - rest % mids) if mids else 0)
+            key = (cost, distinct, spread, first)
             if best is None or key < best[0]:
                 best = (key, first, last)
     if best is None:

@@ -8,7 +8,8 @@ import math
 
 from jaxpar.inspect import formulas
 from jaxpar.model import declared
-from jaxpar.pipeline.schedule import published_bubble
+from jaxpar.pipeline.lockstep import lockstep_cost
+from jaxpar.pipeline.split import balanced, compact, head_layers, leading_layers
 from jaxpar.plan.presets import Hardware
 
 REMATS = ("full", "none")
@@ -25,6 +26,8 @@ class Layout:
     zero_stage: int
     remat: str
     microbatches: int
+    layers: tuple[int, ...] = ()  # whole-model layers per stage (stage > 1; () : stage_layers' rule)
+    leading: int = 0  # of layers[0], the model's leading ones (DeepSeek's dense layers)
 
     @property
     def axes(self) -> dict[str, int]:
@@ -51,22 +54,41 @@ class Layout:
             sets.append("parallel.tensor.sequence_parallel=true")
         if self.stage > 1:
             sets.append("parallel.pipeline.schedule=1f1b")
+        if self.uneven:
+            sets.append(f"parallel.pipeline.layers={compact(self.layers)}")
         return sets
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the stages' layers differ from `balance=even`'s equal chunks (the leading
+        layers aside), so that the overrides must list them."""
+        return len({self.layers[0] - self.leading, *self.layers[1:]}) > 1 if self.layers else False
 
     def describe(self) -> str:
         shown = " ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1) or "one device"
-        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}"
+        layers = f" layers={compact(self.layers)}" if self.uneven else ""
+        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{layers}"
+
+
+def stage_layers(model, stage: int, seq_len: int) -> tuple[int, ...]:
+    """Whole-model layers per stage (one chunk each): the balanced rule (jaxpar.pipeline.split),
+    the head and loss counted on the last stage. Raises ValueError where they cannot fill them."""
+    leading = leading_layers(model)
+    return balanced(model.num_layers + leading, stage, leading, head_layers(model, seq_len))
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
     """Every layout the framework can run for `model` on `devices`: tensor and context
     inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
-    EP 64 spans 8 hosts); stages dividing the layers (experts split inside them); fsdp x
-    data filling the rest; ZeRO over data when there is one; both remat extremes;
-    microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
+    EP 64 spans 8 hosts); up to 16 stages, each holding the balanced rule's layers
+    (`stage_layers`; experts split inside them); fsdp x data filling the rest; ZeRO over
+    data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
     heads: they are repeated at use (jaxpar.step.layout.kv_repeats)."""
     heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
+    leading = leading_layers(model)
+    splits = {p: _or_none(stage_layers, model, p, seq_len) for p in _divisors(devices)
+              if 1 < p <= min(16, model.num_layers + leading)}
     out = []
     for tensor in _divisors(devices_per_host):
         if heads % tensor or model.vocab_size % tensor or model.mlp % tensor:
@@ -78,8 +100,7 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
                     continue
                 if expert > devices_per_host and expert % devices_per_host:  # whole hosts of experts
                     continue
-                stages = [1] if context > 1 else [p for p in _divisors(devices // inner)
-                                                  if p <= 16 and model.num_layers % p == 0]
+                stages = [1] if context > 1 else [p for p in _divisors(devices // inner) if p == 1 or splits.get(p)]
                 for stage in stages:
                     rest = devices // (inner * stage)
                     for fsdp in _divisors(rest):
@@ -91,24 +112,35 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
                                 for m in ([stage, 2 * stage, 4 * stage] if stage > 1 else [1, 2, 4]):
                                     if global_batch % (data * fsdp * expert * m):
                                         continue
-                                    out.append(Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m))
+                                    out.append(Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
+                                                      splits.get(stage) or (), leading))
     return out
+
+
+def _or_none(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError:  # too few layers for the stages
+        return None
 
 
 def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardware) -> dict[str, float]:
     """Memory per device (bytes) and step time (s) from formulas: model state (ZeRO),
     activations (Korthikanti et al.), logits; compute at the matmul efficiency, collective
-    bytes over their links, less what overlaps."""
-    L = layout
-    psi, psi_layers = model.param_count(), model.param_count(include_embedding=False)
+    bytes over their links, less what overlaps, the compute stretched by the pipeline's
+    lockstep ticks (jaxpar.pipeline.lockstep). The busiest stage's layers count for memory."""
+    L, leading = layout, leading_layers(model)
+    counts = (L.layers or stage_layers(model, L.stage, seq_len)) if L.stage > 1 else (model.num_layers + leading,)
+    rows = max((counts[0] - leading, *counts[1:]))  # the stack's rows a stage holds (each padded to the widest)
+    psi_local, routed = _stage_params(model, rows)
     experts = declared(model, "num_experts")
-    routed = 3 * model.embed * model.mlp * experts * model.num_layers / L.stage  # expert weights: also over expert
-    psi_local = (psi - psi_layers) + psi_layers / L.stage  # one stage's parameters
-    state = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2).total
-    state += formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2).total
+    dense = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2)
+    experts_state = formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2)
+    # the gradients accumulate in float32 over microbatches (as explain's model_state counts them)
+    state = dense.total + experts_state.total + (dense.grads + experts_state.grads) * (L.microbatches > 1)
     b = global_batch // (L.data * L.fsdp * L.expert * L.microbatches)  # rows per device per microbatch
     s, h, a = seq_len // L.context, model.embed, model.num_heads
-    layers = model.num_layers // L.stage
+    layers = max(counts)
     full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
     kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
     if L.stage > 1:  # stage-level recomputation: chunk inputs in flight, one chunk live
@@ -128,24 +160,38 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     devices = math.prod(L.axes.values())
     recompute = 4 / 3 if L.remat != "none" else 1.0
     compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
-    bubble = published_bubble("1f1b", L.stage, L.microbatches)
+    bubble = 0.0  # the share of the lockstep step above the mean device's work
+    if L.stage > 1:
+        cost, ideal = lockstep_cost("1f1b", L.stage, L.microbatches, 1, counts, 0.0, head_layers(model, seq_len))
+        bubble = 1 - ideal / cost
     across = L.host_split(hw.devices_per_host)
     bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731
     shard = weights / 2  # the parameters a device reduces and gathers: experts split e ways besides
     fsdp_bytes = 3 * 2 * shard * (L.fsdp - 1) / L.fsdp * L.microbatches if L.fsdp > 1 else 0.0
     data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
-    tensor_bytes = 8 * model.num_layers / L.stage * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
+    tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     model_time = tensor_bytes / bw("tensor") if L.tensor > 1 else 0.0
     if experts and L.expert > 1:  # the all-to-alls: 4 a layer and microbatch (6 recomputed), bf16
         factor = model.capacity_factor if model.routing == "capacity" else 1.0
         per_pass = formulas.expert_traffic_elements(s * b, model.top_k, h, factor) * 2 * (L.expert - 1) / L.expert
-        model_time += (6 if L.remat != "none" else 4) * per_pass * layers * L.microbatches / bw("expert")
+        model_time += (6 if L.remat != "none" else 4) * per_pass * rows * L.microbatches / bw("expert")
     busy = compute / (1 - bubble)
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
     step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "step_s": step, "compute_s": compute, "bubble": bubble}
+
+
+def _stage_params(model, rows: int) -> tuple[float, float]:
+    """(a stage's parameters, the routed experts' among them): `rows` layers of the stack, and
+    all that is outside it (embedding, head, final norm, DeepSeek's dense layers and
+    prediction module), which every stage holds whole."""
+    moe_layer = getattr(model, "moe_layer_param_count", None)
+    each = moe_layer() if moe_layer else (model.param_count(include_embedding=False) - model.embed) / model.num_layers
+    experts = declared(model, "num_experts")
+    routed = 3 * model.embed * model.mlp * experts * (rows + getattr(model, "mtp_layers", 0))  # also over expert
+    return model.param_count() - each * (model.num_layers - rows), routed
 
 
 def _divisors(n: int) -> list[int]:

@@ -4,7 +4,8 @@ child process, jaxpar.plan.compile_one, computes it)."""
 
 from __future__ import annotations
 
-from jaxpar.pipeline.schedule import published_bubble
+from jaxpar.pipeline.lockstep import lockstep_cost
+from jaxpar.pipeline.split import head_layers, leading_layers, stage_split
 from jaxpar.plan.presets import Hardware
 from jaxpar.sharding import Layout
 
@@ -13,12 +14,12 @@ MODEL_AXES = {"tensor", "context", "expert"}
 
 def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
     """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
-    `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline bubble), plus
-    the collective time the overlap does not hide. Collectives across hosts run at the
-    per-device network speed, the rest at NVLink's. The CPU backend widens bf16 collectives
-    of activations to f32; on GPUs they stay bf16, so such bytes count half. (HBM traffic
-    comes from formulas: the CPU compiler's own count reflects its weaker fusion.) The pipeline
-    and microbatches are the layout's specs."""
+    `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline's lockstep
+    ticks: `pipeline_bubble`), plus the collective time the overlap does not hide.
+    Collectives across hosts run at the per-device network speed, the rest at NVLink's.
+    The CPU backend widens bf16 collectives of activations to f32; on GPUs they stay bf16,
+    so such bytes count half. (HBM traffic comes from formulas: the CPU compiler's own count
+    reflects its weaker fusion.) The pipeline and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
     compute = report.flops / (peak * hw.matmul_efficiency)
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
@@ -31,8 +32,7 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> 
             model_s += seconds
         else:
             data_s += seconds
-    bubble = published_bubble(layout.pipeline.schedule, report.mesh.get("stage", 1), layout.microbatches,
-                              layout.pipeline.chunks)
+    bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
     exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
     step = max(compute, memory) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
@@ -40,3 +40,15 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> 
     return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
             "exposed_comm_s": exposed, "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
             "mfu": model_flops / (peak * step)}
+
+
+def pipeline_bubble(config, pipeline, p: int, m: int) -> float:
+    """The share of a pipelined step above the mean device's work: 1 - ideal / cost of the
+    lockstep ticks (jaxpar.pipeline.lockstep) for the split `pipeline` gives; 0 without stages."""
+    if p == 1:
+        return 0.0
+    model, seq_len = config.model, config.train.seq_len
+    split = stage_split(model, pipeline, p, seq_len)
+    cost, ideal = lockstep_cost(pipeline.schedule, p, m, pipeline.chunks, split.whole_model(leading_layers(model)),
+                                0.0, head_layers(model, seq_len))
+    return 1 - ideal / cost

@@ -131,6 +131,7 @@ class Layout:
     pipeline: PipelineConfig = PipelineConfig()
     compression: CompressionConfig = CompressionConfig()
     microbatches: int = 1
+    two_batch_overlap: bool = False  # layers run on two halves of the rows (jaxpar.nn.scan_layers)
 
     @property
     def qgz_block(self) -> int:

@@ -42,6 +42,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         pipeline=parallel.pipeline,
         compression=parallel.compression,
         microbatches=config.train.microbatches,
+        two_batch_overlap=parallel.two_batch_overlap,
     )
 
 

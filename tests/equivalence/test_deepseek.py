@@ -55,6 +55,11 @@ LAYOUTS = {
     # DeepSeek-V3's own training layout in small: PP x EP x ZeRO-1 data, the prediction module on the last stage
     "1f1b_stage2_expert2_data2_zero1": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero.stage=1",
                                         "parallel.pipeline.schedule=1f1b", "train.microbatches=2"],
+    # each layer on two halves of the rows (one half's all-to-alls beside the other's compute),
+    # in DeepSeek's PP x EP x ZeRO-1 layout and without stages
+    "two_batch_1f1b_stage2_expert2_data2": ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "parallel.zero.stage=1",
+                                            "train.microbatches=2", "parallel.two_batch_overlap=true"],
+    "two_batch_expert4_data2": ["mesh.expert=4", "mesh.data=2", "parallel.two_batch_overlap=true"],
     # the prediction module's shifted tokens cross the context shards
     "zero3_fsdp2_expert2_ring2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "parallel.zero.stage=3"],
 }

@@ -14,8 +14,10 @@ from jaxpar.config import apply_overrides
 from jaxpar.inspect.report import Memory, StepReport
 from jaxpar.plan import MODELS, Hardware
 from jaxpar.plan.step_time import roofline
-from jaxpar.plan.layouts import Layout, candidates, estimate
+from jaxpar.plan.layouts import Layout, _stage_params, candidates, estimate
 from jaxpar.config import PipelineConfig
+from jaxpar.pipeline.lockstep import lockstep_cost
+from jaxpar.pipeline.split import head_layers
 
 
 def test_every_candidate_fills_the_devices_and_keeps_model_parallelism_in_a_host():
@@ -25,7 +27,8 @@ def test_every_candidate_fills_the_devices_and_keeps_model_parallelism_in_a_host
     for lay in found:
         assert math.prod(lay.axes.values()) == 512
         assert lay.tensor * lay.context <= 8 and model.num_heads % lay.tensor == 0
-        assert model.num_layers % lay.stage == 0 and 512 % (lay.data * lay.fsdp * lay.microbatches) == 0
+        assert 512 % (lay.data * lay.fsdp * lay.microbatches) == 0
+        assert lay.stage == 1 or (len(lay.layers) == lay.stage and sum(lay.layers) == model.num_layers)
         assert math.prod(lay.host_split(8).values()) == 64  # the axes span exactly the 64 hosts
         assert lay.stage == 1 or lay.zero_stage <= 1  # what the pipeline accepts
     moe = candidates(MODELS["mixtral-8x7b"], 64, 8, 64, 4096)
@@ -49,6 +52,39 @@ def test_deepseek_v3_gets_its_own_kind_of_layout_on_2048_gpus():
     assert estimate(by64, model, 2048, 4096, nvl64)["step_s"] < estimate(by64, model, 2048, 4096, hw)["step_s"]
 
 
+def test_stages_need_not_divide_the_layers():
+    """DeepSeek-V3's 61 layers (58 in the stack) and Llama 3 405B's 126 over 16 stages: the
+    balanced split, listed in the overrides so that the printed plan trains as planned."""
+    deepseek, llama = MODELS["deepseek-v3"], MODELS["llama3-405b"]
+    found = [lay for lay in candidates(deepseek, 2048, 8, 2048, 4096) if lay.stage == 16]
+    assert any(lay.expert == 64 for lay in found)  # PP 16 x EP 64 (issue 55, deliverable 5)
+    for lay in found:
+        assert lay.layers == (3,) + (4,) * 14 + (2,) and "parallel.pipeline.layers=3,4*14,2" in lay.overrides(8, 256)
+    assert "layers=3,4*14,2" in found[0].describe()
+    found = [lay for lay in candidates(llama, 2048, 8, 2048, 4096) if lay.stage == 16]
+    assert found and "parallel.pipeline.layers=7,8*14,7" in found[0].overrides(8, 256)
+    # an even split needs no list: 63 + 63, or DeepSeek's 3 leading layers and 29 + 29
+    llama_even = next(lay for lay in candidates(llama, 512, 8, 512, 4096) if lay.stage == 2)
+    deepseek_even = dataclasses.replace(found[0], stage=2, layers=(32, 29), leading=3)
+    for lay in (llama_even, deepseek_even):
+        assert not any("pipeline.layers" in o for o in lay.overrides(8, 64)) and "layers=" not in lay.describe()
+    assert "parallel.pipeline.layers=31,30" in dataclasses.replace(deepseek_even, layers=(31, 30)).overrides(8, 64)
+
+
+def test_every_stage_holds_what_is_outside_the_stack():
+    """A stage's parameters: its stack rows, and the embedding, head, final norm and
+    DeepSeek's 3 dense layers whole (every stage holds them); the experts of its rows."""
+    model = MODELS["deepseek-v3"]
+    outside = model.param_count() - model.num_layers * model.moe_layer_param_count()
+    assert outside == pytest.approx(model.dense_param_count() + 2 * model.vocab_size * model.embed + model.embed)
+    params, routed = _stage_params(model, 4)
+    assert params == pytest.approx(outside + 4 * model.moe_layer_param_count())
+    assert routed == 4 * 3 * model.embed * model.mlp * model.num_experts
+    llama = MODELS["llama3-405b"]
+    layer, embedding = llama.attention_param_count() + 3 * llama.embed * llama.mlp + 2 * llama.embed, 2 * 128256 * 16384
+    assert _stage_params(llama, 8) == (pytest.approx(8 * layer + embedding + llama.embed), 0)
+
+
 def test_estimates_order_memory_as_zero_and_remat_promise():
     model, hw = MODELS["llama3-8b"], Hardware()
     base = Layout(stage=1, data=8, fsdp=1, tensor=8, context=1, expert=1, zero_stage=1, remat="none", microbatches=1)
@@ -68,8 +104,10 @@ def test_roofline_is_the_stated_arithmetic(tiny_llama):
                         platform="cpu")
     r = roofline(report, config, layout, hw, hbm_bytes=1e9)
     assert r["compute_s"] == pytest.approx(1e13 / 50e12) and r["memory_s"] == pytest.approx(1e-3)
-    assert r["bubble"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
-    assert r["step_s"] == pytest.approx(0.2 / 0.8)
+    # the lockstep ticks of 1F1B over 2 stages of a layer each, 4 microbatches, the head on the last
+    cost, ideal = lockstep_cost("1f1b", 2, 4, 1, (1, 1), 0.0, head_layers(config.model, config.train.seq_len))
+    assert r["bubble"] == pytest.approx(1 - ideal / cost) and 0.4 < r["bubble"] < 0.5
+    assert r["step_s"] == pytest.approx(0.2 * cost / ideal)
 
 
 def test_small_models_print_in_their_own_units():
