@@ -12,6 +12,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only lora          # LoRA adapters under a strategy of each axis
   python benchmarks/matrix.py --only kv1 --only gemma3_1b   # key/value heads fewer than mesh.tensor
   python benchmarks/matrix.py --only qwen3_moe_dense           # dense layers among the MoE ones
+  python benchmarks/matrix.py --only uneven --only two_batch    # stages of any size, the two-batch overlap
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -152,6 +153,12 @@ VARIANTS = {
                   "the cell's subject: Gemma 3 1B's 4 query heads and 1 key/value head, repeated at use over tensor"),
     "qwen3_moe_dense": ("qwen3_moe", ("model.mlp_only_layers=1,3", "model.dense_mlp=128"),
                         "the cell's subject: Qwen3-MoE's dense layers (mlp_only_layers) among its MoE ones"),
+    "uneven": ("llama", ("model.num_layers=5", "parallel.pipeline.balance=balanced"),
+               "the cell's subject: 5 layers over the stages, split unevenly by parallel.pipeline.balance=balanced"),
+    "deepseek_uneven": ("deepseek", ("parallel.pipeline.layers=1,2",),
+                        "the cell's subject: the dense layer alone on the first stage, both MoE ones on the second"),
+    "two_batch": ("deepseek", ("parallel.two_batch_overlap=true",),
+                  "the cell's subject: each layer on two halves of the rows (one's all-to-alls beside the other's compute)"),
 }
 KV1_CELLS = (("data", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp"), ("ring", "tensor+sp"), ("ulysses", "tensor"),
              ("allgather", "tensor"), ("1f1b", "tensor"), ("interleaved", "tensor+sp"), ("zb-h1", "tensor"),
@@ -160,6 +167,12 @@ GEMMA3_1B_CELLS = (("data", "tensor"), ("ring", "tensor+sp"), ("ulysses", "tenso
                    ("gpipe", "tensor"))
 # Qwen3-MoE with dense layers 1 and 3 among its MoE ones (models/moe.py's layer runs) beside expert;
 # a pipeline is refused in one line (a dense layer after an MoE one cannot be cut into stages).
+# Stages of different sizes (jaxpar.pipeline.split) under every schedule, the llama recipe's and
+# DeepSeek's (its dense layer on the first stage); the two-batch overlap beside expert.
+UNEVEN_CELLS = (("gpipe", "fsdp"), ("1f1b", "tensor+sp"), ("interleaved", "tensor"), ("zb-h1", "data"),
+                ("1f1b", "fsdp", "tensor+sp"))
+DEEPSEEK_UNEVEN_CELLS = (("1f1b", "data", "expert"), ("zb-h1", "expert"), ("gpipe", "expert", "tensor"))
+TWO_BATCH_CELLS = (("data", "expert"), ("1f1b", "data", "expert"), ("fsdp", "expert", "tensor"), ("expert", "tensor+sp"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -227,7 +240,9 @@ class Cell:
 
     @property
     def reference_key(self) -> tuple[str, tuple[str, ...]]:
-        return self.recipe, tuple(o for o, _ in self.adapted)
+        """The reference's recipe and overrides: the adapted ones but layouts' (parallel.*),
+        which a single device runs without (a variant's pipeline split, its two-batch overlap)."""
+        return self.recipe, tuple(o for o, _ in self.adapted if not o.startswith("parallel."))
 
 
 def cells() -> list[Cell]:
@@ -252,6 +267,9 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "kv1") for combo in KV1_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "gemma3_1b") for combo in GEMMA3_1B_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "qwen3_moe_dense") for combo in QWEN3_MOE_DENSE_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "uneven") for combo in UNEVEN_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "deepseek_uneven") for combo in DEEPSEEK_UNEVEN_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "two_batch") for combo in TWO_BATCH_CELLS]
     return out
 
 

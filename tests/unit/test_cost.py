@@ -110,3 +110,57 @@ def test_explain_prints_the_prediction_with_its_costliest_kernels():
     assert lines[0].startswith(f"predicted step on this GPU: {cost.seconds * 1e3:.1f} ms (attention ")
     assert "3 kernels" not in lines[0] and "9 kernels" in lines[0]  # 4 + 4 runs in the loop, 1 outside
     assert lines[2].split()[:2] == ["a", "attention"]  # the costliest first
+
+
+# Two all-to-alls in flight one after the other, a copy (a memory-bound kernel) between them:
+# the first is started before the copy, the second after it, both done at the end.
+SCHEDULED = """HloModule s, is_scheduled=true
+
+ENTRY %main (a: bf16[1024,1024], b: bf16[1024,1024], c: f32[1024,1024]) -> (bf16[1024,1024], bf16[1024,1024], f32[1024,1024]) {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %b = bf16[1024,1024]{1,0} parameter(1)
+  %c = f32[1024,1024]{1,0} parameter(2)
+  %s1 = ((bf16[1024,1024]{1,0}), bf16[1024,1024]{1,0}) all-to-all-start(%a), replica_groups={{0,1}}, dimensions={0}
+  %m = f32[1024,1024]{1,0} copy(%c)
+  %s2 = ((bf16[1024,1024]{1,0}), bf16[1024,1024]{1,0}) all-to-all-start(%b), replica_groups={{0,1}}, dimensions={0}
+  %d1 = bf16[1024,1024]{1,0} all-to-all-done(%s1)
+  %d2 = bf16[1024,1024]{1,0} all-to-all-done(%s2)
+  ROOT %r = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, f32[1024,1024]{1,0}) tuple(%d1, %d2, %m)
+}
+"""
+
+
+def test_compute_between_start_and_done_covers_the_transfers_in_flight_first_started_first():
+    """The copy moves 8 MiB at 1 TB/s (8.4 us + 1 us launch); each all-to-all sends 1 MiB of
+    its 2 MiB to the other device at 0.1 TB/s (10.5 us). The copy runs while only the first
+    is in flight: it covers 9.4 us of it; the second, started after, none."""
+    from jaxpar.inspect.cost import collective_covers, covered_share, exposed_collective_seconds
+    from jaxpar.inspect.hlo import Collective
+
+    gpu = GpuCost(bf16_tflops=1.0, hbm_gb_per_s=1000.0, hbm_efficiency=1.0, launch_s=1e-6, link_gb_per_s=100.0)
+    colls = [Collective(kind="all-to-all", name=n, computation="main", dtype="bf16", buffer_bytes=2 * 2**20,
+                        group_size=2, groups=((0, 1),), axes=("expert",), trip_count=2.0, trip_count_known=True,
+                        link_bytes=2**20, is_async=True, overlapped=True, crosses_hosts=False) for n in ("s1", "s2")]
+    first, second = collective_covers(SCHEDULED, colls, gpu)
+    transfer = 2**20 / 100e9
+    copy = 2 * 4 * 2**20 / 1e12 + 1e-6
+    assert first.transfer_s == pytest.approx(transfer) and first.covered_s == pytest.approx(copy)
+    assert second.covered_s == 0.0
+    assert exposed_collective_seconds([first, second]) == pytest.approx(2 * (2 * transfer - copy))
+    assert covered_share([first, second])["share"] == pytest.approx(copy / (2 * transfer))
+
+
+def test_an_all_to_all_across_hosts_sends_only_its_other_hosts_share_over_the_nic():
+    """Four ranks on two hosts: 2 of a rank's 3 peers are away, their 2/3 of the bytes over the
+    NIC while the third goes over NVLink; other collectives crossing hosts run at the NIC's rate."""
+    from jaxpar.inspect.cost import transfer_seconds
+    from jaxpar.inspect.hlo import Collective
+
+    gpu = GpuCost(link_gb_per_s=400.0, inter_host_gb_per_s=50.0)
+    a2a = Collective(kind="all-to-all", name="a", computation="main", dtype="bf16", buffer_bytes=4 * 2**20, group_size=4,
+                     groups=((0, 1, 2, 3),), axes=("expert",), trip_count=1.0, trip_count_known=True,
+                     link_bytes=3 * 2**20, is_async=True, overlapped=True, crosses_hosts=True)
+    assert transfer_seconds(a2a, gpu, [0, 0, 1, 1]) == pytest.approx(2 * 2**20 / 50e9)
+    assert transfer_seconds(a2a, gpu) == pytest.approx(3 * 2**20 / 50e9)  # no host map: all over the NIC
+    reduce = Collective(**{**a2a.__dict__, "kind": "all-reduce"})
+    assert transfer_seconds(reduce, gpu, [0, 0, 1, 1]) == pytest.approx(3 * 2**20 / 50e9)
