@@ -134,9 +134,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
     ValueError naming the bad piece."""
     counts: list[int] = []
     for piece in text.replace(" ", "").split(","):
-        count, _, times = piece.partition("*")
-        if not count.isdigit() or (times and not times.isdigit()):
-            raise ValueError(f"{piece!r} is not a count N or N*K (K stages of N layers)")
+        count, star, times = piece.partition("*")
+        if not count.isdigit() or star and (not times.isdigit() or int(times) == 0):
+            raise ValueError(f"{piece!r} is not a count N or N*K (K >= 1 stages of N layers)")
         counts += [int(count)] * (int(times) if times else 1)
     return tuple(counts)
 

@@ -21,7 +21,7 @@ def test_layer_lists_round_trip_and_name_the_bad_piece():
     for counts in [(1,), (2, 2), (0, 1, 1, 0), (5, 4, 4, 3, 3, 3)]:
         assert parse_layers(compact(counts)) == counts
     for bad, piece in [("4,x", "'x'"), ("*3", "'*3'"), ("-1,2", "'-1'"), ("4*2*2", "'4*2*2'"),
-                       ("", "''"), ("1,,2", "''")]:
+                       ("", "''"), ("1,,2", "''"), ("4*", "'4*'"), ("4*0", "'4*0'")]:
         with pytest.raises(ValueError, match=re.escape(piece)):
             parse_layers(bad)
 
