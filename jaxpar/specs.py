@@ -168,7 +168,6 @@ RENAMED_KEYS = {
     "parallel.attention_kernel": "parallel.context.kernel",
     "parallel.pipeline_schedule": "parallel.pipeline.schedule",
     "parallel.pipeline_chunks": "parallel.pipeline.chunks",
-    "parallel.pipeline_layers": "parallel.pipeline.layers",
     "parallel.storage_rules": "parallel.rules.storage",
     "parallel.compute_rules": "parallel.rules.compute",
     "parallel.on_replicated": "parallel.rules.on_replicated",

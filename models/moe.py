@@ -162,6 +162,11 @@ class MoEConfig(LlamaConfig):
         n = len(self.dense_layer_ids())
         return n * (self.attention_param_count() + 3 * self.embed * self.dense_mlp + 2 * self.embed) if n else 0
 
+    def layer_param_count(self) -> int:
+        """One layer of the stack: an MoE layer (the dense ones and the prediction module rest
+        outside it)."""
+        return self.moe_layer_param_count()
+
     def moe_layer_param_count(self, active: bool = False) -> int:
         """One MoE layer: attention, the router, the experts (k of them when `active`) and
         the shared ones, two norms."""

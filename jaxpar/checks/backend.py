@@ -48,13 +48,21 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
         return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
     # the heads it runs: queries' and values' padded to one size (jaxpar.sharding.attend.fused_attention)
     head = max(model.head_dim, declared(model, "v_head_dim"))
-    hopper = device is not None and float(getattr(device, "compute_capability", 0) or 0) >= 9.0
+    # JAX allows 256 only when its default backend is a Hopper GPU it can see: a deviceless
+    # compile for H100s (jaxpar.deviceless) runs on the CPU backend, so 128 there.
+    hopper = device is not None and float(getattr(device, "compute_capability", 0) or 0) >= 9.0 and _runs_on_gpu()
     largest = 256 if hopper else 128
     if head % 8 or head > largest:
         return (f"model.head_dim={model.head_dim}" + (f" (values {head})" if head != model.head_dim else "")
                 + f": cuDNN attention takes head dims that are multiples of 8 up to {largest}"
                 + ("" if hopper else " (256 on a Hopper GPU, which parallel.attention=auto uses it for)"))
     return None
+
+
+def _runs_on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 @rule(

@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from jaxpar.inspect.buffers import entry_name, running_computations
-from jaxpar.inspect.hlo import ARRAY, _done_of, callees, closing, dot_flops, executions, nbytes, parse, split_outside
+from jaxpar.inspect.hlo import ARRAY, callees, closing, done_of, dot_flops, executions, nbytes, parse, split_outside
 
 # Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
 # and the second half of an async pair (its start is counted).
@@ -179,7 +179,7 @@ def collective_covers(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: S
         for ins in instrs:
             c = by_start.get((comp, ins.name))
             if c is not None:
-                done = _done_of(ins, finishers) if c.is_async else None
+                done = done_of(ins, finishers) if c.is_async else None
                 if done is not None:
                     waiting[done.name] = c
                     left[id(c)] = transfer[id(c)]

@@ -120,7 +120,7 @@ def collectives(
             if (found := _collective_at(ins, comps)) is None:
                 continue
             kind, spec, is_async = found
-            done = _done_of(ins, finishers) if is_async else None
+            done = done_of(ins, finishers) if is_async else None
             result = (done or spec).shape  # a start's own shape also holds its operands
             groups = _groups(kind, spec.attrs, num_devices)
             n = max(map(len, groups), default=1)
@@ -446,7 +446,7 @@ def _op_name(attrs: str) -> str:
     return found.group(1) if found else ""
 
 
-def _done_of(start: _Instr, finishers: dict[str, _Instr]) -> _Instr | None:
+def done_of(start: _Instr, finishers: dict[str, _Instr]) -> _Instr | None:
     """The *-done that completes `start`, following any *-update in between."""
     nxt = finishers.get(start.name)
     while nxt is not None and nxt.opcode.endswith("-update"):

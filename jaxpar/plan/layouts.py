@@ -11,6 +11,7 @@ from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import balanced, compact, head_layers, leading_layers
 from jaxpar.plan.presets import Hardware
+from jaxpar.xla_options import layer_params
 
 REMATS = ("full", "none")
 
@@ -187,10 +188,9 @@ def _stage_params(model, rows: int) -> tuple[float, float]:
     """(a stage's parameters, the routed experts' among them): `rows` layers of the stack, and
     all that is outside it (embedding, head, final norm, DeepSeek's dense layers and
     prediction module), which every stage holds whole."""
-    moe_layer = getattr(model, "moe_layer_param_count", None)
-    each = moe_layer() if moe_layer else (model.param_count(include_embedding=False) - model.embed) / model.num_layers
+    each = layer_params(model)
     experts = declared(model, "num_experts")
-    routed = 3 * model.embed * model.mlp * experts * (rows + getattr(model, "mtp_layers", 0))  # also over expert
+    routed = 3 * model.embed * model.mlp * experts * (rows + declared(model, "mtp_layers"))  # also over expert
     return model.param_count() - each * (model.num_layers - rows), routed
 
 

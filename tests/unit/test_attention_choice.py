@@ -69,12 +69,22 @@ def device(platform="gpu", capability="9.0", version="cuda 12080"):
         (["parallel.attention=flash"], device(), "flash"),
     ],
 )
-def test_auto_picks_cudnn_where_it_applies(tiny_llama, overrides, where, want):
+def test_auto_picks_cudnn_where_it_applies(tiny_llama, overrides, where, want, monkeypatch):
+    monkeypatch.setattr("jaxpar.checks.backend._runs_on_gpu", lambda: True)  # as in a process on that GPU
     config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16"] + overrides)
     assert _attention(config, where) == want
     assert _attention(config, where, context=2) == "reference"  # context-parallel kernels run instead
     if want == "cudnn":  # cuDNN's custom partitioning fails inside the pipeline's shard_map
         assert _attention(config, where, stage=2) == "flash"
+
+
+def test_a_deviceless_compile_keeps_cudnn_to_the_head_dims_jax_allows_it(tiny_llama):
+    """Compiling for H100s from the CPU backend (jaxpar.deviceless), JAX's own check sees no
+    Hopper and allows cuDNN heads up to 128 only: auto picks flash for DeepSeek's 192, rather
+    than an attention JAX refuses at trace time."""
+    config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16", "model.head_dim=192"])
+    assert _attention(config, device()) == "flash"
+    assert _attention(apply_overrides(config, ["model.head_dim=128"]), device()) == "cudnn"
 
 
 def test_cudnn_is_refused_off_gpus_before_compile(tiny_llama):
