@@ -39,7 +39,9 @@ async def finalize_or_stop(self, *args, **kwargs):
     if name == KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
     if HOLD_FILE and name == held.get("step"):
-        pathlib.Path(HOLD_FILE).write_text(name)
+        written = pathlib.Path(HOLD_FILE + ".writing")  # renamed whole: the test never reads it half-written
+        written.write_text(name)
+        written.rename(HOLD_FILE)
         await asyncio.sleep(3600)  # this save never commits; the process ends first
     return await commit(self, *args, **kwargs)
 
