@@ -137,14 +137,16 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float, command
              f"{'#':>2s}  {'layout':58s} {'memory':>10s} {'fits':>4s} {'compute':>8s} {'comm*':>8s} {'bubble':>6s} "
              f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
     budget = facts["budget_bytes"]
+    width = max([58, *(len(p.layout.describe()) for p in planned)])  # uneven stages add their layers=
+    lines[-1] = lines[-1].replace(f"{'layout':58s}", f"{'layout':{width}s}")
     for i, p in enumerate(planned, 1):
         if p.refused or p.failed:
             why = f"refused: {p.refused}" if p.refused else f"failed: {p.failed}"
-            lines.append(f"{i:2d}  {p.layout.describe():58s} {why}")
+            lines.append(f"{i:2d}  {p.layout.describe():{width}s} {why}")
             continue
         r = p.prediction
         lines.append(
-            f"{i:2d}  {p.layout.describe():58s} {byte_size(p.memory):>10s} {'yes' if p.memory <= budget else 'no':>4s} "
+            f"{i:2d}  {p.layout.describe():{width}s} {byte_size(p.memory):>10s} {'yes' if p.memory <= budget else 'no':>4s} "
             f"{duration(r['compute_s']):>8s} {duration(r['exposed_comm_s']):>8s} {r['bubble']:6.1%} {duration(r['step_s']):>8s} "
             f"{r['tokens_per_s_per_device']:9,.0f} {r['mfu']:6.1%}"
         )
@@ -152,7 +154,7 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float, command
     if how:  # --target: compiled for the GPUs themselves
         lines += ["", "memory: compiled per device for the GPU (arguments + outputs + temporaries - donated); step: "
                   "each kernel of the compiled program at max(FLOPs / rate, bytes / bandwidth), loops by their trips, "
-                  "+ comm* (collectives not overlapped), jaxpar.inspect.cost; compute: its GEMMs and attention"]
+                  "+ comm* (what of each collective no compute between its start and done covers), jaxpar.inspect.cost; compute: its GEMMs and attention"]
     else:
         lines += ["", "memory: compiled per device (arguments + outputs + temporaries - donated, on the CPU backend); "
                   "comm*: collective time not hidden by overlap; step: max(compute, HBM) / (1 - bubble) + comm*"]
