@@ -10,7 +10,7 @@ from jaxpar.config import PipelineConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
 from jaxpar.model import STAGES, lacks, supports
-from jaxpar.pipeline.split import balanced, compact, head_layers, leading_layers, parse_layers
+from jaxpar.pipeline.split import balanced_layers, compact, leading_layers, parse_layers
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -204,10 +204,8 @@ def _listed(config, sizes) -> tuple[int, ...] | None:
 
 def _suggest(config, sizes) -> tuple[int, ...] | None:
     """The balanced whole-model counts (None: too few layers to fill the stages)."""
-    model, p, v = config.model, sizes["stage"], config.parallel.pipeline.chunks
-    leading = leading_layers(model)
     try:
-        return balanced(model.num_layers + leading, p * v, leading, head_layers(model, config.train.seq_len))
+        return balanced_layers(config.model, sizes["stage"] * config.parallel.pipeline.chunks, config.train.seq_len)
     except ValueError:
         return None
 

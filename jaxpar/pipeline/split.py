@@ -199,6 +199,14 @@ def balanced(total: int, stages: int, leading: int = 0, last_extra: float = 0.0)
     return (first, *middle, last)
 
 
+def balanced_layers(model, stages: int, seq_len: int) -> tuple[int, ...]:
+    """`balanced`'s whole-model counts of `model` over `stages` virtual stages: its leading
+    layers on the first, its head and loss counted on the last. Raises ValueError where the
+    layers cannot fill them."""
+    leading = leading_layers(model)
+    return balanced(model.num_layers + leading, stages, leading, head_layers(model, seq_len))
+
+
 def stage_split(model, pipeline, p: int, seq_len: int) -> StageSplit:
     """The split `pipeline` (a jaxpar.specs.PipelineConfig) asks for of `model`'s stack over p
     stages: its `layers` list, else `balance`'s rule (even: today's equal chunks). Assumes
@@ -207,7 +215,7 @@ def stage_split(model, pipeline, p: int, seq_len: int) -> StageSplit:
     if pipeline.layers:
         whole = parse_layers(pipeline.layers)
     elif pipeline.balance == "balanced":
-        whole = balanced(model.num_layers + leading, p * v, leading, head_layers(model, seq_len))
+        whole = balanced_layers(model, p * v, seq_len)
     else:
         return StageSplit(p, v, (model.num_layers // (p * v),) * (p * v))
     return StageSplit(p, v, (whole[0] - leading, *whole[1:]))

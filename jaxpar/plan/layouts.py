@@ -9,7 +9,7 @@ import math
 from jaxpar.inspect import formulas
 from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
-from jaxpar.pipeline.split import balanced, compact, head_layers, leading_layers
+from jaxpar.pipeline.split import balanced_layers, compact, head_layers, leading_layers
 from jaxpar.plan.presets import Hardware
 from jaxpar.xla_options import layer_params
 
@@ -27,7 +27,7 @@ class Layout:
     zero_stage: int
     remat: str
     microbatches: int
-    layers: tuple[int, ...] = ()  # whole-model layers per stage (stage > 1; () : stage_layers' rule)
+    layers: tuple[int, ...] = ()  # whole-model layers per stage (stage > 1; () : balanced_layers' rule)
     leading: int = 0  # of layers[0], the model's leading ones (DeepSeek's dense layers)
 
     @property
@@ -71,24 +71,17 @@ class Layout:
         return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{layers}"
 
 
-def stage_layers(model, stage: int, seq_len: int) -> tuple[int, ...]:
-    """Whole-model layers per stage (one chunk each): the balanced rule (jaxpar.pipeline.split),
-    the head and loss counted on the last stage. Raises ValueError where they cannot fill them."""
-    leading = leading_layers(model)
-    return balanced(model.num_layers + leading, stage, leading, head_layers(model, seq_len))
-
-
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
     """Every layout the framework can run for `model` on `devices`: tensor and context
     inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
     EP 64 spans 8 hosts); up to 16 stages, each holding the balanced rule's layers
-    (`stage_layers`; experts split inside them); fsdp x data filling the rest; ZeRO over
+    (jaxpar.pipeline.split.balanced_layers; experts split inside them); fsdp x data filling the rest; ZeRO over
     data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
     heads: they are repeated at use (jaxpar.step.layout.kv_repeats)."""
     heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
     leading = leading_layers(model)
-    splits = {p: _or_none(stage_layers, model, p, seq_len) for p in _divisors(devices)
+    splits = {p: _or_none(balanced_layers, model, p, seq_len) for p in _divisors(devices)
               if 1 < p <= min(16, model.num_layers + leading)}
     out = []
     for tensor in _divisors(devices_per_host):
@@ -131,7 +124,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     bytes over their links, less what overlaps, the compute stretched by the pipeline's
     lockstep ticks (jaxpar.pipeline.lockstep). The busiest stage's layers count for memory."""
     L, leading = layout, leading_layers(model)
-    counts = (L.layers or stage_layers(model, L.stage, seq_len)) if L.stage > 1 else (model.num_layers + leading,)
+    counts = (L.layers or balanced_layers(model, L.stage, seq_len)) if L.stage > 1 else (model.num_layers + leading,)
     rows = max((counts[0] - leading, *counts[1:]))  # the stack's rows a stage holds (each padded to the widest)
     psi_local, routed = _stage_params(model, rows)
     experts = declared(model, "num_experts")
