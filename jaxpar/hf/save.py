@@ -8,7 +8,6 @@ export cut short leaves nothing half-written behind.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pathlib
@@ -39,7 +38,7 @@ from jaxpar.hf.safetensors import (
 )
 from jaxpar.hf.weights import Weight
 from jaxpar.pipeline.split import StageSplit
-from jaxpar.pipeline.stages import relaid_layers, to_model_layout
+from jaxpar.pipeline.stages import layers_mover
 from jaxpar.sharding.adapters import join, merge_adapters
 from jaxpar.sharding.annotate import Layout
 
@@ -165,12 +164,8 @@ def planned_tensors(master: Any, weights: dict[str, Weight], dtype: np.dtype, la
     """Every Hugging Face tensor of `weights`, each with a function gathering its slab of
     `master` (a tree of float32 weights as `layout` lays them out; `split`: its stages'
     layers) to the hosts."""
-    shardings = jax.tree.map(lambda x: x.sharding, master)
-    if split is not None and not split.even:  # stages of several sizes: unpadded, in model order
-        master = jax.jit(functools.partial(to_model_layout, shardings=shardings, split=split))(master)
-    elif split is not None and split.v > 1:  # interleaved: layers back in model order, stages swapping chunks
-        relaid = functools.partial(relaid_layers, shardings=shardings, p=split.p, v=split.v, to="model")
-        master = jax.jit(relaid, out_shardings=shardings)(master)
+    move = layers_mover(jax.tree.map(lambda x: x.sharding, master), split, "model") if split else None
+    master = move(master) if move else master  # the layers in model order, unpadded
     leaves = {".".join(str(k.key) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(master)[0]}
     replicated = NamedSharding(layout.mesh, P())
     tensors = []

@@ -40,7 +40,7 @@ from jaxpar.config import Config
 from jaxpar.config_record import first_change, rebuild, record
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.pipeline.split import StageSplit
-from jaxpar.pipeline.stages import from_model_layout, relaid_layers, to_model_layout
+from jaxpar.pipeline.stages import layers_mover
 
 
 @dataclasses.dataclass
@@ -302,11 +302,10 @@ def reorder_layers(trainer, to: str):
     """The jitted move of a TrainState's stacked layers to model order (`to="model"`, before
     a save) or back to the stages' pipeline order (`to="pipeline"`, after a restore), in the
     state's own shardings (a checkpoint's state: LoRA's frozen weights None); None where the
-    orders coincide (equal stages of one chunk each). Chunks move between stages by collective
-    permutes (jaxpar.pipeline.stages.relaid_layers), so no stage's layers are gathered onto
-    another."""
+    orders coincide (equal stages of one chunk each). No stage's layers are gathered onto
+    another (jaxpar.pipeline.stages.layers_mover)."""
     split = trainer.stage_split
-    if split is None or split.even and split.v == 1:
+    if split is None:
         return None
     # a checkpoint's state: LoRA's frozen weights are not in it (jaxpar.loop.start.with_base)
     leaves, treedef = jax.tree.flatten(dataclasses.replace(trainer.state_shardings, frozen=None))
@@ -315,15 +314,8 @@ def reorder_layers(trainer, to: str):
 
 @functools.lru_cache(maxsize=16)  # one jitted function per layout: a save does not trace afresh
 def _reorder_layers(shardings: tuple, treedef, split: StageSplit, to: str):
-    """Stages of one size: chunks permuted between them; of several: the model order's own
-    layout (jaxpar.pipeline.stages.model_layout), the jit's output taking it from the body."""
-    out = jax.tree.unflatten(treedef, shardings)
-    if not split.even:
-        move = to_model_layout if to == "model" else from_model_layout
-        return jax.jit(functools.partial(move, shardings=out, split=split), out_shardings=out if to == "pipeline" else None)
-    donate = (0,) if to == "pipeline" else ()  # a restored state is ours to reuse; a saved one is still training
-    return jax.jit(functools.partial(relaid_layers, shardings=out, p=split.p, v=split.v, to=to), out_shardings=out,
-                   donate_argnums=donate)
+    # a restored state is ours to reuse (donated); a saved one is still training
+    return layers_mover(jax.tree.unflatten(treedef, shardings), split, to)
 
 
 def saved_config(directory: str | pathlib.Path, step: int | None = None) -> Config:

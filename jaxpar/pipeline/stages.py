@@ -250,6 +250,22 @@ def from_model_layout(tree: Any, shardings: Any, split: StageSplit) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, tree, shardings)
 
 
+def layers_mover(shardings: Any, split: StageSplit, to: str) -> Callable[[Any], Any] | None:
+    """The jitted move of a tree laid out by `shardings` (as it rests) to model order
+    (`to="model"`) or back (`to="pipeline"`); None where the two coincide (equal stages of
+    one chunk each). Stages of one size swap chunks point to point (`relaid_layers`); of
+    several, the model order has its own layout (`model_layout`), the jit's output taking it
+    from the body. Moved back, the tree is donated (it is the mover's to reuse)."""
+    if split.even and split.v == 1:
+        return None
+    if not split.even:
+        move = to_model_layout if to == "model" else from_model_layout
+        return jax.jit(functools.partial(move, shardings=shardings, split=split),
+                       out_shardings=shardings if to == "pipeline" else None)
+    return jax.jit(functools.partial(relaid_layers, shardings=shardings, p=split.p, v=split.v, to=to),
+                   out_shardings=shardings, donate_argnums=(0,) if to == "pipeline" else ())
+
+
 Score = Callable[[Callable[[Any], Any], Any, dict], tuple]  # (output, hidden, microbatch) -> (loss sum, weight)
 
 
