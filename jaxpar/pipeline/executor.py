@@ -183,10 +183,13 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     sizes = split.sizes if split is not None else (per_chunk,)
     offsets = jnp.asarray(split.offsets if split is not None else [vs * per_chunk for vs in range(p * v)], jnp.int32)
 
-    def make_branches(stages: Stages, size_class: int) -> list:
-        """The switch's branches of one size class over `stages` (bound to the tick's frozen
-        chunk, if any, cut to the class's layers): each runs the chunk's first
-        sizes[size_class] rows, the rest being padding (jaxpar.pipeline.split)."""
+    def make_branches(frozen_chunk: Any, size_class: int) -> list:
+        """The switch's branches of one size class: each runs the first sizes[size_class] rows
+        of the tick's chunk (and of its frozen chunk, if any), the rest being padding
+        (jaxpar.pipeline.split)."""
+        n, base = sizes[size_class], len(BRANCHES) * size_class
+        cut = (lambda c: c) if n == per_chunk else (lambda c: _chunk(c, 0, n))  # noqa: E731
+        stages = _with_frozen(all_stages, (cut(frozen_chunk), frozen_other))
         # Each branch: (input, gradient in, microbatch, chunk, other, accumulated) ->
         #   (output sent on, input gradient sent back, accumulated, loss, weight).
         # Gradients are added inside the branches that make them, so other ticks neither build
@@ -249,8 +252,6 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         # compiled program's accounting its branch shares), and XLA compiles the chunk's forward
         # and backward only as often as the schedule needs (1F1B over two stages runs 3 of the 10
         # ops: PP x ring x TP's step traced in 1.0 s, not 2.5, and compiled in 5.1 s, not 10.9).
-        n, base = sizes[size_class], len(BRANCHES) * size_class
-        cut = (lambda c: c) if n == per_chunk else (lambda c: _chunk(c, 0, n))  # noqa: E731
         sized = lambda fn: lambda x, g, mb, c, o, acc: fn(x, g, mb, cut(c), o, acc)  # noqa: E731
         return [sized(functions[name]) if base + i in used else idle for i, name in enumerate(BRANCHES)]
 
@@ -266,9 +267,7 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         acts, grads, d_layers, d_other, sums, per_layer, loss, weight = carry
         start = row["chunk"] * per_chunk
         chunk, frozen_chunk = _chunk(layers, start, per_chunk), _chunk(frozen_layers, start, per_chunk)
-        branches = [b for k, n in enumerate(sizes)
-                    for b in make_branches(_with_frozen(all_stages, (_chunk(frozen_chunk, 0, n) if n < per_chunk
-                                                                     else frozen_chunk, frozen_other)), k)]
+        branches = [b for k in range(len(sizes)) for b in make_branches(frozen_chunk, k)]
         mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
         mb = at_layer(mb, offsets[row["chunk"] * p + jax.lax.axis_index(STAGE)])  # chunk c is virtual stage c p + s
         x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
