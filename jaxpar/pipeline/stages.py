@@ -55,8 +55,11 @@ def _under_layers(tree: Any, fn, rows: int) -> Any:
 
 
 def _stacked_layers(path, x: Any, rows: int) -> bool:
-    stacked = getattr(x, "ndim", 0) >= 1 and x.shape[0] == rows
-    return stacked and any(getattr(k, "key", None) == LAYERS for k in path)
+    return getattr(x, "ndim", 0) >= 1 and x.shape[0] == rows and _in_layers(path)
+
+
+def _in_layers(path) -> bool:
+    return any(getattr(k, "key", None) == LAYERS for k in path)
 
 
 def stored_shapes(tree: Any, split: StageSplit) -> Any:
@@ -169,7 +172,7 @@ def relaid_layers(tree: Any, shardings: Any, p: int, v: int, to: str) -> Any:
     out = [x for _, x in leaves]
     moving = []  # (index, sharding) of the stacks sharded over `stage`, moved by one shard_map below
     for i, ((path, x), sharding) in enumerate(zip(leaves, placed)):
-        if not (getattr(x, "ndim", 0) and x.shape[0] % (p * v) == 0 and _stacked_layers(path, x, x.shape[0])):
+        if not (_in_layers(path) and getattr(x, "ndim", 0) and x.shape[0] % (p * v) == 0):  # equal chunks of a stack
             continue
         if tuple(sharding.spec)[:1] in ((STAGE,), ((STAGE,),)):
             moving.append((i, sharding))
