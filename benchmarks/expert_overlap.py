@@ -48,7 +48,7 @@ def cell(config, devices, by_costs: bool) -> dict:
     from jaxpar.inspect import inspect_step
     from jaxpar.train import build
 
-    report = inspect_step(build(config, devices))
+    report = inspect_step(build(config, devices), with_latency_profile=by_costs)
     if by_costs:
         with tempfile.NamedTemporaryFile("w", suffix=".pbtxt", delete=False) as f:
             f.write(report.latency_profile)

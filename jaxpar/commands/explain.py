@@ -67,7 +67,7 @@ def run(args) -> int:
     trainer = build(config, devices)
     if args.png and trainer.pipeline is None:
         raise ConfigError("--png draws the pipeline schedule, but mesh.stage=1; set mesh.stage>1")
-    report = inspect_step(trainer)
+    report = inspect_step(trainer, with_latency_profile=bool(args.cost_profile))
     if args.cost_profile:
         trainer, report = _scheduled_by_costs(config, devices, report, args.cost_profile)
     doc = explain_step(trainer, report)

@@ -121,8 +121,9 @@ class StepReport:
         }
 
 
-def inspect_step(trainer) -> StepReport:
-    """Compile `trainer.step` ahead of time and account for it."""
+def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
+    """Compile `trainer.step` ahead of time and account for it; `with_latency_profile`: also
+    write its costs as XLA's latency profile (a program compiled for a GPU it knows)."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
     t0 = time.perf_counter()
     with compiler_warnings() as log:  # a real compile: its warnings, its time
@@ -163,6 +164,7 @@ def inspect_step(trainer) -> StepReport:
     (flops, _), *stage_flops = matmul_flops_each(text, each)
     host_of = host_of_positions(mesh, num_hosts)
     colls = collectives(text, mesh, host_of, shares)
+    gpu = gpu_cost(mesh.devices.flat[0])
     return StepReport(
         mesh=dict(mesh.shape),
         num_hosts=num_hosts,
@@ -175,20 +177,20 @@ def inspect_step(trainer) -> StepReport:
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
         predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of),
-        latency_profile=gpu_latency_profile(text, colls, mesh.devices.flat[0], host_of),
+        latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
     )
 
 
-def gpu_latency_profile(hlo_text: str, colls: list[Collective], device, host_of: list[int]) -> str | None:
-    gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
-    return None if gpu is None else latency_profile(hlo_text, colls, gpu, host_of)
+def gpu_cost(device) -> GpuCost | None:
+    """The cost model's constants for a GPU it knows, None for any other device."""
+    return GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
 
 
 def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list[int] | None = None) -> dict | None:
     """The step's time by jaxpar.inspect.cost, for a program compiled for a GPU it knows:
     its kernels, plus what of each collective no compute in its window covers; and the
     expert all-to-alls' cover, collective by collective."""
-    gpu = GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
+    gpu = gpu_cost(device)
     if gpu is None:
         return None
     covers = collective_covers(hlo_text, colls, gpu, host_of)
