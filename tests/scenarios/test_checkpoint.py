@@ -170,23 +170,11 @@ def test_interleaved_pipeline_checkpoints_in_model_order(tiny_llama, tmp_path):
     deep = apply_overrides(tiny_llama, ["model.num_layers=6", "train.microbatches=2"])
     interleaved = ["parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=3"]
     piped = build(apply_overrides(deep, ["mesh.stage=2", "mesh.data=4", *interleaved]))
-
-    def distinct(x):
-        return x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size if x.dtype == jnp.float32 else x
-
-    state = jax.jit(lambda s: jax.tree.map(distinct, s), out_shardings=piped.state_shardings)(piped.init())
-    saver = Checkpoints.open(tmp_path)
-    saver.save(piped, state, 1)
-    saver.close()  # the save written out
-    want = piped.model_order(_host(state))  # the plain reorder, on the host
+    want = _save_distinct(piped, tmp_path)
     others = [(["mesh.data=8"], 8),
               (["mesh.stage=3", "mesh.data=2", "train.global_batch=24", "train.microbatches=3",
                 "parallel.pipeline.schedule=interleaved", "parallel.pipeline.chunks=2"], 6)]
-    for trainer in [piped] + [build(apply_overrides(deep, sets), jax.devices()[:n]) for sets, n in others]:
-        got, step = Checkpoints.open(tmp_path).restore(trainer)
-        assert step == 1
-        jax.tree.map(np.testing.assert_array_equal, trainer.model_order(_host(got)), want)
-        assert [a.sharding for a in jax.tree.leaves(got)] == jax.tree.leaves(trainer.state_shardings)
+    _restores_alike(tmp_path, want, [piped] + [build(apply_overrides(deep, sets), jax.devices()[:n]) for sets, n in others])
 
 
 def test_uneven_stages_checkpoint_unpadded_in_model_order(tiny_llama, tmp_path):
@@ -201,21 +189,13 @@ def test_uneven_stages_checkpoint_unpadded_in_model_order(tiny_llama, tmp_path):
     deep = apply_overrides(tiny_llama, ["model.num_layers=6", "train.microbatches=2"])
     piped = build(apply_overrides(deep, ["mesh.stage=2", "mesh.fsdp=2", "mesh.data=2", "parallel.pipeline.layers=2,4"]))
     assert jax.tree.leaves(piped.abstract_state().params["layers"])[0].shape[0] == 8  # 2 stages x 4 rows
-    state = jax.jit(lambda s: jax.tree.map(_distinct, s), out_shardings=piped.state_shardings)(piped.init())
-    saver = Checkpoints.open(tmp_path)
-    saver.save(piped, state, 1)
-    saver.close()
-    want = piped.model_order(_host(state))
+    want = _save_distinct(piped, tmp_path)
     assert jax.tree.leaves(want.params["layers"])[0].shape[0] == 6
     others = [(["mesh.data=8"], 8), (["mesh.stage=4", "mesh.data=2", "parallel.pipeline.schedule=gpipe",
                "parallel.pipeline.layers=1,2,2,1"], 8),
               (["mesh.stage=2", "mesh.data=2", "train.microbatches=2", "parallel.pipeline.schedule=interleaved",
                 "parallel.pipeline.chunks=2", "parallel.pipeline.layers=1,2,2,1"], 4)]
-    for trainer in [piped] + [build(apply_overrides(deep, sets), jax.devices()[:n]) for sets, n in others]:
-        got, step = Checkpoints.open(tmp_path).restore(trainer)
-        assert step == 1
-        jax.tree.map(np.testing.assert_array_equal, trainer.model_order(_host(got)), want)
-        assert [a.sharding for a in jax.tree.leaves(got)] == jax.tree.leaves(trainer.state_shardings)
+    _restores_alike(tmp_path, want, [piped] + [build(apply_overrides(deep, sets), jax.devices()[:n]) for sets, n in others])
     with compiler_warnings() as log:
         saved = dataclasses.replace(piped.abstract_state(), frozen=None)
         texts = [reorder_layers(piped, "model").lower(saved).compile().as_text()]
@@ -224,8 +204,26 @@ def test_uneven_stages_checkpoint_unpadded_in_model_order(tiny_llama, tmp_path):
     assert not any("Involuntary full rematerialization" in line for line in log)
 
 
-def _distinct(x):
-    return x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size if x.dtype == jnp.float32 else x
+def _save_distinct(trainer, directory):
+    """Save `trainer`'s initial state as step 1, every float of it made distinct first (optimizer
+    moments too: a misplaced layer cannot pass unseen); the state in model order, on the host."""
+    def distinct(x):
+        return x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size if x.dtype == jnp.float32 else x
+
+    state = jax.jit(lambda s: jax.tree.map(distinct, s), out_shardings=trainer.state_shardings)(trainer.init())
+    saver = Checkpoints.open(directory)
+    saver.save(trainer, state, 1)
+    saver.close()  # the save written out
+    return trainer.model_order(_host(state))  # the plain reorder, on the host
+
+
+def _restores_alike(directory, want, trainers) -> None:
+    """Step 1 restored onto each trainer is `want` in its order, bitwise, in its shardings."""
+    for trainer in trainers:
+        got, step = Checkpoints.open(directory).restore(trainer)
+        assert step == 1
+        jax.tree.map(np.testing.assert_array_equal, trainer.model_order(_host(got)), want)
+        assert [a.sharding for a in jax.tree.leaves(got)] == jax.tree.leaves(trainer.state_shardings)
 
 
 def test_interleaved_checkpoints_move_no_whole_layer_stack():
