@@ -32,7 +32,7 @@ def lockstep_cost(name: str, p: int, m: int, v: int, counts: tuple[int, ...], fi
         raise ValueError(f"{len(counts)} layer counts for {p} x {v} virtual stages")
     timeline = build_schedule(name, p, m, v, unit=True)
     last = p * v - 1
-    split = any(op is not None and op.kind == "W" for row in timeline.grid for op in row)
+    split = timeline.split
     work = [c + (first_extra if vs == 0 else 0.0) + (last_extra if vs == last else 0.0) for vs, c in enumerate(counts)]
 
     def cost(op, s: int) -> float:

@@ -93,7 +93,7 @@ def program(timeline: Timeline, layers: StageSplit | None = None) -> Program:
     uneven = layers is not None and not layers.even
     size_class = layers.size_class if uneven else lambda vs: 0
     last = p * v - 1
-    split = any(op is not None and op.kind == "W" for row in timeline.grid for op in row)
+    split = timeline.split
     when: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
     for s, row in enumerate(timeline.grid):
         for t, op in enumerate(row):

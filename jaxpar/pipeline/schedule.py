@@ -54,6 +54,11 @@ class Timeline:
     def steps(self) -> int:
         return len(self.grid[0])
 
+    @property
+    def split(self) -> bool:
+        """The backward split into input gradient (B) and weight gradient (W) ops (zb-h1)."""
+        return any(op is not None and op.kind == "W" for row in self.grid for op in row)
+
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, unit: bool = False) -> Timeline:
     """The timeline of schedule `name`; `unit`: every op one time step (the executor's
@@ -171,7 +176,7 @@ def bubble_fraction(timeline: Timeline) -> float:
 def peak_in_flight(timeline: Timeline, device: int = 0) -> int:
     """Most microbatch chunks whose forward has started on `device` and whose backward
     (its weight gradient, where split) has not finished: the activations it holds at once."""
-    frees = "W" if any(op is not None and op.kind == "W" for row in timeline.grid for op in row) else "B"
+    frees = "W" if timeline.split else "B"
     live = peak = 0
     previous = None
     for op in timeline.grid[device]:
