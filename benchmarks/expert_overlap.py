@@ -86,11 +86,16 @@ def main() -> int:
         c = result["cover"]
         print(f"{name:<14}{c['transfer_s'] * 1e3:>9.2f} ms{c['covered_s'] * 1e3:>7.2f} ms{c['share']:>8.0%}"
               f"{result['step_s'] * 1e3:>7.1f} ms  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = pathlib.Path(args.out) if pathlib.Path(args.out).is_absolute() else ROOT / args.out
+    write_json(doc, args.out)
+    return 0
+
+
+def write_json(doc: dict, path: str) -> None:
+    """The results, at `path` (relative to the repository)."""
+    out = pathlib.Path(path) if pathlib.Path(path).is_absolute() else ROOT / path
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

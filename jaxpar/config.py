@@ -41,6 +41,12 @@ class TrainConfig:
     # gradients, each tensor scaled by its current amax (jaxpar.kernels.fp8); master
     # weights, optimizer state and everything else unchanged.
     matmul_dtype: MatmulDtype = "compute"
+    # FP8 experts (train.matmul_dtype=fp8, a model whose experts multiply through
+    # jaxpar.sharding.expert_matmul): each operand scaled in tiles of this many along the
+    # contraction, 1 x b for activations and b x b for weights (DeepSeek-V3's 128;
+    # jaxpar.kernels.experts.fp8). 0: one scale per row and column over the whole
+    # contraction, one GEMM a product, the form XLA runs fastest on Hopper.
+    fp8_expert_block: int = 128
     # The built-in language-model loss in this many groups of tokens, one group's logits
     # alive at a time (jaxpar.step.loss.chunked_cross_entropy_sum): the [tokens, vocab]
     # float32 logits and their gradient shrink by this factor. 1: all logits at once.

@@ -46,10 +46,9 @@ from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, LLAMA_FORMAT, RESIDUAL, TR
 from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
-from jaxpar.kernels.experts import grouped_matmul
 from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import param, scan_layers, stack_layers
-from jaxpar.sharding import compute_value, constrain, run_experts, top_k_indices
+from jaxpar.sharding import compute_value, constrain, expert_matmul, run_experts, top_k_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,15 +205,10 @@ def expert_ffn(weights, x, group_sizes=None, activation=jax.nn.silu):
     """The gated MLP (SwiGLU) of every expert: x [E, C, D] (one buffer per expert), or x [M, D]
     grouped by expert with `group_sizes` [E] (a ragged matmul; rows past the groups give zeros)."""
     w_gate, w_up, w_down = weights
-    if group_sizes is None:
-        gate = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_gate), "mlp_hidden")
-        up = checkpoint_name(jnp.einsum("ecd,edf->ecf", x, w_up), "mlp_hidden")
-        h = checkpoint_name(activation(gate) * up, "mlp_hidden")
-        return jnp.einsum("ecf,efd->ecd", h, w_down)
-    gate = checkpoint_name(grouped_matmul(x, w_gate, group_sizes), "mlp_hidden")
-    up = checkpoint_name(grouped_matmul(x, w_up, group_sizes), "mlp_hidden")
+    gate = checkpoint_name(expert_matmul(x, w_gate, group_sizes), "mlp_hidden")
+    up = checkpoint_name(expert_matmul(x, w_up, group_sizes), "mlp_hidden")
     h = checkpoint_name(activation(gate) * up, "mlp_hidden")
-    return grouped_matmul(h, w_down, group_sizes)
+    return expert_matmul(h, w_down, group_sizes)
 
 
 class MoE(nnx.Module):

@@ -40,6 +40,19 @@ def train_seed_and_peak(config, sizes) -> None:
 
 
 @rule(
+    "fp8-expert-block",
+    fields=["train.fp8_expert_block"],
+    summary="train.fp8_expert_block, the FP8 experts' scale tile along the contraction, is 0 (one scale per row "
+    "and column) or positive (DeepSeek-V3's 128).",
+    example=["train.fp8_expert_block=-1"],
+)
+def fp8_expert_block(config, sizes) -> None:
+    if config.train.fp8_expert_block < 0:
+        raise ConfigError(f"train.fp8_expert_block={config.train.fp8_expert_block} must be 0 (one scale per row and "
+                          "column over the whole contraction) or a positive tile, e.g. 128 (DeepSeek-V3's)")
+
+
+@rule(
     "profile-steps",
     fields=["train.profile_steps", "train.steps"],
     summary="train.profile_steps is empty or START:STOP with 0 <= START < STOP <= train.steps (it traces steps "

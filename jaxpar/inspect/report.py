@@ -24,7 +24,7 @@ from jaxpar.inspect.buffers import temporaries
 from jaxpar.inspect.cost import (GpuCost, collective_covers, covered_share, exposed_collective_seconds, latency_profile,
                                  step_cost)
 from jaxpar.inspect.findings import Finding, compiler_warnings, oversized_temporaries, parse_findings
-from jaxpar.inspect.hlo import Collective, collectives, matmul_flops_each, summarize
+from jaxpar.inspect.hlo import Collective, collectives, dot_types, matmul_flops_each, summarize
 from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
@@ -78,6 +78,9 @@ class StepReport:
     # and those costs as XLA's latency profile (jaxpar.inspect.cost.latency_profile)
     predicted: dict | None = None
     latency_profile: str | None = dataclasses.field(default=None, repr=False)
+    # The compiled step's matrix multiplies by operand types, {"f8e4m3fn x f8e4m3fn": 12, ...}
+    # (jaxpar.inspect.hlo.dot_types): whether FP8 reached the GEMMs
+    matmul_types: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_devices(self) -> int:
@@ -178,6 +181,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         stage_flops=tuple(f for f, _ in stage_flops),
         predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of),
         latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
+        matmul_types=dot_types(text),
     )
 
 

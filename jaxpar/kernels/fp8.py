@@ -37,9 +37,51 @@ GRADIENT = jnp.float8_e5m2
 def scale_of(x: jax.Array, dtype) -> jax.Array:
     """The float32 power of two by which x is divided to fill dtype's range: 2^ceil(log2(amax
     / max)). An all-zero tensor gets 1."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return _power_of_two(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
+
+
+def _power_of_two(amax: jax.Array, dtype) -> jax.Array:
+    """2^ceil(log2(amax / max)) from the exponent's bits (frexp), never from a logarithm:
+    XLA:CPU's log2 is not exact at powers of two in every fusion, and a ratio that is one
+    (a block quantized before, whose maximum is 1.75 x 2^k) then got twice its scale in
+    one program and not in another."""
     ratio = amax / float(jnp.finfo(dtype).max)
-    return jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(ratio))), 1.0).astype(jnp.float32)
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa x 2^exponent, mantissa in [0.5, 1)
+    power = jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    power = jnp.where(jnp.isfinite(ratio), power, ratio)  # a non-finite amax keeps the tensor non-finite
+    return jnp.where(amax > 0, power, 1.0).astype(jnp.float32)
+
+
+def quantize_blocks(x: jax.Array, blocks: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+    """(x in dtype, scales): x cut into blocks of `blocks` elements along each axis (each
+    dividing its axis: 1 gives every index its own scale, the axis's size one for all of
+    it), each block divided by its own power-of-two scale (`scale_of`'s rule). The scales
+    have one entry per block: shape [d // b for d, b in zip(x.shape, blocks)].
+
+    A power of two divides exactly, so quantizing a block's dequantized values again with
+    the same blocks gives back the same values: a payload quantized before an exchange
+    loses nothing more when the matmul that reads it quantizes it again."""
+    split = [n for d, b in zip(x.shape, blocks) for n in (d // b, b)]
+    within = tuple(range(1, 2 * x.ndim, 2))
+    xr = x.astype(jnp.float32).reshape(split)
+    scales = _power_of_two(jnp.max(jnp.abs(xr), axis=within), dtype)
+    limit = float(jnp.finfo(dtype).max)
+    q = jnp.clip(xr / jnp.expand_dims(scales, within), -limit, limit).astype(dtype)
+    return q.reshape(x.shape), scales
+
+
+def dequantize_blocks(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """`quantize_blocks` undone: each block times its scale, in dtype."""
+    blocks = [d // n for d, n in zip(q.shape, scales.shape)]
+    return (q.astype(jnp.float32) * expand_scales(scales, blocks)).astype(dtype)
+
+
+def expand_scales(scales: jax.Array, blocks) -> jax.Array:
+    """One scale an element: each block's scale repeated over its block."""
+    for axis, b in enumerate(blocks):
+        if b > 1:
+            scales = jnp.repeat(scales, b, axis=axis)
+    return scales
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -16,7 +16,7 @@ from jaxpar.sharding.annotate import (
 )
 from jaxpar.sharding.attend import attend, context_spec, sequence_degree
 from jaxpar.sharding.embedding import lookup
-from jaxpar.sharding.experts import run_experts, top_k_indices
+from jaxpar.sharding.experts import expert_matmul, run_experts, top_k_indices
 from jaxpar.sharding.projections import column_project, row_project
 from jaxpar.sharding.rules import Rules, default_rules, parse_table
 from jaxpar.sharding.sequence import ahead
@@ -35,6 +35,7 @@ __all__ = [
     "active_layout",
     "attend",
     "context_spec",
+    "expert_matmul",
     "compute_value",
     "constrain",
     "default_rules",

@@ -86,11 +86,14 @@ class Projections:
     collective  none | ring | bidirectional: the tensor-parallel projections' sequence
                 all-gather and reduce-scatter run as one shard_map collective matmul
                 (jaxpar.kernels.collective_matmul) whose ring steps overlap the matmuls
-    dtype       compute | fp8: the dtype they multiply in (train.matmul_dtype)
+    dtype       compute | fp8: the dtype they multiply in (train.matmul_dtype); the
+                experts' matmuls (`expert_matmul`) too
+    expert_block  FP8 experts' scale tile along the contraction (train.fp8_expert_block)
     """
 
     collective: str = "none"
     dtype: str = "compute"
+    expert_block: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Layout:
     parallel.attention with auto resolved.
     expert_exchange: ragged | padded, how dropless MoE routing moves rows
     (jaxpar.kernels.experts.exchange), parallel.expert_exchange with auto resolved.
+    expert_dispatch_dtype: compute | fp8, what the experts' dispatch moves (parallel.expert_dispatch_dtype).
     replica_axis: set inside the per-replica vmap (jaxpar.step.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     replica_sum: inside that vmap at ZeRO 2-3: every parameter's gradient is summed over the
@@ -122,6 +126,7 @@ class Layout:
     params: ParamGather = ParamGather()
     context: ContextConfig = ContextConfig()
     expert_exchange: str = "padded"
+    expert_dispatch_dtype: str = "compute"
     replica_axis: str | None = None
     replica_sum: ReplicaSum | None = None
     projections: Projections = Projections()

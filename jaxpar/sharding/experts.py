@@ -2,7 +2,8 @@
 expert-parallel mesh axes of the active layout (jaxpar.kernels.experts).
 
 Like `attend`, `run_experts` reads the layout entered around tracing, so a model names no
-mesh and holds no collective. Expert weights are named ("experts", ..., "expert_mlp", ...):
+mesh and holds no collective; `expert_matmul`, the experts' own matmuls, multiplies in the
+layout's dtype (FP8 with fine-grained scales under train.matmul_dtype=fp8). Expert weights are named ("experts", ..., "expert_mlp", ...):
 the "experts" compute rule gives the expert-parallel axes, "expert_mlp" the axes that split
 each expert's hidden layer (tensor parallelism inside the experts).
 """
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.kernels.experts import ExpertSpec, expert_parallel, local_experts
+from jaxpar.kernels.experts import ExpertSpec, expert_parallel, grouped_matmul, local_experts
+from jaxpar.kernels.experts.fp8 import expert_matmul as fp8_expert_matmul
 from jaxpar.sharding.annotate import active_layout, compute_value, logical_names, mesh_here
 
 TOKEN_NAMES = ("batch", "seq", "embed")
@@ -82,5 +84,19 @@ def run_experts(
         routing=routing,
         capacity_factor=capacity_factor,
         exchange=layout.expert_exchange,
+        dispatch_dtype=layout.expert_dispatch_dtype,
     )
     return expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, spec)
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None) -> jax.Array:
+    """An expert ffn's matmul: x [E, C, K] . w [E, K, N] (capacity buffers), or x [M, K]
+    grouped by expert with `group_sizes` [E] (dropless; rows past the groups give zeros).
+    In FP8 with fine-grained scales under train.matmul_dtype=fp8
+    (jaxpar.kernels.experts.fp8), else in x's dtype."""
+    layout = active_layout()
+    if layout is not None and layout.projections.dtype == "fp8":
+        return fp8_expert_matmul(x, w, group_sizes, layout.projections.expert_block)
+    if group_sizes is None:
+        return jnp.einsum("eck,ekn->ecn", x, w)
+    return grouped_matmul(x, w, group_sizes)

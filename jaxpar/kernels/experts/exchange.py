@@ -19,6 +19,10 @@ Each device routes the tokens it holds, then
              Either way each device can receive n x T x k rows (T: tokens per device), so
              nothing is dropped; the results are the same.
 
+The dispatch (tokens to their experts) carries `dispatch_dtype`: the compute dtype, or
+FP8 tiles and their scales (jaxpar.kernels.experts.payload); the combine carries the
+compute dtype.
+
 The buffers each all-to-all delivers are named EXCHANGED_NAME, so remat policies can keep
 them rather than exchange again (jaxpar.nn). The expert computation is the caller's:
 `ffn(weights, x)` with x [E_local, C, D]
@@ -41,6 +45,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.choices import ExpertExchange, Routing
+from jaxpar.kernels.experts.payload import dispatched
 from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
 
 ROUTINGS = get_args(Routing)
@@ -58,6 +63,7 @@ class ExpertSpec:
     weight_specs   one per expert weight, each [E, ...] with E over `axis`
     axis           the expert-parallel mesh axes (empty: every device holds every expert)
     reduce_axes    mesh axes the ffn's output is a partial sum over
+    dispatch_dtype compute | fp8: what the dispatch moves (jaxpar.kernels.experts.payload)
     """
 
     mesh: Mesh
@@ -68,6 +74,7 @@ class ExpertSpec:
     routing: str = "capacity"
     capacity_factor: float = 1.25
     exchange: str = "padded"  # dropless only: padded | ragged | ragged_emulated
+    dispatch_dtype: str = "compute"
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -109,14 +116,14 @@ def expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn
     def body(x, ids, gates, priority, weights):
         return local_experts(x, ids, gates, priority, weights, ffn, spec.routing, spec.capacity_factor,
                              spec.axis if spec.degree > 1 else (), spec.reduce_axes, weights[0].shape[0] * spec.degree,
-                             spec.exchange)
+                             spec.exchange, spec.dispatch_dtype)
 
     return body(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, tuple(weights))
 
 
 def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing: str, capacity_factor: float,
                   axis: tuple[str, ...] = (), reduce_axes: tuple[str, ...] = (), num_experts: int | None = None,
-                  exchange: str = "padded"):
+                  exchange: str = "padded", dispatch_dtype: str = "compute"):
     """One device's part (or the whole computation, with no axes): route, exchange over
     `axis`, run the local experts, exchange back, combine."""
     num_experts = weights[0].shape[0] if num_experts is None else num_experts
@@ -126,16 +133,18 @@ def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing
         cap = expert_capacity(capacity_factor, s, k, num_experts)
         slots = jax.vmap(lambda e, p: capacity_slots(e, p, num_experts, cap))(ids_BSK, priority_BSK)
         kept = slots >= 0
-        y_pairs = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts)
+        y_pairs = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts,
+                                     dispatch_dtype)
     else:
         kept = jnp.ones(ids_BSK.shape, bool)
-        y_pairs = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange)
+        y_pairs = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange,
+                                     dispatch_dtype)
     gates = jnp.where(kept, gates_BSK, 0).astype(jnp.float32)
     y = jnp.einsum("bskd,bsk->bsd", y_pairs.astype(jnp.float32), gates)
     return y.astype(x_BSD.dtype), kept
 
 
-def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduce_axes, num_experts):
+def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduce_axes, num_experts, dispatch_dtype):
     """Outputs [B, S, K, D] of each pair's expert (zero where dropped)."""
     b, s, d = x_BSD.shape
     k = ids_BSK.shape[-1]
@@ -143,8 +152,9 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     where = jnp.where(slots_BSK >= 0, rows * cap + slots_BSK, b * cap)  # past the end: dropped
     pairs = jnp.broadcast_to(x_BSD[:, :, None, :], (b, s, k, d))
     buf = jnp.zeros((num_experts, b * cap, d), x_BSD.dtype).at[ids_BSK, where].add(pairs, mode="drop")
-    if axis:
-        buf = _arrived(jax.lax.all_to_all(buf, axis, 0, 1, tiled=True))  # [E/n, n x b x C, D]: my experts, every sender
+    # [E/n, n x b x C, D]: my experts, every sender
+    buf = _arrived(dispatched(buf, lambda v: jax.lax.all_to_all(v, axis, 0, 1, tiled=True) if axis else v,
+                              dtype=dispatch_dtype))
     out = _reduced(ffn(weights, buf), reduce_axes)
     if axis:
         out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
@@ -157,7 +167,7 @@ def _arrived(x):
     return checkpoint_name(x, EXCHANGED_NAME)
 
 
-def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange):
+def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange, dispatch_dtype):
     b, s, d = x_BSD.shape
     k = ids_BSK.shape[-1]
     pairs = b * s * k
@@ -166,12 +176,12 @@ def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_expe
     x_sorted = x_BSD.reshape(b * s, d)[order // k]
     counts = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
     if not axis:
-        y_sorted = _reduced(ffn(weights, x_sorted, counts), reduce_axes)
+        y_sorted = _reduced(ffn(weights, dispatched(x_sorted, lambda v: v, dtype=dispatch_dtype), counts), reduce_axes)
     elif exchange == "padded":
-        y_sorted = _padded_exchange(x_sorted, jnp.sort(ids), counts, weights, ffn, axis, reduce_axes)
+        y_sorted = _padded_exchange(x_sorted, jnp.sort(ids), counts, weights, ffn, axis, reduce_axes, dispatch_dtype)
     else:
         collective = jax.lax.ragged_all_to_all if exchange == "ragged" else emulated_ragged_all_to_all
-        y_sorted = _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective)
+        y_sorted = _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective, dispatch_dtype)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(b, s, k, d)
 
 
@@ -187,7 +197,7 @@ def _by_expert(rows, expert_of_row, group_sizes, weights, ffn, reduce_axes):
     return jnp.zeros_like(out).at[regroup].set(out)
 
 
-def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_axes):
+def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_axes, dispatch_dtype):
     """Rows [P, D] sorted by expert -> their experts' outputs, same order. Device d gets the
     rows of experts [d x E_local, (d+1) x E_local): a contiguous run, sent in a P-row buffer."""
     pairs, d = x_sorted.shape
@@ -199,7 +209,8 @@ def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_ax
     take = starts[:, None] + j[None, :]  # [n, P]
     valid = j[None, :] < per_device[:, None]
     send = jnp.where(valid[..., None], x_sorted[jnp.minimum(take, pairs - 1)], 0)
-    recv = _arrived(jax.lax.all_to_all(send, axis, 0, 0, tiled=True))  # [n senders, P, D]
+    recv = _arrived(dispatched(send, lambda v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True),
+                               dtype=dispatch_dtype))  # [n senders, P, D]
     recv_counts = jax.lax.all_to_all(counts.reshape(n, local), axis, 0, 0, tiled=True)  # [n senders, E_local]
     # Each sender's rows arrive sorted by my local experts; regroup all of them by expert.
     ends = jnp.cumsum(recv_counts, axis=1)
@@ -211,7 +222,7 @@ def _padded_exchange(x_sorted, ids_sorted, counts, weights, ffn, axis, reduce_ax
     return back[device, j - starts[device]]
 
 
-def _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective):
+def _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective, dispatch_dtype):
     """Rows [P, D] sorted by expert -> their experts' outputs, same order, moving only the
     real rows. Each receiver lays its rows out sender by sender, each sender's run sorted
     by the receiver's experts; the return trip retraces the offsets."""
@@ -227,8 +238,8 @@ def _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collecti
     # each sender keeps the rows it sent me.
     land_at = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)
     kept_at = jax.lax.all_to_all(send_offsets, axis, 0, 0, tiled=True)
-    received = _arrived(collective(x_sorted, jnp.zeros((n * pairs, d), x_sorted.dtype), send_offsets, send_sizes,
-                                   land_at, recv_sizes, axis_name=axis))
+    move = lambda v, *sizes: collective(v, jnp.zeros((n * pairs, *v.shape[1:]), v.dtype), *sizes, axis_name=axis)
+    received = _arrived(dispatched(x_sorted, move, send_offsets, send_sizes, land_at, recv_sizes, dtype=dispatch_dtype))
     row = jnp.arange(n * pairs)
     sender = jnp.minimum(jnp.searchsorted(jnp.cumsum(recv_sizes), row, side="right"), n - 1)
     within = row - recv_offsets[sender]
