@@ -13,6 +13,10 @@ so covered:
   halves       parallel.two_batch_overlap: each layer on two halves of the rows
   costs        scheduled by jaxpar's cost model (explain --cost-profile: a second compile)
   halves+costs both
+  two_hops     model.group_capacity=true: each of the 8 groups of 8 experts also has a
+               capacity, and a token crosses to the other host once per group it chose (4)
+               instead of once per expert (8): jaxpar.kernels.experts.two_hop
+  two_hops+costs  and scheduled by jaxpar's costs
 
 Attention is the reference kernel (one fused program; cuDNN's would be one call too): the
 blockwise flash kernel is a loop, which the scheduler does not place beside a transfer
@@ -39,8 +43,10 @@ WIDE = ["model.embed=7168", "model.num_heads=128", "model.num_kv_heads=128", "mo
         "model.expert_groups=8", "model.top_groups=4", "model.vocab_size=32768", "model.routing=capacity",
         "model.capacity_factor=1.0", "model.remat=full", "train.seq_len=2048", "train.global_batch=32",
         "train.loss_chunks=4", "mesh.expert=8", "mesh.hosts.expert=2", "mesh.data=2", "parallel.zero.stage=1"]
+HOPS = ["model.group_capacity=true"]  # a token crosses to a host once per group (jaxpar.kernels.experts.two_hop)
 CELLS = {"xla": ([], False), "halves": (["parallel.two_batch_overlap=true"], False), "costs": ([], True),
-         "halves+costs": (["parallel.two_batch_overlap=true"], True)}
+         "halves+costs": (["parallel.two_batch_overlap=true"], True), "two_hops": (HOPS, False),
+         "two_hops+costs": (HOPS, True)}
 
 
 def cell(config, devices, by_costs: bool) -> dict:

@@ -14,6 +14,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only qwen3_moe_dense           # dense layers among the MoE ones
   python benchmarks/matrix.py --only uneven --only two_batch    # stages of any size, the two-batch overlap
   python benchmarks/matrix.py --only fp8_experts   # FP8 experts and dispatch (to 1e-3: VARIANT_RTOL)
+  python benchmarks/matrix.py --only two_hops      # node-limited routing: the expert axis over 2 hosts
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -164,6 +165,8 @@ VARIANTS = {
                                  "model.bias_update_rate=0"),
                     "the cell's subject: FP8 experts in tiles (16 here, so a contraction spans two) and FP8 dispatch; "
                     "bias balancing off (its sign rule turns one 8-bit rounding into a different routing next step)"),
+    "two_hops": ("deepseek", ("model.routing=capacity", "model.group_capacity=true", "mesh.hosts.expert=2"),
+                 "the cell's subject: group capacity with the expert axis over 2 hosts, exchanged in two hops"),
 }
 # FP8 cells compare with the single-device FP8 run to this tolerance, not RTOL: a gradient on
 # an 8-bit (e5m2: 2 mantissa bits) rounding boundary may round the other way when float32 sums
@@ -191,6 +194,9 @@ TWO_BATCH_CELLS = (("data", "expert"), ("1f1b", "data", "expert"), ("fsdp", "exp
 # carries it on: 1f1b x data x expert and fsdp x expert x tensor drift to 1e-3 by the third
 # step, as any 8-bit run differs from another layout's (docs/moe.md "FP8 experts").
 FP8_EXPERTS_CELLS = (("data", "expert"), ("fsdp", "expert"), ("gpipe", "expert"))
+# Node-limited routing (jaxpar.kernels.experts.two_hop): the expert axis over 2 hosts, a token
+# crossing once per group, beside data, under 1F1B stages, and with the experts split over tensor.
+TWO_HOPS_CELLS = (("data", "expert"), ("1f1b", "data", "expert"), ("fsdp", "expert", "tensor"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -258,10 +264,11 @@ class Cell:
 
     @property
     def reference_key(self) -> tuple[str, tuple[str, ...]]:
-        """The reference's recipe and overrides: the adapted ones but layouts' (parallel.*),
-        which a single device runs without (a variant's pipeline split, its two-batch overlap),
-        bar those that change the arithmetic (NUMERICS)."""
-        return self.recipe, tuple(o for o, _ in self.adapted if not o.startswith("parallel.") or o.startswith(NUMERICS))
+        """The reference's recipe and overrides: the adapted ones but layouts' (parallel.*,
+        mesh.*), which a single device runs without (a variant's pipeline split, its two-batch
+        overlap, its hosts), bar those that change the arithmetic (NUMERICS)."""
+        layout = lambda o: o.startswith(("parallel.", "mesh.")) and not o.startswith(NUMERICS)  # noqa: E731
+        return self.recipe, tuple(o for o, _ in self.adapted if not layout(o))
 
 
 def cells() -> list[Cell]:
@@ -290,6 +297,7 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "deepseek_uneven") for combo in DEEPSEEK_UNEVEN_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "two_batch") for combo in TWO_BATCH_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "fp8_experts") for combo in FP8_EXPERTS_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "two_hops") for combo in TWO_HOPS_CELLS]
     return out
 
 

@@ -65,6 +65,11 @@ class MoEConfig(LlamaConfig):
     # token choosing only within the model.top_groups groups whose two best scores sum highest; 1: off.
     expert_groups: int = 1
     top_groups: int = 1  # the groups a token chooses its experts within (DeepSeek-V3's topk_group); 1 of 1: off
+    # Capacity routing with groups: each group also takes at most capacity_factor x S x
+    # top_groups / expert_groups tokens a sequence, a token counted once per group it chose.
+    # With the expert axis over hosts that hold whole groups, a token then crosses to a host
+    # once per group: top_groups / top_k of the bytes (jaxpar.kernels.experts.two_hop).
+    group_capacity: bool = False
     routed_scaling: float = 1.0  # the routed experts' gates multiplied by this (routed_scaling_factor)
     shared_experts: int = 0  # experts every token also goes through (DeepSeekMoE), beside the routed ones
     aux_loss_weight: float = 0.01  # the load-balancing loss's weight (Switch Transformer); 0: off
@@ -141,6 +146,10 @@ class MoEConfig(LlamaConfig):
         if self.top_k > self.top_groups * (e // groups):
             raise ConfigError(f"model.top_k={self.top_k} is more experts than model.top_groups={self.top_groups} groups "
                               f"of {e // groups} hold; raise model.top_groups or lower model.top_k")
+        if self.group_capacity and (self.routing != "capacity" or groups == 1):
+            raise ConfigError(f"model.group_capacity=true caps each group's tokens under capacity routing with groups, "
+                              f"but model.routing={self.routing} and model.expert_groups={groups}; use "
+                              "model.routing=capacity with model.expert_groups > 1, or model.group_capacity=false")
         if not 0 < self.routed_scaling < float("inf"):
             raise ConfigError(f"model.routed_scaling={self.routed_scaling} must be positive, e.g. 1 or 2.5")
 
@@ -241,7 +250,8 @@ class MoE(nnx.Module):
         gates = gates * cfg.routed_scaling
         y, kept = run_experts(
             x_BSD, ids, gates, chosen_probs, (self.w_gate, self.w_up, self.w_down),
-            functools.partial(expert_ffn, activation=ACTIVATIONS[cfg.activation]), cfg.routing, cfg.capacity_factor
+            functools.partial(expert_ffn, activation=ACTIVATIONS[cfg.activation]), cfg.routing, cfg.capacity_factor,
+            group_capacity=(cfg.expert_groups, cfg.top_groups) if cfg.group_capacity else None,
         )
         chosen = jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.int32).sum(axis=2)  # [B, S, E]
         share = jnp.mean(chosen, axis=1, dtype=jnp.float32) / cfg.top_k  # f per sequence [B, E]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.inspect import formulas
+from jaxpar.kernels.experts.exchange import two_hops
+from jaxpar.kernels.experts.slots import expert_capacity
 from jaxpar.inspect.facts import Facts, elements, itemsize, line, row, table_header
 from jaxpar.inspect.pipelined import (
     expert_passes,
@@ -162,6 +164,8 @@ def expert_rows(facts: Facts) -> dict[str, Any]:
     layers = model.num_layers
     if program is not None:
         passes, layers = expert_passes(program), layers / program.timeline.p
+    if getattr(model, "group_capacity", False) and two_hops(("expert",), config.mesh.hosts.expert, model.expert_groups):
+        return _two_hop_rows(facts, passes, layers, micro)
     formula = passes * layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
     measured = sum(
         c.buffer_bytes * c.trip_count / itemsize(c)
@@ -177,6 +181,26 @@ def expert_rows(facts: Facts) -> dict[str, Any]:
         + (" (a stage's layers; the executor's passes averaged over the chunks)" if program is not None else "")
         + (f"; the padded exchange sends {n}x: every pair to one device fits" if padded else "")
         + (f"; ragged: counted as its {n}x receive buffer, what is sent depends on routing" if dropless and not padded else ""),
+    }
+
+
+def _two_hop_rows(facts: Facts, passes: float, layers: float, micro: int) -> dict[str, Any]:
+    """Group capacity over hosts (jaxpar.kernels.experts.two_hop): the elements crossing
+    hosts, beside the hop-1 buffer's rows (a sequence's groups x their capacity, about
+    capacity factor x tokens x top_groups) x (hidden + k / 2: a row's gate, sent forward and
+    its gradient back) per all-to-all. Each choice's expert and slot (int32) are not counted."""
+    config, mesh, model = facts.config, facts.mesh, facts.config.model
+    sequences = config.train.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"]) // micro
+    rows = sequences * model.expert_groups * expert_capacity(model.capacity_factor, config.train.seq_len,
+                                                             model.top_groups, model.expert_groups)
+    formula = passes * layers * micro * rows * (model.embed + model.top_k / 2)
+    measured = sum(c.buffer_bytes * c.trip_count / itemsize(c) for c in facts.report.collectives
+                   if c.kind == "all-to-all" and c.crosses_hosts and c.dtype != "s32")
+    return {
+        "expert_traffic": row("elements across hosts over expert (two hops)", measured, formula),
+        "expert_traffic_formula": f"sequences x groups x group capacity (~ capacity factor x tokens x top_groups="
+        f"{model.top_groups}) x (hidden + k/2) per all-to-all, {passes:g} per layer x {layers:g} layers x {micro} "
+        f"microbatch{'es' if micro > 1 else ''}; one hop would send k={model.top_k} where two send top_groups",
     }
 
 

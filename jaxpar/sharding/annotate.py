@@ -27,7 +27,7 @@ from jaxpar.specs import CompressionConfig, ContextConfig, PipelineConfig, Tenso
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
-from jaxpar.mesh import divisors, mesh_here
+from jaxpar.mesh import HostSplit, divisors, mesh_here
 from jaxpar.sharding.adapters import LoraWeight, merged
 from jaxpar.sharding.rules import Rules
 
@@ -112,6 +112,7 @@ class Layout:
     expert_exchange: ragged | padded, how dropless MoE routing moves rows
     (jaxpar.kernels.experts.exchange), parallel.expert_exchange with auto resolved.
     expert_dispatch_dtype: compute | fp8, what the experts' dispatch moves (parallel.expert_dispatch_dtype).
+    hosts: how many hosts each mesh axis spans (mesh.hosts): the experts' two-hop exchange reads it.
     replica_axis: set inside the per-replica vmap (jaxpar.step.replicas), whose mapped
     dimension is sharded over this mesh axis; shard_map kernels fold it into the batch.
     replica_sum: inside that vmap at ZeRO 2-3: every parameter's gradient is summed over the
@@ -127,6 +128,7 @@ class Layout:
     context: ContextConfig = ContextConfig()
     expert_exchange: str = "padded"
     expert_dispatch_dtype: str = "compute"
+    hosts: HostSplit = HostSplit()  # how many hosts each mesh axis spans (mesh.hosts)
     replica_axis: str | None = None
     replica_sum: ReplicaSum | None = None
     projections: Projections = Projections()

@@ -63,28 +63,35 @@ def run_experts(
     ffn: Callable,
     routing: str,
     capacity_factor: float,
+    group_capacity: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(y [B, S, D], kept [B, S, K]): each token's kept choices through their experts,
     weighted by the gates; under capacity, the higher `priority` (router probability) keeps
     its slot. `ffn(weights, x[, group_sizes])` is the experts' computation on the weights
-    `params` hold, laid out for use (see jaxpar.kernels.experts.exchange)."""
+    `params` hold, laid out for use (see jaxpar.kernels.experts.exchange). `group_capacity`:
+    (groups, top_groups) of group-limited capacity routing whose groups have a capacity too
+    (exchanged in two hops where the expert axis spans hosts holding whole groups)."""
     weights = tuple(compute_value(p) for p in params)
     layout = active_layout()
     if layout is None:
-        return local_experts(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing, capacity_factor)
+        return local_experts(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing, capacity_factor,
+                             group_capacity=group_capacity)
     rules = layout.rules
     names = [logical_names(p)[len(logical_names(p)) - w.ndim :] for p, w in zip(params, weights)]
     live = lambda name: tuple(a for a in rules.table("compute").get(name, ()) if layout.mesh.shape[a] > 1)
+    axis = live("experts")
     spec = ExpertSpec(
         mesh=mesh_here(layout.mesh),  # inside pipeline stages: the context's partly manual mesh
         token_spec=rules.spec(TOKEN_NAMES, "compute"),
         weight_specs=tuple(rules.spec(n, "compute") for n in names),
-        axis=live("experts"),
+        axis=axis,
         reduce_axes=live("expert_mlp"),
         routing=routing,
         capacity_factor=capacity_factor,
         exchange=layout.expert_exchange,
         dispatch_dtype=layout.expert_dispatch_dtype,
+        group_capacity=group_capacity,
+        hosts=getattr(layout.hosts, axis[0]) if len(axis) == 1 else 1,
     )
     return expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn, spec)
 

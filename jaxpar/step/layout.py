@@ -36,6 +36,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         parallel.context,
         expert_exchange=expert_exchange(config, device.platform),
         expert_dispatch_dtype=parallel.expert_dispatch_dtype,
+        hosts=config.mesh.hosts,
         projections=Projections(parallel.tensor.collective_matmul, config.train.matmul_dtype,
                                 config.train.fp8_expert_block),
         attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),

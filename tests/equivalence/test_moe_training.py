@@ -14,6 +14,8 @@ from jaxpar.data.sources import make_source
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import formulas
 from jaxpar.inspect.hlo import collectives
+from jaxpar.kernels.experts import expert_capacity
+from jaxpar.mesh import host_of_positions
 from jaxpar.testing import check, compare, initial_state, run_layout
 from jaxpar.train import build
 from jaxpar.models.moe import MoEConfig
@@ -167,9 +169,9 @@ def test_metrics_report_drops_and_load(tiny_moe):
     # dropless drops nothing: test_dropless_routing_equals_single_device
 
 
-def step_collectives(trainer):
+def step_collectives(trainer, hosts: int = 1):
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    return collectives(compiled.as_text(), trainer.mesh)
+    return collectives(compiled.as_text(), trainer.mesh, host_of_positions(trainer.mesh, hosts) if hosts > 1 else None)
 
 
 def expert_all_to_all_elements(colls) -> float:
@@ -220,3 +222,27 @@ def test_all_to_all_elements_match_the_formula(tiny_moe, factor, remat):
 def test_bad_moe_config(tiny_moe, overrides, message):
     with pytest.raises(ConfigError, match=message):
         build(apply_overrides(tiny_moe, overrides))
+
+
+def test_group_capacity_crosses_hosts_once_per_group(tiny_moe, reference):
+    """4 groups of 2 experts, a token's 2 in 1 group, with group capacity, expert 4 over 2
+    hosts x data 2:
+    the two-hop exchange equals one device, and what crosses hosts per MoE layer is, in
+    float32 elements, the hop-1 buffer of b x G x C_g rows (capacity_factor x T x top_groups)
+    four times (dispatch, its sums back, and the two transposes) plus the gates and their
+    gradient, k a row; one hop moves E x b x C rows (capacity_factor x T x k) four times."""
+    config = apply_overrides(tiny_moe, ["model.expert_groups=4", "model.top_groups=1", "model.group_capacity=true"])
+    layout = ["mesh.data=2", "mesh.expert=4", "mesh.hosts.expert=2"]
+    run = run_layout(apply_overrides(config, layout))
+    check(compare(run, reference(config)), RTOL, where="two hops")
+    m, b, s = config.model, config.train.global_batch // 8, config.train.seq_len
+    rows = b * m.expert_groups * expert_capacity(m.capacity_factor, s, m.top_groups, m.expert_groups)
+    crossing = lambda cfg: [c for c in step_collectives(build(cfg), hosts=2) if c.kind == "all-to-all" and c.crosses_hosts]  # noqa: E731
+    elements = lambda colls, dtype: sum(c.buffer_bytes * c.trip_count / 4 for c in colls if c.dtype == dtype)  # noqa: E731
+    two = crossing(apply_overrides(config, layout))
+    assert elements(two, "f32") == m.num_layers * rows * (4 * m.embed + 2 * m.top_k)
+    assert elements(two, "s32") == m.num_layers * rows * 2 * m.top_k  # each choice's expert and slot
+    one = crossing(apply_overrides(config, [*layout, "model.group_capacity=false"]))
+    flat_rows = b * m.num_experts * expert_capacity(m.capacity_factor, s, m.top_k, m.num_experts)
+    assert elements(one, "f32") == m.num_layers * flat_rows * 4 * m.embed
+    assert flat_rows == rows * m.top_k // m.top_groups  # a token crosses top_groups / top_k as often: half

@@ -22,6 +22,7 @@ from jaxpar.kernels.experts import (
     expert_capacity,
     expert_parallel,
     grouped_matmul,
+    group_slots,
     local_experts,
     reference_experts,
 )
@@ -155,3 +156,29 @@ def test_grouped_matmul_under_vmap_equals_ragged_dot_per_example():
     want = jax.tree.map(lambda *xs: jnp.stack(xs), *want)
     assert tree_error(got, want) <= RTOL
     assert float(jnp.abs(jax.vmap(grouped_matmul, in_axes=(0, None, 0))(x, w, sizes)[2, 5:]).max()) == 0.0
+
+
+def group_slots_by_loop(ids, priority, groups, num_experts, capacity):
+    """capacity_slots' order, a token claiming once per group (at its first choice there)."""
+    t, k = ids.shape
+    group = ids // (num_experts // groups)
+    order = sorted(itertools.product(range(t), range(k)), key=lambda p: (p[1], -float(priority[p]), p[0]))
+    used, slot = [0] * groups, {}
+    for tok, j in order:
+        g = int(group[tok, j])
+        if (tok, g) not in slot:
+            slot[tok, g] = used[g] if used[g] < capacity else DROPPED
+            used[g] += 1
+    return np.array([[slot[tok, int(group[tok, j])] for j in range(k)] for tok in range(t)])
+
+
+@pytest.mark.parametrize("seed, capacity", [(0, 2), (1, 5), (2, 100)])
+def test_group_slots_claim_once_per_group(seed, capacity):
+    rng = np.random.default_rng(seed)
+    t, k, e, groups = 24, 3, 8, 4
+    probs = rng.dirichlet(np.ones(e), size=t).astype(np.float32)
+    ids = np.argsort(-probs, axis=1)[:, :k]
+    priority = np.take_along_axis(probs, ids, axis=1)
+    got = np.asarray(group_slots(jnp.asarray(ids), jnp.asarray(priority), groups, e, capacity))
+    np.testing.assert_array_equal(got, group_slots_by_loop(ids, priority, groups, e, capacity))
+    assert (ids // 2 == np.roll(ids, 1, axis=1) // 2).any()  # some token chose twice in one group

@@ -19,6 +19,10 @@ Each device routes the tokens it holds, then
              Either way each device can receive n x T x k rows (T: tokens per device), so
              nothing is dropped; the results are the same.
 
+With group capacity (model.group_capacity: a token takes one slot per group of experts it
+chose) and the expert axis over hosts that hold whole groups, capacity routing exchanges in
+two hops, a token crossing to a host once per group (jaxpar.kernels.experts.two_hop).
+
 The dispatch (tokens to their experts) carries `dispatch_dtype`: the compute dtype, or
 FP8 tiles and their scales (jaxpar.kernels.experts.payload); the combine carries the
 compute dtype.
@@ -46,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.choices import ExpertExchange, Routing
 from jaxpar.kernels.experts.payload import dispatched
-from jaxpar.kernels.experts.slots import capacity_slots, expert_capacity
+from jaxpar.kernels.experts.slots import DROPPED, capacity_slots, expert_capacity, group_slots
+from jaxpar.kernels.experts.two_hop import two_hop_exchange
 
 ROUTINGS = get_args(Routing)
 # The config's exchanges with auto resolved (jaxpar.step.layout), and the emulated
@@ -64,6 +69,9 @@ class ExpertSpec:
     axis           the expert-parallel mesh axes (empty: every device holds every expert)
     reduce_axes    mesh axes the ffn's output is a partial sum over
     dispatch_dtype compute | fp8: what the dispatch moves (jaxpar.kernels.experts.payload)
+    group_capacity (groups, top_groups) of group-limited routing whose groups also have a
+                   capacity (model.group_capacity), or None
+    hosts          hosts the expert axis spans (one axis, devices host-major: jaxpar.mesh)
     """
 
     mesh: Mesh
@@ -75,6 +83,8 @@ class ExpertSpec:
     capacity_factor: float = 1.25
     exchange: str = "padded"  # dropless only: padded | ragged | ragged_emulated
     dispatch_dtype: str = "compute"
+    group_capacity: tuple[int, int] | None = None
+    hosts: int = 1
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -116,14 +126,16 @@ def expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn
     def body(x, ids, gates, priority, weights):
         return local_experts(x, ids, gates, priority, weights, ffn, spec.routing, spec.capacity_factor,
                              spec.axis if spec.degree > 1 else (), spec.reduce_axes, weights[0].shape[0] * spec.degree,
-                             spec.exchange, spec.dispatch_dtype)
+                             spec.exchange, spec.dispatch_dtype, spec.group_capacity,
+                             spec.hosts if spec.degree > 1 else 1)
 
     return body(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, tuple(weights))
 
 
 def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing: str, capacity_factor: float,
                   axis: tuple[str, ...] = (), reduce_axes: tuple[str, ...] = (), num_experts: int | None = None,
-                  exchange: str = "padded", dispatch_dtype: str = "compute"):
+                  exchange: str = "padded", dispatch_dtype: str = "compute",
+                  group_capacity: tuple[int, int] | None = None, hosts: int = 1):
     """One device's part (or the whole computation, with no axes): route, exchange over
     `axis`, run the local experts, exchange back, combine."""
     num_experts = weights[0].shape[0] if num_experts is None else num_experts
@@ -132,6 +144,15 @@ def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing
     if routing == "capacity":
         cap = expert_capacity(capacity_factor, s, k, num_experts)
         slots = jax.vmap(lambda e, p: capacity_slots(e, p, num_experts, cap))(ids_BSK, priority_BSK)
+        if group_capacity:
+            groups, top_groups = group_capacity
+            group_cap = expert_capacity(capacity_factor, s, top_groups, groups)
+            claims = jax.vmap(lambda e, p: group_slots(e, p, groups, num_experts, group_cap))(ids_BSK, priority_BSK)
+            slots = jnp.where(claims >= 0, slots, DROPPED)
+            if two_hops(axis, hosts, groups):
+                y = two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots, claims, cap, group_cap, weights, ffn, axis[0],
+                                     hosts, groups, num_experts, reduce_axes, dispatch_dtype, _arrived)
+                return y, slots >= 0
         kept = slots >= 0
         y_pairs = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts,
                                      dispatch_dtype)
@@ -142,6 +163,12 @@ def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing
     gates = jnp.where(kept, gates_BSK, 0).astype(jnp.float32)
     y = jnp.einsum("bskd,bsk->bsd", y_pairs.astype(jnp.float32), gates)
     return y.astype(x_BSD.dtype), kept
+
+
+def two_hops(axis: tuple[str, ...], hosts: int, groups: int) -> bool:
+    """Whether group-capacity routing exchanges in two hops: one expert axis over hosts that
+    hold whole groups."""
+    return len(axis) == 1 and hosts > 1 and groups % hosts == 0
 
 
 def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduce_axes, num_experts, dispatch_dtype):

@@ -5,6 +5,10 @@ each expert. Pairs claim slots in priority order: every token's first choice bef
 second choice (as GShard), and within one choice rank the more confident routing first
 (batch-prioritised routing, V-MoE); ties go to the earlier token. The rest are dropped:
 their share of the token's output is zero, and the residual carries the token on.
+
+With group capacity (DeepSeek-style groups of consecutive experts, model.group_capacity), a
+token also claims one slot in each group it chose, whatever the number of its choices
+there, in the same order; a pair whose token got no slot in its group is dropped too.
 """
 
 from __future__ import annotations
@@ -37,3 +41,22 @@ def capacity_slots(expert_ids_TK: jax.Array, priority_TK: jax.Array, num_experts
     place = jnp.zeros_like(place_sorted).at[order].set(place_sorted)
     slots = jnp.where(place < capacity, place, DROPPED)
     return slots.reshape(k, t).T
+
+
+def group_slots(expert_ids_TK: jax.Array, priority_TK: jax.Array, groups: int, num_experts: int,
+                capacity: int) -> jax.Array:
+    """Slot in [0, capacity) of each pair's (token, group) [T, k] in its group's buffer, or
+    DROPPED: a token claims once per group it chose, at its first choice there (its slot
+    shared by its other choices in that group), in capacity_slots' order."""
+    group = expert_ids_TK // (num_experts // groups)
+    same = group[..., :, None] == group[..., None, :]  # [T, k, k']
+    first = first_in_group(group)
+    claims = capacity_slots(jnp.where(first, group, groups), priority_TK, groups + 1, capacity)  # `groups`: no claim
+    # each choice takes the slot of its group's first choice
+    return jnp.sum(jnp.where(same & first[:, None, :], claims[:, None, :], 0), axis=-1)  # exactly one k' each
+
+
+def first_in_group(group_TK: jax.Array) -> jax.Array:
+    """[T, k]: whether each choice is its token's first in its group (no earlier choice there)."""
+    same = group_TK[..., :, None] == group_TK[..., None, :]
+    return ~jnp.any(jnp.tril(same, k=-1), axis=-1)
