@@ -135,6 +135,11 @@ def windowed_tile_pairs(queries: int, block: int, window: int, start: int | None
     return sum(1 + min(first + i, m) for i in range(tiles))
 
 
+# Bytes per element of an FP8 dispatch (jaxpar.kernels.experts.payload): e4m3 and a float32
+# scale per 128
+FP8_PAYLOAD_BYTES = 1 + 4 / 128
+
+
 def expert_traffic_elements(tokens: int, top_k: int, hidden: int, capacity_factor: float) -> float:
     """Elements one all-to-all of expert parallelism moves per device (reference.md): each of
     a device's `tokens` goes to its top-k experts, in buffers capacity_factor x the balanced

@@ -29,6 +29,8 @@ class Layout:
     microbatches: int
     layers: tuple[int, ...] = ()  # whole-model layers per stage (stage > 1; () : balanced_layers' rule)
     leading: int = 0  # of layers[0], the model's leading ones (DeepSeek's dense layers)
+    fp8_dispatch: bool = False  # parallel.expert_dispatch_dtype=fp8
+    two_hops: bool = False  # model.group_capacity=true: a token crosses to a host once per group
 
     @property
     def axes(self) -> dict[str, int]:
@@ -57,6 +59,10 @@ class Layout:
             sets.append("parallel.pipeline.schedule=1f1b")
         if self.uneven:
             sets.append(f"parallel.pipeline.layers={compact(self.layers)}")
+        if self.fp8_dispatch:
+            sets.append("parallel.expert_dispatch_dtype=fp8")
+        if self.two_hops:
+            sets.append("model.group_capacity=true")
         return sets
 
     @property
@@ -68,7 +74,8 @@ class Layout:
     def describe(self) -> str:
         shown = " ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1) or "one device"
         layers = f" layers={compact(self.layers)}" if self.uneven else ""
-        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{layers}"
+        experts = " fp8-dispatch" * self.fp8_dispatch + " two-hops" * self.two_hops
+        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{layers}{experts}"
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
@@ -77,7 +84,9 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     EP 64 spans 8 hosts); up to 16 stages, each holding the balanced rule's layers
     (jaxpar.pipeline.split.balanced_layers; experts split inside them); fsdp x data filling the rest; ZeRO over
     data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
-    heads: they are repeated at use (jaxpar.step.layout.kv_repeats)."""
+    heads: they are repeated at use (jaxpar.step.layout.kv_repeats). Experts across hosts
+    also with the FP8 dispatch, and, for capacity routing with groups the hosts hold whole,
+    with group capacity (the two-hop exchange: `expert_variants`)."""
     heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
     leading = leading_layers(model)
@@ -106,9 +115,21 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
                                 for m in ([stage, 2 * stage, 4 * stage] if stage > 1 else [1, 2, 4]):
                                     if global_batch % (data * fsdp * expert * m):
                                         continue
-                                    out.append(Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
-                                                      splits.get(stage) or (), leading))
+                                    plain = Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
+                                                   splits.get(stage) or (), leading)
+                                    out += expert_variants(plain, model, devices_per_host)
     return out
+
+
+def expert_variants(layout: Layout, model, devices_per_host: int) -> list[Layout]:
+    """`layout`, and where its experts span hosts, the same with the FP8 dispatch and (capacity
+    routing whose groups the expert axis's hosts hold whole) with group capacity."""
+    hosts = layout.host_split(devices_per_host)["expert"]
+    if hosts == 1:
+        return [layout]
+    groups = declared(model, "expert_groups")
+    hops = [False, True] if model.routing == "capacity" and groups > 1 and groups % hosts == 0 else [False]
+    return [dataclasses.replace(layout, fp8_dispatch=f, two_hops=t) for f in (False, True) for t in hops]
 
 
 def _or_none(fn, *args):
@@ -166,15 +187,28 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     model_time = tensor_bytes / bw("tensor") if L.tensor > 1 else 0.0
-    if experts and L.expert > 1:  # the all-to-alls: 4 a layer and microbatch (6 recomputed), bf16
-        factor = model.capacity_factor if model.routing == "capacity" else 1.0
-        per_pass = formulas.expert_traffic_elements(s * b, model.top_k, h, factor) * 2 * (L.expert - 1) / L.expert
-        model_time += (6 if L.remat != "none" else 4) * per_pass * rows * L.microbatches / bw("expert")
+    if experts and L.expert > 1:
+        model_time += _expert_seconds(L, model, s * b, rows, bw("expert"), hw.intra_host_gb_per_s * 1e9)
     busy = compute / (1 - bubble)
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
     step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "step_s": step, "compute_s": compute, "bubble": bubble}
+
+
+def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, intra_host: float) -> float:
+    """The all-to-alls' time per step: 4 a layer and microbatch (6 recomputed), bf16; the
+    dispatches (1 of them, 2 recomputed) at 1 + 4/128 bytes an element with the FP8 dispatch.
+    With two hops a token crosses hosts top_groups / k as often, and its k copies then move
+    inside the host, over NVLink."""
+    factor = model.capacity_factor if model.routing == "capacity" else 1.0
+    passes, dispatches = (6, 2) if L.remat != "none" else (4, 1)
+    pass_bytes = passes - dispatches * (1 - formulas.FP8_PAYLOAD_BYTES / 2) if L.fp8_dispatch else passes
+    elements = formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor) * rows * L.microbatches
+    moved = 2 * elements * pass_bytes * (L.expert - 1) / L.expert
+    if not L.two_hops:
+        return moved / bandwidth
+    return moved * declared(model, "top_groups") / model.top_k / bandwidth + moved / intra_host
 
 
 def _stage_params(model, rows: int) -> tuple[float, float]:

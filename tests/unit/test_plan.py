@@ -138,3 +138,21 @@ def test_a_model_class_from_a_recipe_file_reaches_the_compile_child(tmp_path, mo
     monkeypatch.delitem(sys.modules, module.__name__)  # as in a fresh child
     assert _Unpickler(io.BytesIO(data), {module.__name__: str(path)}).load().note == "sent"
     assert module.__name__ in sys.modules
+
+
+def test_experts_across_hosts_are_also_planned_with_fp8_dispatch_and_two_hops():
+    """DeepSeek-V3 (capacity routing, 8 groups) with EP 64 over 8 hosts: the plain layout, the
+    FP8 dispatch, group capacity (two hops) and both, each cheaper in all-to-all time, and
+    each trained by its overrides; experts inside a host get neither."""
+    from jaxpar.families import presets
+
+    model, hw = presets()["deepseek-v3"], Hardware()
+    found = candidates(model, 2048, 8, 2048, 4096)
+    wide = [lay for lay in found if lay.expert == 64 and lay.stage == 16 and lay.remat == "full" and lay.microbatches == 16]
+    assert {(lay.fp8_dispatch, lay.two_hops) for lay in wide} == {(False, False), (True, False), (False, True), (True, True)}
+    assert not any(lay.fp8_dispatch or lay.two_hops for lay in found if lay.host_split(8)["expert"] == 1)
+    base = [lay for lay in wide if not (lay.fp8_dispatch or lay.two_hops)][0]
+    step = lambda **kw: estimate(dataclasses.replace(base, **kw), model, 2048, 4096, hw)["step_s"]  # noqa: E731
+    assert step() > step(fp8_dispatch=True) and step() > step(two_hops=True) > step(two_hops=True, fp8_dispatch=True)
+    sets = dataclasses.replace(base, fp8_dispatch=True, two_hops=True).overrides(8, 256)
+    assert "parallel.expert_dispatch_dtype=fp8" in sets and "model.group_capacity=true" in sets

@@ -53,8 +53,8 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     row = jnp.arange(b)[:, None, None] * group_cap + group_slots_BSK  # the (token, group)'s row in its group
     sends = first_in_group(group) & (group_slots_BSK >= 0)
     send_row = jnp.where(sends, row, rows)  # past the end: nothing
-    pairs = jnp.broadcast_to(x_BSD[:, :, None, :], (b, s, k, d))
-    payload = jnp.zeros((groups, rows, d), x_BSD.dtype).at[group, send_row].set(pairs, mode="drop")
+    token = jnp.broadcast_to(jnp.arange(b * s).reshape(b, s, 1), (b, s, k))
+    payload = _rows(x_BSD.reshape(b * s, d), _sources((groups, rows), group, send_row, token))
     # each kept choice, in its row: its expert on the receiving host, its slot, its gate
     kept_row = jnp.where(slots_BSK >= 0, row, rows)
     choice = jnp.broadcast_to(jnp.arange(k), (b, s, k))
@@ -71,8 +71,8 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     sequence = jnp.arange(hosts * rows) % rows // group_cap
     at = (sender * b + sequence)[None, :, None] * cap + slot  # [G/H, H x rows, k] in the host's expert buffers
     where = jnp.where(expert >= 0, at, hosts * b * cap)
-    spread = jnp.broadcast_to(got[:, :, None, :], (*expert.shape, d))
-    host_buf = jnp.zeros((e_host, hosts * b * cap, d), x_BSD.dtype).at[expert, where].set(spread, mode="drop")
+    received = jnp.broadcast_to(jnp.arange(got.shape[0] * got.shape[1]).reshape(*got.shape[:2], 1), expert.shape)
+    host_buf = _rows(got.reshape(-1, d), _sources((e_host, hosts * b * cap), expert, where, received))
 
     # hop 2: [E/n, L x H x b x C, D], my experts, every device's rows
     out = ffn(weights, arrived(dispatched(host_buf, move(inside, 0, 1), dtype=dispatch_dtype)))
@@ -83,3 +83,16 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     back = arrived(move(across, 1, 0)(summed))  # [G, rows, D]: my rows' sums on each group
     mine = back.at[group, send_row].get(mode="fill", fill_value=0)  # [B, S, k, D], zero but at a group's first choice
     return jnp.sum(mine.astype(jnp.float32), axis=2).astype(x_BSD.dtype)
+
+
+def _sources(shape, first, second, source) -> jax.Array:
+    """For each slot of a buffer of `shape`, the row of the source that lands there, or -1
+    (empty): `source` scattered to [first, second] (out-of-range places dropped). Placing
+    rows by their index and then gathering them moves each row once, where scattering the
+    rows themselves would first spread every row over a token's k choices."""
+    return jnp.full(shape, -1, jnp.int32).at[first, second].set(source.astype(jnp.int32), mode="drop")
+
+
+def _rows(x, sources) -> jax.Array:
+    """x's rows at `sources` (-1: zeros)."""
+    return jnp.where((sources >= 0)[..., None], x[jnp.maximum(sources, 0)], 0).astype(x.dtype)
