@@ -25,7 +25,8 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from jaxpar.inspect.buffers import entry_name, running_computations
-from jaxpar.inspect.hlo import ARRAY, callees, closing, done_of, dot_flops, executions, nbytes, parse, split_outside
+from jaxpar.inspect.hlo import (ARRAY, BranchShares, callees, closing, done_of, dot_flops, executions, nbytes, parse,
+                                split_outside)
 
 # Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
 # and the second half of an async pair (its start is counted).
@@ -103,12 +104,15 @@ class StepCost:
                 "top": [dataclasses.asdict(k) for k in self.top()]}
 
 
-def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: float = 0.0) -> StepCost:
+def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: float = 0.0,
+              branch_shares: BranchShares | None = None) -> StepCost:
     """The compiled program's kernels (`hlo_text`: `compiled.as_text()`), each timed on
-    `gpu`; `exposed_collective_s`: the collectives' time not overlapped (single devices: 0)."""
+    `gpu`; `exposed_collective_s`: the collectives' time not overlapped (single devices: 0);
+    `branch_shares`: how often a device runs each branch of a switch (the pipeline
+    executor's ops: jaxpar.inspect.hlo.executions), else every branch counts every time."""
     comps = parse(hlo_text)
     shapes = {ins.name: ins.shape for instrs in comps.values() for ins in instrs}
-    runs = executions(comps)
+    runs = executions(comps, branch_shares)
     flops = _flops_per_computation(comps, shapes)
     kernels = []
     for comp in running_computations(comps, entry_name(hlo_text, comps)):

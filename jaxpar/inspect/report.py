@@ -179,7 +179,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
-        predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of),
+        predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of, shares if program is not None else None),
         latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
         matmul_types=dot_types(text),
     )
@@ -190,17 +190,21 @@ def gpu_cost(device) -> GpuCost | None:
     return GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
 
 
-def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list[int] | None = None) -> dict | None:
+def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list[int] | None = None,
+                   pipeline_shares=None) -> dict | None:
     """The step's time by jaxpar.inspect.cost, for a program compiled for a GPU it knows:
     its kernels, plus what of each collective no compute in its window covers; and the
-    expert all-to-alls' cover, collective by collective."""
+    expert all-to-alls' cover, collective by collective. Under a pipeline
+    (`pipeline_shares`: how often the average device runs each op of the executor's
+    switch) the average device's kernels: the lockstep ticks' waits come on top
+    (jaxpar.plan.step_time.pipeline_bubble; before, every op counted every tick)."""
     gpu = gpu_cost(device)
     if gpu is None:
         return None
     covers = collective_covers(hlo_text, colls, gpu, host_of)
     exchange = [c for c in covers if c.collective.kind in ("all-to-all", "ragged-all-to-all")]
     return {"gpu": gpu.describe(), "bf16_tflops": gpu.bf16_tflops,
-            **step_cost(hlo_text, gpu, exposed_collective_seconds(covers)).to_json(),
+            **step_cost(hlo_text, gpu, exposed_collective_seconds(covers), pipeline_shares).to_json(),
             "all_to_all_cover": {**covered_share(covers), "each": [
                 {"name": c.collective.name, "kind": c.collective.kind, "axes": list(c.collective.axes),
                  "crosses_hosts": c.collective.crosses_hosts, "runs": c.collective.trip_count,

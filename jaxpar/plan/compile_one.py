@@ -87,20 +87,26 @@ def compile_layout(model, overrides: list[str], devices: list, seq_len: int, glo
     except (ConfigError, ValueError) as e:
         return {"refused": str(e).split("\n")[0]}
     if report.predicted:  # compiled for a GPU: its kernels' time (jaxpar.inspect.cost)
-        return {"memory": float(report.memory.total), "prediction": compiled_prediction(report, trainer.config)}
+        return {"memory": float(report.memory.total),
+                "prediction": compiled_prediction(report, trainer.config, trainer.layout)}
     return {"memory": float(report.memory.total), "prediction": roofline(report, trainer.config, trainer.layout, hw, hbm_bytes)}
 
 
-def compiled_prediction(report, config) -> dict[str, float]:
-    """The plan's prediction fields from a step compiled for a GPU (report.predicted)."""
-    step = report.predicted["seconds"]
+def compiled_prediction(report, config, layout) -> dict[str, float]:
+    """The plan's prediction fields from a step compiled for a GPU (report.predicted): the
+    average device's kernels, stretched by the pipeline's lockstep ticks (as `roofline`),
+    plus the collective time no compute covers."""
+    from jaxpar.plan.step_time import pipeline_bubble
+
+    kinds = report.predicted["by_kind"]
+    exposed = kinds.get("collective", 0.0)
+    bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
+    step = (report.predicted["seconds"] - exposed) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
     peak = report.predicted["bf16_tflops"] * 1e12
-    kinds = report.predicted["by_kind"]
     return {"step_s": step, "compute_s": kinds.get("gemm", 0.0) + kinds.get("attention", 0.0),
-            "memory_s": kinds.get("memory", 0.0), "exposed_comm_s": kinds.get("collective", 0.0),
-            "bubble": 0.0,  # the pipeline's schedule is inside the compiled program
+            "memory_s": kinds.get("memory", 0.0), "exposed_comm_s": exposed, "bubble": bubble,
             "tokens_per_s_per_device": tokens / report.num_devices / step, "mfu": model_flops / (peak * step),
             "how": f"compiled for the GPU: {report.predicted['gpu']}"}
 

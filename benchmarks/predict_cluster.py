@@ -1,0 +1,117 @@
+"""Predictions for machines of many GPUs, registered before any of them runs: DeepSeek-V3 on
+2,048 H100s (the planner's best compiled layout, and DeepSeek's own PP 16 x EP 64 x ZeRO-1),
+and an analogue of each on 2 hosts x 8 H100s that a 16-GPU machine could measure. Each is the
+step XLA compiles for those GPUs without them (deviceless), timed by jaxpar's cost model
+(jaxpar.inspect.cost) and, under a pipeline, stretched by its lockstep ticks as `jaxpar plan
+--target` does (jaxpar.plan.compile_one.compiled_prediction), with the commit it was made at
+and the command that measures it.
+
+  <venv with jax[cuda13]>/bin/python benchmarks/predict_cluster.py [--only NAME] [--redo]
+
+They go to benchmarks/results/predictions.json under "cluster" (the GPU battery, one GPU,
+reads "registered" only). A prediction already there is kept as it was (the point is to have
+made it first); --redo replaces them (say why in the commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from expert_overlap import WIDE  # noqa: E402  (DeepSeek's layer width, 2 MoE layers after a dense one)
+
+OUT = ROOT / "benchmarks" / "results" / "predictions.json"
+TARGET = "benchmarks/targets/h100.pbtxt"
+AT_SCALE = ["train.seq_len=4096", "train.global_batch=2048", "parallel.attention=reference"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    recipe: str
+    devices: int
+    overrides: tuple[str, ...]
+    why: str
+
+
+# The 16-GPU cells take benchmarks/expert_overlap.py's layer and layout (expert 8 over the 2
+# hosts x data 2) with the settings that predicted the shortest step without a second compile.
+SMALL = tuple(o for o in WIDE if not o.startswith(("mesh.", "parallel.zero")))
+RUNS = (
+    Cluster("deepseek_layer_16gpu_best", "deepseek", 16,
+            (*WIDE, "parallel.attention=reference", "parallel.expert_dispatch_dtype=fp8", "model.group_capacity=true"),
+            "the best 16-GPU analogue: experts over both hosts, FP8 dispatch, two hops"),
+    Cluster("deepseek_layer_16gpu_pp_ep", "deepseek", 16,
+            (*SMALL, "mesh.stage=2", "mesh.hosts.stage=2", "mesh.expert=8", "mesh.data=1", "parallel.zero.stage=1",
+             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.layers=2,1", "train.microbatches=2",
+             "parallel.attention=reference"),
+            "DeepSeek's kind of layout on 16 GPUs: a stage a host, experts inside it, ZeRO-1"),
+    Cluster("deepseek_v3_2048_pp16_ep64", "deepseek-v3", 2048,
+            ("mesh.stage=16", "mesh.hosts.stage=16", "mesh.expert=64", "mesh.hosts.expert=8", "mesh.data=2",
+             "mesh.hosts.data=2", "parallel.zero.stage=1", "parallel.pipeline.schedule=1f1b",
+             "parallel.pipeline.layers=3,4*14,2", "train.microbatches=16", "model.remat=full", *AT_SCALE),
+            "DeepSeek-V3's own layout: PP 16 x EP 64 (over 8 hosts) x ZeRO-1 over data 2"),
+)
+
+
+def predict(run: Cluster, devices) -> dict:
+    from jaxpar.inspect import inspect_step
+    from jaxpar.plan.compile_one import compiled_prediction
+    from jaxpar.recipes import resolve_config
+    from jaxpar.train import build
+
+    config = resolve_config(run.recipe, list(run.overrides), run.devices)
+    t0 = time.perf_counter()
+    trainer = build(config, devices)
+    report = inspect_step(trainer)
+    step = compiled_prediction(report, trainer.config, trainer.layout)  # as `jaxpar plan --target` predicts it
+    return {"predicted_s": step["step_s"], "predicted_mfu": step["mfu"], "bubble": step["bubble"],
+            "by_kind_s": report.predicted["by_kind"], "all_to_all_cover": report.predicted["all_to_all_cover"]["share"],
+            "peak_gib": report.memory.peak / 2**30, "devices": run.devices, "hosts": config.mesh.hosts.num_hosts,
+            "recipe": run.recipe, "overrides": list(run.overrides), "why": run.why,
+            "measure": f"jaxpar train {run.recipe} " + " ".join(f"--set {o}" for o in run.overrides),
+            "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", action="append", default=[], help="a run's name (repeatable)")
+    p.add_argument("--redo", action="store_true", help="replace registered predictions too")
+    args = p.parse_args()
+    done = json.loads(OUT.read_text()).get("cluster", {})
+    runs = [r for r in RUNS if (not args.only or r.name in args.only) and (args.redo or r.name not in done)]
+    counts = sorted({r.devices for r in runs})
+    if len(counts) > 1:  # a process per device count: the deviceless backend starts once a process
+        for n in counts:
+            names = [f"--only={r.name}" for r in runs if r.devices == n]
+            subprocess.run([sys.executable, __file__, *names, *(["--redo"] if args.redo else [])], cwd=ROOT, check=True)
+        return 0
+    if not runs:
+        return 0
+    import jax
+
+    from jaxpar.deviceless import gpu_devices
+
+    devices = gpu_devices(str(ROOT / TARGET), f"1x1x{counts[0]}")
+    doc = json.loads(OUT.read_text())
+    cluster = doc.setdefault("cluster", {})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for run in runs:
+        row = predict(run, devices)
+        cluster[run.name] = {**row, "commit": commit, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+        print(f"{run.name:<30} {row['predicted_s']:8.3f} s  MFU {row['predicted_mfu']:6.1%}  peak {row['peak_gib']:6.1f} GiB"
+              f"  ({row['compile_s']:.0f} s)", flush=True)
+        OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
