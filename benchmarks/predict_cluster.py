@@ -59,6 +59,13 @@ RUNS = (
              "mesh.hosts.data=2", "parallel.zero.stage=1", "parallel.pipeline.schedule=1f1b",
              "parallel.pipeline.layers=3,4*14,2", "train.microbatches=16", "model.remat=full", *AT_SCALE),
             "DeepSeek-V3's own layout: PP 16 x EP 64 (over 8 hosts) x ZeRO-1 over data 2"),
+    Cluster("deepseek_v3_2048_plan_best", "deepseek-v3", 2048,
+            ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
+             "parallel.zero.stage=1", "model.remat=none", "train.microbatches=64", "parallel.tensor.sequence_parallel=true",
+             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.layers=3,4*14,2", "train.seq_len=4096",
+             "train.global_batch=2048"),
+            "the best layout `jaxpar plan --model deepseek-v3 --devices 2048 --hbm-gb 80 --compile-top 1 --target "
+            "benchmarks/targets/h100.pbtxt` compiled (commit 99e7bba)"),
 )
 
 
