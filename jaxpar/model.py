@@ -55,6 +55,8 @@ Fields some parts read where a config has them (a decoder's shape):
   expert_groups  groups of consecutive experts a token's choices are limited to (1 without),
   top_groups     and how many of them a token chooses within (1 without): the planner's
                  two-hop candidates (a token crossing to a host once per group).
+  group_capacity whether the groups have a capacity too (False without): explain's
+                 two-hop traffic row.
   mtp_layers     prediction layers outside the stack with the stack's experts (DeepSeek-V3's
                  multi-token prediction; 0 without): the planner splits their experts too.
   remat          the name of the jaxpar.nn remat policy the model applies ("none" without).
@@ -156,7 +158,7 @@ MEMBERS: dict[str, Any] = {
     "layer_param_count": None, "leading_layers": None, "update": None, "summarise": None,
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
-    "num_experts": 0, "expert_groups": 1, "top_groups": 1, "mtp_layers": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
+    "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
     "v_head_dim": 0,
 }
 _DEFAULT = object()

@@ -164,7 +164,7 @@ def expert_rows(facts: Facts) -> dict[str, Any]:
     layers = model.num_layers
     if program is not None:
         passes, layers = expert_passes(program), layers / program.timeline.p
-    if getattr(model, "group_capacity", False) and two_hops(("expert",), config.mesh.hosts.expert, model.expert_groups):
+    if declared(model, "group_capacity") and two_hops(("expert",), config.mesh.hosts.expert, declared(model, "expert_groups")):
         return _two_hop_rows(facts, passes, layers, micro)
     formula = passes * layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
     measured = sum(
