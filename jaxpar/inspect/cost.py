@@ -337,7 +337,8 @@ def _bytes(ins, comps, shapes) -> int:
 
 def _in_place(body: list) -> tuple[set[str], int]:
     """(parameters the fusion updates in place, bytes it writes): a root, or root tuple
-    element, that dynamic-update-slices into a parameter writes only its update."""
+    element, that dynamic-update-slices into a parameter (or a bitcast of one: a view, as
+    a scanned layer's stacked residual in another layout) writes only its update."""
     by_name = {i.name: i for i in body}
     root = body[-1]
     outputs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
@@ -348,6 +349,8 @@ def _in_place(body: list) -> tuple[set[str], int]:
         while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:
             out = by_name[out.operands[0]]
         target = by_name.get(out.operands[0]) if out.opcode == "dynamic-update-slice" and out.operands else None
+        while target is not None and target.opcode == "bitcast" and target.operands:
+            target = by_name.get(target.operands[0])
         if target is not None and target.opcode == "parameter":
             updated.add(target.name)
             written += nbytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
