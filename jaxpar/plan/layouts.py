@@ -166,10 +166,14 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     memory = state + activations + logits
     # HBM traffic: each layer's gathered weights read in the forward, the recomputed forward
     # and both backward matmuls, per microbatch; the activations written once and read
-    # once; the optimizer reading and writing its state, master weights and gradients.
+    # once; the optimizer reading and writing its state, master weights and gradients; over
+    # several microbatches, each one's gradients added to the float32 sum (read and written:
+    # 4x the bf16 weights' bytes a microbatch; DeepSeek-V3's compiled 2,048-GPU plan spent
+    # most of its step there).
     weights = 2 * ((psi_local - routed) / L.tensor + routed / (L.tensor * L.expert))
     passes = 4 if L.remat != "none" else 3
-    hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state
+    accumulate = 4 * weights * L.microbatches if L.microbatches > 1 else 0.0
+    hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state + accumulate
 
     tokens = global_batch * seq_len
     devices = math.prod(L.axes.values())
@@ -193,7 +197,8 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
     step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
-    return {"memory": memory, "hbm_bytes": hbm, "step_s": step, "compute_s": compute, "bubble": bubble}
+    return {"memory": memory, "hbm_bytes": hbm, "accumulate_bytes": accumulate, "step_s": step, "compute_s": compute,
+            "bubble": bubble}
 
 
 def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, intra_host: float) -> float:
