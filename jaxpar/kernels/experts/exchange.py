@@ -180,8 +180,8 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     pairs = jnp.broadcast_to(x_BSD[:, :, None, :], (b, s, k, d))
     buf = jnp.zeros((num_experts, b * cap, d), x_BSD.dtype).at[ids_BSK, where].add(pairs, mode="drop")
     # [E/n, n x b x C, D]: my experts, every sender
-    buf = _arrived(dispatched(buf, lambda v: jax.lax.all_to_all(v, axis, 0, 1, tiled=True) if axis else v,
-                              dtype=dispatch_dtype))
+    buf = dispatched(buf, lambda v: jax.lax.all_to_all(v, axis, 0, 1, tiled=True) if axis else v, dtype=dispatch_dtype)
+    buf = _arrived(buf) if axis else buf
     out = _reduced(ffn(weights, buf), reduce_axes)
     if axis:
         out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
