@@ -48,11 +48,23 @@ def flops_rows(facts: Facts) -> dict[str, Any]:
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
         + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(*recompute)
            if recompute else ""),
+        "matmul_types": facts.report.matmul_types,
     }
 
 
 def flops_lines(doc: dict[str, Any]) -> list[str]:
-    return ["", table_header("compute and traffic per device per step"), line(doc["flops"], count)]
+    return ["", table_header("compute and traffic per device per step"), line(doc["flops"], count),
+            *fp8_lines(doc.get("matmul_types") or {})]
+
+
+def fp8_lines(types: dict[str, int]) -> list[str]:
+    """Where the compiled step multiplies in FP8: how many of its GEMMs read 8-bit operands,
+    by operand types (jaxpar.inspect.hlo.dot_types); nothing when none does."""
+    eight = {t: n for t, n in types.items() if "f8" in t}
+    if not eight:
+        return []
+    parts = ", ".join(f"{n} {t}" for t, n in eight.items())
+    return [f"  FP8 GEMMs: {sum(eight.values())} of {sum(types.values())} matrix multiplies ({parts})"]
 
 
 def gradient_rows(facts: Facts) -> dict[str, Any]:

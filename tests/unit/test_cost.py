@@ -192,3 +192,11 @@ def test_an_update_into_a_view_of_a_stacked_buffer_is_in_place():
     written) and its index, not the stack (before: 4x the stack's 256 KiB counted)."""
     store = step_cost(VIEW_STORE, GPU).kernels[0]
     assert store.bytes == 2 * 4 * 64 * 256 + 4
+
+
+def test_explain_says_how_many_gemms_read_fp8():
+    from jaxpar.inspect.traffic import fp8_lines
+
+    assert fp8_lines({"bf16 x bf16": 56, "f8e4m3fn x f8e4m3fn": 45, "f8e4m3fn x f8e5m2": 24}) == [
+        "  FP8 GEMMs: 69 of 125 matrix multiplies (45 f8e4m3fn x f8e4m3fn, 24 f8e4m3fn x f8e5m2)"]
+    assert fp8_lines({"bf16 x bf16": 56}) == []
