@@ -34,14 +34,10 @@ FORWARD = jnp.float8_e4m3fn
 GRADIENT = jnp.float8_e5m2
 
 
-def scale_of(x: jax.Array, dtype) -> jax.Array:
-    """The float32 power of two by which x is divided to fill dtype's range: 2^ceil(log2(amax
-    / max)). An all-zero tensor gets 1."""
-    return _power_of_two(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype)
-
-
 def _power_of_two(amax: jax.Array, dtype) -> jax.Array:
-    """2^ceil(log2(amax / max)) from the exponent's bits (frexp), never from a logarithm:
+    """The float32 power of two by which a block whose largest magnitude is `amax` is divided
+    to fill dtype's range; an all-zero block gets 1.
+    2^ceil(log2(amax / max)) from the exponent's bits (frexp), never from a logarithm:
     XLA:CPU's log2 is not exact at powers of two in every fusion, and a ratio that is one
     (a block quantized before, whose maximum is 1.75 x 2^k) then got twice its scale in
     one program and not in another."""
@@ -55,7 +51,7 @@ def _power_of_two(amax: jax.Array, dtype) -> jax.Array:
 def quantize_blocks(x: jax.Array, blocks: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
     """(x in dtype, scales): x cut into blocks of `blocks` elements along each axis (each
     dividing its axis: 1 gives every index its own scale, the axis's size one for all of
-    it), each block divided by its own power-of-two scale (`scale_of`'s rule). The scales
+    it), each block divided by its own power-of-two scale (`_power_of_two`). The scales
     have one entry per block: shape [d // b for d, b in zip(x.shape, blocks)].
 
     A power of two divides exactly, so quantizing a block's dequantized values again with
@@ -85,11 +81,11 @@ def expand_scales(scales: jax.Array, blocks) -> jax.Array:
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """(x / scale in dtype, scale): saturated at dtype's maximum (a non-finite x stays
-    non-finite, for the step's guard to see)."""
-    scale = scale_of(x, dtype)
-    limit = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype), scale
+    """(x / scale in dtype, scale): the whole tensor one block of `quantize_blocks`, its
+    scalar scale; saturated at dtype's maximum (a non-finite x stays non-finite, for the
+    step's guard to see)."""
+    q, scales = quantize_blocks(x, x.shape, dtype)
+    return q, scales.reshape(())
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tuple[int, ...], scale: jax.Array,
