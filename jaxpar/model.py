@@ -158,8 +158,8 @@ MEMBERS: dict[str, Any] = {
     "layer_param_count": None, "leading_layers": None, "update": None, "summarise": None,
     "vocab_size": None, "in_features": None, "num_classes": None, "embed": None, "num_layers": None,
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
-    "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0, "remat": "none", "sliding_window": 0, "layer_windows": None,
-    "v_head_dim": 0,
+    "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0,
+    "remat": "none", "sliding_window": 0, "layer_windows": None, "v_head_dim": 0,
 }
 _DEFAULT = object()
 

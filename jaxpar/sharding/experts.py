@@ -3,9 +3,10 @@ expert-parallel mesh axes of the active layout (jaxpar.kernels.experts).
 
 Like `attend`, `run_experts` reads the layout entered around tracing, so a model names no
 mesh and holds no collective; `expert_matmul`, the experts' own matmuls, multiplies in the
-layout's dtype (FP8 with fine-grained scales under train.matmul_dtype=fp8). Expert weights are named ("experts", ..., "expert_mlp", ...):
-the "experts" compute rule gives the expert-parallel axes, "expert_mlp" the axes that split
-each expert's hidden layer (tensor parallelism inside the experts).
+layout's dtype (FP8 with fine-grained scales under train.matmul_dtype=fp8). Expert weights
+are named ("experts", ..., "expert_mlp", ...): the "experts" compute rule gives the
+expert-parallel axes, "expert_mlp" the axes that split each expert's hidden layer (tensor
+parallelism inside the experts).
 """
 
 from __future__ import annotations
