@@ -37,11 +37,35 @@ def gpu_devices(target: str, topology: str = "1x1x1") -> list:
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology=topology).devices
+        devices = topologies.get_topology_desc("jaxpar", "cuda", target_config=text, topology=topology).devices
     except Exception as e:  # no plugin, or a file it cannot parse: one line, before any compile
         raise ConfigError(f"--target={target!r}: XLA's GPU compiler could not describe it ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}); it needs the CUDA plugin (pip install 'jax[cuda13]', "
                           "no GPU needed) and a GpuTargetConfig text file") from e
+    _attention_checks_see(devices[0].compute_capability)
+    return devices
+
+
+def target_capability() -> str | None:
+    """The compute capability of the GPUs this process compiles for without them, or None
+    (no deviceless target: a process on real GPUs, or none)."""
+    return _TARGET[0]
+
+
+_TARGET: list[str | None] = [None]
+
+
+def _attention_checks_see(capability: str) -> None:
+    """JAX decides which cuDNN attention it allows (head dims up to 256 on Hopper, 128
+    before) by asking the default backend's GPU, which a deviceless compile runs without
+    (its backend is the CPU): point that question at the target's GPU instead, so the
+    program is the one JAX builds on that GPU."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    _TARGET[0] = capability
+    have = tuple(int(x) for x in capability.split("."))
+    cudnn.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    cudnn.is_cuda_compute_capability_equal = lambda c: have == tuple(int(x) for x in c.split("."))
 
 
 def _installed(module: str) -> bool:

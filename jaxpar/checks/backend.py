@@ -48,9 +48,10 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
         return f"train.compute_dtype={dtype}: cuDNN attention runs in bfloat16 or float16"
     # the heads it runs: queries' and values' padded to one size (jaxpar.sharding.attend.fused_attention)
     head = max(model.head_dim, declared(model, "v_head_dim"))
-    # JAX allows 256 only when its default backend is a Hopper GPU it can see: a deviceless
-    # compile for H100s (jaxpar.deviceless) runs on the CPU backend, so 128 there.
-    hopper = device is not None and float(getattr(device, "compute_capability", 0) or 0) >= 9.0 and _runs_on_gpu()
+    # JAX allows 256 only when the GPU it asks is a Hopper: its default backend's, or the
+    # target of a deviceless compile (jaxpar.deviceless points JAX's question there).
+    capability = getattr(device, "compute_capability", None) if device is not None else _asked_capability()
+    hopper = _runs_on_gpu() and float(capability or 0) >= 9.0
     largest = 256 if hopper else 128
     if head % 8 or head > largest:
         return (f"model.head_dim={model.head_dim}" + (f" (values {head})" if head != model.head_dim else "")
@@ -59,10 +60,25 @@ def cudnn_attention_problem(config, platform: str, device=None) -> str | None:
     return None
 
 
-def _runs_on_gpu() -> bool:
+def _asked_capability() -> str | None:
+    """The compute capability of the GPU JAX's checks ask: a deviceless target's, or the
+    default backend's first device's (None: no GPU)."""
     import jax
 
-    return jax.default_backend() == "gpu"
+    from jaxpar.deviceless import target_capability
+
+    if target_capability() is not None:
+        return target_capability()
+    return jax.devices()[0].compute_capability if jax.default_backend() == "gpu" else None
+
+
+def _runs_on_gpu() -> bool:
+    """Whether JAX's cuDNN checks see a GPU: the default backend's, or a deviceless target."""
+    import jax
+
+    from jaxpar.deviceless import target_capability
+
+    return jax.default_backend() == "gpu" or target_capability() is not None
 
 
 @rule(

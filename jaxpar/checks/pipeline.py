@@ -277,21 +277,6 @@ def pipeline_collective_matmul_pairs(config, sizes) -> None:
 
 
 @rule(
-    "pipeline-without-cudnn-attention",
-    fields=["mesh.stage", "parallel.attention"],
-    summary="cuDNN attention does not compile inside pipeline stages (its custom partitioning fails there).",
-    example=["mesh.stage=2", "train.microbatches=2", "parallel.attention=cudnn"],
-)
-def pipeline_without_cudnn_attention(config, sizes) -> None:
-    p = sizes["stage"]
-    if p > 1 and config.parallel.attention == "cudnn":
-        raise ConfigError(
-            f"parallel.attention=cudnn with mesh.stage={p}: cuDNN attention's custom partitioning fails inside the "
-            "pipeline's shard_map (jaxlib 0.12); use parallel.attention=flash or auto (which picks flash there)"
-        )
-
-
-@rule(
     "pipeline-zero-stage",
     fields=["parallel.zero.stage", "mesh.stage"],
     summary="A pipeline reduces its gradients once per step, so ZeRO-2/3 would only add traffic: parallel.zero.stage <= 1.",

@@ -327,12 +327,27 @@ def _bytes(ins, comps, shapes) -> int:
         param = params.get(index)
         if param is None or param.name in updated:
             continue
-        uses = users.get(param.name, [])
-        if uses and all(u.opcode in _SLICES and j == 0 for u, j in uses):
-            read += sum(nbytes(u.shape) for u, _ in uses)
-        else:
-            read += nbytes(shapes.get(operand, ""))
+        sliced = _sliced_bytes(param.name, users)
+        read += nbytes(shapes.get(operand, "")) if sliced is None else sliced
     return read + written
+
+
+def _sliced_bytes(name: str, users) -> int | None:
+    """The bytes a fusion reads of a value only slices of which it uses (through bitcasts:
+    views, as a stacked layer in another layout), or None if it uses the value whole."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    read = 0
+    for use, operand in uses:
+        inner = _sliced_bytes(use.name, users) if use.opcode == "bitcast" else None
+        if inner is not None:
+            read += inner
+        elif use.opcode in _SLICES and operand == 0:
+            read += nbytes(use.shape)
+        else:
+            return None
+    return read
 
 
 def _in_place(body: list) -> tuple[set[str], int]:

@@ -20,6 +20,7 @@ from jaxpar.kernels.attention import (ContextSpec, Masking, context_attention, f
                                      same_head_dim)
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
+from jaxpar.mesh import mesh_here
 from jaxpar.sharding.annotate import Layout, active_layout
 from jaxpar.sharding.kv_cache import active_cache, attend_cached
 
@@ -68,12 +69,21 @@ def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=
     if impl == "cudnn":
         if segment_ids is not None:  # refused before compile (jaxpar.checks); a caller's own call lands here
             raise ValueError("attend: attention=cudnn does not take segment_ids (packed sequences); use flash")
-        return fused_attention(q_BSHK, k_BSGK, v_BSGK, causal, window)
+        return _local(layout, lambda q, k, v: fused_attention(q, k, v, causal, window))(q_BSHK, k_BSGK, v_BSGK)
     if impl == "flash":
         index = jnp.arange(q_BSHK.shape[1])
         masking = Masking(causal, layout.context.block, layout.context.block, layout.context.kernel, window)
         return flash_attention(q_BSHK, k_BSGK, v_BSGK, index, index, segment_ids, segment_ids, masking)
     return reference_attention(q_BSHK, k_BSGK, v_BSGK, segment_ids, causal, window=window)
+
+
+def _local(layout: Layout, kernel):
+    """`kernel(q, k, v)` on each device's own heads and sequences, inside a shard_map manual
+    over every mesh axis: cuDNN's attention then never needs its custom partitioning, which
+    fails inside the pipeline executor's shard_map (manual over the stage axis only)."""
+    q_spec, kv_spec = layout.rules.spec(Q_NAMES, "compute"), layout.rules.spec(KV_NAMES, "compute")
+    return jax.shard_map(kernel, mesh=mesh_here(layout.mesh), in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)
 
 
 def fused_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, causal: bool = True, window: int = 0,

@@ -39,7 +39,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         hosts=config.mesh.hosts,
         projections=Projections(parallel.tensor.collective_matmul, config.train.matmul_dtype,
                                 config.train.fp8_expert_block),
-        attention=attention(config, device, mesh.shape["context"], mesh.shape["stage"]),
+        attention=attention(config, device, mesh.shape["context"]),
         tensor=parallel.tensor,
         zero=parallel.zero,
         pipeline=parallel.pipeline,
@@ -85,12 +85,11 @@ def expert_exchange(config: Any, platform: str) -> str:
     return ("ragged" if platform == "gpu" else "padded") if exchange == "auto" else exchange
 
 
-def attention(config: Any, device: jax.Device, context: int = 1, stage: int = 1) -> str:
+def attention(config: Any, device: jax.Device, context: int = 1) -> str:
     """parallel.attention with auto resolved: cuDNN's fused attention where it applies (a
-    sharded sequence runs the context-parallel kernels instead, and needs no choice). Not
-    inside pipeline stages: cuDNN attention's custom partitioning fails in their shard_map
-    (jaxlib 0.12, compiled for H100s). Elsewhere on GPUs jaxpar's blockwise kernel (flash),
-    which never holds a sequence's [S, S] scores (packed documents, float32, wide heads:
+    sharded sequence runs the context-parallel kernels instead, and needs no choice; inside
+    pipeline stages too, as jaxpar.sharding.attend calls it on each device's own heads).
+    Elsewhere on GPUs jaxpar's blockwise kernel (flash), which never holds a sequence's [S, S] scores (packed documents, float32, wide heads:
     benchmarks/gpu_compile.py's hf: fine-tunes held 2.5x the memory with them); the
     reference on other devices."""
     choice = config.parallel.attention
@@ -98,6 +97,6 @@ def attention(config: Any, device: jax.Device, context: int = 1, stage: int = 1)
         return "reference"  # unused: the context kernels run (the checks refuse other choices there)
     if choice != "auto":
         return choice
-    if stage == 1 and cudnn_attention_problem(config, device.platform, device) is None:
+    if cudnn_attention_problem(config, device.platform, device) is None:
         return "cudnn"
     return "flash" if device.platform == "gpu" else "reference"

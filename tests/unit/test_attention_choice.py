@@ -9,6 +9,7 @@ request where it cannot run is refused before compile), not its numbers.
 Its sharded Llama run is tests/equivalence/test_attention_choice.py.
 """
 
+import sys
 import types
 
 import jax
@@ -47,6 +48,38 @@ def test_flash_equals_reference_with_packed_segments():
     assert tree_error(loss("flash"), loss("reference")) < 1e-5
 
 
+def test_the_fused_kernel_runs_on_each_devices_heads_inside_a_pipeline_stage(monkeypatch):
+    """cuDNN's kernel is called inside a shard_map manual over every axis, so its custom
+    partitioning (which fails inside the pipeline executor's shard_map, manual over the stage
+    axis only) never runs. Here in a shard_map manual over `stage`, with the batch over `data`
+    and the heads (4 query, 2 key/value) over `tensor`; JAX's "xla" implementation stands in
+    for cuDNN's, which needs a GPU: values and gradients equal the reference, fp32 to 1e-5."""
+    import functools
+
+    from jax.sharding import PartitionSpec as P
+
+    attend_module = sys.modules["jaxpar.sharding.attend"]  # the module; jaxpar.sharding.attend is its function
+    mesh = make_mesh(MeshConfig(stage=2, data=2, tensor=2), jax.devices()[:8])
+    monkeypatch.setattr(attend_module, "fused_attention",
+                        functools.partial(attend_module.fused_attention, implementation="xla"))
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 4, 16, 4, 8)), jnp.float32)  # [stage, B, S, H, K]
+    k, v = (jnp.asarray(rng.standard_normal((2, 4, 16, 2, 8)), jnp.float32) for _ in range(2))
+
+    def loss(impl):
+        layout = Layout(mesh, default_rules(mesh.shape, False), attention=impl)
+
+        def stage(q, k, v):  # one stage's share, as the executor runs it
+            with use_layout(layout):
+                return jnp.sum(jnp.sin(attend(q[0], k[0], v[0])))[None]
+
+        staged = jax.shard_map(stage, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"},
+                               check_vma=False)
+        return jax.value_and_grad(lambda *a: jnp.sum(staged(*a)), argnums=(0, 1, 2))(q, k, v)
+
+    assert tree_error(jax.jit(lambda: loss("cudnn"))(), jax.jit(lambda: loss("reference"))()) < 1e-5
+
+
 def device(platform="gpu", capability="9.0", version="cuda 12080"):
     """What _attention reads of a jax.Device."""
     return types.SimpleNamespace(platform=platform, compute_capability=capability, device_kind=f"{platform} {capability}",
@@ -74,17 +107,18 @@ def test_auto_picks_cudnn_where_it_applies(tiny_llama, overrides, where, want, m
     config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16"] + overrides)
     assert _attention(config, where) == want
     assert _attention(config, where, context=2) == "reference"  # context-parallel kernels run instead
-    if want == "cudnn":  # cuDNN's custom partitioning fails inside the pipeline's shard_map
-        assert _attention(config, where, stage=2) == "flash"
 
 
-def test_a_deviceless_compile_keeps_cudnn_to_the_head_dims_jax_allows_it(tiny_llama):
-    """Compiling for H100s from the CPU backend (jaxpar.deviceless), JAX's own check sees no
-    Hopper and allows cuDNN heads up to 128 only: auto picks flash for DeepSeek's 192, rather
-    than an attention JAX refuses at trace time."""
+def test_cudnn_heads_up_to_256_need_a_hopper_that_jax_asks(tiny_llama, monkeypatch):
+    """JAX allows cuDNN heads up to 256 only if the GPU it asks is a Hopper: with no GPU
+    backend and no deviceless target, 128, so auto picks flash for DeepSeek's 192 rather than
+    an attention JAX refuses at trace time; compiling for H100s without them
+    (jaxpar.deviceless), the target answers, and cuDNN it is."""
     config = apply_overrides(tiny_llama, ["train.compute_dtype=bfloat16", "model.head_dim=192"])
     assert _attention(config, device()) == "flash"
     assert _attention(apply_overrides(config, ["model.head_dim=128"]), device()) == "cudnn"
+    monkeypatch.setattr(sys.modules["jaxpar.deviceless"], "_TARGET", ["9.0"])
+    assert _attention(config, device()) == "cudnn"
 
 
 def test_cudnn_is_refused_off_gpus_before_compile(tiny_llama):

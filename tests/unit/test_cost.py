@@ -194,6 +194,31 @@ def test_an_update_into_a_view_of_a_stacked_buffer_is_in_place():
     assert store.bytes == 2 * 4 * 64 * 256 + 4
 
 
+VIEW_SLICE = """HloModule s
+
+%take (i: s32[], stack: bf16[8,1,512,128]) -> bf16[128,1,512] {
+  %stack = bf16[8,1,512,128]{3,2,1,0} parameter(1)
+  %view = bf16[128,8,1,512]{3,2,1,0} bitcast(%stack)
+  %z = s32[] constant(0)
+  %i = s32[] parameter(0)
+  ROOT %s = bf16[128,1,1,512]{3,2,1,0} dynamic-slice(%view, %z, %i, %z, %z), dynamic_slice_sizes={128,1,1,512}
+}
+
+ENTRY %main (i: s32[], stack: bf16[8,1,512,128]) -> bf16[128,1,1,512] {
+  %i = s32[] parameter(0)
+  %stack = bf16[8,1,512,128]{3,2,1,0} parameter(1)
+  ROOT %f = bf16[128,1,1,512]{3,2,1,0} fusion(%i, %stack), kind=kLoop, calls=%take
+}
+"""
+
+
+def test_a_slice_of_a_view_reads_the_slice():
+    """A blockwise kernel's block taken out of another layout of its stack: the fusion slices
+    a bitcast of its parameter and reads one block of eight (before: the whole stack)."""
+    take = step_cost(VIEW_SLICE, GPU).kernels[0]
+    assert take.bytes == 4 + 2 * 2 * 128 * 512  # the index; the block read and written
+
+
 def test_explain_says_how_many_gemms_read_fp8():
     from jaxpar.inspect.traffic import fp8_lines
 

@@ -182,3 +182,32 @@ def test_group_slots_claim_once_per_group(seed, capacity):
     got = np.asarray(group_slots(jnp.asarray(ids), jnp.asarray(priority), groups, e, capacity))
     np.testing.assert_array_equal(got, group_slots_by_loop(ids, priority, groups, e, capacity))
     assert (ids // 2 == np.roll(ids, 1, axis=1) // 2).any()  # some token chose twice in one group
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_combine_equals_autodiff_of_its_reference_and_keeps_no_float32_pairs(dtype):
+    """The weighted sum of each token's rows (some indices past the end: dropped pairs) and
+    its two gradients are the reference's bit for bit; its backward pass keeps the rows it
+    picked from, not the picked pairs [T, k, D] in float32 the reference keeps."""
+    from jaxpar.kernels.experts.combine import reference_weighted_rows, weighted_rows
+
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.standard_normal((12, 16)), dtype)
+    index = jnp.asarray(rng.integers(0, 14, (2, 5, 3)), jnp.int32)  # 12, 13: past the end
+    gates = jnp.asarray(rng.random((2, 5, 3)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((2, 5, 16)), dtype)
+
+    def vjp(f):
+        y, pull = jax.vjp(lambda r, g: f(r, index, g, dtype), rows, gates)
+        return y, pull(cotangent)
+
+    got, want = jax.jit(lambda: vjp(weighted_rows))(), jax.jit(lambda: vjp(reference_weighted_rows))()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert np.any(np.asarray(got[1][0], np.float32) != 0)
+    from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' list (jax 0.12)
+
+    def pairs_saved(f):
+        return any(r[0].shape == (2, 5, 3, 16) for r in saved_residuals(lambda r, g: f(r, index, g, dtype), rows, gates))
+
+    assert pairs_saved(reference_weighted_rows) and not pairs_saved(weighted_rows)

@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.choices import ExpertExchange, Routing
+from jaxpar.kernels.experts.combine import weighted_rows
 from jaxpar.kernels.experts.payload import dispatched
 from jaxpar.kernels.experts.slots import DROPPED, capacity_slots, expert_capacity, group_slots
 from jaxpar.kernels.experts.two_hop import two_hop_exchange
@@ -154,15 +155,13 @@ def local_experts(x_BSD, ids_BSK, gates_BSK, priority_BSK, weights, ffn, routing
                                      hosts, groups, num_experts, reduce_axes, dispatch_dtype, _arrived)
                 return y, slots >= 0
         kept = slots >= 0
-        y_pairs = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts,
-                                     dispatch_dtype)
+        rows, index = _capacity_exchange(x_BSD, ids_BSK, slots, cap, weights, ffn, axis, reduce_axes, num_experts,
+                                         dispatch_dtype)
     else:
         kept = jnp.ones(ids_BSK.shape, bool)
-        y_pairs = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange,
-                                     dispatch_dtype)
-    gates = jnp.where(kept, gates_BSK, 0).astype(jnp.float32)
-    y = jnp.einsum("bskd,bsk->bsd", y_pairs.astype(jnp.float32), gates)
-    return y.astype(x_BSD.dtype), kept
+        rows, index = _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange,
+                                         dispatch_dtype)
+    return weighted_rows(rows, index, jnp.where(kept, gates_BSK, 0), x_BSD.dtype), kept
 
 
 def two_hops(axis: tuple[str, ...], hosts: int, groups: int) -> bool:
@@ -172,7 +171,8 @@ def two_hops(axis: tuple[str, ...], hosts: int, groups: int) -> bool:
 
 
 def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduce_axes, num_experts, dispatch_dtype):
-    """Outputs [B, S, K, D] of each pair's expert (zero where dropped)."""
+    """The experts' output rows [E x b x C, D] and each pair's row [B, S, K] (past the end
+    where dropped)."""
     b, s, d = x_BSD.shape
     k = ids_BSK.shape[-1]
     rows = jnp.arange(b)[:, None, None]
@@ -185,7 +185,8 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     out = _reduced(ffn(weights, buf), reduce_axes)
     if axis:
         out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
-    return out.at[ids_BSK, where].get(mode="fill", fill_value=0)
+    rows = num_experts * b * cap
+    return out.reshape(rows, d), jnp.where(slots_BSK >= 0, ids_BSK * (b * cap) + where, rows)
 
 
 def _arrived(x):
@@ -195,6 +196,7 @@ def _arrived(x):
 
 
 def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_experts, exchange, dispatch_dtype):
+    """The experts' output rows [B x S x K, D], sorted by expert, and each pair's row."""
     b, s, d = x_BSD.shape
     k = ids_BSK.shape[-1]
     pairs = b * s * k
@@ -209,7 +211,8 @@ def _dropless_exchange(x_BSD, ids_BSK, weights, ffn, axis, reduce_axes, num_expe
     else:
         collective = jax.lax.ragged_all_to_all if exchange == "ragged" else emulated_ragged_all_to_all
         y_sorted = _ragged_exchange(x_sorted, counts, weights, ffn, axis, reduce_axes, collective, dispatch_dtype)
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(b, s, k, d)
+    place = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))  # each pair's sorted row
+    return y_sorted, place.reshape(b, s, k)
 
 
 def _reduced(out, reduce_axes):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpar.kernels.experts.combine import weighted_rows
 from jaxpar.kernels.experts.payload import dispatched
 from jaxpar.kernels.experts.slots import first_in_group
 
@@ -78,11 +79,13 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     out = ffn(weights, arrived(dispatched(host_buf, move(inside, 0, 1), dtype=dispatch_dtype)))
     out = jax.lax.psum(out, reduce_axes) if reduce_axes else out
     out = arrived(move(inside, 1, 0)(out))  # [E_host, H x b x C, D]
-    picked = out.at[expert, where].get(mode="fill", fill_value=0)  # [G/H, H x rows, k, D]
-    summed = jnp.einsum("grkd,grk->grd", picked.astype(jnp.float32), gate).astype(x_BSD.dtype)
+    flat = e_host * hosts * b * cap
+    summed = weighted_rows(out.reshape(flat, d), jnp.where(expert >= 0, expert * (hosts * b * cap) + where, flat),
+                           gate, x_BSD.dtype)  # [G/H, H x rows, D]
     back = arrived(move(across, 1, 0)(summed))  # [G, rows, D]: my rows' sums on each group
-    mine = back.at[group, send_row].get(mode="fill", fill_value=0)  # [B, S, k, D], zero but at a group's first choice
-    return jnp.sum(mine.astype(jnp.float32), axis=2).astype(x_BSD.dtype)
+    # each token's groups, at their first choices
+    index = jnp.where(send_row < rows, group * rows + send_row, groups * rows)
+    return weighted_rows(back.reshape(groups * rows, d), index, jnp.ones(send_row.shape, jnp.float32), x_BSD.dtype)
 
 
 def _sources(shape, first, second, source) -> jax.Array:

@@ -1,0 +1,51 @@
+"""The experts' combine: each token's output, the weighted sum of the rows its choices came
+back in (float32 sums, in the tokens' dtype).
+
+Written as autodiff sees it (`reference_weighted_rows`), the picked rows [..., k, D] are a
+float32 residual of the backward pass (the weights' gradient reads them): at DeepSeek-V3's
+width 4 bytes x k x D a token, more than the layer's expert buffers themselves. Here the
+backward pass keeps the rows it picked from ([N, D], in their own dtype, alive anyway) and
+picks again; the forward pass, which saves nothing, fuses the pick into the sum. The
+values and both gradients are the reference's, operation for operation.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def weighted_rows(rows_ND: jax.Array, index_TK: jax.Array, weights_TK: jax.Array, dtype) -> jax.Array:
+    """y [..., D] = sum over k of weights[..., k] x rows[index[..., k]], in float32, cast to
+    `dtype`; an index of N or more adds nothing."""
+    return _weighted_rows(rows_ND, index_TK, weights_TK.astype(jnp.float32), jnp.dtype(dtype))
+
+
+def reference_weighted_rows(rows_ND, index_TK, weights_TK, dtype) -> jax.Array:
+    """The same, left to autodiff."""
+    picked = rows_ND.at[index_TK].get(mode="fill", fill_value=0)
+    return jnp.einsum("...kd,...k->...d", picked.astype(jnp.float32), weights_TK.astype(jnp.float32)).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _weighted_rows(rows, index, weights, dtype):
+    return reference_weighted_rows(rows, index, weights, dtype)
+
+
+def _forward(rows, index, weights, dtype):
+    return reference_weighted_rows(rows, index, weights, dtype), (rows, index, weights)
+
+
+def _backward(dtype, residuals, dy):
+    rows, index, weights = residuals
+    dy = dy.astype(jnp.float32)
+    picked = rows.at[index].get(mode="fill", fill_value=0).astype(jnp.float32)
+    d_weights = jnp.einsum("...kd,...d->...k", picked, dy)
+    d_pairs = (dy[..., None, :] * weights[..., None]).astype(rows.dtype)
+    d_rows = jnp.zeros_like(rows).at[index].add(d_pairs, mode="drop")
+    return d_rows, None, d_weights
+
+
+_weighted_rows.defvjp(_forward, _backward)
