@@ -23,7 +23,7 @@ devices, a triple on 8, so no axis the cell does not name is > 1):
         topk (parallel.compression.method=topk at fraction 1, lossless; mesh.hosts.data=2)
   fsdp: fsdp          tensor: tensor, tensor+sp (parallel.tensor.sequence_parallel)
   context: ring, ulysses, allgather (parallel.context.impl)       expert: expert
-  stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1 (parallel.pipeline.schedule)
+  stage: gpipe, 1f1b, interleaved (pipeline_chunks=2), zb-h1, 1f1b-overlap (parallel.pipeline.schedule)
 
 Cells with `expert` use the moe recipe, the others the llama recipe, each with its own model
 shape, seq_len and global batch; the cells marked [deepseek] (every pair with expert, and
@@ -90,7 +90,7 @@ class Strategy:
     sets: tuple[str, ...] = ()  # the parallel.* overrides that select it (besides mesh.<axis>=2)
 
 
-PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PIPELINES = ("gpipe", "1f1b", "interleaved", "zb-h1", "1f1b-overlap")
 STRATEGIES = (
     Strategy("data", "data"),
     *(Strategy(f"zero{k}", "data", (f"parallel.zero.stage={k}",)) for k in (1, 2, 3)),
@@ -186,7 +186,8 @@ GEMMA3_1B_CELLS = (("data", "tensor"), ("ring", "tensor+sp"), ("ulysses", "tenso
 # DeepSeek's (its dense layer on the first stage); the two-batch overlap beside expert.
 UNEVEN_CELLS = (("gpipe", "fsdp"), ("1f1b", "tensor+sp"), ("interleaved", "tensor"), ("zb-h1", "data"),
                 ("1f1b", "fsdp", "tensor+sp"))
-DEEPSEEK_UNEVEN_CELLS = (("1f1b", "data", "expert"), ("zb-h1", "expert"), ("gpipe", "expert", "tensor"))
+DEEPSEEK_UNEVEN_CELLS = (("1f1b", "data", "expert"), ("zb-h1", "expert"), ("gpipe", "expert", "tensor"),
+                         ("1f1b-overlap", "data", "expert"))
 TWO_BATCH_CELLS = (("data", "expert"), ("1f1b", "data", "expert"), ("fsdp", "expert", "tensor"), ("expert", "tensor+sp"))
 # FP8 experts and dispatch where every device sums what it quantizes in the single device's
 # order. Where float32 sums run in another order before a quantization (tensor parallelism's

@@ -28,7 +28,7 @@ Attention = Literal["auto", "reference", "flash", "cudnn"]  # auto: resolved per
 # jaxpar.kernels.experts.EXCHANGES, has the resolved ones and an emulated one for tests
 ExpertExchange = Literal["auto", "padded", "ragged"]
 DispatchDtype = Literal["compute", "fp8"]  # what the experts' dispatch all-to-all moves
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "1f1b-overlap"]
 PipelineBalance = Literal["even", "balanced"]  # layers per stage without a list (jaxpar.pipeline.split)
 OnReplicated = Literal["warn", "error", "allow"]
 # train

@@ -235,6 +235,16 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
             (_, _, rep), vjp = jax.vjp(lambda c, o: stages.last(c, o, x, mb), c, o)
             return zero_message, zero_message, add(acc, *vjp((*seed, _seed(rep)))), none, none
 
+        # 1f1b-overlap: one microbatch's forward beside another's backward (xb, mbb), two
+        # independent chains XLA may interleave (one's all-to-alls travel while the other computes)
+        def forward_backward_first(x, g, mb, c, o, acc, xb, mbb):
+            _, _, acc, l, w = backward_first(xb, g, mbb, c, o, acc)
+            return forward_first(x, g, mb, c, o, acc)[0], zero_message, acc, l, w
+
+        def forward_backward_mid(x, g, mb, c, o, acc, xb, mbb):
+            _, dx, acc, l, w = backward_mid(xb, g, mbb, c, o, acc)
+            return forward_mid(x, g, mb, c, o, acc)[0], dx, acc, l, w
+
         functions = {
             "idle": idle,
             "forward_first": forward_first,
@@ -247,13 +257,20 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
             "weight_grad_first": backward_first,
             "weight_grad_mid": weight_grad_mid,
             "weight_grad_last": weight_grad_last,
+            "forward_backward_first": forward_backward_first,
+            "forward_backward_mid": forward_backward_mid,
         }
         # Ops the schedule never runs become `idle`: the switch keeps its branch count (and the
         # compiled program's accounting its branch shares), and XLA compiles the chunk's forward
         # and backward only as often as the schedule needs (1F1B over two stages runs 3 of the 10
         # ops: PP x ring x TP's step traced in 1.0 s, not 2.5, and compiled in 5.1 s, not 10.9).
-        sized = lambda fn: lambda x, g, mb, c, o, acc: fn(x, g, mb, cut(c), o, acc)  # noqa: E731
-        return [sized(functions[name]) if base + i in used else idle for i, name in enumerate(BRANCHES)]
+        def sized(name):  # every branch takes the backward part's input and microbatch too
+            fn = functions[name]
+            if name.startswith("forward_backward"):
+                return lambda x, g, mb, c, o, acc, xb, mbb: fn(x, g, mb, cut(c), o, acc, xb, mbb)
+            return lambda x, g, mb, c, o, acc, xb, mbb: fn(x, g, mb, cut(c), o, acc)
+
+        return [sized(name if base + i in used else "idle") for i, name in enumerate(BRANCHES)]
 
     send_on = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
     send_back = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
@@ -268,12 +285,14 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         start = row["chunk"] * per_chunk
         chunk, frozen_chunk = _chunk(layers, start, per_chunk), _chunk(frozen_layers, start, per_chunk)
         branches = [b for k in range(len(sizes)) for b in make_branches(frozen_chunk, k)]
-        mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row["microbatch"], 0, keepdims=False), micro)
-        mb = at_layer(mb, offsets[row["chunk"] * p + jax.lax.axis_index(STAGE)])  # chunk c is virtual stage c p + s
-        x = jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row["act_slot"], 0), 0, keepdims=False)
+        first_layer = offsets[row["chunk"] * p + jax.lax.axis_index(STAGE)]  # chunk c is virtual stage c p + s
+        mb, mbb = (at_layer(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row[k], 0, keepdims=False), micro),
+                            first_layer) for k in ("microbatch", "back_microbatch"))
+        x, xb = (jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row[k], 0), 0, keepdims=False)
+                 for k in ("act_slot", "back_act_slot"))
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
         out, back, (d_layers, d_other, _, sums, per_layer), l, w = jax.lax.switch(
-            row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start, sums, per_layer)
+            row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start, sums, per_layer), xb, mbb
         )
         arrived = jax.lax.ppermute(out, STAGE, send_on)
         returned = jax.lax.ppermute(back, STAGE, send_back)

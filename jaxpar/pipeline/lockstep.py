@@ -9,6 +9,7 @@ the first virtual stage, + `last_extra`, the head and loss, on the last):
   B  fused: 3w (recompute, input and weight gradients); split: 2w (recompute, input
      gradient), 0 on the first virtual stage (no input to differentiate)
   W  3w (recompute, then the weight gradients through the chunk)
+  FB its forward's and its backward's
 
 (jaxpar.pipeline.program's `_branch`.) Pure Python: nothing here imports jax.
 """
@@ -38,6 +39,8 @@ def lockstep_cost(name: str, p: int, m: int, v: int, counts: tuple[int, ...], fi
     def cost(op, s: int) -> float:
         if op is None:
             return 0.0
+        if op.kind == "FB":
+            return sum(cost(part, s) for part in op.parts())
         vs = op.chunk * p + s
         if op.kind == "F":
             return 0.0 if vs == last else work[vs]

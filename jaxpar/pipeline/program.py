@@ -48,9 +48,13 @@ BRANCHES = (
     "weight_grad_first",  # split backward: the weight gradients (recomputed)
     "weight_grad_mid",
     "weight_grad_last",
+    "forward_backward_first",  # 1f1b-overlap: one microbatch's forward_first beside another's backward_first
+    "forward_backward_mid",  # the same of _mid (on the last stage a pair is its backward: its forward waits)
 )
 BRANCH = {name: i for i, name in enumerate(BRANCHES)}
-COLUMNS = ("branch", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act", "recv_grad")
+# back_microbatch, back_act_slot: what a forward_backward op's backward reads (others: their own)
+COLUMNS = ("branch", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act", "recv_grad", "back_microbatch",
+           "back_act_slot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +101,8 @@ def program(timeline: Timeline, layers: StageSplit | None = None) -> Program:
     when: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
     for s, row in enumerate(timeline.grid):
         for t, op in enumerate(row):
-            if op is not None:
-                when[(op.kind, op.microbatch, op.chunk * p + s)] = t
+            for part in op.parts() if op is not None else ():
+                when[(part.kind, part.microbatch, op.chunk * p + s)] = t
     done = "W" if split else "B"  # the op after which a chunk's input and gradient are free
 
     # What waits on each device: (arrival tick, last tick it is read, key)
@@ -114,29 +118,35 @@ def program(timeline: Timeline, layers: StageSplit | None = None) -> Program:
     grad_slot, grad_used = _allocate(grads)
 
     ticks = timeline.steps
-    tables = {c: np.full((ticks, p), -1 if c not in ("branch", "microbatch", "chunk") else 0, np.int32) for c in COLUMNS}
+    zero = ("branch", "microbatch", "chunk", "back_microbatch")
+    tables = {c: np.full((ticks, p), 0 if c in zero else -1, np.int32) for c in COLUMNS}
     for s, row in enumerate(timeline.grid):
         for t, op in enumerate(row):
             if op is None:
                 continue
             vs = op.chunk * p + s
-            key = (op.microbatch, vs)
+            back = op.partner if op.kind == "FB" else op.microbatch  # the microbatch a backward part reads
             tables["branch"][t, s] = BRANCH[_branch(op, vs, last, split)] + len(BRANCHES) * size_class(vs)
             tables["microbatch"][t, s] = op.microbatch
             tables["chunk"][t, s] = op.chunk
-            tables["act_slot"][t, s] = act_slot.get((s, key), -1)
-            tables["grad_slot"][t, s] = grad_slot.get((s, key), -1)
+            tables["act_slot"][t, s] = act_slot.get((s, (op.microbatch, vs)), -1)
+            tables["grad_slot"][t, s] = grad_slot.get((s, (back, vs)), -1)
+            tables["back_microbatch"][t, s] = back
+            tables["back_act_slot"][t, s] = act_slot.get((s, (back, vs)), -1)
             # what this op sends lands on the neighbour at the end of this tick
-            if op.kind == "F" and vs < last:
-                tables["recv_act"][t, (s + 1) % p] = act_slot[((s + 1) % p, (op.microbatch, vs + 1))]
-            if op.kind == "B" and vs > 0:
-                tables["recv_grad"][t, (s - 1) % p] = grad_slot[((s - 1) % p, (op.microbatch, vs - 1))]
+            for part in op.parts():
+                if part.kind == "F" and vs < last:
+                    tables["recv_act"][t, (s + 1) % p] = act_slot[((s + 1) % p, (part.microbatch, vs + 1))]
+                if part.kind == "B" and vs > 0:
+                    tables["recv_grad"][t, (s - 1) % p] = grad_slot[((s - 1) % p, (part.microbatch, vs - 1))]
     return Program(timeline, tables, max(*act_used, 1), max(*grad_used, 1), split, act_used, grad_used,
                    layers if uneven else None)
 
 
 def _branch(op: Op, vs: int, last: int, split: bool) -> str:
     where = "first" if vs == 0 else "last" if vs == last else "mid"
+    if op.kind == "FB":  # the last stage's forward waits for its backward, which recomputes it
+        return "backward_last" if where == "last" else f"forward_backward_{where}"
     if op.kind == "F":
         return "idle" if where == "last" else f"forward_{where}"
     if op.kind == "W":

@@ -19,6 +19,13 @@ bubble fraction the papers give:
   zb-h1        zero bubble (arXiv 2401.10241): 1F1B with the         (p-1)/(3m+p-1) when
                backward split, stage s putting off s weight          F, B, W take the same
                gradients; in flight as 1F1B (p on stage 0)           time
+  1f1b-overlap 1F1B with each steady-state forward and backward      (p-1)/(m+p-1), with
+               in one op (FB: two microbatches at once, as           2p-1 microbatches in
+               DualPipe's and Megatron's overlapped 1F1B): stage     flight on stage 0
+               s runs 2(p-s-1) warm-up forwards, so that each tick
+               every stage can take a forward from one side and a
+               backward from the other; one microbatch's all-to-
+               alls travel while the other computes
 
 p stages (devices), m microbatches, v chunks per device (v = 1 but for interleaved).
 """
@@ -31,14 +38,21 @@ from typing import Callable, get_args
 from jaxpar.choices import PipelineSchedule
 
 SCHEDULES = get_args(PipelineSchedule)
-DURATION = {"F": 1, "B": 2, "W": 1}  # time steps; B is 1 when a W follows it (split backward)
+DURATION = {"F": 1, "B": 2, "W": 1, "FB": 3}  # time steps; B is 1 when a W follows it (split backward)
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: str  # "F", "B" or "W"
-    microbatch: int
+    kind: str  # "F", "B", "W" or "FB" (a forward and a backward, of two microbatches, together)
+    microbatch: int  # FB: the forward's
     chunk: int  # virtual stage: chunk c of device s is model piece c * p + s
+    partner: int = -1  # FB: the backward's microbatch
+
+    def parts(self) -> tuple[Op, ...]:
+        """The single ops this one runs: itself, or an FB's forward and backward."""
+        if self.kind != "FB":
+            return (self,)
+        return Op("F", self.microbatch, self.chunk), Op("B", self.partner, self.chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +87,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, unit: bool = False) ->
         raise ValueError(f"{name} needs at least as many microbatches as stages: m={m} < p={p}")
     if name == "interleaved" and m % p:
         raise ValueError(f"interleaved needs microbatches in groups of the stages: m={m} is not a multiple of p={p}")
-    orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble_h1}[name]
+    orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble_h1,
+              "1f1b-overlap": _overlapped}[name]
     return simulate([orders(s, p, m, v) for s in range(p)], p, m, v, unit)
 
 
@@ -86,6 +101,16 @@ def _one_f_one_b(s: int, p: int, m: int, v: int) -> list[Op]:
     order = [Op("F", i, 0) for i in range(warmup)]
     for i in range(m - warmup):
         order += [Op("F", warmup + i, 0), Op("B", i, 0)]
+    return order + [Op("B", i, 0) for i in range(m - warmup, m)]
+
+
+def _overlapped(s: int, p: int, m: int, v: int) -> list[Op]:
+    """1F1B with 2(p - s - 1) warm-up forwards and each steady-state pair in one op: stage s
+    then runs forward i at tick i + s and backward j at j + 2(p - 1) - s (unit ticks), a
+    forward arriving from one side and a gradient from the other each tick."""
+    warmup = min(2 * (p - s - 1), m)
+    order = [Op("F", i, 0) for i in range(warmup)]
+    order += [Op("FB", warmup + i, 0, partner=i) for i in range(m - warmup)]
     return order + [Op("B", i, 0) for i in range(m - warmup, m)]
 
 
@@ -140,16 +165,12 @@ def simulate(orders: list[list[Op]], p: int, m: int, v: int, unit: bool = False)
                 continue
             op = orders[s][cursor[s]]
             vs = op.chunk * p + s
-            if op.kind == "F":
-                needs = [("F", op.microbatch, vs - 1)] if vs > 0 else []
-            elif op.kind == "B":
-                needs = [("F", op.microbatch, vs)] + ([("B", op.microbatch, vs + 1)] if vs < last else [])
-            else:
-                needs = [("B", op.microbatch, vs)]
+            runs = {(part.kind, part.microbatch, vs) for part in op.parts()}
+            needs = [n for part in op.parts() for n in _needs(part, vs, last) if n not in runs]
             if all(done.get(n, t + 1) <= t for n in needs):
                 length = 1 if unit or (split and op.kind == "B") else DURATION[op.kind]
                 busy_until[s] = t + length
-                done[(op.kind, op.microbatch, vs)] = t + length
+                done.update({key: t + length for key in runs})
                 grid[s].append(op)
                 cursor[s] += 1
                 started = True
@@ -160,6 +181,15 @@ def simulate(orders: list[list[Op]], p: int, m: int, v: int, unit: bool = False)
             raise RuntimeError(f"schedule deadlocks at time {t}: {pending}")
         t += 1
     return Timeline(p, m, v, tuple(tuple(row) for row in grid))
+
+
+def _needs(op: Op, vs: int, last: int) -> list[tuple[str, int, int]]:
+    """What a single op on virtual stage vs waits for: (kind, microbatch, virtual stage)."""
+    if op.kind == "F":
+        return [("F", op.microbatch, vs - 1)] if vs > 0 else []
+    if op.kind == "B":
+        return [("F", op.microbatch, vs)] + ([("B", op.microbatch, vs + 1)] if vs < last else [])
+    return [("B", op.microbatch, vs)]
 
 
 def published_bubble(name: str, p: int, m: int, v: int = 1) -> float:
@@ -181,11 +211,12 @@ def peak_in_flight(timeline: Timeline, device: int = 0) -> int:
     previous = None
     for op in timeline.grid[device]:
         if op is not None and op is not previous:  # the first step of an op
-            if op.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif op.kind == frees:
-                live -= 1
+            for part in op.parts():  # an FB's forward first: both chunks' inputs are held at once
+                if part.kind == "F":
+                    live += 1
+                    peak = max(peak, live)
+                elif part.kind == frees:
+                    live -= 1
         previous = op
     return peak
 
@@ -193,8 +224,11 @@ def peak_in_flight(timeline: Timeline, device: int = 0) -> int:
 def render(timeline: Timeline, label: Callable[[Op], str] | None = None) -> str:
     """A text picture: one row per device, one column per time step; forwards as the
     microbatch number, backwards as lower-case letters (a = microbatch 0), weight
-    gradients as upper-case letters, idle as '.'."""
+    gradients as upper-case letters, a forward beside a backward (FB) as the backward's
+    letter, idle as '.'."""
     def default(op: Op) -> str:
+        if op.kind == "FB":
+            return "abcdefghijklmnopqrstuvwxyz"[op.partner % 26]
         letter = "abcdefghijklmnopqrstuvwxyz"[op.microbatch % 26]
         return str(op.microbatch % 10) if op.kind == "F" else letter if op.kind == "B" else letter.upper()
 

@@ -31,6 +31,7 @@ class Layout:
     leading: int = 0  # of layers[0], the model's leading ones (DeepSeek's dense layers)
     fp8_dispatch: bool = False  # parallel.expert_dispatch_dtype=fp8
     two_hops: bool = False  # model.group_capacity=true: a token crosses to a host once per group
+    schedule: str = "1f1b"  # parallel.pipeline.schedule under stages: 1f1b | 1f1b-overlap
 
     @property
     def axes(self) -> dict[str, int]:
@@ -56,7 +57,7 @@ class Layout:
         if self.tensor > 1:
             sets.append("parallel.tensor.sequence_parallel=true")
         if self.stage > 1:
-            sets.append("parallel.pipeline.schedule=1f1b")
+            sets.append(f"parallel.pipeline.schedule={self.schedule}")
         if self.uneven:
             sets.append(f"parallel.pipeline.layers={compact(self.layers)}")
         if self.fp8_dispatch:
@@ -75,7 +76,8 @@ class Layout:
         shown = " ".join(f"{a}={n}" for a, n in self.axes.items() if n > 1) or "one device"
         layers = f" layers={compact(self.layers)}" if self.uneven else ""
         experts = " fp8-dispatch" * self.fp8_dispatch + " two-hops" * self.two_hops
-        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{layers}{experts}"
+        overlap = " overlapped" * (self.schedule == "1f1b-overlap")
+        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{overlap}{layers}{experts}"
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
@@ -83,7 +85,8 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
     EP 64 spans 8 hosts); up to 16 stages, each holding the balanced rule's layers
     (jaxpar.pipeline.split.balanced_layers; experts split inside them); fsdp x data filling the rest; ZeRO over
-    data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline). Tensor need not divide the key/value
+    data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline,
+    each with 1F1B and with 1F1B's forwards beside its backwards). Tensor need not divide the key/value
     heads: they are repeated at use (jaxpar.step.layout.kv_repeats). Experts across hosts
     also with the FP8 dispatch, and, for capacity routing with groups the hosts hold whole,
     with group capacity (the two-hop exchange: `expert_variants`)."""
@@ -115,9 +118,10 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
                                 for m in ([stage, 2 * stage, 4 * stage] if stage > 1 else [1, 2, 4]):
                                     if global_batch % (data * fsdp * expert * m):
                                         continue
-                                    plain = Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
-                                                   splits.get(stage) or (), leading)
-                                    out += expert_variants(plain, model, devices_per_host)
+                                    for schedule in ("1f1b", "1f1b-overlap") if stage > 1 else ("1f1b",):
+                                        plain = Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
+                                                       splits.get(stage) or (), leading, schedule=schedule)
+                                        out += expert_variants(plain, model, devices_per_host)
     return out
 
 
@@ -158,8 +162,9 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     layers = max(counts)
     full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
     kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
-    if L.stage > 1:  # stage-level recomputation: chunk inputs in flight, one chunk live
-        activations = L.stage * kept + layers * (full if L.remat == "none" else kept) + full
+    if L.stage > 1:  # stage-level recomputation: chunk inputs in flight (overlapped: 2p - 1), one chunk live
+        in_flight = 2 * L.stage - 1 if L.schedule == "1f1b-overlap" else L.stage
+        activations = in_flight * kept + layers * (full if L.remat == "none" else kept) + full
     else:
         activations = layers * (full if L.remat == "none" else kept) + (full if L.remat != "none" else 0)
     logits = 3 * 4 * s * b * model.vocab_size / L.tensor  # fp32 logits, their softmax and gradient
@@ -181,7 +186,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
     bubble = 0.0  # the share of the lockstep step above the mean device's work
     if L.stage > 1:
-        cost, ideal = lockstep_cost("1f1b", L.stage, L.microbatches, 1, counts, 0.0, head_layers(model, seq_len))
+        cost, ideal = lockstep_cost(L.schedule, L.stage, L.microbatches, 1, counts, 0.0, head_layers(model, seq_len))
         bubble = 1 - ideal / cost
     across = L.host_split(hw.devices_per_host)
     bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731

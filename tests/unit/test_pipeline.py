@@ -30,10 +30,11 @@ RTOL = 1e-5
 
 # (schedule, p, m, v): m not a multiple of p where the schedule allows it
 PLANS = [("gpipe", 4, 3, 1), ("1f1b", 4, 6, 1), ("1f1b", 2, 2, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2),
-         ("interleaved", 2, 2, 3), ("zb-h1", 4, 5, 1)]
+         ("interleaved", 2, 2, 3), ("zb-h1", 4, 5, 1), ("1f1b-overlap", 4, 6, 1), ("1f1b-overlap", 2, 3, 1)]
 # (schedule, p, m, v, layers of each virtual stage): stages of different sizes, empty first and last ones
 UNEVEN = [("gpipe", 4, 3, 1, (0, 3, 2, 1)), ("1f1b", 4, 6, 1, (2, 1, 3, 2)), ("1f1b", 2, 2, 1, (3, 1)),
-          ("interleaved", 2, 4, 2, (1, 2, 3, 1)), ("zb-h1", 4, 5, 1, (1, 2, 2, 0))]
+          ("interleaved", 2, 4, 2, (1, 2, 3, 1)), ("zb-h1", 4, 5, 1, (1, 2, 2, 0)),
+          ("1f1b-overlap", 4, 5, 1, (0, 2, 3, 1))]
 
 
 # ------------------------------------------------------------------ tick tables
@@ -59,15 +60,20 @@ def test_tables_deliver_every_input_before_it_is_read(name, p, m, v):
                 if op is not None:  # the last stage's forward and split first backward wait by design
                     assert (op.kind == "F" and vs == last) or (op.kind == "B" and vs == 0 and prog.split)
                 continue
-            ran.append((branch, mb, vs))
-            if vs > 0:  # reads its input
-                assert acts[s][t["act_slot"][tick, s]] == (mb, vs), (tick, s, branch)
-            if vs < last and not branch.startswith("forward"):  # reads the gradient of its output
-                assert grads[s][t["grad_slot"][tick, s]] == (mb, vs), (tick, s, branch)
-            if branch.startswith("forward"):
-                sent_on[(s + 1) % p] = (mb, vs + 1)
-            if branch.startswith(("backward", "input_grad")) and vs > 0:
-                sent_back[(s - 1) % p] = (mb, vs - 1)
+            parts = [(branch, mb, "act_slot")]
+            if branch.startswith("forward_backward"):  # the forward of mb, the backward of back_microbatch
+                where, back = branch.rsplit("_", 1)[1], int(t["back_microbatch"][tick, s])
+                parts = [(f"forward_{where}", mb, "act_slot"), (f"backward_{where}", back, "back_act_slot")]
+            for name, mb, slot_column in parts:
+                ran.append((name, mb, vs))
+                if vs > 0:  # reads its input
+                    assert acts[s][t[slot_column][tick, s]] == (mb, vs), (tick, s, name)
+                if vs < last and not name.startswith("forward"):  # reads the gradient of its output
+                    assert grads[s][t["grad_slot"][tick, s]] == (mb, vs), (tick, s, name)
+                if name.startswith("forward"):
+                    sent_on[(s + 1) % p] = (mb, vs + 1)
+                if name.startswith(("backward", "input_grad")) and vs > 0:
+                    sent_back[(s - 1) % p] = (mb, vs - 1)
         for s in range(p):
             slot = t["recv_act"][tick, s]
             assert (slot >= 0) == (s in sent_on)
