@@ -211,3 +211,25 @@ def test_the_combine_equals_autodiff_of_its_reference_and_keeps_no_float32_pairs
         return any(r[0].shape == (2, 5, 3, 16) for r in saved_residuals(lambda r, g: f(r, index, g, dtype), rows, gates))
 
     assert pairs_saved(reference_weighted_rows) and not pairs_saved(weighted_rows)
+
+
+def test_the_dispatch_places_each_pair_once_and_sums_its_gradient_per_token():
+    """placed_rows equals scattering each (token, choice) into a zero buffer, values and
+    gradient (fp32: the k rows' sum in the same order), with dropped pairs (an index past the
+    end) and rows no pair lands on."""
+    from jaxpar.kernels.experts.combine import placed_rows
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    index = jnp.asarray(rng.permutation(14)[:12].reshape(6, 2), jnp.int32)  # distinct; 12, 13 dropped
+    cotangent = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+
+    def scattered(x):
+        pairs = jnp.broadcast_to(x[:, None, :], (*index.shape, 8))
+        return jnp.zeros((12, 8), x.dtype).at[index].add(pairs, mode="drop")
+
+    got, pull = jax.vjp(lambda x: placed_rows(x, index, 12), x)
+    want, pull_want = jax.vjp(scattered, x)
+    np.testing.assert_array_equal(got, want)
+    assert np.any(np.all(np.asarray(got) == 0, axis=1))  # rows no pair lands on
+    np.testing.assert_allclose(pull(cotangent)[0], pull_want(cotangent)[0], rtol=1e-6)

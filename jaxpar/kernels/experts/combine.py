@@ -1,5 +1,6 @@
 """The experts' combine: each token's output, the weighted sum of the rows its choices came
-back in (float32 sums, in the tokens' dtype).
+back in (float32 sums, in the tokens' dtype); and its mirror, the dispatch into a buffer of
+rows (`placed_rows`).
 
 Written as autodiff sees it (`reference_weighted_rows`), the picked rows [..., k, D] are a
 float32 residual of the backward pass (the weights' gradient reads them): at DeepSeek-V3's
@@ -49,3 +50,30 @@ def _backward(dtype, residuals, dy):
 
 
 _weighted_rows.defvjp(_forward, _backward)
+
+
+def placed_rows(x_TD: jax.Array, index_TK: jax.Array, rows: int) -> jax.Array:
+    """A buffer [rows, D] whose row index[t, k] holds x[t] (rows no pair lands on: zero; an
+    index of `rows` or more: the pair is dropped). Where the indices are distinct, as the
+    slots of capacity routing are. Each row is written once, by a gather from the token it
+    came from (no zero-filled buffer scattered into, no [T, k, D] copies of the tokens); the
+    gradient is each token's k rows summed (`weighted_rows` with weights 1, float32 sums)."""
+    return _placed_rows(x_TD, index_TK, rows)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _placed_rows(x, index, rows):
+    token = jnp.broadcast_to(jnp.arange(x.shape[0], dtype=jnp.int32)[:, None], index.shape)
+    source = jnp.full((rows,), -1, jnp.int32).at[index].set(token, mode="drop")
+    return jnp.where((source >= 0)[:, None], x[jnp.maximum(source, 0)], 0).astype(x.dtype)
+
+
+def _placed_forward(x, index, rows):
+    return _placed_rows(x, index, rows), index
+
+
+def _placed_backward(rows, index, d_buffer):
+    return weighted_rows(d_buffer, index, jnp.ones(index.shape, jnp.float32), d_buffer.dtype), None
+
+
+_placed_rows.defvjp(_placed_forward, _placed_backward)

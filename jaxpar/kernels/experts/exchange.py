@@ -49,7 +49,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.choices import ExpertExchange, Routing
-from jaxpar.kernels.experts.combine import weighted_rows
+from jaxpar.kernels.experts.combine import placed_rows, weighted_rows
 from jaxpar.kernels.experts.payload import dispatched
 from jaxpar.kernels.experts.slots import DROPPED, capacity_slots, expert_capacity, group_slots
 from jaxpar.kernels.experts.two_hop import two_hop_exchange
@@ -174,19 +174,17 @@ def _capacity_exchange(x_BSD, ids_BSK, slots_BSK, cap, weights, ffn, axis, reduc
     """The experts' output rows [E x b x C, D] and each pair's row [B, S, K] (past the end
     where dropped)."""
     b, s, d = x_BSD.shape
-    k = ids_BSK.shape[-1]
-    rows = jnp.arange(b)[:, None, None]
-    where = jnp.where(slots_BSK >= 0, rows * cap + slots_BSK, b * cap)  # past the end: dropped
-    pairs = jnp.broadcast_to(x_BSD[:, :, None, :], (b, s, k, d))
-    buf = jnp.zeros((num_experts, b * cap, d), x_BSD.dtype).at[ids_BSK, where].add(pairs, mode="drop")
+    rows = num_experts * b * cap
+    sequence = jnp.arange(b)[:, None, None]
+    index = jnp.where(slots_BSK >= 0, ids_BSK * (b * cap) + sequence * cap + slots_BSK, rows)  # past the end: dropped
+    buf = placed_rows(x_BSD.reshape(b * s, d), index.reshape(b * s, -1), rows).reshape(num_experts, b * cap, d)
     # [E/n, n x b x C, D]: my experts, every sender
     buf = dispatched(buf, lambda v: jax.lax.all_to_all(v, axis, 0, 1, tiled=True) if axis else v, dtype=dispatch_dtype)
     buf = _arrived(buf) if axis else buf
     out = _reduced(ffn(weights, buf), reduce_axes)
     if axis:
         out = _arrived(jax.lax.all_to_all(out, axis, 1, 0, tiled=True))  # back: [E, b x C, D]
-    rows = num_experts * b * cap
-    return out.reshape(rows, d), jnp.where(slots_BSK >= 0, ids_BSK * (b * cap) + where, rows)
+    return out.reshape(rows, d), index
 
 
 def _arrived(x):
