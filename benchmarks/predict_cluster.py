@@ -66,6 +66,27 @@ RUNS = (
              "train.global_batch=2048"),
             "the best layout `jaxpar plan --model deepseek-v3 --devices 2048 --hbm-gb 80 --compile-top 1 --target "
             "benchmarks/targets/h100.pbtxt` compiled (commit 99e7bba)"),
+    # After the overlapped schedule, cuDNN attention inside stages and the experts' combine:
+    # attention as `auto` runs it on GPUs (cuDNN's), not the reference the cells above compiled.
+    Cluster("deepseek_layer_16gpu_pp_ep_overlap", "deepseek", 16,
+            (*SMALL, "mesh.stage=2", "mesh.hosts.stage=2", "mesh.expert=8", "mesh.data=1", "parallel.zero.stage=1",
+             "parallel.pipeline.schedule=1f1b-overlap", "parallel.pipeline.layers=2,1", "train.microbatches=4"),
+            "DeepSeek's kind of layout on 16 GPUs, each forward beside a backward (1f1b-overlap), 4 microbatches"),
+    Cluster("deepseek_v3_2048_pp16_ep64_overlap", "deepseek-v3", 2048,
+            ("mesh.stage=16", "mesh.hosts.stage=16", "mesh.expert=64", "mesh.hosts.expert=8", "mesh.data=2",
+             "mesh.hosts.data=2", "parallel.zero.stage=1", "parallel.pipeline.schedule=1f1b-overlap",
+             "parallel.pipeline.layers=3,4*14,2", "train.microbatches=120", "model.remat=full",
+             "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8", "train.seq_len=4096",
+             "train.global_batch=15360"),
+            "DeepSeek-V3's layout and batch (15,360 sequences: its report's), each forward beside a backward, two "
+            "hops, FP8 dispatch"),
+    Cluster("deepseek_v3_2048_plan_overlap", "deepseek-v3", 2048,
+            ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
+             "parallel.zero.stage=1", "model.remat=none", "train.microbatches=64", "parallel.tensor.sequence_parallel=true",
+             "parallel.pipeline.schedule=1f1b-overlap", "parallel.pipeline.layers=3,4*14,2", "train.seq_len=4096",
+             "train.global_batch=2048"),
+            "the planner's best formula estimate with the overlapped schedule among its candidates (48% MFU by "
+            "formula), compiled"),
 )
 
 
