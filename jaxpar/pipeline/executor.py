@@ -179,6 +179,7 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         return acc if rep is None else report_only(acc, rep)
 
     used = set(program.tables["branch"].ravel().tolist())
+    fused = any(BRANCHES[b % len(BRANCHES)].startswith("forward_backward") for b in used)
     split = program.layers  # None: every chunk is the device's rows / v
     sizes = split.sizes if split is not None else (per_chunk,)
     offsets = jnp.asarray(split.offsets if split is not None else [vs * per_chunk for vs in range(p * v)], jnp.int32)
@@ -286,10 +287,12 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         chunk, frozen_chunk = _chunk(layers, start, per_chunk), _chunk(frozen_layers, start, per_chunk)
         branches = [b for k in range(len(sizes)) for b in make_branches(frozen_chunk, k)]
         first_layer = offsets[row["chunk"] * p + jax.lax.axis_index(STAGE)]  # chunk c is virtual stage c p + s
-        mb, mbb = (at_layer(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row[k], 0, keepdims=False), micro),
-                            first_layer) for k in ("microbatch", "back_microbatch"))
-        x, xb = (jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row[k], 0), 0, keepdims=False)
-                 for k in ("act_slot", "back_act_slot"))
+        microbatch = lambda k: at_layer(  # noqa: E731
+            jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row[k], 0, keepdims=False), micro), first_layer)
+        stored = lambda k: jax.lax.dynamic_index_in_dim(acts, jnp.maximum(row[k], 0), 0, keepdims=False)  # noqa: E731
+        mb, x = microbatch("microbatch"), stored("act_slot")
+        # a forward_backward op's backward reads its own microbatch and input; others, the op's
+        mbb, xb = (microbatch("back_microbatch"), stored("back_act_slot")) if fused else (mb, x)
         g = jax.lax.dynamic_index_in_dim(grads, jnp.maximum(row["grad_slot"], 0), 0, keepdims=False)
         out, back, (d_layers, d_other, _, sums, per_layer), l, w = jax.lax.switch(
             row["branch"], branches, x, g, mb, chunk, other, (d_layers, d_other, start, sums, per_layer), xb, mbb
