@@ -45,46 +45,51 @@ class Cluster:
 # The 16-GPU cells take benchmarks/expert_overlap.py's layer and layout (expert 8 over the 2
 # hosts x data 2) with the settings that predicted the shortest step without a second compile.
 SMALL = tuple(o for o in WIDE if not o.startswith(("mesh.", "parallel.zero")))
+
+
+def stage_a_host(schedule: str, microbatches: int, *more: str) -> tuple[str, ...]:
+    """DeepSeek's kind of layout on 16 GPUs: a stage a host, experts inside it, ZeRO-1."""
+    return (*SMALL, "mesh.stage=2", "mesh.hosts.stage=2", "mesh.expert=8", "mesh.data=1", "parallel.zero.stage=1",
+            f"parallel.pipeline.schedule={schedule}", "parallel.pipeline.layers=2,1", f"train.microbatches={microbatches}",
+            *more)
+
+
+def deepseek_layout(schedule: str, microbatches: int, *more: str) -> tuple[str, ...]:
+    """DeepSeek-V3's own layout: PP 16 x EP 64 (over 8 hosts) x ZeRO-1 over data 2, full remat."""
+    return ("mesh.stage=16", "mesh.hosts.stage=16", "mesh.expert=64", "mesh.hosts.expert=8", "mesh.data=2",
+            "mesh.hosts.data=2", "parallel.zero.stage=1", f"parallel.pipeline.schedule={schedule}",
+            "parallel.pipeline.layers=3,4*14,2", f"train.microbatches={microbatches}", "model.remat=full", *more)
+
+
+def plan_layout(schedule: str) -> tuple[str, ...]:
+    """The planner's best layout for 2,048 H100s: PP 16 x data 16 x tensor 8, no remat, m = 64."""
+    return ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
+            "parallel.zero.stage=1", "model.remat=none", "train.microbatches=64", "parallel.tensor.sequence_parallel=true",
+            f"parallel.pipeline.schedule={schedule}", "parallel.pipeline.layers=3,4*14,2", "train.seq_len=4096",
+            "train.global_batch=2048")
+
+
 RUNS = (
     Cluster("deepseek_layer_16gpu_best", "deepseek", 16,
             (*WIDE, "parallel.attention=reference", "parallel.expert_dispatch_dtype=fp8", "model.group_capacity=true"),
             "the best 16-GPU analogue: experts over both hosts, FP8 dispatch, two hops"),
-    Cluster("deepseek_layer_16gpu_pp_ep", "deepseek", 16,
-            (*SMALL, "mesh.stage=2", "mesh.hosts.stage=2", "mesh.expert=8", "mesh.data=1", "parallel.zero.stage=1",
-             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.layers=2,1", "train.microbatches=2",
-             "parallel.attention=reference"),
+    Cluster("deepseek_layer_16gpu_pp_ep", "deepseek", 16, stage_a_host("1f1b", 2, "parallel.attention=reference"),
             "DeepSeek's kind of layout on 16 GPUs: a stage a host, experts inside it, ZeRO-1"),
-    Cluster("deepseek_v3_2048_pp16_ep64", "deepseek-v3", 2048,
-            ("mesh.stage=16", "mesh.hosts.stage=16", "mesh.expert=64", "mesh.hosts.expert=8", "mesh.data=2",
-             "mesh.hosts.data=2", "parallel.zero.stage=1", "parallel.pipeline.schedule=1f1b",
-             "parallel.pipeline.layers=3,4*14,2", "train.microbatches=16", "model.remat=full", *AT_SCALE),
+    Cluster("deepseek_v3_2048_pp16_ep64", "deepseek-v3", 2048, deepseek_layout("1f1b", 16, *AT_SCALE),
             "DeepSeek-V3's own layout: PP 16 x EP 64 (over 8 hosts) x ZeRO-1 over data 2"),
-    Cluster("deepseek_v3_2048_plan_best", "deepseek-v3", 2048,
-            ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
-             "parallel.zero.stage=1", "model.remat=none", "train.microbatches=64", "parallel.tensor.sequence_parallel=true",
-             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.layers=3,4*14,2", "train.seq_len=4096",
-             "train.global_batch=2048"),
+    Cluster("deepseek_v3_2048_plan_best", "deepseek-v3", 2048, plan_layout("1f1b"),
             "the best layout `jaxpar plan --model deepseek-v3 --devices 2048 --hbm-gb 80 --compile-top 1 --target "
             "benchmarks/targets/h100.pbtxt` compiled (commit 99e7bba)"),
     # After the overlapped schedule, cuDNN attention inside stages and the experts' combine:
     # attention as `auto` runs it on GPUs (cuDNN's), not the reference the cells above compiled.
-    Cluster("deepseek_layer_16gpu_pp_ep_overlap", "deepseek", 16,
-            (*SMALL, "mesh.stage=2", "mesh.hosts.stage=2", "mesh.expert=8", "mesh.data=1", "parallel.zero.stage=1",
-             "parallel.pipeline.schedule=1f1b-overlap", "parallel.pipeline.layers=2,1", "train.microbatches=4"),
+    Cluster("deepseek_layer_16gpu_pp_ep_overlap", "deepseek", 16, stage_a_host("1f1b-overlap", 4),
             "DeepSeek's kind of layout on 16 GPUs, each forward beside a backward (1f1b-overlap), 4 microbatches"),
     Cluster("deepseek_v3_2048_pp16_ep64_overlap", "deepseek-v3", 2048,
-            ("mesh.stage=16", "mesh.hosts.stage=16", "mesh.expert=64", "mesh.hosts.expert=8", "mesh.data=2",
-             "mesh.hosts.data=2", "parallel.zero.stage=1", "parallel.pipeline.schedule=1f1b-overlap",
-             "parallel.pipeline.layers=3,4*14,2", "train.microbatches=120", "model.remat=full",
-             "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8", "train.seq_len=4096",
-             "train.global_batch=15360"),
+            deepseek_layout("1f1b-overlap", 120, "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8",
+                            "train.seq_len=4096", "train.global_batch=15360"),
             "DeepSeek-V3's layout and batch (15,360 sequences: its report's), each forward beside a backward, two "
             "hops, FP8 dispatch"),
-    Cluster("deepseek_v3_2048_plan_overlap", "deepseek-v3", 2048,
-            ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
-             "parallel.zero.stage=1", "model.remat=none", "train.microbatches=64", "parallel.tensor.sequence_parallel=true",
-             "parallel.pipeline.schedule=1f1b-overlap", "parallel.pipeline.layers=3,4*14,2", "train.seq_len=4096",
-             "train.global_batch=2048"),
+    Cluster("deepseek_v3_2048_plan_overlap", "deepseek-v3", 2048, plan_layout("1f1b-overlap"),
             "the planner's best formula estimate with the overlapped schedule among its candidates (48% MFU by "
             "formula), compiled"),
 )

@@ -67,8 +67,9 @@ def _asked_capability() -> str | None:
 
     from jaxpar.deviceless import target_capability
 
-    if target_capability() is not None:
-        return target_capability()
+    target = target_capability()
+    if target is not None:
+        return target
     return jax.devices()[0].compute_capability if jax.default_backend() == "gpu" else None
 
 

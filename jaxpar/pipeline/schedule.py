@@ -227,10 +227,8 @@ def render(timeline: Timeline, label: Callable[[Op], str] | None = None) -> str:
     gradients as upper-case letters, a forward beside a backward (FB) as the backward's
     letter, idle as '.'."""
     def default(op: Op) -> str:
-        if op.kind == "FB":
-            return "abcdefghijklmnopqrstuvwxyz"[op.partner % 26]
-        letter = "abcdefghijklmnopqrstuvwxyz"[op.microbatch % 26]
-        return str(op.microbatch % 10) if op.kind == "F" else letter if op.kind == "B" else letter.upper()
+        letter = "abcdefghijklmnopqrstuvwxyz"[(op.partner if op.kind == "FB" else op.microbatch) % 26]
+        return str(op.microbatch % 10) if op.kind == "F" else letter.upper() if op.kind == "W" else letter
 
     label = label or default
     rows = [f"stage {s}  " + "".join("." if op is None else label(op) for op in row) for s, row in enumerate(timeline.grid)]

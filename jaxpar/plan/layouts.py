@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from jaxpar.inspect import formulas
+from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import balanced_layers, compact, head_layers, leading_layers
@@ -132,7 +133,7 @@ def expert_variants(layout: Layout, model, devices_per_host: int) -> list[Layout
     if hosts == 1:
         return [layout]
     groups = declared(model, "expert_groups")
-    hops = [False, True] if model.routing == "capacity" and groups > 1 and groups % hosts == 0 else [False]
+    hops = [False, True] if model.routing == "capacity" and groups > 1 and two_hops(("expert",), hosts, groups) else [False]
     return [dataclasses.replace(layout, fp8_dispatch=f, two_hops=t) for f in (False, True) for t in hops]
 
 

@@ -89,9 +89,9 @@ def attention(config: Any, device: jax.Device, context: int = 1) -> str:
     """parallel.attention with auto resolved: cuDNN's fused attention where it applies (a
     sharded sequence runs the context-parallel kernels instead, and needs no choice; inside
     pipeline stages too, as jaxpar.sharding.attend calls it on each device's own heads).
-    Elsewhere on GPUs jaxpar's blockwise kernel (flash), which never holds a sequence's [S, S] scores (packed documents, float32, wide heads:
-    benchmarks/gpu_compile.py's hf: fine-tunes held 2.5x the memory with them); the
-    reference on other devices."""
+    Elsewhere on GPUs jaxpar's blockwise kernel (flash), which never holds a sequence's
+    [S, S] scores (packed documents, float32, wide heads: benchmarks/gpu_compile.py's hf:
+    fine-tunes held 2.5x the memory with them); the reference on other devices."""
     choice = config.parallel.attention
     if context > 1:
         return "reference"  # unused: the context kernels run (the checks refuse other choices there)

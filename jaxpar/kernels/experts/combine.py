@@ -64,8 +64,7 @@ def placed_rows(x_TD: jax.Array, index_TK: jax.Array, rows: int) -> jax.Array:
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _placed_rows(x, index, rows):
     token = jnp.broadcast_to(jnp.arange(x.shape[0], dtype=jnp.int32)[:, None], index.shape)
-    source = jnp.full((rows,), -1, jnp.int32).at[index].set(token, mode="drop")
-    return jnp.where((source >= 0)[:, None], x[jnp.maximum(source, 0)], 0).astype(x.dtype)
+    return rows_at(x, row_sources((rows,), (index,), token))
 
 
 def _placed_forward(x, index, rows):
@@ -77,3 +76,16 @@ def _placed_backward(rows, index, d_buffer):
 
 
 _placed_rows.defvjp(_placed_forward, _placed_backward)
+
+
+def row_sources(shape: tuple[int, ...], index: tuple[jax.Array, ...], source: jax.Array) -> jax.Array:
+    """For each slot of a buffer of `shape`, the row of the source that lands there, or -1
+    (empty): `source` scattered to `index` (out-of-range places dropped). Placing rows by
+    their index and then gathering them (`rows_at`) moves each row once, where scattering
+    the rows themselves would first spread every row over a token's k choices."""
+    return jnp.full(shape, -1, jnp.int32).at[index].set(source.astype(jnp.int32), mode="drop")
+
+
+def rows_at(x: jax.Array, sources: jax.Array) -> jax.Array:
+    """x's rows at `sources` (-1: zeros)."""
+    return jnp.where((sources >= 0)[..., None], x[jnp.maximum(sources, 0)], 0).astype(x.dtype)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar.kernels.experts.combine import weighted_rows
+from jaxpar.kernels.experts.combine import row_sources, rows_at, weighted_rows
 from jaxpar.kernels.experts.payload import dispatched
 from jaxpar.kernels.experts.slots import first_in_group
 
@@ -55,7 +55,7 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     sends = first_in_group(group) & (group_slots_BSK >= 0)
     send_row = jnp.where(sends, row, rows)  # past the end: nothing
     token = jnp.broadcast_to(jnp.arange(b * s).reshape(b, s, 1), (b, s, k))
-    payload = _rows(x_BSD.reshape(b * s, d), _sources((groups, rows), group, send_row, token))
+    payload = rows_at(x_BSD.reshape(b * s, d), row_sources((groups, rows), (group, send_row), token))
     # each kept choice, in its row: its expert on the receiving host, its slot, its gate
     kept_row = jnp.where(slots_BSK >= 0, row, rows)
     choice = jnp.broadcast_to(jnp.arange(k), (b, s, k))
@@ -73,7 +73,7 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     at = (sender * b + sequence)[None, :, None] * cap + slot  # [G/H, H x rows, k] in the host's expert buffers
     where = jnp.where(expert >= 0, at, hosts * b * cap)
     received = jnp.broadcast_to(jnp.arange(got.shape[0] * got.shape[1]).reshape(*got.shape[:2], 1), expert.shape)
-    host_buf = _rows(got.reshape(-1, d), _sources((e_host, hosts * b * cap), expert, where, received))
+    host_buf = rows_at(got.reshape(-1, d), row_sources((e_host, hosts * b * cap), (expert, where), received))
 
     # hop 2: [E/n, L x H x b x C, D], my experts, every device's rows
     out = ffn(weights, arrived(dispatched(host_buf, move(inside, 0, 1), dtype=dispatch_dtype)))
@@ -86,16 +86,3 @@ def two_hop_exchange(x_BSD, ids_BSK, gates_BSK, slots_BSK, group_slots_BSK, cap:
     # each token's groups, at their first choices
     index = jnp.where(send_row < rows, group * rows + send_row, groups * rows)
     return weighted_rows(back.reshape(groups * rows, d), index, jnp.ones(send_row.shape, jnp.float32), x_BSD.dtype)
-
-
-def _sources(shape, first, second, source) -> jax.Array:
-    """For each slot of a buffer of `shape`, the row of the source that lands there, or -1
-    (empty): `source` scattered to [first, second] (out-of-range places dropped). Placing
-    rows by their index and then gathering them moves each row once, where scattering the
-    rows themselves would first spread every row over a token's k choices."""
-    return jnp.full(shape, -1, jnp.int32).at[first, second].set(source.astype(jnp.int32), mode="drop")
-
-
-def _rows(x, sources) -> jax.Array:
-    """x's rows at `sources` (-1: zeros)."""
-    return jnp.where((sources >= 0)[..., None], x[jnp.maximum(sources, 0)], 0).astype(x.dtype)
