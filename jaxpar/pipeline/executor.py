@@ -1,9 +1,10 @@
 """The SPMD pipeline executor: one program on every device of the `stage` axis, following
 a schedule's tick tables (jaxpar.pipeline.program), and its plain reference.
 
-Inside `jax.shard_map`, manual over `stage` and `data` (the other axes stay with the
-partitioner, so tensor parallelism and FSDP run inside each chunk as they do without
-pipelining), each device loops over the ticks. At each tick it looks up its op, runs it
+Inside `jax.shard_map`, manual over `stage` and `data` (and `expert`, where the caller
+says how the weights lie over it: `Manual`; the other axes stay with the partitioner, so
+tensor parallelism and FSDP run inside each chunk as they do without pipelining), each
+device loops over the ticks. At each tick it looks up its op, runs it
 with `lax.switch` (each device executes only its own branch), and then two `ppermute`s
 move what the ops produced: chunk outputs to the next virtual stage, input gradients to the
 previous one. A backward recomputes its chunk's forward from the stored chunk input
@@ -11,7 +12,10 @@ previous one. A backward recomputes its chunk's forward from the stored chunk in
 chunk's internals) and takes the vector-Jacobian product there.
 
 Weight gradients accumulate on each device for its own chunks, per data replica, in
-float32; the caller reduces them over `data` once per step. Parameters outside the layer
+float32; the caller reduces them over `data` once per step. Manual over `expert`, each
+expert-parallel device runs its own rows too: the weights not split over `expert`
+(attention, shared experts, router) are summed over it once at the end, not by the
+partitioner once per microbatch and layer (across hosts at DeepSeek's scale). Parameters outside the layer
 stack (embedding, final norm, head) are replicated over `stage`; their gradients, non-zero
 only on the first and last stages, are summed over `stage` once at the end.
 
@@ -43,7 +47,7 @@ from jaxpar.model import FIRST_LAYER
 from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
 from jaxpar.pipeline.split import StageSplit
 
-STAGE, DATA = "stage", "data"
+STAGE, DATA, EXPERT = "stage", "data", "expert"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,19 @@ class Stages:
     mid: Callable[[Any, Any, jax.Array, dict], Any]
     last: Callable[[Any, Any, jax.Array, dict], tuple]
     aux: bool = False  # the functions also return their layers' reports (above)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manual:
+    """How the weights lie over `expert` when the executor is manual over it: for each leaf
+    of (layers, other, frozen layers, frozen other), its PartitionSpec over the manual axes
+    (`stage` on the stacked layers' first dimension, `expert` where a weight is split over
+    the expert-parallel devices, None elsewhere)."""
+
+    layers: Any
+    other: Any
+    frozen_layers: Any = dataclasses.field(default_factory=dict)
+    frozen_other: Any = dataclasses.field(default_factory=dict)
 
 
 def at_layer(mb: dict, first_layer: Any) -> dict:
@@ -78,7 +95,8 @@ def _with_aux(stages: Stages) -> Stages:
 
 
 def pipeline_grads(
-    program: Program, stages: Stages, mesh: Mesh, layers: Any, other: Any, micro: dict, frozen: tuple | None = None
+    program: Program, stages: Stages, mesh: Mesh, layers: Any, other: Any, micro: dict, frozen: tuple | None = None,
+    manual: Manual | None = None,
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Loss sums, weights and weight gradients of a whole batch, per data replica.
 
@@ -90,6 +108,9 @@ def pipeline_grads(
     frozen: (stacked layers, other) of weights the stages read and nothing differentiates
             (LoRA's frozen base), laid out as `layers` and `other`; each stage function is
             then called with `frozen=(its chunk of them, the other)` (jaxpar.pipeline.stages)
+    manual: the weights' specs over `stage` and `expert` to run manual over `expert` too
+            (the rows of `micro` then split over data x expert); None: `expert` is left to
+            the partitioner
     Returns loss [data], weight [data], d_layers [data, p*v*Lc, ...], d_other [data, ...]:
     sums over the replica's rows of every microbatch (float32); and the layers' reports,
     {"sums": [data], "per_layer": [data, p*v*Lc, ...] in pipeline order} (empty without
@@ -98,27 +119,38 @@ def pipeline_grads(
     p, v = program.timeline.p, program.timeline.v
     stages = _with_aux(stages)
     tables = {c: jnp.asarray(program.tables[c]) for c in COLUMNS}
-    layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
-    other_spec = jax.tree.map(lambda _: P(), other)
-    micro_spec = jax.tree.map(lambda _: P(None, DATA), micro)
     frozen = frozen or ({}, {})
-    frozen_spec = (jax.tree.map(lambda _: P(STAGE), frozen[0]), jax.tree.map(lambda _: P(), frozen[1]))
+    by_expert = manual is not None
+    manual = manual or Manual(*(jax.tree.map(lambda _: spec, tree) for spec, tree in
+                                ((P(STAGE), layers), (P(), other), (P(STAGE), frozen[0]), (P(), frozen[1]))))
+    rows = (DATA, EXPERT) if by_expert else DATA
+    micro_spec = jax.tree.map(lambda _: P(None, rows), micro)
     report = _report_shapes(stages, layers, other, micro, p * v, frozen)
     report_spec = {"sums": jax.tree.map(lambda _: P(DATA), report["sums"]),
                    "per_layer": jax.tree.map(lambda _: P(DATA, STAGE), report["per_layer"])}
+    per_replica = lambda specs: jax.tree.map(lambda s: P(DATA, *s), specs)  # noqa: E731
     body = jax.shard_map(
-        lambda t, l, o, mb, f: _run(program, stages, p, v, t, l, o, mb, f),
+        lambda t, l, o, mb, f: _run(program, stages, p, v, t, l, o, mb, f, manual if by_expert else None),
         mesh=mesh,
-        in_specs=({c: P(None, STAGE) for c in COLUMNS}, layer_spec, other_spec, micro_spec, frozen_spec),
-        out_specs=(P(DATA), P(DATA), jax.tree.map(lambda _: P(DATA, STAGE), layers), jax.tree.map(lambda _: P(DATA), other),
-                   report_spec),
-        axis_names={STAGE, DATA},
+        in_specs=({c: P(None, STAGE) for c in COLUMNS}, manual.layers, manual.other, micro_spec,
+                  (manual.frozen_layers, manual.frozen_other)),
+        out_specs=(P(DATA), P(DATA), per_replica(manual.layers), per_replica(manual.other), report_spec),
+        axis_names={STAGE, DATA, EXPERT} if by_expert else {STAGE, DATA},
         check_vma=False,  # the body is never differentiated: it takes its own VJPs
     )
     # Sharding constraints inside the chunks name the auto axes of the mesh as seen from
     # inside the shard_map (jaxpar.sharding.annotate uses the context's abstract mesh).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return body(tables, layers, other, micro, frozen)
+
+
+def _summed(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
+    """Each gradient summed over those of `axes` its weight is not split over."""
+    def one(g, spec):
+        split = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        over = tuple(a for a in axes if a not in split)
+        return jax.lax.psum(g, over) if over else g
+    return jax.tree.map(one, grads, specs)
 
 
 def _with_frozen(stages: Stages, frozen: tuple) -> Stages:
@@ -147,7 +179,8 @@ def _report_shapes(stages: Stages, layers, other, micro, chunks: int, frozen: tu
     return {"sums": report["sums"], "per_layer": per_layer}
 
 
-def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, other, micro, frozen):
+def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, other, micro, frozen,
+         manual: Manual | None):
     per_chunk = jax.tree.leaves(layers)[0].shape[0] // v
     zeros = lambda tree, dtype=None: jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)  # noqa: E731
     mb0 = jax.tree.map(lambda a: a[0], micro)
@@ -311,8 +344,14 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     carry = (*buffers, zeros(layers, jnp.float32), zeros(other, jnp.float32), zeros(report["sums"]), per_layer0, none, none)
     rows = {c: tables[c][:, 0] for c in COLUMNS}
     (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
-    d_other = jax.lax.psum(d_other, STAGE)
-    loss, weight, sums = jax.lax.psum((loss, weight, sums), STAGE)
+    # once a step: the weights outside the stack over `stage` (non-zero on the first and last
+    # stages only) and, manual over `expert`, what its devices share over `expert`
+    expert = (EXPERT,) if manual is not None else ()
+    if manual is not None:
+        d_layers = _summed(d_layers, manual.layers, expert)
+        per_layer = jax.lax.psum(per_layer, EXPERT)
+    d_other = _summed(d_other, manual.other, (STAGE, *expert)) if manual is not None else jax.lax.psum(d_other, STAGE)
+    loss, weight, sums = jax.lax.psum((loss, weight, sums), (STAGE, *expert))
     lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731  the replica axis
     return loss[None], weight[None], lead(d_layers), lead(d_other), lead({"sums": sums, "per_layer": per_layer})
 

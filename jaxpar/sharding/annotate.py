@@ -120,6 +120,9 @@ class Layout:
     scan one layer at a time, rather than held whole per replica until the backward ends
     (None: held per replica).
     microbatches: each step's batch in this many pieces, one after another (train.microbatches).
+    manual_experts: inside the pipeline executor when it is manual over the expert-parallel
+    axes (jaxpar.step.pipelined): the rules no longer name them, each device holds its own
+    experts, and the experts' kernel exchanges tokens over these axes.
     """
 
     mesh: Mesh
@@ -139,6 +142,7 @@ class Layout:
     compression: CompressionConfig = CompressionConfig()
     microbatches: int = 1
     two_batch_overlap: bool = False  # layers run on two halves of the rows (jaxpar.nn.scan_layers)
+    manual_experts: tuple[str, ...] = ()
 
     @property
     def qgz_block(self) -> int:

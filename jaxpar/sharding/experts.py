@@ -80,12 +80,16 @@ def run_experts(
     rules = layout.rules
     names = [logical_names(p)[len(logical_names(p)) - w.ndim :] for p, w in zip(params, weights)]
     live = lambda name: tuple(a for a in rules.table("compute").get(name, ()) if layout.mesh.shape[a] > 1)
-    axis = live("experts")
+    # expert-parallel axes the context is already manual over (the pipeline executor's): each
+    # device holds its own experts and tokens; outside that context (shapes traced whole) none
+    manual = tuple(a for a in layout.manual_experts if a in jax.sharding.get_abstract_mesh().manual_axes)
+    axis = manual + live("experts")
     spec = ExpertSpec(
         mesh=mesh_here(layout.mesh),  # inside pipeline stages: the context's partly manual mesh
         token_spec=rules.spec(TOKEN_NAMES, "compute"),
         weight_specs=tuple(rules.spec(n, "compute") for n in names),
         axis=axis,
+        manual=manual,
         reduce_axes=live("expert_mlp"),
         routing=routing,
         capacity_factor=capacity_factor,

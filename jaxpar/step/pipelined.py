@@ -4,7 +4,9 @@ microbatches, following the configured schedule.
 
 Each data replica accumulates its stage's gradients over the microbatches unreduced; they
 are reduced over `data` once per step (ZeRO-1: reduce-scattered to the optimizer's shards),
-and the loss is normalised by the whole batch's token count, as without stages.
+and the loss is normalised by the whole batch's token count, as without stages. Over an
+`expert` axis the executor is manual too (`by_expert`): the weights every expert-parallel
+device shares are summed over it once per step, not once per microbatch and layer.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Any, Callable
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config
-from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.model import axis_names
+from jaxpar.pipeline.executor import EXPERT, Manual, pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
 from jaxpar.pipeline.split import StageSplit, stage_split
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
@@ -29,17 +33,21 @@ from jaxpar.step.replicas import inner_layout, without_axis
 
 def pipelined_grads(
     config: Config, layout: Layout, graphdef: nnx.GraphDef, names: dict[str, tuple], reduce_over_data: Callable[[Any], Any],
-    loss_fn: LossFn,
+    loss_fn: LossFn, param_shardings: Any,
 ) -> tuple[GradientPath, Program]:
     """The pipeline's GradientPath (jaxpar.step.gradients; `names`: the prepared batch's), and
     the compiled schedule. `reduce_over_data` sums per-replica gradients [data, ...] into
-    the optimizer's sharding; `loss_fn` scores the last stage's outputs."""
+    the optimizer's sharding; `loss_fn` scores the last stage's outputs; `param_shardings`:
+    where the parameters the stages read lie (in pipeline order)."""
     p, m, v = layout.mesh.shape["stage"], layout.microbatches, layout.pipeline.chunks
     program = compile_schedule(layout.pipeline.schedule, p, m, v, layer_split(config, layout))
     stages = model_stages(graphdef, stage_score(loss_fn, config.train.loss_chunks))
-    # The executor is manual over stage and data: its rules leave data out, and no kernel
-    # folds a vmapped replica axis (data is not vmapped there).
+    manual = by_expert(config, layout, param_shardings)
+    # The executor is manual over stage and data (and expert): its rules leave them out, and
+    # no kernel folds a vmapped replica axis (data is not vmapped there).
     inside = dataclasses.replace(inner_layout(layout), replica_axis=None)
+    if manual is not None:
+        inside = without_expert(inside)
 
     def grads(params: Any, batch: dict, compression: Any, frozen: Any) -> tuple[jax.Array, dict, Gradient, Any]:
         """`frozen`: LoRA's frozen weights, which the stages read beside `params`;
@@ -49,7 +57,7 @@ def pipelined_grads(
         micro = split_batch(batch, m, names, layout)
         with use_layout(inside):
             total, weight, d_layers, d_other, reports = pipeline_grads(program, stages, layout.mesh, layers, other, micro,
-                                                                       frozen)
+                                                                       frozen, manual)
         summed = reduce_over_data(join_layers(d_layers, d_other))
         total, weight = total.sum(), weight.sum()
         # The layers' reports (MoE: "token_metrics" sums, per-layer "counts" in pipeline order,
@@ -58,6 +66,39 @@ def pipelined_grads(
         return total / weight, {"weight": weight, **sums}, Gradient(summed, weight), compression
 
     return grads, program
+
+
+def by_expert(config: Config, layout: Layout, param_shardings: Any) -> Manual | None:
+    """The weights' specs over `stage` and `expert` for an executor manual over `expert`
+    (jaxpar.pipeline.executor.Manual), or None where `expert` stays with the partitioner:
+    a mesh without it, LoRA (whose frozen bases may be quantized into other shapes), or rules
+    that put `expert` on anything but the rows and the experts' own dimension (there a
+    device's share of a weight would not be a whole expert)."""
+    if layout.mesh.shape[EXPERT] == 1 or config.lora.rank > 0:
+        return None
+    ours = {own: canonical for own, canonical in axis_names(config.model).items()}
+    for kind in ("storage", "compute"):
+        for name, axes in layout.rules.table(kind).items():
+            if EXPERT in axes and ours.get(name, name) not in ("batch", "experts"):
+                return None
+    keep = lambda entry: _only(entry, ("stage", EXPERT))  # noqa: E731
+    layers, other = split_layers(jax.tree.map(lambda s: P(*(keep(e) for e in s.spec)), param_shardings))
+    return Manual(layers, other)
+
+
+def _only(entry: Any, axes: tuple[str, ...]) -> Any:
+    """A spec entry with only `axes` kept (None where none is left)."""
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def without_expert(layout: Layout) -> Layout:
+    """The layout inside an executor manual over `expert`: no rule names it; the experts'
+    kernel exchanges over it (Layout.manual_experts) where the experts were split over it."""
+    strip = lambda table: {k: tuple(a for a in v if a != EXPERT) for k, v in table.items()}  # noqa: E731
+    experts = (EXPERT,) if EXPERT in layout.rules.table("compute").get("experts", ()) else ()
+    rules = layout.rules.with_overrides(strip(layout.rules.table("storage")), strip(layout.rules.table("compute")))
+    return dataclasses.replace(layout, rules=rules, manual_experts=experts)
 
 
 def layer_split(config: Config, layout: Layout) -> StageSplit:

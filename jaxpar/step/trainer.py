@@ -304,7 +304,7 @@ def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_
     if layout.mesh.shape["stage"] > 1:
         reduce = sum_replicas(reduction, layout)
         grads, program = pipelined_grads(config, layout, graphdef, batch_names, lambda g: reduce(g, shardings.optimizer),
-                                         loss_fn)
+                                         loss_fn, shardings.params)
         return loss_sum, grads, program, reduction
     return (loss_sum, batch_gradients(loss_sum, layout, shardings, batch_names, layout.microbatches, reduction), None,
             reduction)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config, OptimConfig, TrainConfig, apply_overrides
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.executor import Stages, pipeline_grads, reference_grads
+from jaxpar.pipeline.executor import Manual, Stages, pipeline_grads, reference_grads
 from jaxpar.pipeline.program import BRANCHES, compile_schedule
 from jaxpar.pipeline.split import StageSplit
 from jaxpar.pipeline.stages import in_pipeline_order, relaid_layers, relayout_rounds
@@ -186,6 +186,84 @@ def test_executor_equals_reference(name, p, m, v, counts):
     assert jax.tree.leaves(d_layers)[0].shape[0] == data  # one gradient per replica, reduced by the caller
     assert not np.any(np.asarray(d_layers["w"])[:, split.padding()])  # nothing reads a padding row
     assert np.all(np.abs(np.asarray(got[2]["w"]))[~split.padding()].sum((1, 2)) > 0)  # every real layer learns
+
+
+def _gathered(e):
+    """An expert-split weight [L, E, d] whole: gathered over `expert` where the context is
+    manual over it (its transpose sums each device's share back), as is elsewhere."""
+    if "expert" in jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.all_gather(e, "expert", axis=1, tiled=True)
+    return e
+
+
+def _toy_with_experts():
+    """_toy's chunks plus a weight split over `expert` ([L, 4, d], one row per expert) that
+    each layer reads whole, as the experts' kernel reaches its experts by collectives."""
+    def run_chunk(c, x):
+        step = lambda x, w: (x + jnp.tanh(x @ w[0]) * jnp.sum(w[1], 0), None)  # noqa: E731
+        return jax.lax.scan(step, x, (c["w"], _gathered(c["e"])))[0]
+
+    return Stages(
+        first=lambda c, o, mb: run_chunk(c, o["embedding"][mb["inputs"]]),
+        mid=lambda c, o, x, mb: run_chunk(c, x),
+        last=lambda c, o, x, mb: (jnp.sum((run_chunk(c, x) @ o["head"] - mb["targets"]) ** 2), jnp.float32(x.shape[0])),
+    )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-overlap"])
+def test_executor_manual_over_expert_equals_reference(name):
+    """Manual over stage x data x expert (`Manual`): the rows split over data x expert, the
+    expert-split weight arrives as each device's share, and the others' gradients are summed
+    over `expert` once at the end; loss sums and every gradient equal the plain reference."""
+    p, m = 2, 4
+    mesh = jax.make_mesh((p, 2, 2), ("stage", "data", "expert"), axis_types=(AxisType.Auto,) * 3)
+    k = jax.random.split(jax.random.key(1), 6)
+    d, rows, split = 8, 8, StageSplit(p, 1, (2, 2))
+    layers = {"w": jax.random.normal(k[0], (4, d, d)) / 3, "e": jax.random.normal(k[5], (4, 4, d)) / 2}
+    other = {"embedding": jax.random.normal(k[1], (16, d)), "head": jax.random.normal(k[2], (d, 2))}
+    micro = {"inputs": jax.random.randint(k[3], (m, rows, 3), 0, 16), "targets": jax.random.normal(k[4], (m, rows, 3, 2))}
+    manual = Manual({"w": P("stage"), "e": P("stage", "expert")}, {"embedding": P(), "head": P()})
+    stages, prog = _toy_with_experts(), compile_schedule(name, p, m, 1, split)
+    loss, weight, d_layers, d_other, _ = jax.jit(
+        lambda l, o, mb: pipeline_grads(prog, stages, mesh, l, o, mb, manual=manual))(layers, other, micro)
+    ref = reference_grads(stages, split, layers, other, micro)
+    got = (loss.sum(0), weight.sum(0), jax.tree.map(lambda g: g.sum(0), d_layers), jax.tree.map(lambda g: g.sum(0), d_other))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * float(jnp.max(jnp.abs(b))))
+    assert tuple(d_layers["e"].sharding.spec) == ("data", "stage", "expert")  # each device its experts' gradient
+
+
+@pytest.mark.parametrize("overrides,manual", [
+    ([], True),
+    (["lora.rank=4"], False),  # frozen bases, perhaps quantized into other shapes: expert left to the partitioner
+    (["parallel.rules.compute=mlp=tensor+expert"], False),  # a device's share of a dense weight: not whole
+    (["mesh.expert=1", "mesh.data=4"], False),
+])
+def test_executor_goes_manual_over_expert_where_each_share_is_whole(overrides, manual):
+    """`by_expert`: the specs over stage and expert the executor gets, or None (the
+    partitioner keeps `expert`); inside, no rule names `expert` and the experts' kernel
+    exchanges over it."""
+    from jaxpar.models.moe import MoEConfig
+    from jaxpar.step.layout import layout_for
+    from jaxpar.step.pipelined import by_expert, without_expert
+
+    config = apply_overrides(Config(model=MoEConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                                                    head_dim=8, mlp=32, num_experts=4, top_k=2)),
+                             ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", *overrides])
+    sizes = {a: getattr(config.mesh, a) for a in ("stage", "data", "fsdp", "expert", "context", "tensor")}
+    layout = layout_for(config, jax.devices(), sizes)
+    mesh = layout.mesh
+    shardings = {"layers": {"w_up": NamedSharding(mesh, P("stage", "expert" if sizes["expert"] > 1 else None, "tensor")),
+                            "wq": NamedSharding(mesh, P("stage", None, "tensor"))},
+                 "embedding": NamedSharding(mesh, P("tensor", None))}
+    found = by_expert(config, layout, shardings)
+    assert (found is not None) == manual
+    if manual:
+        assert found.layers == {"w_up": P("stage", "expert", None), "wq": P("stage", None, None)}
+        assert found.other == {"embedding": P(None, None)}
+        inside = without_expert(layout)
+        assert inside.manual_experts == ("expert",)
+        assert not any("expert" in axes for kind in ("storage", "compute") for axes in inside.rules.table(kind).values())
 
 
 # ------------------------------------------------------------------ training equals one device

@@ -68,6 +68,8 @@ class ExpertSpec:
     token_spec     x [B, S, D] (D unsharded); expert ids and gates [B, S, K] follow B and S
     weight_specs   one per expert weight, each [E, ...] with E over `axis`
     axis           the expert-parallel mesh axes (empty: every device holds every expert)
+    manual         those of `axis` the caller is already manual over: the tokens and weights
+                   given are the device's own over them
     reduce_axes    mesh axes the ffn's output is a partial sum over
     dispatch_dtype compute | fp8: what the dispatch moves (jaxpar.kernels.experts.payload)
     group_capacity (groups, top_groups) of group-limited routing whose groups also have a
@@ -79,6 +81,7 @@ class ExpertSpec:
     token_spec: P
     weight_specs: tuple[P, ...]
     axis: tuple[str, ...]
+    manual: tuple[str, ...] = ()
     reduce_axes: tuple[str, ...] = ()
     routing: str = "capacity"
     capacity_factor: float = 1.25
@@ -114,8 +117,9 @@ def expert_parallel(x_BSD, expert_ids_BSK, gates_BSK, priority_BSK, weights, ffn
         )
     if spec.token_spec[2] is not None:
         raise ValueError(f"the hidden dimension of the tokens must be whole on each device, not sharded over {spec.token_spec[2]}")
-    if weights[0].shape[0] % spec.degree:
-        raise ValueError(f"{weights[0].shape[0]} experts do not split over expert-parallel degree {spec.degree}")
+    split = math.prod(spec.mesh.shape[a] for a in spec.axis if a not in spec.manual)  # what the shard_map splits
+    if weights[0].shape[0] % split:
+        raise ValueError(f"{weights[0].shape[0]} experts do not split over expert-parallel degree {split}")
 
     @partial(
         jax.shard_map,
