@@ -92,6 +92,14 @@ RUNS = (
     Cluster("deepseek_v3_2048_plan_overlap", "deepseek-v3", 2048, plan_layout("1f1b-overlap"),
             "the planner's best formula estimate with the overlapped schedule among its candidates (48% MFU by "
             "formula), compiled"),
+    # The same two layouts after the executor went manual over `expert` (commit 683abd7): the
+    # weights every expert-parallel device holds are summed over it once a step.
+    Cluster("deepseek_layer_16gpu_pp_ep_by_expert", "deepseek", 16, stage_a_host("1f1b-overlap", 4),
+            "deepseek_layer_16gpu_pp_ep_overlap with the executor manual over expert"),
+    Cluster("deepseek_v3_2048_pp16_ep64_by_expert", "deepseek-v3", 2048,
+            deepseek_layout("1f1b-overlap", 120, "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8",
+                            "train.seq_len=4096", "train.global_batch=15360"),
+            "deepseek_v3_2048_pp16_ep64_overlap with the executor manual over expert"),
 )
 
 

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.errors import ConfigError
 
 AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,3 +193,9 @@ def mesh_here(mesh: Mesh):
     there may name only the axes left to the partitioner, and must say which are manual."""
     context = jax.sharding.get_abstract_mesh()
     return context if context.manual_axes else mesh
+
+
+def manual_rows() -> tuple[str, ...]:
+    """The batch axes the context is manual over (inside the pipeline executor: `data`, and
+    `expert` where it is manual too): a device holds only its own rows there."""
+    return tuple(a for a in BATCH_AXES if a in jax.sharding.get_abstract_mesh().manual_axes)

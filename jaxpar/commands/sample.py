@@ -29,9 +29,9 @@ from jaxpar.commands.common import (
     restore,
 )
 from jaxpar.errors import ConfigError
+from jaxpar.mesh import BATCH_AXES
 from jaxpar.model import declared
 
-BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows split over
 BATCH = 8  # --file's prompts continued at once, unless --batch says
 
 

@@ -80,12 +80,17 @@ def expand_scales(scales: jax.Array, blocks) -> jax.Array:
     return scales
 
 
-def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype, over: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """(x / scale in dtype, scale): the whole tensor one block of `quantize_blocks`, its
     scalar scale; saturated at dtype's maximum (a non-finite x stays non-finite, for the
-    step's guard to see)."""
-    q, scales = quantize_blocks(x, x.shape, dtype)
-    return q, scales.reshape(())
+    step's guard to see). `over`: manual mesh axes x is split over, whose devices take the
+    largest of their maxima (a scalar all-reduce), so each quantizes as the whole tensor."""
+    if not over:
+        q, scales = quantize_blocks(x, x.shape, dtype)
+        return q, scales.reshape(())
+    scale = _power_of_two(jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), over), dtype)
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype), scale
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tuple[int, ...], scale: jax.Array,
@@ -101,7 +106,7 @@ def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tu
 
 
 def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable | None = None,
-                  rest: Callable | None = None) -> jax.Array:
+                  rest: Callable | None = None, rows_over: tuple[str, ...] = ()) -> jax.Array:
     """jnp.tensordot(x, w, axes) (x's last `axes` dimensions against w's first) in FP8; the
     result in x's dtype, the gradients in their operands' dtypes.
 
@@ -111,7 +116,10 @@ def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable | None
     residual is the shard, as ZeRO-3 keeps no gathered weight), and its gradient leaves
     pinned to the shards, so it is reduce-scattered. The amax is the whole tensor's (a
     scalar all-reduce), so each gathered byte is the one quantizing the gathered weight
-    gives: the values are those of this product on the gathered weight."""
+    gives: the values are those of this product on the gathered weight. `rows_over`: the
+    manual mesh axes x's leading dimensions (and the gradient's) are split over (the pipeline
+    executor's rows): their amax is taken over those devices too, so each quantizes as one
+    device holding every row does."""
     batch = x.ndim - axes  # x's leading, uncontracted dimensions; the gradient's too
     gather, rest = gather or (lambda a: a), rest or (lambda a: a)
 
@@ -120,7 +128,7 @@ def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable | None
         return forward(x, w)[0]
 
     def forward(x, w):
-        qx, sx = quantize(x, FORWARD)
+        qx, sx = quantize(x, FORWARD, rows_over)
         qw, sw = quantize(w, FORWARD)
         qw = rest(qw)  # quantized where it rests, so a gather moves bytes
         y = _dot(qx, gather(qw), tuple(range(batch, x.ndim)), tuple(range(axes)), sx * sw, x.dtype)
@@ -129,7 +137,7 @@ def fp8_tensordot(x: jax.Array, w: jax.Array, axes: int, gather: Callable | None
     def backward(residuals, g):
         bx, sx, bw, sw = residuals
         qx, qw = _fp8(bx), gather(_fp8(bw))
-        qg, sg = quantize(g, GRADIENT)
+        qg, sg = quantize(g, GRADIENT, rows_over)
         dx = _dot(qg, qw, tuple(range(batch, qg.ndim)), tuple(range(axes, qw.ndim)), sg * sw, x.dtype)
         dw = _dot(qx, qg, tuple(range(batch)), tuple(range(batch)), sx * sg, w.dtype)
         return dx, rest(dw)

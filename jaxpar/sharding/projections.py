@@ -43,7 +43,7 @@ from jaxpar.kernels.collective_matmul import allgather_matmuls, matmul_reducesca
 from jaxpar.kernels.fp8 import fp8_tensordot
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries, gathered_axes
-from jaxpar.mesh import mesh_here
+from jaxpar.mesh import manual_rows, mesh_here
 from jaxpar.sharding.adapters import LoraWeight, adapter_output, base_value, check_inputs
 from jaxpar.sharding.annotate import (Layout, active_layout, compute_value, constrain, repeated_dim, stored_value,
                                      sum_over_replicas)
@@ -139,9 +139,9 @@ def _tensordot(layout: Layout | None, low_precision: bool):
         moves = fp8 and isinstance(w, nnx.Variable) and _fp8_gather(w, layout)
         if moves:
             value, gather, rest = moves
-            return fp8_tensordot(x, value, axes, gather, rest)
+            return fp8_tensordot(x, value, axes, gather, rest, rows_over=manual_rows())
         w = _laid_out(w)
-        return fp8_tensordot(x, w, axes) if fp8 else jnp.tensordot(x, w, axes=axes)
+        return fp8_tensordot(x, w, axes, rows_over=manual_rows()) if fp8 else jnp.tensordot(x, w, axes=axes)
 
     return dot
 

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import AXES
+from jaxpar.mesh import AXES, BATCH_AXES
 
 Table = Mapping[str, tuple[str, ...]]
 
@@ -80,7 +80,7 @@ def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rul
 
     tensor = live("tensor")
     compute = {
-        "batch": live("data", "fsdp", "expert"),
+        "batch": live(*BATCH_AXES),
         "norm_seq": live("context", "tensor") if sequence_parallel else live("context"),
         "seq": live("context"),
         "embed": (),

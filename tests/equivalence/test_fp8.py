@@ -44,6 +44,36 @@ def test_kernel_equals_reference_values_and_gradients(axes, x_shape, w_shape):
     assert 1e-3 < _rel(y, jnp.tensordot(x, w, axes)) < 0.1
 
 
+def test_rows_split_by_a_manual_axis_quantize_as_the_whole_tensor():
+    """Inside a shard_map manual over the rows (the pipeline executor's data x expert),
+    `rows_over` takes the amax over every device's rows: values and gradients equal the
+    kernel on the whole tensor (bitwise: the same scales, the same 8-bit values); without it
+    each device's scale is its own, and they differ."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    # rows of very different sizes: under the whole tensor's scale the small ones fall among
+    # e4m3's subnormals, under their own they do not
+    x = jax.random.normal(kx, (4, 8, 32)) * jnp.array([1.0, 3e3, 1e-2, 4.0])[:, None, None]
+    w, g = 0.05 * jax.random.normal(kw, (32, 16)), jax.random.normal(kg, (4, 8, 16))
+
+    def grads(over):
+        def local(x, w, g):
+            y, vjp = jax.vjp(lambda x, w: fp8_tensordot(x, w, 1, rows_over=over), x, w)
+            dx, dw = vjp(g)
+            return y, dx, jax.lax.psum(dw, "data")
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                                     out_specs=(P("data"), P("data"), P()), check_vma=False))(x, w, g)
+
+    y, vjp = jax.vjp(lambda x, w: fp8_tensordot(x, w, 1), x, w)
+    want = (y, *vjp(g))
+    for got, ref in zip(grads(("data",)), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    assert _rel(grads(())[0][2], want[0][2]) > 0.1  # each device's own scale: not the whole tensor's
+
+
 def test_quantize_scales_by_powers_of_two_and_saturates():
     x = jnp.array([0.5, -3.0, 1000.0])
     q, scale = quantize(x, FORWARD)
