@@ -346,11 +346,14 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
     # once a step: the weights outside the stack over `stage` (non-zero on the first and last
     # stages only) and, manual over `expert`, what its devices share over `expert`
+    # (over `expert` first: inside a host where a stage is one, as DeepSeek's are, so that
+    # only a stage's share crosses hosts, not each expert device's)
     expert = (EXPERT,) if manual is not None else ()
     if manual is not None:
         d_layers = _summed(d_layers, manual.layers, expert)
+        d_other = _summed(d_other, manual.other, expert)
         per_layer = jax.lax.psum(per_layer, EXPERT)
-    d_other = _summed(d_other, manual.other, (STAGE, *expert)) if manual is not None else jax.lax.psum(d_other, STAGE)
+    d_other = jax.lax.psum(d_other, STAGE)
     loss, weight, sums = jax.lax.psum((loss, weight, sums), (STAGE, *expert))
     lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731  the replica axis
     return loss[None], weight[None], lead(d_layers), lead(d_other), lead({"sums": sums, "per_layer": per_layer})

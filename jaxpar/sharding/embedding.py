@@ -3,7 +3,7 @@ whatever the layout.
 
 A gather from a table sharded over its rows (vocab-parallel embedding, `vocab` on `tensor`)
 is what XLA's SPMD partitioner aborts on inside a shard_map that is manual over some mesh
-axes (the pipeline executor, manual over stage and data) once a microbatch holds as many
+axes (the pipeline executor, manual over stage, data and perhaps expert) once a microbatch holds as many
 ids as the table has rows (`spmd_partitioner_util.cc:498 Check failed:
 partition_group_list.num_replica_groups() * ...`, jaxlib 0.12). There the lookup runs as
 a one-hot matmul instead: each tensor rank multiplies by its rows and the partial sums are
