@@ -68,20 +68,19 @@ class ExpertSpec:
     token_spec     x [B, S, D] (D unsharded); expert ids and gates [B, S, K] follow B and S
     weight_specs   one per expert weight, each [E, ...] with E over `axis`
     axis           the expert-parallel mesh axes (empty: every device holds every expert)
-    manual         those of `axis` the caller is already manual over: the tokens and weights
-                   given are the device's own over them
     reduce_axes    mesh axes the ffn's output is a partial sum over
     dispatch_dtype compute | fp8: what the dispatch moves (jaxpar.kernels.experts.payload)
     group_capacity (groups, top_groups) of group-limited routing whose groups also have a
                    capacity (model.group_capacity), or None
     hosts          hosts the expert axis spans (one axis, devices host-major: jaxpar.mesh)
+    manual         those of `axis` the caller is already manual over: the tokens and weights
+                   given are the device's own over them
     """
 
     mesh: Mesh
     token_spec: P
     weight_specs: tuple[P, ...]
     axis: tuple[str, ...]
-    manual: tuple[str, ...] = ()
     reduce_axes: tuple[str, ...] = ()
     routing: str = "capacity"
     capacity_factor: float = 1.25
@@ -89,6 +88,7 @@ class ExpertSpec:
     dispatch_dtype: str = "compute"
     group_capacity: tuple[int, int] | None = None
     hosts: int = 1
+    manual: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
