@@ -144,12 +144,21 @@ def pipeline_grads(
         return body(tables, layers, other, micro, frozen)
 
 
-def _summed(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
-    """Each gradient summed over those of `axes` its weight is not split over."""
+def _summed(grads: Any, specs: Any, axis: str, then: str | None = None) -> Any:
+    """Each gradient summed over `axis` where its weight is not split over it, and over
+    `then` (every gradient). Both: hierarchically, reduce-scattered over `axis`, its 1/n
+    share summed over `then`, all-gathered back. One all-reduce over both (what XLA folds
+    two psums into) would move the whole gradient across hosts among all their devices."""
     def one(g, spec):
         split = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-        over = tuple(a for a in axes if a not in split)
-        return jax.lax.psum(g, over) if over else g
+        if axis in split:
+            return jax.lax.psum(g, then) if then else g
+        if then is None:
+            return jax.lax.psum(g, axis)
+        n = jax.lax.axis_size(axis)
+        flat = jnp.pad(g.reshape(-1), (0, -g.size % n))
+        share = jax.lax.psum(jax.lax.psum_scatter(flat, axis, tiled=True), then)
+        return jax.lax.all_gather(share, axis, tiled=True)[: g.size].reshape(g.shape)
     return jax.tree.map(one, grads, specs)
 
 
@@ -346,14 +355,15 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
     # once a step: the weights outside the stack over `stage` (non-zero on the first and last
     # stages only) and, manual over `expert`, what its devices share over `expert`
-    # (over `expert` first: inside a host where a stage is one, as DeepSeek's are, so that
-    # only a stage's share crosses hosts, not each expert device's)
+    # (over `expert` inside a host where a stage is one, as DeepSeek's are: only 1/n of
+    # the weights outside the stack then crosses hosts)
     expert = (EXPERT,) if manual is not None else ()
     if manual is not None:
-        d_layers = _summed(d_layers, manual.layers, expert)
-        d_other = _summed(d_other, manual.other, expert)
+        d_layers = _summed(d_layers, manual.layers, EXPERT)
+        d_other = _summed(d_other, manual.other, EXPERT, then=STAGE)
         per_layer = jax.lax.psum(per_layer, EXPERT)
-    d_other = jax.lax.psum(d_other, STAGE)
+    else:
+        d_other = jax.lax.psum(d_other, STAGE)
     loss, weight, sums = jax.lax.psum((loss, weight, sums), (STAGE, *expert))
     lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731  the replica axis
     return loss[None], weight[None], lead(d_layers), lead(d_other), lead({"sums": sums, "per_layer": per_layer})

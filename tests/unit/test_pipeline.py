@@ -206,7 +206,8 @@ def _toy_with_experts():
     return Stages(
         first=lambda c, o, mb: run_chunk(c, o["embedding"][mb["inputs"]]),
         mid=lambda c, o, x, mb: run_chunk(c, x),
-        last=lambda c, o, x, mb: (jnp.sum((run_chunk(c, x) @ o["head"] - mb["targets"]) ** 2), jnp.float32(x.shape[0])),
+        last=lambda c, o, x, mb: (jnp.sum((run_chunk(c, x) @ o["head"] + o["tilt"][:2] - mb["targets"]) ** 2),
+                                  jnp.float32(x.shape[0])),
     )
 
 
@@ -214,15 +215,18 @@ def _toy_with_experts():
 def test_executor_manual_over_expert_equals_reference(name):
     """Manual over stage x data x expert (`Manual`): the rows split over data x expert, the
     expert-split weight arrives as each device's share, and the others' gradients are summed
-    over `expert` once at the end; loss sums and every gradient equal the plain reference."""
+    over `expert` once at the end (those outside the stack hierarchically, with `stage`);
+    loss sums and every gradient equal the plain reference."""
     p, m = 2, 4
     mesh = jax.make_mesh((p, 2, 2), ("stage", "data", "expert"), axis_types=(AxisType.Auto,) * 3)
     k = jax.random.split(jax.random.key(1), 6)
     d, rows, split = 8, 8, StageSplit(p, 1, (2, 2))
     layers = {"w": jax.random.normal(k[0], (4, d, d)) / 3, "e": jax.random.normal(k[5], (4, 4, d)) / 2}
-    other = {"embedding": jax.random.normal(k[1], (16, d)), "head": jax.random.normal(k[2], (d, 2))}
+    # "tilt": 3 elements, not a multiple of the expert devices its gradient is scattered over
+    other = {"embedding": jax.random.normal(k[1], (16, d)), "head": jax.random.normal(k[2], (d, 2)),
+             "tilt": jnp.arange(3.0)}
     micro = {"inputs": jax.random.randint(k[3], (m, rows, 3), 0, 16), "targets": jax.random.normal(k[4], (m, rows, 3, 2))}
-    manual = Manual({"w": P("stage"), "e": P("stage", "expert")}, {"embedding": P(), "head": P()})
+    manual = Manual({"w": P("stage"), "e": P("stage", "expert")}, {"embedding": P(), "head": P(), "tilt": P()})
     stages, prog = _toy_with_experts(), compile_schedule(name, p, m, 1, split)
     loss, weight, d_layers, d_other, _ = jax.jit(
         lambda l, o, mb: pipeline_grads(prog, stages, mesh, l, o, mb, manual=manual))(layers, other, micro)
