@@ -76,7 +76,7 @@ def by_expert(config: Config, layout: Layout, param_shardings: Any) -> Manual | 
     device's share of a weight would not be a whole expert)."""
     if layout.mesh.shape[EXPERT] == 1 or config.lora.rank > 0:
         return None
-    ours = {own: canonical for own, canonical in axis_names(config.model).items()}
+    ours = axis_names(config.model)  # a model's own names -> jaxpar's
     for kind in ("storage", "compute"):
         for name, axes in layout.rules.table(kind).items():
             if EXPERT in axes and ours.get(name, name) not in ("batch", "experts"):
