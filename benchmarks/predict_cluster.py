@@ -61,6 +61,11 @@ def deepseek_layout(schedule: str, microbatches: int, *more: str) -> tuple[str, 
             "parallel.pipeline.layers=3,4*14,2", f"train.microbatches={microbatches}", "model.remat=full", *more)
 
 
+# DeepSeek's batch (15,360 sequences of 4,096: its report's) with two hops and FP8 dispatch
+DEEPSEEK_BATCH = ("model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8", "train.seq_len=4096",
+                  "train.global_batch=15360")
+
+
 def plan_layout(schedule: str) -> tuple[str, ...]:
     """The planner's best layout for 2,048 H100s: PP 16 x data 16 x tensor 8, no remat, m = 64."""
     return ("mesh.stage=16", "mesh.data=16", "mesh.tensor=8", "mesh.hosts.data=16", "mesh.hosts.stage=16",
@@ -85,8 +90,7 @@ RUNS = (
     Cluster("deepseek_layer_16gpu_pp_ep_overlap", "deepseek", 16, stage_a_host("1f1b-overlap", 4),
             "DeepSeek's kind of layout on 16 GPUs, each forward beside a backward (1f1b-overlap), 4 microbatches"),
     Cluster("deepseek_v3_2048_pp16_ep64_overlap", "deepseek-v3", 2048,
-            deepseek_layout("1f1b-overlap", 120, "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8",
-                            "train.seq_len=4096", "train.global_batch=15360"),
+            deepseek_layout("1f1b-overlap", 120, *DEEPSEEK_BATCH),
             "DeepSeek-V3's layout and batch (15,360 sequences: its report's), each forward beside a backward, two "
             "hops, FP8 dispatch"),
     Cluster("deepseek_v3_2048_plan_overlap", "deepseek-v3", 2048, plan_layout("1f1b-overlap"),
@@ -97,14 +101,12 @@ RUNS = (
     Cluster("deepseek_layer_16gpu_pp_ep_by_expert", "deepseek", 16, stage_a_host("1f1b-overlap", 4),
             "deepseek_layer_16gpu_pp_ep_overlap with the executor manual over expert"),
     Cluster("deepseek_v3_2048_pp16_ep64_by_expert", "deepseek-v3", 2048,
-            deepseek_layout("1f1b-overlap", 120, "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8",
-                            "train.seq_len=4096", "train.global_batch=15360"),
+            deepseek_layout("1f1b-overlap", 120, *DEEPSEEK_BATCH),
             "deepseek_v3_2048_pp16_ep64_overlap with the executor manual over expert"),
     # ... with the latency-hiding scheduler's memory limit raised (docs/xla_options.md): at
     # XLA's 95% of HBM it leaves the all-to-alls synchronous beside a step near that limit
     Cluster("deepseek_v3_2048_pp16_ep64_scheduler_memory", "deepseek-v3", 2048,
-            deepseek_layout("1f1b-overlap", 120, "model.group_capacity=true", "parallel.expert_dispatch_dtype=fp8",
-                            "train.seq_len=4096", "train.global_batch=15360", "model.remat=selective",
+            deepseek_layout("1f1b-overlap", 120, *DEEPSEEK_BATCH, "model.remat=selective",
                             "compiler.options=xla_gpu_memory_limit_slop_factor=400"),
             "deepseek_v3_2048_pp16_ep64_by_expert with selective remat and the scheduler's memory limit raised"),
 )

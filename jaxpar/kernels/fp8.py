@@ -61,9 +61,13 @@ def quantize_blocks(x: jax.Array, blocks: tuple[int, ...], dtype) -> tuple[jax.A
     within = tuple(range(1, 2 * x.ndim, 2))
     xr = x.astype(jnp.float32).reshape(split)
     scales = _power_of_two(jnp.max(jnp.abs(xr), axis=within), dtype)
+    return _saturated(xr / jnp.expand_dims(scales, within), dtype).reshape(x.shape), scales
+
+
+def _saturated(v: jax.Array, dtype) -> jax.Array:
+    """v (float32, already scaled) in dtype, clipped to its largest finite value."""
     limit = float(jnp.finfo(dtype).max)
-    q = jnp.clip(xr / jnp.expand_dims(scales, within), -limit, limit).astype(dtype)
-    return q.reshape(x.shape), scales
+    return jnp.clip(v, -limit, limit).astype(dtype)
 
 
 def dequantize_blocks(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -88,9 +92,9 @@ def quantize(x: jax.Array, dtype, over: tuple[str, ...] = ()) -> tuple[jax.Array
     if not over:
         q, scales = quantize_blocks(x, x.shape, dtype)
         return q, scales.reshape(())
-    scale = _power_of_two(jax.lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), over), dtype)
-    limit = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype), scale
+    x = x.astype(jnp.float32)
+    scale = _power_of_two(jax.lax.pmax(jnp.max(jnp.abs(x)), over), dtype)
+    return _saturated(x / scale, dtype), scale
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_a: tuple[int, ...], contract_b: tuple[int, ...], scale: jax.Array,

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.kernels.quantized import entries
 from jaxpar.model import FIRST_LAYER
 from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
 from jaxpar.pipeline.split import StageSplit
@@ -150,8 +151,7 @@ def _summed(grads: Any, specs: Any, axis: str, then: str | None = None) -> Any:
     share summed over `then`, all-gathered back. One all-reduce over both (what XLA folds
     two psums into) would move the whole gradient across hosts among all their devices."""
     def one(g, spec):
-        split = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-        if axis in split:
+        if any(axis in dim for dim in entries(spec, len(spec))):
             return jax.lax.psum(g, then) if then else g
         if then is None:
             return jax.lax.psum(g, axis)
@@ -354,9 +354,8 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     rows = {c: tables[c][:, 0] for c in COLUMNS}
     (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
     # once a step: the weights outside the stack over `stage` (non-zero on the first and last
-    # stages only) and, manual over `expert`, what its devices share over `expert`
-    # (over `expert` inside a host where a stage is one, as DeepSeek's are: only 1/n of
-    # the weights outside the stack then crosses hosts)
+    # stages only) and, manual over `expert`, what its devices share over `expert` (outside
+    # the stack hierarchically: only 1/n crosses hosts where a stage is a host, as DeepSeek's)
     expert = (EXPERT,) if manual is not None else ()
     if manual is not None:
         d_layers = _summed(d_layers, manual.layers, EXPERT)

@@ -65,6 +65,12 @@ class Rules:
             s[own], c[own] = (s.get(canonical, ()), c.get(canonical, ())) if canonical else ((), ())
         return Rules.of(s, c)
 
+    def without(self, axis: str, kinds: Sequence[str] = ("storage", "compute")) -> "Rules":
+        """The rules with mesh axis `axis` named by no logical name of `kinds`' tables (a
+        context manual over it holds each device's own part)."""
+        strip = lambda kind: {k: tuple(a for a in v if a != axis) for k, v in self.table(kind).items()}  # noqa: E731
+        return self.with_overrides(*(strip(kind) if kind in kinds else None for kind in ("storage", "compute")))
+
     def with_overrides(self, storage: Table | None = None, compute: Table | None = None) -> "Rules":
         s, c = self.table("storage"), self.table("compute")
         s.update(storage or {})

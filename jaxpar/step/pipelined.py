@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config
+from jaxpar.kernels.quantized import entries
 from jaxpar.model import axis_names
 from jaxpar.pipeline.executor import EXPERT, Manual, pipeline_grads
 from jaxpar.pipeline.program import Program, compile_schedule
@@ -81,24 +82,21 @@ def by_expert(config: Config, layout: Layout, param_shardings: Any) -> Manual | 
         for name, axes in layout.rules.table(kind).items():
             if EXPERT in axes and ours.get(name, name) not in ("batch", "experts"):
                 return None
-    keep = lambda entry: _only(entry, ("stage", EXPERT))  # noqa: E731
-    layers, other = split_layers(jax.tree.map(lambda s: P(*(keep(e) for e in s.spec)), param_shardings))
+    layers, other = split_layers(jax.tree.map(lambda s: _only(s.spec, ("stage", EXPERT)), param_shardings))
     return Manual(layers, other)
 
 
-def _only(entry: Any, axes: tuple[str, ...]) -> Any:
-    """A spec entry with only `axes` kept (None where none is left)."""
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+def _only(spec: P, axes: tuple[str, ...]) -> P:
+    """`spec` with only the mesh axes `axes` kept."""
+    kept = [tuple(a for a in dim if a in axes) for dim in entries(spec, len(spec))]
+    return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 
 
 def without_expert(layout: Layout) -> Layout:
     """The layout inside an executor manual over `expert`: no rule names it; the experts'
     kernel exchanges over it (Layout.manual_experts) where the experts were split over it."""
-    strip = lambda table: {k: tuple(a for a in v if a != EXPERT) for k, v in table.items()}  # noqa: E731
     experts = (EXPERT,) if EXPERT in layout.rules.table("compute").get("experts", ()) else ()
-    rules = layout.rules.with_overrides(strip(layout.rules.table("storage")), strip(layout.rules.table("compute")))
-    return dataclasses.replace(layout, rules=rules, manual_experts=experts)
+    return dataclasses.replace(layout, rules=layout.rules.without(EXPERT), manual_experts=experts)
 
 
 def layer_split(config: Config, layout: Layout) -> StageSplit:

@@ -38,8 +38,7 @@ def inner_layout(layout: Layout, summed: ReplicaSum | None = None) -> Layout:
     """The layout one replica's computation sees: `data` taken out of every compute rule
     (the vmapped replica axis holds it); `summed`: how parameters' gradients are summed over
     the replicas where they are used (Layout.replica_sum; None: they are not)."""
-    table = {k: tuple(a for a in v if a != AXIS) for k, v in layout.rules.table("compute").items()}
-    return dataclasses.replace(layout, rules=layout.rules.with_overrides(compute=table), replica_axis=AXIS,
+    return dataclasses.replace(layout, rules=layout.rules.without(AXIS, ("compute",)), replica_axis=AXIS,
                                replica_sum=summed)
 
 
