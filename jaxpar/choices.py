@@ -37,7 +37,8 @@ MatmulDtype = Literal["compute", "fp8"]
 LoraBaseDtype = Literal["compute", "fp8"]  # how LoRA's adapted weights rest (jaxpar.step.lora)
 OnNonfinite = Literal["stop", "skip"]
 # optim (the update rules of jaxpar.step.optim)
-Optimizer = Literal["adam", "adamw", "lion", "sgd"]
+Optimizer = Literal["adam", "adamw", "lion", "sgd", "muon"]
+MuonScale = Literal["rms", "shape"]  # how Muon scales an orthogonalised update by its shape (jaxpar.step.muon)
 # data
 DataSource = Literal["synthetic", "tokens", "text", "chat", "preference"]
 DataOrder = Literal["windows", "epochs"]

@@ -11,8 +11,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from jaxpar.choices import (CompilerPreset, ComputeDtype, DataOrder, DataSource, LoraBaseDtype, MatmulDtype, OnNonfinite,
-                            Optimizer, check_choice)
+from jaxpar.choices import (CompilerPreset, ComputeDtype, DataOrder, DataSource, LoraBaseDtype, MatmulDtype, MuonScale,
+                            OnNonfinite, Optimizer, check_choice)
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ModelConfig
@@ -86,6 +86,16 @@ class OptimConfig:
     eps: float = 1e-8  # Adam's denominator floor
     weight_decay: float = 0.1  # decoupled (adamw, lion), on every parameter
     clip_norm: float = 1.0  # the gradients' global norm is clipped to this; 0: no clipping
+    # Muon (name=muon, jaxpar.step.muon): the matrices' momentum, Nesterov or not, the
+    # Newton-Schulz iterations and their coefficients "a,b,c", and the shape scale: "rms"
+    # (muon_rms x sqrt(max(rows, cols)), Moonlight's, AdamW's learning rate fits) or "shape"
+    # (sqrt(max(1, cols / rows)), Keller Jordan's). The other parameters take AdamW (b1, b2, eps).
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coeffs: str = "3.4445,-4.7750,2.0315"
+    muon_scale: MuonScale = "rms"
+    muon_rms: float = 0.2
 
 
 @dataclasses.dataclass(frozen=True)

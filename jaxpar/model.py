@@ -42,6 +42,11 @@ default.
   update(params, counts)  the model's own change to its float32 weights after each optimizer
                  step, from the step's summed `counts` (MoE's bias balancing).
   summarise(counts)  {metric name: scalar} from the step's summed `counts` (MoE's load).
+  stack_axes     logical names of dims that index a stack of same-shape weights
+                 (jaxpar.nn.stack_layers' axis names; default ("layers", "experts")): Muon
+                 orthogonalises each matrix of a stack on its own (jaxpar.step.muon).
+  not_matrices   dotted paths (fnmatch patterns) of parameters with two or more dims that
+                 are no weight matrix (Qwen2's q/k/v biases): Muon leaves them to AdamW.
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
@@ -160,6 +165,7 @@ MEMBERS: dict[str, Any] = {
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0,
     "remat": "none", "sliding_window": 0, "layer_windows": None, "v_head_dim": 0,
+    "stack_axes": None, "not_matrices": None,
 }
 _DEFAULT = object()
 

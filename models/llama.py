@@ -90,6 +90,7 @@ class LlamaConfig:
     task = "lm"
     capabilities = frozenset({SEQUENCE, ATTENTION, PROJECTIONS, STAGES, REMAT})
     mesh_divides = {"tensor": ("num_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}
+    not_matrices = ("*.bq", "*.bk", "*.bv")  # qkv_bias's heads x head_dim biases: AdamW's under Muon
     SIZES = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp")
 
     def check(self, sizes: dict[str, int]) -> None:

@@ -36,3 +36,50 @@ def optimizer_values(config, sizes) -> None:
         value = getattr(config.optim, field)
         if not holds(value):
             raise ConfigError(f"optim.{field}={value} makes no sense; use {what}")
+
+
+def _coeffs_ok(text: str) -> bool:
+    try:
+        return len([float(v) for v in text.split(",")]) == 3
+    except ValueError:
+        return False
+
+
+# Muon's fields (jaxpar.step.muon): field -> (what holds; what to say)
+MUON_RANGES = {
+    "momentum": (lambda x: 0 <= x < 1, "in [0, 1), e.g. 0.95"),
+    "ns_steps": (lambda x: x >= 1, ">= 1 Newton-Schulz iterations, e.g. 5"),
+    "ns_coeffs": (_coeffs_ok, 'three numbers "a,b,c", e.g. "3.4445,-4.7750,2.0315" (Keller Jordan\'s)'),
+    "muon_rms": (lambda x: 0 < x < float("inf"), "> 0, e.g. 0.2 (Moonlight's: the update's RMS near AdamW's)"),
+}
+
+
+@rule(
+    "muon-values",
+    fields=[f"optim.{f}" for f in MUON_RANGES],
+    summary="Muon's momentum is in [0, 1), its Newton-Schulz iterations at least 1 with three coefficients "
+    '"a,b,c", and its RMS scale positive.',
+    example=["optim.name=muon", "optim.ns_coeffs=3.4,-4.7"],
+    also=[["optim.name=muon", "optim.momentum=1"], ["optim.name=muon", "optim.ns_steps=0"],
+          ["optim.name=muon", "optim.muon_rms=0"]],
+)
+def muon_values(config, sizes) -> None:
+    if config.optim.name != "muon":
+        return
+    for field, (holds, what) in MUON_RANGES.items():
+        value = getattr(config.optim, field)
+        if not holds(value):
+            raise ConfigError(f"optim.{field}={value!r} makes no sense for Muon; use {what}")
+
+
+@rule(
+    "muon-without-lora",
+    fields=["optim.name", "lora.rank"],
+    summary="Muon orthogonalises the model's weight matrices; LoRA trains low-rank adapters beside frozen ones, "
+    "which Muon does not update (use AdamW for LoRA).",
+    example=["optim.name=muon", "lora.rank=4"],
+)
+def muon_without_lora(config, sizes) -> None:
+    if config.optim.name == "muon" and config.lora.rank:
+        raise ConfigError(f"optim.name=muon with lora.rank={config.lora.rank}: Muon updates whole weight matrices, "
+                          "LoRA's adapters are not; use optim.name=adamw for LoRA, or lora.rank=0")

@@ -1,10 +1,12 @@
-"""Optimizer from config: a named optax update rule, warmup + cosine schedule, and
-global-norm clipping (which the trainer applies in its own pass: jaxpar.step.update). Any
-optax GradientTransformation can be passed to the trainer instead."""
+"""Optimizer from config: a named optax update rule (or Muon, jaxpar.step.muon), warmup +
+cosine schedule, and global-norm clipping (which the trainer applies in its own pass:
+jaxpar.step.update). Any optax GradientTransformation can be passed to the trainer instead."""
 
 from __future__ import annotations
 
 import optax
+
+from jaxpar.step.muon import Matrices, muon
 
 OPTIMIZERS = {  # one per jaxpar.choices.Optimizer (optim.name)
     "adamw": lambda lr, c: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
@@ -26,19 +28,30 @@ def schedule(optim, steps: int) -> optax.Schedule:
     )
 
 
-def update_rule(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def rule(optim, lr: optax.Schedule, matrices: Matrices | None) -> optax.GradientTransformation:
+    """optim.name's update rule; Muon's needs the model's `matrices` (jaxpar.step.muon.find_matrices)."""
+    if optim.name == "muon":
+        if matrices is None:
+            raise ValueError("optim.name='muon' needs the model's matrices (jaxpar.step.muon.find_matrices)")
+        return muon(lr, optim, matrices)
+    return OPTIMIZERS[optim.name](lr, optim)
+
+
+def update_rule(optim, steps: int, matrices: Matrices | None = None
+                ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The named update rule on its schedule, without clipping: the trainer clips with the
     norm its update pass already computed (jaxpar.step.update), optax's arithmetic. Where
     `make_optimizer`'s chain has the clip, an identity holds its place, so the optimizer
     state has the chain's tree and checkpoints written with either restore into the other."""
     lr = schedule(optim, steps)
-    return optax.chain(*([optax.identity()] if optim.clip_norm > 0 else []), OPTIMIZERS[optim.name](lr, optim)), lr
+    return optax.chain(*([optax.identity()] if optim.clip_norm > 0 else []), rule(optim, lr, matrices)), lr
 
 
-def make_optimizer(optim, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(optim, steps: int, matrices: Matrices | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The config's optimizer as one optax chain, for a step written by hand: clipping
     (global norm over every shard of every parameter: the squared norms are summed under
     jit, so sharding cannot change the result), then the update rule."""
     lr = schedule(optim, steps)
     clip = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    return optax.chain(*clip, OPTIMIZERS[optim.name](lr, optim)), lr
+    return optax.chain(*clip, rule(optim, lr, matrices)), lr

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from optax.transforms import MaskedNode
 
 from jaxpar.step.zero import StateShardings
 
@@ -51,14 +52,13 @@ def place_state(tx: optax.GradientTransformation, abstract_params: Any, sharding
     columns) is replicated. `compression`: the compression state's shardings, if any;
     `frozen`: LoRA's frozen weights' (never offloaded: every step reads them)."""
     replicated = NamedSharding(mesh, P())
-    opt = optax.tree_map_params(
-        tx,
-        lambda leaf, sharding, param: sharding if leaf.shape == param.shape else replicated,
-        jax.eval_shape(tx.init, abstract_params),
-        shardings.optimizer,
-        abstract_params,
-        transform_non_params=lambda _: replicated,
-    )
+    masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731 (a parameter another transform of a partition has)
+
+    def like(leaf, sharding: NamedSharding, param) -> Any:
+        return leaf if masked(leaf) else sharding if leaf.shape == param.shape else replicated
+
+    opt = optax.tree_map_params(tx, like, jax.eval_shape(tx.init, abstract_params), shardings.optimizer,
+                                abstract_params, transform_non_params=lambda _: replicated, is_leaf=masked)
 
     def resting(tree: Any) -> Any:
         return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree) if offload else tree

@@ -49,6 +49,7 @@ from jaxpar.step.compression import Compressor, make_compressor
 from jaxpar.step.forward import make_forward
 from jaxpar.step.gradients import batch_gradients, loss_sum_fn, prepare_batch, prepared_names
 from jaxpar.step.loss import LossFn, model_outputs, task_loss
+from jaxpar.step.muon import find_matrices
 from jaxpar.step.optim import update_rule
 from jaxpar.step.param_checks import check_params
 from jaxpar.step.pipelined import layer_split, pipelined_grads, unpipelined
@@ -187,10 +188,6 @@ def build(
         raise ConfigError(f"train.loss_chunks={config.train.loss_chunks} splits the built-in loss, but this run's loss is "
                           f"{whose}, which scores whole outputs; set train.loss_chunks=1")
     clip_norm = 0.0  # a tx given here clips as it likes
-    if tx is None:
-        tx, lr_schedule = update_rule(config.optim, config.train.steps)
-        clip_norm = config.optim.clip_norm
-
     def base_model() -> nnx.Module:
         with nnx.use_eager_sharding(False):  # shardings come from our rules, not from a global mesh
             return config.model.build(nnx.Rngs(config.train.seed))
@@ -210,9 +207,13 @@ def build(
         abstract_params = stored_shapes(abstract_params, layers)
     check_params(names, abstract_params, layout, config.parallel.rules.on_replicated)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
-    tx = _train_params_only(tx, abstract, frozen)
     (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
     shardings = state_shardings(names, abstract_params, layout)
+    if tx is None:
+        matrices = find_matrices(config.model, names, shardings.optimizer) if config.optim.name == "muon" else None
+        tx, lr_schedule = update_rule(config.optim, config.train.steps, matrices)
+        clip_norm = config.optim.clip_norm
+    tx = _train_params_only(tx, abstract, frozen)
     frozen_shardings = state_shardings(frozen_names, frozen_abstract, layout).params \
         if frozen else None
     compressor = make_compressor(layout.compression, names, abstract_params, shardings.grads, layout.mesh,

@@ -1,0 +1,144 @@
+"""Newton-Schulz orthogonalisation (Muon's), of every matrix in an array, each matrix whole.
+
+`newton_schulz(x)` orthogonalises one matrix: the plain reference. `orthogonalize(x,
+axes)` does every matrix of a stack on one device. `orthogonalize_sharded(x, axes, spec,
+mesh)` does the same to an array sharded as `spec`, where a matrix may be split over
+devices (ZeRO, FSDP, tensor parallelism) and the iteration needs it whole. Inside one
+shard_map:
+
+1. the local stack is padded with zero matrices to a multiple of the devices that share it;
+2. mesh axes that hold none of the array (replicas) each take their slice of the stack;
+3. an all-to-all per mesh axis that splits a matrix trades pieces of matrices for whole
+   ones, so that each device holds whole matrices: a share of the stack;
+4. the iteration runs on them, and steps 3 and 2 run backwards.
+
+Every device works on its ceil(stack / devices) matrices, and each matrix's arithmetic is the
+reference's: the sharded result equals `orthogonalize` (Moonlight's "distributed Muon"
+gathers each matrix to every data-parallel rank instead; here a matrix goes to one owner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.kernels.quantized import entries
+
+# Keller Jordan's quintic coefficients (modded-nanogpt; Moonlight and optax use them too).
+JORDAN_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixAxes:
+    """How an array is a stack of matrices: `batch` dims index them (a layer stack,
+    experts), `rows` are each matrix's input side (contracted with the activations) and
+    `cols` its output side. Every dim is in exactly one of them."""
+
+    batch: tuple[int, ...]
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return self.batch + self.rows + self.cols
+
+    def shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """(rows, cols) of each matrix of an array of `shape`."""
+        return math.prod(shape[d] for d in self.rows), math.prod(shape[d] for d in self.cols)
+
+    def count(self, shape: Sequence[int]) -> int:
+        return math.prod(shape[d] for d in self.batch)
+
+
+def newton_schulz(x: jax.Array, steps: int = 5, coeffs: Sequence[float] = JORDAN_COEFFS,
+                  eps: float = 1e-7) -> jax.Array:
+    """One matrix [m, n] scaled to unit Frobenius norm, then `steps` quintic iterations
+    X <- aX + (bA + cA^2)X, A = XX^T, on the wider orientation (X^T when m > n, as the
+    iteration commutes with transposing). Near U V^T of the SVD U S V^T, with the singular
+    values in about [0.7, 1.2] rather than all 1 (the coefficients trade accuracy for speed)."""
+    a, b, c = coeffs
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (jnp.linalg.norm(x) + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def orthogonalize(x: jax.Array, axes: MatrixAxes, steps: int = 5, coeffs: Sequence[float] = JORDAN_COEFFS,
+                  eps: float = 1e-7) -> jax.Array:
+    """Every matrix of `x` orthogonalised, on one device: the reference."""
+    stacked = _stack(x, axes)
+    done = jax.vmap(lambda m: newton_schulz(m, steps, coeffs, eps))(stacked.reshape(-1, *axes.shape(x.shape)))
+    return _unstack(done.reshape(stacked.shape), x.shape, axes)
+
+
+def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, steps: int = 5,
+                          coeffs: Sequence[float] = JORDAN_COEFFS, eps: float = 1e-7) -> jax.Array:
+    """`orthogonalize(x, axes)` for `x` sharded as `spec` on `mesh` (the module docstring)."""
+    split = splitting_axes(spec, axes, mesh, x.ndim)
+    idle = idle_axes(spec, mesh)
+    ways = math.prod(mesh.shape[a] for a, _ in split) * math.prod(mesh.shape[a] for a in idle)
+    matrix_dims = axes.rows + axes.cols
+
+    def body(block: jax.Array) -> jax.Array:
+        y = _stack(block, axes)  # [stack, rows..., cols...], matrices possibly in pieces
+        count = y.shape[0]
+        y = jnp.concatenate([y, jnp.zeros((-count % ways, *y.shape[1:]), y.dtype)]) if count % ways else y
+        if idle:
+            share = y.shape[0] // _size(mesh, idle)
+            y = lax.dynamic_slice_in_dim(y, lax.axis_index(idle) * share, share)
+        for axis, dim in split:
+            y = lax.all_to_all(y, axis, 0, 1 + matrix_dims.index(dim), tiled=True)
+        rows = math.prod(y.shape[1:1 + len(axes.rows)])
+        whole = jax.vmap(lambda m: newton_schulz(m, steps, coeffs, eps))(y.reshape(y.shape[0], rows, -1))
+        y = whole.reshape(y.shape)
+        for axis, dim in reversed(split):
+            y = lax.all_to_all(y, axis, 1 + matrix_dims.index(dim), 0, tiled=True)
+        if idle:
+            y = lax.all_gather(y, idle, axis=0, tiled=True)
+        return _unstack(y[:count], block.shape, axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+
+
+def splitting_axes(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int) -> list[tuple[str, int]]:
+    """(mesh axis, dim) for each mesh axis of size > 1 that splits a matrix dim of an array
+    sharded as `spec`, the minor axis of a dim first: the all-to-alls that make matrices
+    whole, in the order they run."""
+    out = []
+    for dim, names in enumerate(entries(spec, ndim)):
+        if dim in axes.rows + axes.cols:
+            out += [(a, dim) for a in reversed(names) if mesh.shape[a] > 1]
+    return out
+
+
+def idle_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that hold none of an array sharded as `spec`: its replicas,
+    which share its stack out instead of each doing all of it."""
+    used = {a for names in entries(spec, len(spec)) for a in names}
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
+
+
+def _size(mesh: Mesh, names: Sequence[str]) -> int:
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def _stack(x: jax.Array, axes: MatrixAxes) -> jax.Array:
+    """[matrices, rows..., cols...]: the batch dims first and merged."""
+    moved = x.transpose(axes.order)
+    return moved.reshape((-1, *moved.shape[len(axes.batch):]))
+
+
+def _unstack(y: jax.Array, shape: Sequence[int], axes: MatrixAxes) -> jax.Array:
+    """`_stack`'s inverse, for an array of `shape`."""
+    moved = y.reshape(tuple(shape[d] for d in axes.order))
+    return moved.transpose(tuple(axes.order.index(d) for d in range(len(shape))))

@@ -1,0 +1,150 @@
+"""Muon for a sharded model (`optim.name=muon`): which parameters are matrices, and the
+optax transformation that orthogonalises their updates whole under any layout.
+
+The update rule is Moonlight's (Liu et al. 2025, "Muon is Scalable for LLM Training"), the
+form Kimi K2 and GLM-4.5 trained with. For a matrix W with gradient G:
+
+    M <- mu M + G                          (optim.momentum)
+    U  = G + mu M  (Nesterov), else M      (optim.nesterov)
+    O  = NewtonSchulz(U)                   (optim.ns_steps; jaxpar.kernels.newton_schulz)
+    W <- W - lr (s O + wd W)               (optim.weight_decay)
+
+with s = optim.muon_rms x sqrt(max(rows, cols)) ("rms", Moonlight's: the update's RMS near
+AdamW's, so the two share one learning rate) or sqrt(max(1, cols / rows)) ("shape", Keller
+Jordan's). Everything that is not a matrix (the embedding and head, norms, biases, routers'
+biases) takes AdamW at the same learning rate, as Moonlight and K2 do.
+
+optax's `contrib.muon` averages its momentum (M <- mu M + (1 - mu) G) and corrects its bias.
+Without Nesterov the two momenta are proportional and the Newton-Schulz step normalises the
+scale away, so the updates agree (tests/test_muon.py). With Nesterov optax corrects G's and
+M's bias by different factors, which moves the direction: there the two differ.
+
+Which parameters are matrices comes from their logical names, so a user's model needs no
+Muon-specific code: dims named by the model's `stack_axes` (default "layers", "experts":
+jaxpar.model) index a stack of matrices; a parameter with two or more other dims and no
+"vocab" dim is a matrix, its input side its first such dim (or all but the last, when only
+the last is "embed": an output projection). The model's `not_matrices` names parameters
+that have two dims but are no matrix (Qwen2's q/k/v biases, heads x head_dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.kernels.newton_schulz import JORDAN_COEFFS, MatrixAxes, orthogonalize, orthogonalize_sharded
+from jaxpar.model import declared
+
+DEFAULT_STACK_AXES = ("layers", "experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """One parameter Muon updates: how it is a stack of matrices, and where its optimizer
+    state rests (None: on one device)."""
+
+    axes: MatrixAxes
+    spec: P | None = None
+    mesh: Mesh | None = None
+
+
+Matrices = dict[str, Matrix]  # by the parameter's dotted path ("layers.attn.wq")
+
+
+def matrix_axes(names: tuple[str | None, ...], stack_axes: tuple[str, ...]) -> MatrixAxes | None:
+    """How a parameter with logical `names` is a stack of matrices, or None when it is no
+    matrix (the module docstring's rule)."""
+    batch = tuple(d for d, n in enumerate(names) if n in stack_axes)
+    rest = [d for d in range(len(names)) if d not in batch]
+    if len(rest) < 2 or "vocab" in names:
+        return None
+    if names[rest[-1]] == "embed" and names[rest[0]] != "embed":  # an output projection: (heads, head_dim) -> embed
+        return MatrixAxes(batch, tuple(rest[:-1]), (rest[-1],))
+    return MatrixAxes(batch, (rest[0],), tuple(rest[1:]))
+
+
+def find_matrices(model: Any, names: Any, shardings: Any | None = None) -> Matrices:
+    """Every matrix parameter of a model config, by path: `names` the tree of
+    jaxpar.sharding.ParamNames, `shardings` the optimizer state's NamedShardings (None: one
+    device)."""
+    from jaxpar.sharding import ParamNames
+
+    stack_axes = declared(model, "stack_axes") or DEFAULT_STACK_AXES
+    skipped = declared(model, "not_matrices") or ()
+    is_names = lambda x: isinstance(x, ParamNames)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(names, is_leaf=is_names)[0]
+    placed = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)) if shardings else [None] * len(flat)
+    found = {}
+    for (path, leaf), sharding in zip(flat, placed):
+        where = path_of(path)
+        axes = matrix_axes(leaf.names, stack_axes)
+        if axes is None or any(fnmatch.fnmatchcase(where, pattern) for pattern in skipped):
+            continue
+        found[where] = Matrix(axes, sharding.spec if sharding else None, sharding.mesh if sharding else None)
+    return found
+
+
+def path_of(path: tuple) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+class MuonState(NamedTuple):
+    momentum: Any  # float32, one per matrix, sharded as the parameter's optimizer state
+
+
+def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = True, steps: int = 5,
+                  coeffs: tuple[float, float, float] = JORDAN_COEFFS, scale: str = "rms", rms: float = 0.2,
+                  eps: float = 1e-7) -> optax.GradientTransformation:
+    """Momentum, Newton-Schulz and the shape scale of the module docstring, on the leaves
+    `matrices` names (optax.partition hands it only those)."""
+
+    def init(params: Any) -> MuonState:
+        return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def update(updates: Any, state: MuonState, params: Any = None) -> tuple[Any, MuonState]:
+        del params
+        kept = jax.tree.map(lambda m, g: momentum * m + g.astype(jnp.float32), state.momentum, updates)
+        used = jax.tree.map(lambda m, g: g.astype(jnp.float32) + momentum * m, kept, updates) if nesterov else kept
+
+        def one(path, u):
+            matrix = matrices[path_of(path)]
+            rows, cols = matrix.axes.shape(u.shape)
+            s = rms * max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, cols / rows) ** 0.5
+            if matrix.mesh is None or matrix.mesh.size == 1:
+                return s * orthogonalize(u, matrix.axes, steps, coeffs, eps)
+            return s * orthogonalize_sharded(u, matrix.axes, matrix.spec, matrix.mesh, steps, coeffs, eps)
+
+        out = jax.tree_util.tree_map_with_path(one, used)
+        return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), MuonState(kept)
+
+    return optax.GradientTransformation(init, update)
+
+
+def muon(lr: optax.ScalarOrSchedule, optim: Any, matrices: Matrices) -> optax.GradientTransformation:
+    """Muon on `matrices`, AdamW on every other parameter, at one learning rate (the module
+    docstring); `optim` a jaxpar.config.OptimConfig."""
+
+    def labels(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda p, _: "muon" if path_of(p) in matrices else "adamw", params)
+
+    rule = optax.chain(
+        scale_by_muon(matrices, optim.momentum, optim.nesterov, optim.ns_steps, ns_coeffs(optim.ns_coeffs),
+                      optim.muon_scale, optim.muon_rms),
+        optax.add_decayed_weights(optim.weight_decay),
+        optax.scale_by_learning_rate(lr),
+    )
+    adamw = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+    return optax.partition({"muon": rule, "adamw": adamw}, labels)
+
+
+def ns_coeffs(text: str) -> tuple[float, float, float]:
+    """optim.ns_coeffs ("a,b,c") as numbers; checked before compile (jaxpar.checks)."""
+    a, b, c = (float(v) for v in text.split(","))
+    return a, b, c
