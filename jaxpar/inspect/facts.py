@@ -21,6 +21,8 @@ from jaxpar.kernels.quantized import entries
 from jaxpar.model import has
 from jaxpar.sharding import Layout
 from jaxpar.step.compression import Compressor
+from jaxpar.step.muon import SCOPE as MUON_SCOPE
+from jaxpar.step.muon import find_matrices
 
 _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8",
                "s32": "int32", "u32": "uint32", "f64": "float64", "pred": "bool", "s16": "int16"}
@@ -38,6 +40,7 @@ class ParamArray:
     size: int
     names: tuple[str, ...]
     axes: tuple[str, ...]
+    shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +66,21 @@ class Facts:
     psi_experts_stage: float
     moments: float  # optimizer state elements per parameter
     compute_bytes: int  # train.compute_dtype's itemsize
+    matrices: Any = None  # Muon's (jaxpar.step.muon.find_matrices), None under another optimizer
 
     @property
     def mesh(self) -> dict[str, int]:
         return self.report.mesh
+
+    @property
+    def step_collectives(self) -> list[Collective]:
+        """The compiled step's collectives but the optimizer's own (Muon's orthogonalisation,
+        which has rows of its own: jaxpar.inspect.optimizer)."""
+        return [c for c in self.report.collectives if MUON_SCOPE not in c.op_name]
+
+    @property
+    def optimizer_collectives(self) -> list[Collective]:
+        return [c for c in self.report.collectives if MUON_SCOPE in c.op_name]
 
     @property
     def zero_stage(self) -> int:
@@ -114,6 +128,8 @@ def facts_of(trainer, report: StepReport) -> Facts:
         psi_experts_stage=sum(map(held, experts)),
         moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / sum(a.size for a in params),
         compute_bytes=jnp.dtype(trainer.config.train.compute_dtype).itemsize,
+        matrices=find_matrices(trainer.config.model, trainer.param_names, trainer.shardings.optimizer)
+        if trainer.config.optim.name == "muon" else None,
     )
 
 
@@ -136,7 +152,7 @@ def _param_arrays(trainer, params) -> tuple[ParamArray, ...]:
     shardings = jax.tree.leaves(trainer.state_shardings.params)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return tuple(
-        ParamArray(path=jax.tree_util.keystr(path, simple=True, separator="."), size=math.prod(x.shape),
+        ParamArray(path=jax.tree_util.keystr(path, simple=True, separator="."), size=math.prod(x.shape), shape=x.shape,
                    names=tuple(n.names), axes=tuple(a for entry in entries(sharding.spec, x.ndim) for a in entry))
         for (path, x), n, sharding in zip(leaves, names, shardings, strict=True)
     )

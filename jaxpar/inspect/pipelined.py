@@ -131,7 +131,7 @@ def pipeline_traffic_rows(facts: Facts) -> dict[str, Any]:
     seq = train.seq_len // (mesh["tensor"] if facts.layout.tensor.sequence_parallel else 1)
     message = rows * seq * model.embed if decoder_fields(model) else None  # one microbatch's hidden states, one shard
     useful = 2 * t.m * (t.p * t.v - 1) / t.p  # messages that carry data, per device
-    over_stage = [c for c in facts.report.collectives if c.axes == ("stage",)]
+    over_stage = [c for c in facts.step_collectives if c.axes == ("stage",)]
     sent = sum(elements(c) for c in over_stage if c.kind == "collective-permute")
     reduced = sum(elements(c) for c in over_stage if c.kind == "all-reduce")
     other = (facts.psi - facts.psi_layers) / (mesh["tensor"] * mesh["fsdp"])  # replicated over stage, stored over tensor and fsdp

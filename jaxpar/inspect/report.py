@@ -29,6 +29,7 @@ from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.pipeline.split import StageSplit
+from jaxpar.step.muon import SCOPE as MUON_SCOPE
 from jaxpar.xla_options import layer_params
 
 
@@ -81,6 +82,8 @@ class StepReport:
     # The compiled step's matrix multiplies by operand types, {"f8e4m3fn x f8e4m3fn": 12, ...}
     # (jaxpar.inspect.hlo.dot_types): whether FP8 reached the GEMMs
     matmul_types: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Muon's Newton-Schulz matmul FLOPs per device per step (jaxpar.step.muon.SCOPE); 0 without
+    orthogonalize_flops: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -182,7 +185,21 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of, shares if program is not None else None),
         latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
         matmul_types=dot_types(text),
+        orthogonalize_flops=optimizer_flops(trainer) if trainer.config.optim.name == "muon" else 0.0,
     )
+
+
+def optimizer_flops(trainer) -> float:
+    """Matmul FLOPs per device of the optimizer's update alone (Muon's Newton-Schulz: AdamW
+    has none), compiled on its own: the CPU backend drops the names of the dots it fuses, so
+    the step's program cannot tell them from the model's."""
+    state = trainer.abstract_state()
+    on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device"))  # noqa: E731
+    master = jax.tree.map(on_device, state.master if state.master is not None else state.params)
+    master = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=s), master,
+                          trainer.shardings.optimizer)
+    text = jax.jit(trainer.tx.update).lower(master, jax.tree.map(on_device, state.opt_state), master).compile().as_text()
+    return matmul_flops_each(text, [None])[0][0]
 
 
 def gpu_cost(device) -> GpuCost | None:
@@ -202,10 +219,13 @@ def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list
     if gpu is None:
         return None
     covers = collective_covers(hlo_text, colls, gpu, host_of)
-    exchange = [c for c in covers if c.collective.kind in ("all-to-all", "ragged-all-to-all")]
+    muon = [c for c in covers if MUON_SCOPE in c.collective.op_name]
+    exchange = [c for c in covers if c.collective.kind in ("all-to-all", "ragged-all-to-all") and c not in muon]
     return {"gpu": gpu.describe(), "bf16_tflops": gpu.bf16_tflops,
             **step_cost(hlo_text, gpu, exposed_collective_seconds(covers), pipeline_shares).to_json(),
-            "all_to_all_cover": {**covered_share(covers), "each": [
+            # Muon's all-to-alls and gathers against the compute scheduled beside them
+            "muon_cover": covered_share(muon, kinds=("all-to-all", "all-gather")) if muon else None,
+            "all_to_all_cover": {**covered_share(exchange), "each": [
                 {"name": c.collective.name, "kind": c.collective.kind, "axes": list(c.collective.axes),
                  "crosses_hosts": c.collective.crosses_hosts, "runs": c.collective.trip_count,
                  "bytes": c.collective.link_bytes, "transfer_s": c.transfer_s, "covered_s": c.covered_s}

@@ -15,6 +15,7 @@ from typing import Any
 from jaxpar.inspect.facts import Facts
 from jaxpar.inspect.hlo import summarize
 from jaxpar.inspect.model_state import memory_lines, memory_rows
+from jaxpar.inspect.optimizer import muon_lines, muon_rows
 from jaxpar.inspect.pipelined import (
     pipeline_schedule_lines,
     pipeline_schedule_rows,
@@ -148,6 +149,7 @@ PROVIDERS = (
     Provider("context parallel attention", context_rows, context_lines),
     Provider("expert all-to-alls", expert_rows, expert_lines),
     Provider("gradient compression", compression_rows, compression_lines),
+    Provider("Muon's orthogonalisation", muon_rows, muon_lines),
     Provider("pipeline traffic", pipeline_traffic_rows, pipeline_traffic_lines),
     Provider("collectives", collective_rows, collective_lines),
     Provider("pipeline schedule", pipeline_schedule_rows, pipeline_schedule_lines),

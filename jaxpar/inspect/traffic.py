@@ -14,6 +14,7 @@ from jaxpar.inspect import formulas
 from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.kernels.experts.slots import expert_capacity
 from jaxpar.inspect.facts import Facts, elements, itemsize, line, row, table_header
+from jaxpar.inspect.optimizer import muon_formula
 from jaxpar.inspect.pipelined import (
     expert_passes,
     head_params,
@@ -43,11 +44,13 @@ def flops_rows(facts: Facts) -> dict[str, Any]:
         head = 6 * head_params(config.model)
         flops_per_token = (flops_per_token - head) * layers_factor + head * head_factor
         flops_per_token += one_hot_lookup_flops(config.model, facts.layout)
+    orthogonalize = muon_formula(facts)[1]
     return {
-        "flops": row("matmul FLOPs per device per step", facts.report.flops, flops_per_token * tokens / facts.report.num_devices),
+        "flops": row("matmul FLOPs per device per step", facts.report.flops,
+                     flops_per_token * tokens / facts.report.num_devices + orthogonalize),
         "flops_formula": "6 x matmul params x tokens + attention, over devices (PaLM appendix B)"
         + (", the pipeline's recomputed forwards counted (layers x {:.3f}, head x {:.3f})".format(*recompute)
-           if recompute else ""),
+           if recompute else "") + (" + Muon's Newton-Schulz (below)" if orthogonalize else ""),
         "matmul_types": facts.report.matmul_types,
     }
 
@@ -91,7 +94,7 @@ def gradient_rows(facts: Facts) -> dict[str, Any]:
         text = "3Ψ'(f-1)/f over fsdp, Ψ' = Ψ/tensor; over data: compressed, below"
     measured = sum(
         elements(c)
-        for c in facts.report.collectives
+        for c in facts.step_collectives
         if c.axes and set(c.axes) <= set(DP_AXES) | {"expert"} and c.kind in GRAD_KINDS
         and not (compressed and "data" in c.axes)
     )
@@ -129,7 +132,7 @@ def context_rows(facts: Facts) -> dict[str, Any]:
         again = forward if remat in RECOMPUTES_ATTENTION else 0.0  # the forward run again in the backward pass
         formula += micro * (forward + again + backward)
         kinds |= set(per_layer["forward"]) | set(per_layer["backward"])
-    over_context = [c for c in facts.report.collectives if c.axes == ("context",)]
+    over_context = [c for c in facts.step_collectives if c.axes == ("context",)]
     measured = sum(elements(c) for c in over_context if c.kind in kinds)
     grads = sum(elements(c) for c in over_context if c.kind == "all-reduce")
     return {
@@ -181,7 +184,7 @@ def expert_rows(facts: Facts) -> dict[str, Any]:
     formula = passes * layers * micro * formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor)
     measured = sum(
         c.buffer_bytes * c.trip_count / itemsize(c)
-        for c in facts.report.collectives
+        for c in facts.step_collectives
         if c.kind in ("all-to-all", "ragged-all-to-all") and c.axes == ("expert",) and c.dtype in ("f32", "bf16", "f16")
     )
     dropless = model.routing == "dropless"
@@ -206,7 +209,7 @@ def _two_hop_rows(facts: Facts, passes: float, layers: float, micro: int) -> dic
     rows = sequences * model.expert_groups * expert_capacity(model.capacity_factor, config.train.seq_len,
                                                              model.top_groups, model.expert_groups)
     formula = passes * layers * micro * rows * (model.embed + model.top_k / 2)
-    measured = sum(c.buffer_bytes * c.trip_count / itemsize(c) for c in facts.report.collectives
+    measured = sum(c.buffer_bytes * c.trip_count / itemsize(c) for c in facts.step_collectives
                    if c.kind == "all-to-all" and c.crosses_hosts and c.dtype != "s32")
     return {
         "expert_traffic": row("elements across hosts over expert (two hops)", measured, formula),
@@ -231,7 +234,7 @@ def compression_rows(facts: Facts) -> dict[str, Any]:
     if compressor is None:
         return {}
     formula = compressor.cross_host_bytes(stage)
-    over_data = [c for c in facts.report.collectives if "data" in c.axes]
+    over_data = [c for c in facts.step_collectives if "data" in c.axes]
     mine = [c for c in over_data if COMPRESSION_SCOPE in c.op_name]
     how = ("two all-reduces of r(a+b) floats per matrix, each device its share; vectors whole"
            if compressor.method == "powersgd" else "all-gather of n x k (float32 value, int32 index) pairs per device block")

@@ -43,6 +43,7 @@ from jaxpar.kernels.newton_schulz import JORDAN_COEFFS, MatrixAxes, orthogonaliz
 from jaxpar.model import declared
 
 DEFAULT_STACK_AXES = ("layers", "experts")
+SCOPE = "muon_orthogonalize"  # the name stack of the orthogonalisation's ops (jaxpar.inspect.optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,8 @@ def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = T
                 return s * orthogonalize(u, matrix.axes, steps, coeffs, eps)
             return s * orthogonalize_sharded(u, matrix.axes, matrix.spec, matrix.mesh, steps, coeffs, eps)
 
-        out = jax.tree_util.tree_map_with_path(one, used)
+        with jax.named_scope(SCOPE):  # explain finds the orthogonalisation's collectives and FLOPs by it
+            out = jax.tree_util.tree_map_with_path(one, used)
         return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), MuonState(kept)
 
     return optax.GradientTransformation(init, update)

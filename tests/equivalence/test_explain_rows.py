@@ -14,7 +14,7 @@ from jaxpar.models.llama import LlamaConfig
 from jaxpar.train import build
 
 OFF_ON_DATA_PARALLEL = ("context parallel attention", "expert all-to-alls", "gradient compression", "pipeline traffic",
-                        "pipeline schedule")
+                        "pipeline schedule", "Muon's orthogonalisation")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,15 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import _muon as optax_muon
 
 from jaxpar.config import Config, OptimConfig, TrainConfig, apply_overrides
+from jaxpar.inspect import inspect_step
+from jaxpar.inspect.explain import explain
 from jaxpar.kernels.newton_schulz import MatrixAxes, newton_schulz, orthogonalize, orthogonalize_sharded
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoEConfig
 from jaxpar.sharding import ParamNames
 from jaxpar.step.muon import Matrix, find_matrices, matrix_axes, muon
 from jaxpar.testing import check, compare, run_layout
+from jaxpar.train import build
 
 MUON = ["optim.name=muon", "optim.lr=0.02", "optim.warmup_steps=0"]
 
@@ -172,6 +175,19 @@ LAYOUTS = {
     "1f1b_stage2_data2_tensor2_zero1": (lambda: _llama(4), ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2",
                                                             "parallel.zero.stage=1", "train.microbatches=4"]),
 }
+
+
+def test_explain_counts_the_orthogonalisation():
+    """fsdp x tensor pieces of each matrix, data replicas: the all-to-alls and gathers and the
+    Newton-Schulz FLOPs equal their formulas (jaxpar.inspect.optimizer), and the step's
+    matmul row counts the latter beside the model's."""
+    trainer = build(apply_overrides(_llama(), ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    doc = explain(trainer, inspect_step(trainer))
+    assert doc["muon_matrices"] == 7
+    for key in ("muon_traffic", "muon_flops"):
+        assert doc[key]["measured"] > 0 and doc[key]["ratio"] == pytest.approx(1.0, abs=1e-3), (key, doc[key])
+    assert doc["flops"]["ratio"] == pytest.approx(1.0, abs=0.02)
+    assert doc["gradient_traffic"]["ratio"] == pytest.approx(1.0, abs=0.05)  # Muon's own collectives are not counted there
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -1,0 +1,82 @@
+"""Explain's rows for the optimizer's own work: Muon's orthogonalisation (jaxpar.step.muon),
+its collectives and its Newton-Schulz FLOPs per device per step, each beside its formula.
+
+For a matrix parameter whose optimizer state rests as `spec`, on each device
+(jaxpar.kernels.newton_schulz.orthogonalize_sharded): s, its local stack of matrices padded
+to a multiple of w, the devices that share it (the mesh axes splitting a matrix, sizes n_a,
+times its replicas, R); a, the local elements of one matrix piece. Then per step:
+
+- each all-to-all sends V (n_a - 1) / n_a elements, V = s a / R, once there and once back;
+- the all-gather over the replicas receives s a (R - 1) / R;
+- each device runs s / w whole matrices (m <= k: the shorter side first) through `steps`
+  iterations of 4 m^2 k + 2 m^3 FLOPs (X X^T, its square, and the product with X).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxpar.inspect.facts import Facts, elements, line, row
+from jaxpar.kernels.newton_schulz import idle_axes, splitting_axes
+from jaxpar.kernels.quantized import entries
+from jaxpar.units import count
+
+
+def orthogonalize_formula(matrix, shape: tuple[int, ...], steps: int) -> tuple[float, float]:
+    """(elements sent, Newton-Schulz FLOPs) per device per step for one parameter of
+    global `shape` (the module docstring)."""
+    mesh, spec, axes = matrix.mesh, matrix.spec, matrix.axes
+    local = _local_shape(shape, spec, mesh) if mesh else shape
+    split = splitting_axes(spec, axes, mesh, len(shape)) if mesh else []
+    idle = idle_axes(spec, mesh) if mesh else ()
+    replicas = math.prod(mesh.shape[a] for a in idle) if mesh else 1
+    ways = math.prod(mesh.shape[a] for a, _ in split) * replicas
+    stack = -(-axes.count(local) // ways) * ways
+    piece = math.prod(local[d] for d in axes.rows + axes.cols)
+    sent = sum(2 * stack * piece / replicas * (mesh.shape[a] - 1) / mesh.shape[a] for a, _ in split)
+    sent += stack * piece * (replicas - 1) / replicas
+    m, k = sorted(axes.shape(shape))
+    return sent, stack / ways * steps * (4 * m * m * k + 2 * m ** 3)
+
+
+def _local_shape(shape, spec, mesh) -> tuple[int, ...]:
+    return tuple(size // math.prod(mesh.shape[a] for a in names) for size, names in zip(shape, entries(spec, len(shape))))
+
+
+def muon_formula(facts: Facts) -> tuple[float, float]:
+    """(elements sent, Newton-Schulz FLOPs) per device per step of every matrix; (0, 0)
+    under another optimizer."""
+    if not facts.matrices:
+        return 0.0, 0.0
+    shapes = {p.path: p.shape for p in facts.params}
+    each = [orthogonalize_formula(m, shapes[path], facts.config.optim.ns_steps) for path, m in facts.matrices.items()]
+    return sum(e[0] for e in each), sum(e[1] for e in each)
+
+
+def muon_rows(facts: Facts) -> dict[str, Any]:
+    if facts.matrices is None:
+        return {}
+    steps = facts.config.optim.ns_steps
+    sent, flops = muon_formula(facts)
+    colls = facts.optimizer_collectives
+    return {
+        "muon_traffic": row("Muon: elements to make matrices whole and back", sum(map(elements, colls)), sent),
+        "muon_flops": row("Muon: Newton-Schulz FLOPs per device", facts.report.orthogonalize_flops, flops),
+        "muon_matrices": len(facts.matrices),
+        "muon_formula": f"{len(facts.matrices)} matrix parameters; all-to-alls 2 V (n-1)/n per axis splitting a "
+                        f"matrix, the replicas' all-gather s a (R-1)/R; {steps} x (4 m^2 k + 2 m^3) per matrix a "
+                        "device runs (jaxpar.inspect.optimizer)",
+        "muon_cover": (facts.report.predicted or {}).get("muon_cover"),
+    }
+
+
+def muon_lines(doc: dict[str, Any]) -> list[str]:
+    if "muon_traffic" not in doc:
+        return []
+    lines = [line(doc["muon_traffic"], count), line(doc["muon_flops"], count), f"  formula: {doc['muon_formula']}"]
+    cover = doc.get("muon_cover")
+    if cover and cover.get("share") is not None:
+        lines.append(f"  Muon's collectives covered by compute: {cover['share']:.0%} ({cover['covered_s'] * 1e3:.2f} "
+                     f"of {cover['transfer_s'] * 1e3:.2f} ms a step)")
+    return lines
