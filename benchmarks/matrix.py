@@ -167,6 +167,11 @@ VARIANTS = {
                     "bias balancing off (its sign rule turns one 8-bit rounding into a different routing next step)"),
     "two_hops": ("deepseek", ("model.routing=capacity", "model.group_capacity=true", "mesh.hosts.expert=2"),
                  "the cell's subject: group capacity with the expert axis over 2 hosts, exchanged in two hops"),
+    "muon": ("llama", ("optim.name=muon", "optim.lr=0.02"),
+             "the cell's subject: Muon (jaxpar.step.muon), each matrix made whole where the layout splits it"),
+    "muon_deepseek": ("deepseek", ("optim.name=muon", "optim.lr=0.02"),
+                      "the cell's subject: Muon on DeepSeek's latent attention, its experts (a stack of matrices "
+                      "per layer) and its dense layers' stack"),
 }
 # FP8 cells compare with the single-device FP8 run to this tolerance, not RTOL: a gradient on
 # an 8-bit (e5m2: 2 mantissa bits) rounding boundary may round the other way when float32 sums
@@ -198,6 +203,11 @@ FP8_EXPERTS_CELLS = (("data", "expert"), ("fsdp", "expert"), ("gpipe", "expert")
 # Node-limited routing (jaxpar.kernels.experts.two_hop): the expert axis over 2 hosts, a token
 # crossing once per group, beside data, under 1F1B stages, and with the experts split over tensor.
 TWO_HOPS_CELLS = (("data", "expert"), ("1f1b", "data", "expert"), ("fsdp", "expert", "tensor"))
+# Muon (optim.name=muon): matrices in pieces over data (ZeRO), fsdp, tensor, stages and experts.
+MUON_CELLS = (("zero1", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp"), ("ring", "tensor"), ("1f1b", "fsdp"),
+              ("interleaved", "tensor"), ("zb-h1", "data"), ("1f1b", "fsdp", "tensor+sp"))
+MUON_DEEPSEEK_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
+                       ("1f1b", "data", "expert"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -299,6 +309,8 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "two_batch") for combo in TWO_BATCH_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "fp8_experts") for combo in FP8_EXPERTS_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "two_hops") for combo in TWO_HOPS_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "muon") for combo in MUON_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "muon_deepseek") for combo in MUON_DEEPSEEK_CELLS]
     return out
 
 
