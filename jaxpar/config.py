@@ -86,16 +86,16 @@ class OptimConfig:
     eps: float = 1e-8  # Adam's denominator floor
     weight_decay: float = 0.1  # decoupled (adamw, lion), on every parameter
     clip_norm: float = 1.0  # the gradients' global norm is clipped to this; 0: no clipping
-    # Muon (name=muon, jaxpar.step.muon): the matrices' momentum, Nesterov or not, the
-    # Newton-Schulz iterations and their coefficients "a,b,c", and the shape scale: "rms"
-    # (muon_rms x sqrt(max(rows, cols)), Moonlight's, AdamW's learning rate fits) or "shape"
-    # (sqrt(max(1, cols / rows)), Keller Jordan's). The other parameters take AdamW (b1, b2, eps).
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    ns_coeffs: str = "3.4445,-4.7750,2.0315"
+    # Muon (name=muon, jaxpar.step.muon; what is not a matrix takes AdamW: b1, b2, eps):
+    momentum: float = 0.95  # Muon: the matrices' momentum
+    nesterov: bool = True  # Muon: the update reads the gradient plus momentum x the momentum (Nesterov)
+    ns_steps: int = 5  # Muon: Newton-Schulz iterations
+    ns_coeffs: str = "3.4445,-4.7750,2.0315"  # Muon: the quintic iteration's coefficients "a,b,c"
+    # Muon: how an orthogonalised update is scaled by its shape: "rms" (muon_rms x
+    # sqrt(max(rows, cols)), Moonlight's: AdamW's learning rate fits) or "shape"
+    # (sqrt(max(1, cols / rows)), Keller Jordan's)
     muon_scale: MuonScale = "rms"
-    muon_rms: float = 0.2
+    muon_rms: float = 0.2  # Muon: the update's RMS under muon_scale=rms (0.2: AdamW's, per Moonlight)
 
 
 @dataclasses.dataclass(frozen=True)

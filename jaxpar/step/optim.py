@@ -8,11 +8,19 @@ import optax
 
 from jaxpar.step.muon import Matrices, muon
 
-OPTIMIZERS = {  # one per jaxpar.choices.Optimizer (optim.name)
-    "adamw": lambda lr, c: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
-    "adam": lambda lr, c: optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps),
-    "lion": lambda lr, c: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
-    "sgd": lambda lr, c: optax.sgd(lr, momentum=c.b1 or None),
+
+def _muon(lr: optax.Schedule, optim, matrices: Matrices | None) -> optax.GradientTransformation:
+    if matrices is None:
+        raise ValueError("optim.name='muon' needs the model's matrices (jaxpar.step.muon.find_matrices)")
+    return muon(lr, optim, matrices)
+
+
+OPTIMIZERS = {  # one per jaxpar.choices.Optimizer (optim.name): (schedule, optim, Muon's matrices) -> rule
+    "adamw": lambda lr, c, _: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
+    "adam": lambda lr, c, _: optax.adam(lr, b1=c.b1, b2=c.b2, eps=c.eps),
+    "lion": lambda lr, c, _: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+    "sgd": lambda lr, c, _: optax.sgd(lr, momentum=c.b1 or None),
+    "muon": _muon,
 }
 
 
@@ -28,15 +36,6 @@ def schedule(optim, steps: int) -> optax.Schedule:
     )
 
 
-def rule(optim, lr: optax.Schedule, matrices: Matrices | None) -> optax.GradientTransformation:
-    """optim.name's update rule; Muon's needs the model's `matrices` (jaxpar.step.muon.find_matrices)."""
-    if optim.name == "muon":
-        if matrices is None:
-            raise ValueError("optim.name='muon' needs the model's matrices (jaxpar.step.muon.find_matrices)")
-        return muon(lr, optim, matrices)
-    return OPTIMIZERS[optim.name](lr, optim)
-
-
 def update_rule(optim, steps: int, matrices: Matrices | None = None
                 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The named update rule on its schedule, without clipping: the trainer clips with the
@@ -44,7 +43,8 @@ def update_rule(optim, steps: int, matrices: Matrices | None = None
     `make_optimizer`'s chain has the clip, an identity holds its place, so the optimizer
     state has the chain's tree and checkpoints written with either restore into the other."""
     lr = schedule(optim, steps)
-    return optax.chain(*([optax.identity()] if optim.clip_norm > 0 else []), rule(optim, lr, matrices)), lr
+    rule = OPTIMIZERS[optim.name](lr, optim, matrices)
+    return optax.chain(*([optax.identity()] if optim.clip_norm > 0 else []), rule), lr
 
 
 def make_optimizer(optim, steps: int, matrices: Matrices | None = None
@@ -54,4 +54,4 @@ def make_optimizer(optim, steps: int, matrices: Matrices | None = None
     jit, so sharding cannot change the result), then the update rule."""
     lr = schedule(optim, steps)
     clip = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    return optax.chain(*clip, rule(optim, lr, matrices)), lr
+    return optax.chain(*clip, OPTIMIZERS[optim.name](lr, optim, matrices)), lr
