@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                       help="compile for the GPUs this GpuTargetConfig describes (benchmarks/targets/h100.pbtxt), "
                       "without them (pip install 'jax[cuda13]'), and rank by their kernels' predicted time "
                       "(jaxpar.inspect.cost) instead of the roofline")
+    plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                      help="the optimizer priced and compiled: adamw (default) or muon (docs/muon.md)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -71,7 +73,8 @@ def run(args) -> int:
               f"{3 * args.compile_top} until one fits), each in a process of its own for at most "
               f"{args.compile_timeout:g} s", file=sys.stderr, flush=True)
     planned, facts = make_plan(model, devices if args.target else jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
-                               args.compile_top, progress=bar, compile_timeout_s=args.compile_timeout)
+                               args.compile_top, progress=bar, compile_timeout_s=args.compile_timeout,
+                               optimizer=args.optimizer)
     if args.json:
         rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
                  "prediction": p.prediction, "refused": p.refused, "failed": p.failed} for p in planned]

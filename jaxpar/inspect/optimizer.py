@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from jaxpar.inspect.facts import Facts, elements, line, row
-from jaxpar.kernels.newton_schulz import idle_axes, splitting_axes
+from jaxpar.kernels.newton_schulz import MatrixAxes, flops, idle_axes, splitting_axes
 from jaxpar.kernels.quantized import entries
 from jaxpar.units import count
 
@@ -36,8 +36,8 @@ def orthogonalize_formula(matrix, shape: tuple[int, ...], steps: int) -> tuple[f
     piece = math.prod(local[d] for d in axes.rows + axes.cols)
     sent = sum(2 * stack * piece / replicas * (mesh.shape[a] - 1) / mesh.shape[a] for a, _ in split)
     sent += stack * piece * (replicas - 1) / replicas
-    m, k = sorted(axes.shape(shape))
-    return sent, stack / ways * steps * (4 * m * m * k + 2 * m ** 3)
+    one = flops(shape, MatrixAxes((), axes.rows, axes.cols), steps)  # a single matrix of the stack
+    return sent, stack / ways * one
 
 
 def _local_shape(shape, spec, mesh) -> tuple[int, ...]:

@@ -57,6 +57,13 @@ class MatrixAxes:
         return math.prod(shape[d] for d in self.batch)
 
 
+def flops(shape: Sequence[int], axes: MatrixAxes, steps: int) -> float:
+    """The iteration's matmul FLOPs on every matrix of an array of `shape`: per step, with
+    m <= k the sides, X X^T (2 m^2 k), its square (2 m^3) and the product with X (2 m^2 k)."""
+    m, k = sorted(axes.shape(shape))
+    return axes.count(shape) * steps * (4 * m * m * k + 2 * m ** 3)
+
+
 def newton_schulz(x: jax.Array, steps: int = 5, coeffs: Sequence[float] = JORDAN_COEFFS,
                   eps: float = 1e-7) -> jax.Array:
     """One matrix [m, n] scaled to unit Frobenius norm, then `steps` quintic iterations

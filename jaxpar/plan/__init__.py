@@ -63,11 +63,12 @@ PLANNED_FIELDS = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_head
 
 
 def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_batch: int, compile_top: int = 4,
-         hw: Hardware = Hardware(), progress: bool = True, compile_timeout_s: float = 600.0
+         hw: Hardware = Hardware(), progress: bool = True, compile_timeout_s: float = 600.0, optimizer: str = "adamw"
          ) -> tuple[list[Planned], dict[str, Any]]:
     """(the compiled candidates, best first; facts about the search). Each compiles in a
     child process given `compile_timeout_s`; a child that dies or overruns marks its
-    candidate failed, and the search goes on."""
+    candidate failed, and the search goes on. `optimizer`: adamw, or muon (its state, FLOPs
+    and exchange priced: jaxpar.plan.layouts.muon_cost; the compiles train with it)."""
     from tqdm import tqdm
 
     n = len(devices)
@@ -75,7 +76,8 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
         raise ConfigError(f"--hosts={hosts} does not divide --devices={n}; use a divisor of {n}")
     hw = dataclasses.replace(hw, devices_per_host=n // hosts)
     budget = hbm_gb * 2**30 * RUNTIME_SHARE
-    everything = candidates(model, n, hw.devices_per_host, global_batch, seq_len)
+    everything = [dataclasses.replace(lay, optimizer=optimizer)
+                  for lay in candidates(model, n, hw.devices_per_host, global_batch, seq_len)]
     if not everything:
         raise ConfigError(
             f"no layout of {type(model).__name__} runs {global_batch} sequences on {n} devices; use a global batch "

@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpar.config import OptimConfig
 from jaxpar.inspect import formulas
+from jaxpar.kernels.newton_schulz import flops
 from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import balanced_layers, compact, head_layers, leading_layers
 from jaxpar.plan.presets import Hardware
+from jaxpar.step.muon import model_matrices
 from jaxpar.xla_options import layer_params
 
 REMATS = ("full", "none")
@@ -33,6 +36,7 @@ class Layout:
     fp8_dispatch: bool = False  # parallel.expert_dispatch_dtype=fp8
     two_hops: bool = False  # model.group_capacity=true: a token crosses to a host once per group
     schedule: str = "1f1b"  # parallel.pipeline.schedule under stages: 1f1b | 1f1b-overlap
+    optimizer: str = "adamw"  # optim.name: adamw | muon (priced by `muon_cost`)
 
     @property
     def axes(self) -> dict[str, int]:
@@ -54,7 +58,8 @@ class Layout:
         if hosts > 1:
             sets += [f"mesh.hosts.{a}={n}" for a, n in self.host_split(devices_per_host).items() if n > 1]
         sets += [f"parallel.zero.stage={self.zero_stage}", f"model.remat={self.remat}",
-                 f"train.microbatches={self.microbatches}"]
+                 f"train.microbatches={self.microbatches}"] + ([f"optim.name={self.optimizer}"]
+                                                              if self.optimizer != "adamw" else [])
         if self.tensor > 1:
             sets.append("parallel.tensor.sequence_parallel=true")
         if self.stage > 1:
@@ -154,8 +159,11 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     rows = max((counts[0] - leading, *counts[1:]))  # the stack's rows a stage holds (each padded to the widest)
     psi_local, routed = _stage_params(model, rows)
     experts = declared(model, "num_experts")
-    dense = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2)
-    experts_state = formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2)
+    devices = math.prod(L.axes.values())
+    muon = muon_cost(model, devices) if L.optimizer == "muon" else None
+    moments = 8 if muon is None else muon["state_bytes"]  # bytes of optimizer state a parameter
+    dense = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2, moments)
+    experts_state = formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2, moments)
     # the gradients accumulate in float32 over microbatches (as explain's model_state counts them)
     state = dense.total + experts_state.total + (dense.grads + experts_state.grads) * (L.microbatches > 1)
     b = global_batch // (L.data * L.fsdp * L.expert * L.microbatches)  # rows per device per microbatch
@@ -182,7 +190,6 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state + accumulate
 
     tokens = global_batch * seq_len
-    devices = math.prod(L.axes.values())
     recompute = 4 / 3 if L.remat != "none" else 1.0
     compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
     bubble = 0.0  # the share of the lockstep step above the mean device's work
@@ -202,9 +209,26 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     busy = compute / (1 - bubble)
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
     step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
+    if muon is not None:  # its exchange runs beside other matrices' iterations (docs/muon.md: all covered)
+        slowest = min(bw(a) for a, n in L.axes.items() if n > 1) if devices > 1 else float("inf")
+        step += max(muon["flops"] / (hw.peak_tflops * 1e12 * hw.matmul_efficiency), muon["exchanged_bytes"] / slowest)
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "accumulate_bytes": accumulate, "step_s": step, "compute_s": compute,
             "bubble": bubble}
+
+
+def muon_cost(model, devices: int) -> dict[str, float]:
+    """Muon's price per device (jaxpar.step.muon): its optimizer state, a float32 momentum for
+    each matrix and AdamW's two moments for the rest, in bytes a parameter; the Newton-Schulz
+    FLOPs of every matrix shared by the devices; and the bytes a device sends to make its
+    matrices whole and back (its float32 share, twice)."""
+    steps = OptimConfig().ns_steps
+    matrices = model_matrices(model)
+    elements = sum(math.prod(shape) for shape, _ in matrices)
+    share = min(1.0, elements / model.param_count())
+    return {"state_bytes": 4 * share + 8 * (1 - share),
+            "flops": sum(flops(shape, axes, steps) for shape, axes in matrices) / devices,
+            "exchanged_bytes": 2 * 4 * elements / devices}
 
 
 def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, intra_host: float) -> float:

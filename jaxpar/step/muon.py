@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -90,6 +91,20 @@ def find_matrices(model: Any, names: Any, shardings: Any | None = None) -> Matri
             continue
         found[where] = Matrix(axes, sharding.spec if sharding else None, sharding.mesh if sharding else None)
     return found
+
+
+@functools.lru_cache(maxsize=8)
+def model_matrices(model: Any) -> tuple[tuple[tuple[int, ...], MatrixAxes], ...]:
+    """(shape, axes) of every matrix parameter of a model config, from its abstract
+    parameters (nothing allocated): what the planner prices Muon by."""
+    from flax import nnx
+
+    from jaxpar.sharding import param_names
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.state(nnx.eval_shape(lambda: model.build(nnx.Rngs(0))))
+    shapes = {path_of(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]}
+    return tuple((shapes[path], m.axes) for path, m in find_matrices(model, param_names(abstract)).items())
 
 
 def path_of(path: tuple) -> str:

@@ -170,3 +170,22 @@ def test_microbatches_pay_for_adding_their_gradients_up():
     assert at(1)["accumulate_bytes"] == 0
     assert at(8)["accumulate_bytes"] == 4 * at(2)["accumulate_bytes"] > 1e12
     assert at(8)["hbm_bytes"] > at(8)["accumulate_bytes"]
+
+
+def test_muon_is_priced_by_its_state_iterations_and_exchange():
+    """One float32 momentum a matrix (AdamW's two on the embedding, head and norms); the
+    Newton-Schulz FLOPs of Llama 3 8B's matrices shared by the devices; the layout trains
+    with it (jaxpar.plan.layouts.muon_cost)."""
+    from jaxpar.plan.layouts import muon_cost
+
+    model, hw = MODELS["llama3-8b"], Hardware()
+    adamw = Layout(stage=1, data=8, fsdp=1, tensor=8, context=1, expert=1, zero_stage=0, remat="full", microbatches=1)
+    muon = dataclasses.replace(adamw, optimizer="muon")
+    cost = muon_cost(model, 64)
+    share = (model.param_count() - 2 * model.vocab_size * model.embed) / model.param_count()  # untied, norms aside
+    assert cost["state_bytes"] == pytest.approx(4 * share + 8 * (1 - share), rel=1e-3)
+    mlp = 5 * (4 * model.embed ** 2 * model.mlp + 2 * model.embed ** 3)  # one w_up: m = embed, k = mlp
+    assert cost["flops"] * 64 > 3 * model.num_layers * mlp  # w_gate, w_up, w_down and the attention's
+    a, m = (estimate(lay, model, 64, 4096, hw) for lay in (adamw, muon))
+    assert m["memory"] < a["memory"] and m["step_s"] > a["step_s"]
+    assert "optim.name=muon" in muon.overrides(8, 8) and "optim.name" not in " ".join(adamw.overrides(8, 8))
