@@ -96,6 +96,10 @@ class OptimConfig:
     # (sqrt(max(1, cols / rows)), Keller Jordan's)
     muon_scale: MuonScale = "rms"
     muon_rms: float = 0.2  # Muon: the update's RMS under muon_scale=rms (0.2: AdamW's, per Moonlight)
+    # QK-clip (Kimi K2's MuonClip, with any optimizer; jaxpar.step.update): after each step the
+    # query and key weights of every head whose largest attention logit passed this are scaled
+    # back so that it would have been this; 0: off. K2 used 100.
+    qk_clip: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

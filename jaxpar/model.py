@@ -47,6 +47,11 @@ default.
                  orthogonalises each matrix of a stack on its own (jaxpar.step.muon).
   not_matrices   dotted paths (fnmatch patterns) of parameters with two or more dims that
                  are no weight matrix (Qwen2's q/k/v biases): Muon leaves them to AdamW.
+  clip_qk(params, logit_max, threshold)  QK-clip (optim.qk_clip): the float32 weights with
+                 the query and key projections of each head whose largest logit this step
+                 (logit_max [layers, heads], what its attention layers reported through
+                 jaxpar.sharding.reports_logits) passed `threshold` scaled so that it would
+                 have been `threshold` (jaxpar.step.qk_clip's helpers).
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
@@ -165,7 +170,7 @@ MEMBERS: dict[str, Any] = {
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0,
     "remat": "none", "sliding_window": 0, "layer_windows": None, "v_head_dim": 0,
-    "stack_axes": None, "not_matrices": None,
+    "stack_axes": None, "not_matrices": None, "clip_qk": None,
 }
 _DEFAULT = object()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,12 @@ from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.format import HFFormat
 from jaxpar.hf.weights import Weight
+from jaxpar.kernels.attention.logits import clip_factors
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, FIRST_LAYER, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import param, scan_layers, stack_layers
-from jaxpar.sharding import attend, column_project, compute_value, constrain, lookup, row_project
+from jaxpar.sharding import (attend, column_project, compute_value, constrain, largest_logits, lookup, reports_logits,
+                             row_project)
 from jaxpar.sharding.projections import GATHERED, SCATTERED
 
 RESIDUAL = SCATTERED  # ("batch", "norm_seq", "embed"): norm/residual region, Megatron-SP shards the sequence
@@ -92,6 +95,23 @@ class LlamaConfig:
     mesh_divides = {"tensor": ("num_heads", "vocab_size", "mlp"), "fsdp": ("embed",)}
     not_matrices = ("*.bq", "*.bk", "*.bv")  # qkv_bias's heads x head_dim biases: AdamW's under Muon
     SIZES = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp")
+
+    @property
+    def clip_qk(self):
+        """QK-clip's weight scaling (jaxpar.model's `clip_qk`); None with q/k norms, which
+        bound the logits themselves and would undo a scaled projection."""
+        return None if self.qk_norm else self.scale_qk
+
+    def scale_qk(self, params: dict, logit_max: jax.Array, threshold: float) -> dict:
+        """Each head's queries and its group's keys scaled
+        (jaxpar.kernels.attention.logits.clip_factors), with their biases."""
+        q_scale, k_scale = clip_factors(logit_max, threshold, self.num_kv_heads)  # [L, H], [L, G]
+        attn = dict(params["layers"]["attn"])
+        for name, scale in (("wq", q_scale), ("wk", k_scale)):
+            attn[name] = attn[name] * scale[:, None, :, None]
+        if self.qkv_bias:
+            attn["bq"], attn["bk"] = attn["bq"] * q_scale[..., None], attn["bk"] * k_scale[..., None]
+        return {**params, "layers": {**params["layers"], "attn": attn}}
 
     def check(self, sizes: dict[str, int]) -> None:
         """The fields' own constraints (kv heads and head_dim first: a kv head count of 0 or a
@@ -237,10 +257,16 @@ class Attention(nnx.Module):
             self.k_norm = cfg.norm_module(k, rngs, name="head_dim")
         self.cfg = cfg
 
-    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> Any:
+        """The attention's output; with (jaxpar.sharding.reports_logits) its largest logit
+        per head beside it, for QK-clip."""
         q, k, v = self.qkv(x_BSD)
         freq = rope_frequencies(self.cfg.head_dim, self.cfg)
-        return self.output(self.mix(q, k, v, positions, segment_ids, freq, self.cfg.sliding_window))
+        out = self.output(self.mix(q, k, v, positions, segment_ids, freq, self.cfg.sliding_window))
+        if not reports_logits():
+            return out
+        q, k = rotate(q, positions, freq), rotate(k, positions, freq)
+        return out, largest_logits(q, k, positions, segment_ids, window=self.cfg.sliding_window)
 
     def qkv(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values [B, S, heads, K], biased and normed, before RoPE."""
@@ -290,10 +316,18 @@ class Block(nnx.Module):
         self.mlp_norm = cfg.norm_module(cfg.embed, rngs)
         self.mlp = cfg.mlp_module(rngs)
 
-    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
-        x_BSD = x_BSD + self.mlp(self.mlp_norm(x_BSD))
-        return constrain(x_BSD, RESIDUAL)
+    def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> Any:
+        """The layer's output; with its attention's largest logits (QK-clip), (output,
+        {"logit_max": [heads]})."""
+        attended, logits = with_logits(self.attn(self.attn_norm(x_BSD), positions, segment_ids))
+        x_BSD = checkpoint_name(x_BSD + attended, "residual")
+        x_BSD = constrain(x_BSD + self.mlp(self.mlp_norm(x_BSD)), RESIDUAL)
+        return x_BSD if logits is None else (x_BSD, {"logit_max": logits})
+
+
+def with_logits(out: Any) -> tuple[jax.Array, jax.Array | None]:
+    """An attention's (output, largest logits or None), whether it reported them or not."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 class Llama(nnx.Module):
@@ -321,8 +355,9 @@ class Llama(nnx.Module):
         context parallelism or packed.
         """
         table = compute_value(self.embedding)  # once: a tied head reuses the gathered table
-        x, _ = self.trunk(table, tokens_BS, positions, segment_ids)
-        return self.logits(x, table)
+        x, reports = self.trunk(table, tokens_BS, positions, segment_ids)
+        out = self.logits(x, table)
+        return out if reports is None else (out, {"maxima": {"attn_logit_max": reports["logit_max"]}})
 
     def trunk(self, table: jax.Array, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(hidden states after the last layer, what each layer reported or None)."""

@@ -85,6 +85,7 @@ class MoEConfig(LlamaConfig):
     mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
     axis_names = {"dense_layers": None}  # the dense layers' stack rests whole (no pipeline splits it)
     stack_axes = ("layers", "dense_layers", "experts")  # Muon's matrix stacks (jaxpar.step.muon)
+    clip_qk = None  # QK-clip: the MoE blocks and dense runs do not report their attention's logits yet
     WEIGHTS = ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
 
     def check(self, sizes: dict[str, int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
+from jaxpar.model import declared
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -83,3 +84,34 @@ def muon_without_lora(config, sizes) -> None:
     if config.optim.name == "muon" and config.lora.rank:
         raise ConfigError(f"optim.name=muon with lora.rank={config.lora.rank}: Muon updates whole weight matrices, "
                           "LoRA's adapters are not; use optim.name=adamw for LoRA, or lora.rank=0")
+
+
+@rule(
+    "qk-clip-supported",
+    fields=["optim.qk_clip", "model", "mesh.stage", "parallel.two_batch_overlap", "train.loss_chunks",
+            "parallel.compression.method", "lora.rank"],
+    summary="QK-clip (optim.qk_clip > 0) needs a model that scales its query and key weights (its clip_qk: the "
+    "Llama family without q/k norms), and a step that carries the attention's largest logits to the update: no "
+    "pipeline stages, two-batch overlap, chunked loss, gradient compression or LoRA yet.",
+    example=["optim.qk_clip=-1"],
+    also=[["optim.qk_clip=100", "model.qk_norm=true"], ["optim.qk_clip=100", "mesh.stage=2", "mesh.data=4", "train.microbatches=2"],
+          ["optim.qk_clip=100", "train.loss_chunks=2"], ["optim.qk_clip=100", "lora.rank=4"]],
+)
+def qk_clip_supported(config, sizes) -> None:
+    threshold = config.optim.qk_clip
+    if threshold < 0:
+        raise ConfigError(f"optim.qk_clip={threshold} makes no sense; use a positive logit threshold (Kimi K2: 100), "
+                          "or 0 for none")
+    if not threshold:
+        return
+    if declared(config.model, "clip_qk") is None:
+        raise ConfigError(f"optim.qk_clip={threshold}: {type(config.model).__name__} does not scale its query and key "
+                          "weights for QK-clip (its clip_qk; q/k norms bound the logits already); set optim.qk_clip=0")
+    unsupported = {"mesh.stage": sizes.get("stage", 1) > 1, "parallel.two_batch_overlap": config.parallel.two_batch_overlap,
+                   "train.loss_chunks": config.train.loss_chunks > 1,
+                   "parallel.compression.method": config.parallel.compression.method != "none",
+                   "lora.rank": config.lora.rank > 0}
+    for field, on in unsupported.items():
+        if on:
+            raise ConfigError(f"optim.qk_clip={threshold} with {field} set: that step does not carry the attention's "
+                              f"largest logits to the update yet; set optim.qk_clip=0, or leave {field} at its default")

@@ -14,7 +14,7 @@ from jaxpar.sharding.annotate import (
     shardings_for,
     use_layout,
 )
-from jaxpar.sharding.attend import attend, context_spec, sequence_degree
+from jaxpar.sharding.attend import attend, context_spec, largest_logits, reports_logits, sequence_degree
 from jaxpar.sharding.embedding import lookup
 from jaxpar.sharding.experts import expert_matmul, run_experts, top_k_indices
 from jaxpar.sharding.projections import column_project, row_project
@@ -39,9 +39,11 @@ __all__ = [
     "compute_value",
     "constrain",
     "default_rules",
+    "largest_logits",
     "logical_names",
     "param_names",
     "parse_table",
+    "reports_logits",
     "sequence_degree",
     "shardings_for",
     "run_experts",

@@ -143,6 +143,8 @@ class Layout:
     microbatches: int = 1
     two_batch_overlap: bool = False  # layers run on two halves of the rows (jaxpar.nn.scan_layers)
     manual_experts: tuple[str, ...] = ()
+    # optim.qk_clip: each attention reports its largest logit per head (jaxpar.sharding.attend.reports_logits)
+    report_logits: bool = False
 
     @property
     def qgz_block(self) -> int:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxpar.kernels.attention import (ContextSpec, Masking, context_attention, flash_attention, reference_attention,
                                      same_head_dim)
+from jaxpar.kernels.attention.logits import largest_logits  # noqa: F401  (models call it beside attend)
 from jaxpar.kernels.hops import hop_here
 from jaxpar.kernels.quantized import entries
 from jaxpar.mesh import mesh_here
@@ -49,6 +50,15 @@ def context_spec(layout: Layout, causal: bool = True, window: int = 0) -> Contex
         replica_axis=layout.replica_axis,
         ring_hop=hop_here(),
     )
+
+
+def reports_logits() -> bool:
+    """Whether the step wants each attention layer's largest logit per head (optim.qk_clip,
+    jaxpar.step.qk_clip): a model's attention then also returns
+    `largest_logits(q, k, positions, segment_ids, window=...)` of the queries and keys it
+    attends with (RoPE applied), and its layer reports it as {"logit_max": [heads]}."""
+    layout = active_layout()
+    return layout is not None and layout.report_logits
 
 
 def attend(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, segment_ids=None, causal: bool = True,

@@ -15,7 +15,7 @@ from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.adapters import join
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
-from jaxpar.step.loss import LossFn, model_loss
+from jaxpar.step.loss import MAXIMA, LossFn, combine_sums, model_loss, reduce_sums
 from jaxpar.step.microbatches import split_batch
 from jaxpar.step.reduction import GradReduction, sum_replicas
 from jaxpar.step.replicas import per_replica, split_replicas, stacked_over_data
@@ -121,7 +121,8 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
             g = jax.lax.with_sharding_constraint(g, reduce_to)
         else:  # reduced once per step
             g = cast_floats(g, jnp.float32)
-        return l.sum(), jax.tree.map(lambda x: x.sum(0), aux), g
+        weight, sums = aux
+        return l.sum(), (weight.sum(0), reduce_sums(sums)), g
 
     def grads(params, batch, compression, frozen) -> tuple[jax.Array, dict, Gradient, Any]:
         """`frozen`: LoRA's frozen weights, which the loss reads and nothing differentiates;
@@ -151,12 +152,15 @@ def accumulate(microbatch: Callable, params: Any, micro: dict, grad_shardings: A
         g_acc, l_acc, aux_acc = carry
         l, aux, g = microbatch(params, mb)
         g_acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, g_acc, g), acc_shardings)
-        return (g_acc, l_acc + l, jax.tree.map(jnp.add, aux_acc, aux)), None
+        (w_acc, s_acc), (w, s) = aux_acc, aux
+        return (g_acc, l_acc + l, (w_acc + w, combine_sums(s_acc, s))), None
 
     lead = (data,) if stacked else ()  # per-replica gradients are stacked
     zeros = jax.tree.map(lambda p, s: jnp.zeros(lead + p.shape, jnp.float32, device=s), params, acc_shardings)
     first = jax.tree.map(lambda x: x[0], micro)
-    aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(microbatch, params, first)[1])
+    weight, sums = jax.eval_shape(microbatch, params, first)[1]
+    start = lambda k: (lambda a: jnp.full(a.shape, -jnp.inf, a.dtype) if k == MAXIMA else jnp.zeros(a.shape, a.dtype))  # noqa: E731
+    aux_zeros = (jnp.zeros(weight.shape, weight.dtype), {k: jax.tree.map(start(k), v) for k, v in sums.items()})
     (grads, total, aux), _ = jax.lax.scan(step, (zeros, jnp.zeros((), jnp.float32), aux_zeros), micro)
     # Pin the loop's output too: otherwise the optimizer's sharding is propagated into the
     # carry, which then gathers every microbatch.

@@ -46,6 +46,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         compression=parallel.compression,
         microbatches=config.train.microbatches,
         two_batch_overlap=parallel.two_batch_overlap,
+        report_logits=config.optim.qk_clip > 0,
     )
 
 

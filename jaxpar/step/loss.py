@@ -104,7 +104,9 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
     A model may return (outputs, aux) (jaxpar.models.moe): aux["penalty"] [B, S] is added to
     each token's loss under the batch's weights, and `sums` carries, summed over the batch,
     the weighted aux["token_metrics"] and the raw aux["counts"]. Sums add up across
-    microbatches and replicas, so the step reports them for the whole batch.
+    microbatches and replicas, so the step reports them for the whole batch; aux["maxima"]
+    (the attention's largest logits, for QK-clip) is carried as it is and combines by its
+    largest value instead (`combine_sums`, `reduce_sums`). Each part of aux is optional.
     """
     if loss_chunks > 1:
         return chunked_model_loss(model, batch, loss_chunks)
@@ -115,12 +117,27 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
     if aux is None:
         return total, (weight, jax.lax.stop_gradient({"token_metrics": metrics}) if metrics else {})
     weights = batch["weights"].astype(jnp.float32)
-    total = total + jnp.sum(aux["penalty"] * weights)
+    if "penalty" in aux:
+        total = total + jnp.sum(aux["penalty"] * weights)
     sums = {
-        "token_metrics": {**{k: jnp.sum(v * weights) for k, v in aux["token_metrics"].items()}, **metrics},
-        "counts": aux["counts"],
+        "token_metrics": {**{k: jnp.sum(v * weights) for k, v in aux.get("token_metrics", {}).items()}, **metrics},
+        **({"counts": aux["counts"]} if "counts" in aux else {}),
+        **({MAXIMA: aux[MAXIMA]} if MAXIMA in aux else {}),
     }
     return total, (weight, jax.lax.stop_gradient(sums))
+
+
+MAXIMA = "maxima"  # sums that combine by their largest value, not their total (QK-clip's logits)
+
+
+def combine_sums(a: dict, b: dict) -> dict:
+    """Two parts' sums as one: added, but MAXIMA's entries by their larger (microbatches)."""
+    return {k: jax.tree.map(jnp.maximum if k == MAXIMA else jnp.add, a[k], b[k]) for k in a}
+
+
+def reduce_sums(sums: dict, axis: int = 0) -> dict:
+    """Sums stacked on `axis` (per replica) as one: summed, but MAXIMA's entries by their largest."""
+    return {k: jax.tree.map(lambda x, k=k: x.max(axis) if k == MAXIMA else x.sum(axis), v) for k, v in sums.items()}
 
 
 def chunked_model_loss(model: Any, batch: dict, chunks: int) -> tuple[jax.Array, tuple[jax.Array, dict]]:

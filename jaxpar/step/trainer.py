@@ -243,7 +243,8 @@ def build(
     update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
                        layout.zero.offload_optimizer, config.model,
                        fused=fuses_multi_output_loops(devices[0].platform),
-                       model_layers=functools.partial(model_order_rows, split=layers) if pipelined else None)
+                       model_layers=functools.partial(model_order_rows, split=layers) if pipelined else None,
+                       qk_clip=config.optim.qk_clip)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
         batch = prepare_batch(batch, layout, task)

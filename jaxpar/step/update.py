@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.model import has
+from jaxpar.model import declared, has
 from jaxpar.step.gradients import Gradient
+from jaxpar.step.loss import MAXIMA
 from jaxpar.step.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.step.zero import StateShardings
 
@@ -30,7 +31,8 @@ UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradien
 
 def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, clip_norm: float,
               shardings: StateShardings, placement: StatePlacement, compute_dtype: Any, offload: bool,
-              model: Any, fused: bool = True, model_layers: Callable[[Any], Any] | None = None) -> UpdateFn:
+              model: Any, fused: bool = True, model_layers: Callable[[Any], Any] | None = None,
+              qk_clip: float = 0.0) -> UpdateFn:
     """(state, loss, sums, gradient, compression) -> (new state, metrics). `clip_norm` > 0:
     the gradient is clipped to that global norm first, with optax.clip_by_global_norm's
     arithmetic. The model may adjust its weights after the optimizer (`update(master,
@@ -39,16 +41,21 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     (jaxpar.step.compression), kept only with the step. `fused`: the backend fuses
     multi-output loops (GPUs; XLA:CPU does not), see `keep_if_finite`. `model_layers`: the
     step's per-layer counts as the model's layers (a pipeline's padding rows dropped, for
-    `summarise`; `update` reads them as the weights rest)."""
+    `summarise`; `update` reads them as the weights rest). `qk_clip` > 0: after the update
+    the model scales back the query and key weights of each head whose largest attention
+    logit this step (sums["maxima"]) passed it (jaxpar.step.qk_clip)."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
-    def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any) -> TrainState:
+    def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any,
+              logits: Any) -> TrainState:
         # in float32 the parameters are the master weights
         master = state.master if mixed else jax.lax.with_sharding_constraint(state.params, shardings.optimizer)
         updates, opt_state = tx.update(clipped(grad, norm, clip_norm), state.opt_state, master)
         master = optax.apply_updates(master, updates)
         if counts and has(model, "update"):
             master = model.update(master, counts)
+        if logits is not None:
+            master = declared(model, "clip_qk")(master, logits, qk_clip)
         # ZeRO 1-2: each device updated its shard; gathering the new weights is the
         # all-gather half of the step's 2x(N-1)/N traffic.
         params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
@@ -75,7 +82,8 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         else:
             compression = state.compression
         grad_norm = jnp.sqrt(sum(squares))
-        new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression), fused)
+        logits = sums[MAXIMA]["attn_logit_max"] if qk_clip > 0 else None
+        new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression, logits), fused)
         shown = {**sums, "counts": model_layers(sums["counts"])} if model_layers and "counts" in sums else sums
         return new, step_metrics(loss, shown, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 
@@ -125,4 +133,5 @@ def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule,
         "nonfinite_grads": jnp.sum(~finite_grads).astype(jnp.float32),
         **{k: v / sums["weight"] for k, v in sums.get("token_metrics", {}).items()},
         **(model.summarise(counts) if counts and has(model, "summarise") else {}),
+        **({"attn_logit_max": jnp.max(sums[MAXIMA]["attn_logit_max"])} if MAXIMA in sums else {}),
     }

@@ -1,0 +1,123 @@
+"""QK-clip (optim.qk_clip; Kimi K2's MuonClip): the attention's largest logit per head from
+the step, and the query and key weights scaled back after the update.
+
+- `largest_logits` against the whole score matrix in numpy: positions out of order, packed
+  documents, a sliding window, grouped heads, several query blocks (1e-6).
+- `clip_factors`: each head's logits scale by exactly min(1, threshold / its largest).
+- The model's report equals its first layer's scores computed by hand (1e-5), and the clip
+  after the update is the step without it, then scaled by those factors (1e-6).
+- Training with the clip under data x fsdp x tensor, ZeRO-1 with microbatches, and context x
+  data equals one device (fp32; losses, first-step gradients, parameters after 3 steps, 1e-5).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.config import Config, TrainConfig, apply_overrides
+from jaxpar.kernels.attention.logits import clip_factors, largest_logits
+from jaxpar.models.llama import LlamaConfig, rope_frequencies, rotate
+from jaxpar.sharding import use_layout
+from jaxpar.testing import check, compare, initial_state, run_layout
+from jaxpar.train import build
+
+
+def _scores(q, k, pos, seg, window):
+    """numpy: [B, H, S, S] scaled logits, -inf where the mask hides the key."""
+    b, s, h, kd = q.shape
+    k = np.repeat(k, h // k.shape[2], axis=2)
+    scores = np.einsum("bshk,bthk->bhst", q, k) / np.sqrt(kd)
+    seen = pos[:, None, :] <= pos[:, :, None]
+    if window:
+        seen &= pos[:, None, :] > pos[:, :, None] - window
+    if seg is not None:
+        seen &= seg[:, None, :] == seg[:, :, None]
+    return np.where(seen[:, None], scores, -np.inf)
+
+
+def test_largest_logits_is_the_masked_score_matrix_max():
+    rng = np.random.default_rng(0)
+    b, s, h, g, kd = 2, 16, 4, 2, 8
+    q, k = rng.normal(size=(b, s, h, kd)).astype(np.float32), rng.normal(size=(b, s, g, kd)).astype(np.float32)
+    pos = np.stack([rng.permutation(s) for _ in range(b)])  # a reordered sequence (context parallel's zigzag)
+    seg = (np.arange(s)[None] >= 10).astype(np.int32).repeat(b, 0)  # two documents in a row
+    for window, segment_ids in ((0, None), (5, None), (0, seg)):
+        got = largest_logits(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos),
+                             None if segment_ids is None else jnp.asarray(segment_ids), window=window, block=4)
+        want = _scores(q, k, pos, segment_ids, window).max(axis=(0, 2, 3))
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"window={window}")
+
+
+def test_clip_factors_scale_each_heads_logits_to_the_threshold():
+    rng = np.random.default_rng(1)
+    largest = jnp.asarray([[3.0, 0.5, 8.0, 1.0]])  # [layers, heads]; two heads over 2.0
+    q_scale, k_scale = clip_factors(largest, 2.0, groups=2)
+    q, k = rng.normal(size=(4, 8)), rng.normal(size=(2, 8))
+    before = np.array([q[h] @ k[h // 2] for h in range(4)])
+    after = np.array([(q[h] * q_scale[0, h]) @ (k[h // 2] * k_scale[0, h // 2]) for h in range(4)])
+    np.testing.assert_allclose(after, before * np.minimum(1, 2.0 / np.maximum(np.asarray(largest[0]), 2.0)), rtol=1e-5, atol=1e-7)
+
+
+def _tiny(threshold: float) -> Config:
+    return apply_overrides(Config(
+        model=LlamaConfig(vocab_size=128, embed=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp=64),
+        train=TrainConfig(steps=3, global_batch=16, seq_len=16, compute_dtype="float32")),
+        [f"optim.qk_clip={threshold}"])
+
+
+def _reported(trainer, params, batch):
+    """The model's per-layer largest logits on `batch` ([layers, heads]) and its first
+    layer's, computed by hand from the weights."""
+    model = nnx.merge(trainer.graphdef, params)
+
+    @jax.jit
+    def report(params, inputs):
+        with use_layout(dataclasses.replace(trainer.layout, report_logits=True)):
+            return nnx.merge(trainer.graphdef, params)(inputs)[1]["maxima"]["attn_logit_max"]
+
+    cfg = trainer.config.model
+    first = nnx.merge(*nnx.split(model.layers)[:1], jax.tree.map(lambda a: a[0], nnx.split(model.layers)[1]))
+    x = first.attn_norm(model.lookup(model.embedding[...], batch["inputs"]))
+    q, k, _ = first.attn.qkv(x)
+    positions, freq = jnp.arange(x.shape[1]), rope_frequencies(cfg.head_dim, cfg)
+    q, k = rotate(q, positions, freq), rotate(k, positions, freq)
+    by_hand = _scores(np.asarray(q), np.asarray(k), np.broadcast_to(np.arange(x.shape[1]), x.shape[:2]), None, 0)
+    return report(params, batch["inputs"]), by_hand.max(axis=(0, 2, 3))
+
+
+def test_the_report_and_the_clip_are_their_definitions():
+    clipped, plain = build(_tiny(0.3)), build(_tiny(1e9))  # a threshold no logit passes: no clip
+    from jaxpar.testing import make_source
+
+    batch = make_source(clipped.batch, clipped.config)(0)
+    state = initial_state(clipped)
+    largest, by_hand = _reported(clipped, state.params, batch)
+    np.testing.assert_allclose(largest[0], by_hand, rtol=1e-5)
+    assert float(largest.max()) > 0.3  # the clip has work to do
+    new, metrics = clipped.step(state, batch)
+    unclipped, _ = plain.step(initial_state(plain), batch)
+    q_scale, k_scale = clip_factors(largest, 0.3, groups=2)
+    attn = unclipped.params["layers"]["attn"]
+    np.testing.assert_allclose(new.params["layers"]["attn"]["wq"], attn["wq"] * q_scale[:, None, :, None], rtol=1e-6)
+    np.testing.assert_allclose(new.params["layers"]["attn"]["wk"], attn["wk"] * k_scale[:, None, :, None], rtol=1e-6)
+    np.testing.assert_allclose(new.params["layers"]["attn"]["wv"], attn["wv"], rtol=1e-6)
+    assert float(metrics["attn_logit_max"]) == pytest.approx(float(largest.max()), rel=1e-5)
+
+
+LAYOUTS = {
+    "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "data8_zero1_microbatches2": ["mesh.data=8", "parallel.zero.stage=1", "train.microbatches=2"],
+    "context2_data4": ["mesh.context=2", "mesh.data=4"],  # the sequence reordered over context
+    "data4_tensor2_zero3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero.stage=3"],  # per-replica sums
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_training_with_the_clip_equals_one_device(reference, name):
+    """One device without microbatches: microbatches must carry the largest logit, not a sum."""
+    base = _tiny(0.3)
+    check(compare(run_layout(apply_overrides(base, LAYOUTS[name])), reference(base)), 1e-5, where=name)
