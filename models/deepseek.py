@@ -66,7 +66,8 @@ from jaxpar.hf.weights import Weight
 from jaxpar.models.llama import RESIDUAL, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
 from jaxpar.models.moe import MOE_TRAINING_FIELDS, MoEBlock, MoEConfig, MoETransformer, stack_layer_ids
 from jaxpar.nn import param
-from jaxpar.sharding import ahead, attend, column_project, compute_value, constrain, row_project
+from jaxpar.sharding import (ahead, attend, column_project, compute_value, constrain, largest_logits, reports_logits,
+                             row_project)
 
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 LATENT_NAMES = ("batch", "seq", "kv_latent")
@@ -167,6 +168,20 @@ class DeepSeekConfig(MoEConfig):
         queries = (d * cq + cq + cq * h * qk) if cq else d * h * qk
         latent = d * (c + self.qk_rope_head_dim) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim)
         return queries + latent + h * self.v_head_dim * d
+
+    def scale_attention(self, attn: dict, logit_max: jax.Array, threshold: float) -> dict:
+        """QK-clip on latent attention (Kimi K2's MuonClip): for head h, gamma = min(1,
+        threshold / its largest logit); its query and key "nope" parts each by sqrt(gamma),
+        its query RoPE part by gamma, the key RoPE part every head shares untouched, so that
+        the head's logits scale by gamma."""
+        gamma = jnp.minimum(1.0, threshold / jnp.maximum(logit_max, threshold))[..., None]  # [L, H, 1]
+        nope, rope_dim, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q_cols = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), (*gamma.shape[:2], nope)),
+                                  jnp.broadcast_to(gamma, (*gamma.shape[:2], rope_dim))], axis=-1)
+        kv_cols = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), (*gamma.shape[:2], nope)),
+                                   jnp.ones((*gamma.shape[:2], v), gamma.dtype)], axis=-1)
+        q = "wq_b" if self.q_lora_rank else "wq"
+        return {**attn, q: attn[q] * q_cols[:, None], "wkv_b": attn["wkv_b"] * kv_cols[:, None]}
 
     def flops_per_token(self, seq_len: int) -> float:
         """models.moe's count (its matmuls include the prediction module's, by param_count,
@@ -289,7 +304,10 @@ class LatentAttention(nnx.Module):
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), Q_NAMES)
         q, k, v = (checkpoint_name(constrain(t, Q_NAMES), "qkv") for t in (q, k, v))
         o = checkpoint_name(attend(q, k, v, segment_ids, window=cfg.sliding_window), "attention_out")
-        return row_project(constrain(o, Q_NAMES), self.wo, Q_NAMES)
+        out = row_project(constrain(o, Q_NAMES), self.wo, Q_NAMES)
+        if not reports_logits():
+            return out
+        return out, largest_logits(q, k, positions, segment_ids, window=cfg.sliding_window)  # QK-clip
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

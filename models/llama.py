@@ -103,15 +103,20 @@ class LlamaConfig:
         return None if self.qk_norm else self.scale_qk
 
     def scale_qk(self, params: dict, logit_max: jax.Array, threshold: float) -> dict:
-        """Each head's queries and its group's keys scaled
+        """The stack's attention clipped by its layers' largest logits [L, H]."""
+        return {**params, "layers": {**params["layers"],
+                                     "attn": self.scale_attention(params["layers"]["attn"], logit_max, threshold)}}
+
+    def scale_attention(self, attn: dict, logit_max: jax.Array, threshold: float) -> dict:
+        """A stack's attention weights with each head's queries and its group's keys scaled
         (jaxpar.kernels.attention.logits.clip_factors), with their biases."""
         q_scale, k_scale = clip_factors(logit_max, threshold, self.num_kv_heads)  # [L, H], [L, G]
-        attn = dict(params["layers"]["attn"])
+        attn = dict(attn)
         for name, scale in (("wq", q_scale), ("wk", k_scale)):
             attn[name] = attn[name] * scale[:, None, :, None]
         if self.qkv_bias:
             attn["bq"], attn["bk"] = attn["bq"] * q_scale[..., None], attn["bk"] * k_scale[..., None]
-        return {**params, "layers": {**params["layers"], "attn": attn}}
+        return attn
 
     def check(self, sizes: dict[str, int]) -> None:
         """The fields' own constraints (kv heads and head_dim first: a kv head count of 0 or a

@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.hf.config import value
 from jaxpar.hf.weights import Weight
 from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, LLAMA_FORMAT, RESIDUAL, TRAINING_FIELDS, Block, Llama, LlamaConfig,
-                                 RMSNorm, attention_weights, llama_from_hf, llama_to_hf, refuse_parts)
+                                 RMSNorm, attention_weights, llama_from_hf, llama_to_hf, refuse_parts, with_logits)
 from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
@@ -85,7 +85,6 @@ class MoEConfig(LlamaConfig):
     mesh_divides = {**LlamaConfig.mesh_divides, "expert": ("num_experts",)}
     axis_names = {"dense_layers": None}  # the dense layers' stack rests whole (no pipeline splits it)
     stack_axes = ("layers", "dense_layers", "experts")  # Muon's matrix stacks (jaxpar.step.muon)
-    clip_qk = None  # QK-clip: the MoE blocks and dense runs do not report their attention's logits yet
     WEIGHTS = ("shared_experts", "aux_loss_weight", "z_loss_weight", "bias_update_rate")
 
     def check(self, sizes: dict[str, int]) -> None:
@@ -198,6 +197,16 @@ class MoEConfig(LlamaConfig):
             "moe_load": jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)),
         }
 
+    def scale_qk(self, params: dict, logit_max: jax.Array, threshold: float) -> dict:
+        """QK-clip on each stack (the MoE layers', the dense ones'), its rows of the model's
+        largest logits [all layers, H] picked by their place in the model."""
+        out = dict(params)
+        for stack, ids in stack_layer_ids(self).items():
+            if ids:
+                rows = logit_max[jnp.asarray(ids)]
+                out[stack] = {**params[stack], "attn": self.scale_attention(params[stack]["attn"], rows, threshold)}
+        return out
+
     def update(self, params: dict, counts: dict) -> dict:
         """Bias balancing after the optimizer step: b_e += rate x sign(mean load - load_e)."""
         if not self.bias_update_rate:
@@ -279,12 +288,13 @@ class MoEBlock(nnx.Module):
             self.shared = dataclasses.replace(cfg, mlp=cfg.shared_experts * cfg.mlp).mlp_module(rngs)
 
     def __call__(self, x_BSD: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, dict]:
-        x_BSD = checkpoint_name(x_BSD + self.attn(self.attn_norm(x_BSD), positions, segment_ids), "residual")
+        attended, logits = with_logits(self.attn(self.attn_norm(x_BSD), positions, segment_ids))
+        x_BSD = checkpoint_name(x_BSD + attended, "residual")
         h = self.mlp_norm(x_BSD)
         y, report = self.moe(h)
         if hasattr(self, "shared"):
             y = y + self.shared(h)
-        return constrain(x_BSD + y, RESIDUAL), report
+        return constrain(x_BSD + y, RESIDUAL), report if logits is None else {**report, "logit_max": logits}
 
 
 class MoETransformer(Llama):
@@ -310,19 +320,27 @@ class MoETransformer(Llama):
         return (runs[0], runs[1:]) if runs[0].dense else (None, runs)
 
     def trunk(self, table, tokens_BS, positions, segment_ids):
-        x = self.run_leading(self.lookup(table, tokens_BS), positions, segment_ids)
-        return self.run_layers(x, positions, segment_ids)
+        x, leading = self.leading(self.lookup(table, tokens_BS), positions, segment_ids)
+        x, reports = self.run_layers(x, positions, segment_ids)
+        if leading:  # QK-clip: the leading dense layers' largest logits first, in the model's order
+            reports = {**reports, "logit_max": jnp.concatenate([leading["logit_max"], reports["logit_max"]])}
+        return x, reports
 
     def embed(self, batch: dict) -> jax.Array:
         """The pipeline's first piece: the embedding and the dense layers before the first MoE one."""
         return self.run_leading(super().embed(batch), batch.get("positions"), batch.get("segment_ids"))
 
     def run_leading(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> jax.Array:
+        return self.leading(x, positions, segment_ids)[0]
+
+    def leading(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None
+                ) -> tuple[jax.Array, dict | None]:
+        """x through the dense layers before the first MoE one, and what they reported (QK-clip's logits)."""
         leading, _ = self.runs()
         if leading is None:
-            return x
+            return x, None
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        return self.run(leading, x, positions, segment_ids)[0]
+        return self.run(leading, x, positions, segment_ids)
 
     def run_layers(self, x: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, first_layer=0):
         """The layers after the leading dense ones, in their order: the MoE stack alone (a
@@ -331,11 +349,13 @@ class MoETransformer(Llama):
         if len(runs) == 1:
             return super().run_layers(x, positions, segment_ids, first_layer)
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        reports = []
+        reports, logits = [], []
         for run in runs:
             x, report = self.run(run, x, positions, segment_ids)
-            reports += [report] if report is not None else []
-        return x, jax.tree.map(lambda *r: jnp.concatenate(r), *reports)
+            logits += [report.pop("logit_max")] if report is not None and "logit_max" in report else []
+            reports += [report] if report else []
+        joined = jax.tree.map(lambda *r: jnp.concatenate(r), *reports)
+        return x, {**joined, "logit_max": jnp.concatenate(logits)} if logits else joined
 
     def run(self, run: "Run", x, positions, segment_ids) -> tuple[jax.Array, dict | None]:
         """x through one run of layers: a scan over its slice of its stack."""
@@ -353,7 +373,8 @@ class MoETransformer(Llama):
         return self.logits(x, table), self.balance(reports)
 
     def balance(self, reports: dict) -> dict:
-        """The aux of the layers' reports: their balancing penalties, metrics and counts."""
+        """The aux of the layers' reports: their balancing penalties, metrics and counts
+        (and, for QK-clip, every layer's largest attention logits)."""
         cfg = self.cfg
         switch = jnp.mean(reports["switch"], axis=0)  # [B], averaged over layers
         z = jnp.mean(reports["z"], axis=0)  # [B, S]
@@ -363,6 +384,8 @@ class MoETransformer(Llama):
             "token_metrics": {"moe_aux_loss": switch_BS, "moe_z_loss": z},
             "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
         }
+        if "logit_max" in reports:
+            aux["maxima"] = {"attn_logit_max": reports["logit_max"]}
         return aux
 
     def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:

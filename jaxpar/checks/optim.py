@@ -90,9 +90,9 @@ def muon_without_lora(config, sizes) -> None:
     "qk-clip-supported",
     fields=["optim.qk_clip", "model", "mesh.stage", "parallel.two_batch_overlap", "train.loss_chunks",
             "parallel.compression.method", "lora.rank"],
-    summary="QK-clip (optim.qk_clip > 0) needs a model that scales its query and key weights (its clip_qk: the "
-    "Llama family without q/k norms), and a step that carries the attention's largest logits to the update: no "
-    "pipeline stages, two-batch overlap, chunked loss, gradient compression or LoRA yet.",
+    summary="QK-clip (optim.qk_clip > 0) needs a model that scales its query and key weights (its clip_qk: Llama, "
+    "Mistral, Mixtral, DeepSeek; not q/k norms), and a step that carries the attention's largest logits to the "
+    "update: no pipeline stages, two-batch overlap, chunked loss, gradient compression or LoRA yet.",
     example=["optim.qk_clip=-1"],
     also=[["optim.qk_clip=100", "model.qk_norm=true"], ["optim.qk_clip=100", "mesh.stage=2", "mesh.data=4", "train.microbatches=2"],
           ["optim.qk_clip=100", "train.loss_chunks=2"], ["optim.qk_clip=100", "lora.rank=4"]],

@@ -6,8 +6,12 @@ the step, and the query and key weights scaled back after the update.
 - `clip_factors`: each head's logits scale by exactly min(1, threshold / its largest).
 - The model's report equals its first layer's scores computed by hand (1e-5), and the clip
   after the update is the step without it, then scaled by those factors (1e-6).
-- Training with the clip under data x fsdp x tensor, ZeRO-1 with microbatches, and context x
-  data equals one device (fp32; losses, first-step gradients, parameters after 3 steps, 1e-5).
+- On one batch, the clipped weights' largest logits are min(largest, threshold) (1e-5):
+  Llama's grouped heads, DeepSeek's latent attention over its dense and MoE stacks.
+- Training with the clip under data x fsdp x tensor, ZeRO-1 with microbatches, context x
+  data and data x tensor x ZeRO-3 (Llama), expert x data (Mixtral) and expert x tensor x data
+  (DeepSeek) equals one device (fp32; losses, first-step gradients, parameters after 3
+  steps, 1e-5).
 """
 
 import dataclasses
@@ -108,11 +112,46 @@ def test_the_report_and_the_clip_are_their_definitions():
     assert float(metrics["attn_logit_max"]) == pytest.approx(float(largest.max()), rel=1e-5)
 
 
+@pytest.mark.parametrize("recipe", ["llama_gqa", "deepseek"])
+def test_after_the_clip_each_heads_largest_logit_is_the_threshold(recipe):
+    """On the same batch, a layer's clipped weights give min(largest, threshold) as its
+    largest logits, the threshold the heads' median, the layers before it unchanged:
+    Llama's grouped heads (each query head's own scale beside its group's key scale) and
+    DeepSeek's latent attention (its RoPE parts; the dense and the MoE stack)."""
+    from jaxpar.recipes import resolve_config
+
+    config = _tiny(0.3) if recipe == "llama_gqa" else resolve_config(
+        "deepseek", ["train.compute_dtype=float32", "optim.qk_clip=0.3", "mesh.data=1", "mesh.expert=1"], 1)
+    trainer = build(config, jax.devices()[:1])
+    from jaxpar.testing import make_source
+
+    batch = make_source(trainer.batch, trainer.config)(0)
+    params = initial_state(trainer).params
+
+    @jax.jit
+    def largest(params):
+        with use_layout(dataclasses.replace(trainer.layout, report_logits=True)):
+            return nnx.merge(trainer.graphdef, params)(batch["inputs"])[1]["maxima"]["attn_logit_max"]
+
+    before = largest(params)
+    threshold = float(np.median(before))  # half the heads clipped
+    assert (np.asarray(before) > threshold).any() and (np.asarray(before) < threshold).any()
+    for layer in range(before.shape[0]):  # one layer at a time: a clip changes the layers after it
+        only = jnp.where(jnp.arange(before.shape[0])[:, None] == layer, before, -jnp.inf)
+        after = largest(config.model.clip_qk(params, only, threshold))
+        want = np.where(np.arange(before.shape[0])[:, None] == layer, np.minimum(before, threshold), before)
+        np.testing.assert_allclose(after[:layer + 1], want[:layer + 1], rtol=1e-5, err_msg=f"layer {layer}")
+
+
 LAYOUTS = {
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "data8_zero1_microbatches2": ["mesh.data=8", "parallel.zero.stage=1", "train.microbatches=2"],
     "context2_data4": ["mesh.context=2", "mesh.data=4"],  # the sequence reordered over context
     "data4_tensor2_zero3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero.stage=3"],  # per-replica sums
+}
+RECIPE_LAYOUTS = {  # MoE blocks and dense runs beside them; latent attention
+    "moe_expert4_data2": ("moe", ["mesh.data=2", "mesh.expert=4"]),
+    "deepseek_expert2_tensor2_data2": ("deepseek", ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]),
 }
 
 
@@ -121,3 +160,12 @@ def test_training_with_the_clip_equals_one_device(reference, name):
     """One device without microbatches: microbatches must carry the largest logit, not a sum."""
     base = _tiny(0.3)
     check(compare(run_layout(apply_overrides(base, LAYOUTS[name])), reference(base)), 1e-5, where=name)
+
+
+@pytest.mark.parametrize("name", RECIPE_LAYOUTS)
+def test_moe_and_latent_attention_with_the_clip_equal_one_device(reference, name):
+    from jaxpar.recipes import resolve_config
+
+    recipe, layout = RECIPE_LAYOUTS[name]
+    base = resolve_config(recipe, ["train.compute_dtype=float32", "optim.qk_clip=0.3"], 8)
+    check(compare(run_layout(apply_overrides(base, layout)), reference(base)), 1e-5, where=name)
