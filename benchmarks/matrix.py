@@ -172,6 +172,11 @@ VARIANTS = {
     "muon_deepseek": ("deepseek", ("optim.name=muon", "optim.lr=0.02"),
                       "the cell's subject: Muon on DeepSeek's latent attention, its experts (a stack of matrices "
                       "per layer) and its dense layers' stack"),
+    "qk_clip": ("llama", ("optim.qk_clip=0.3",),
+                "the cell's subject: QK-clip (optim.qk_clip), each head's largest logit carried to the update by "
+                "its largest value, below the recipe's logits so that every step clips"),
+    "qk_clip_deepseek": ("deepseek", ("optim.qk_clip=3", "optim.name=muon", "optim.lr=0.02"),
+                         "the cell's subject: MuonClip on latent attention (DeepSeek's logits start near 4)"),
 }
 # FP8 cells compare with the single-device FP8 run to this tolerance, not RTOL: a gradient on
 # an 8-bit (e5m2: 2 mantissa bits) rounding boundary may round the other way when float32 sums
@@ -208,6 +213,9 @@ MUON_CELLS = (("zero1", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp")
               ("interleaved", "tensor"), ("zb-h1", "data"), ("1f1b", "fsdp", "tensor+sp"))
 MUON_DEEPSEEK_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                        ("1f1b", "data", "expert"))
+# QK-clip: the largest logits over data (ZeRO), fsdp, tensor, context and experts; stages are refused.
+QK_CLIP_CELLS = (("zero1", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "ring"), ("ulysses", "tensor"), ("1f1b", "data"))
+QK_CLIP_DEEPSEEK_CELLS = (("data", "expert"), ("expert", "tensor"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -311,6 +319,8 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "two_hops") for combo in TWO_HOPS_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "muon") for combo in MUON_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "muon_deepseek") for combo in MUON_DEEPSEEK_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "qk_clip") for combo in QK_CLIP_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "qk_clip_deepseek") for combo in QK_CLIP_DEEPSEEK_CELLS]
     return out
 
 

@@ -142,7 +142,8 @@ def test_list_prints_every_cell_and_runs_nothing(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[0].strip() for line in out[:-1]] == ["zero3 x tensor", "zero3 x tensor+sp",
                                                                    "zero3 x tensor+sp [qwen3]", "zero3 x tensor+sp [lora]",
-                                                                   "zero3 x tensor [kv1]", "zero3 x tensor [muon]"]
+                                                                   "zero3 x tensor [kv1]", "zero3 x tensor [muon]",
+                                                                   "zero3 x tensor [qk_clip]"]
 
 
 def test_the_cells_that_abort_most_compile_in_forked_children(tmp_path):
