@@ -35,6 +35,10 @@ class ZeroConfig:
     # fp32 master weights and optimizer state rest in pinned host memory between steps and
     # are brought to the device for the update (ZeRO-Offload).
     offload_optimizer: bool = False
+    # The parameters (and their fp32 master copy) rest in pinned host memory too; each use
+    # brings its layer's weights to the device (`compute_value`: inside the layer scan, one
+    # layer at a time), and the update fetches the master (ZeRO-Infinity's parameter offload).
+    offload_params: bool = False
     # ZeRO++ (arXiv 2306.10209). hpz: at stage 3, keep a secondary parameter shard inside
     # the host (mesh.fsdp) so the backward gather never crosses hosts (mesh.data).
     hpz: bool = False

@@ -149,3 +149,25 @@ def quantization_block_positive(config, sizes) -> None:
         raise ConfigError(
             f"parallel.zero.quantization_block={block} must be a positive number of elements per scale; e.g. 256"
         )
+
+
+@rule(
+    "offload-params-support",
+    fields=["parallel.zero.offload_params", "mesh.stage", "parallel.compression.method", "lora.rank"],
+    summary="Parameters resting in host memory (parallel.zero.offload_params) are fetched where each layer uses "
+    "them and their gradients brought back for the reduction: not yet inside the pipeline executor or the "
+    "compressed reduction, and not for LoRA, whose adapters are small and whose base stays on the device.",
+    example=["parallel.zero.offload_params=true", "mesh.stage=2", "mesh.data=4", "train.microbatches=2"],
+    also=[["parallel.zero.offload_params=true", "lora.rank=4"]],
+)
+def offload_params_support(config, sizes) -> None:
+    if not config.parallel.zero.offload_params:
+        return
+    unsupported = {"mesh.stage": sizes.get("stage", 1) > 1,
+                   "parallel.compression.method": config.parallel.compression.method != "none",
+                   "lora.rank": config.lora.rank > 0}
+    for field, on in unsupported.items():
+        if on:
+            raise ConfigError(f"parallel.zero.offload_params=true with {field} set: that step does not fetch parameters "
+                              "from host memory yet; set parallel.zero.offload_params=false (parallel.zero."
+                              "offload_optimizer still rests the optimizer state there)")

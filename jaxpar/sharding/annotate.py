@@ -58,12 +58,16 @@ class ParamGather:
                     split by the compute rules. Grouped-query key/value heads that the
                     tensor split does not divide rest whole and are repeated at use
                     (jaxpar.sharding.rules.kv_heads_repeat); their copies' gradients add up.
+    from_host       the parameters rest in pinned host memory (parallel.zero.offload_params):
+                    each use first brings its shards to the device, and the gradient goes
+                    back the same way
     """
 
     zero_axes: tuple[str, ...] = ()
     hpz: bool = False
     quantize_block: int = 0
     repeats: tuple[tuple[str, int], ...] = ()
+    from_host: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +221,8 @@ def gather_param(value: jax.Array, names: Sequence[str | None], layout: Layout) 
     """Stored shards -> compute layout, the way `layout.params` says (see ParamGather)."""
     how = layout.params
     source = layout.param_spec(names, value.shape)
+    if how.from_host:  # in a layer scan, this layer's slice alone; its gradient goes back to the host
+        value = jax.device_put(value, jax.memory.Space.Device)
     if layout.replica_sum:
         value = sum_over_replicas(value, names, layout)
     if how.hpz:

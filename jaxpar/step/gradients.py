@@ -20,7 +20,7 @@ from jaxpar.step.microbatches import split_batch
 from jaxpar.step.reduction import GradReduction, sum_replicas
 from jaxpar.step.replicas import per_replica, split_replicas, stacked_over_data
 from jaxpar.step.sequence import lay_out_sequences
-from jaxpar.step.state import cast_floats
+from jaxpar.step.state import cast_floats, on_device
 from jaxpar.step.zero import StateShardings
 
 
@@ -114,7 +114,7 @@ def batch_gradients(loss_sum: LossSum, layout: Layout, shardings: StateShardings
         if not replicas:
             with use_layout(layout):
                 (l, aux), g = grad_fn(params, mb)
-            return l, aux, cast_floats(jax.lax.with_sharding_constraint(g, reduce_to), jnp.float32)
+            return l, aux, cast_floats(jax.lax.with_sharding_constraint(on_device(g, layout), reduce_to), jnp.float32)
         mb = {k: split_replicas(v, names[k], layout) for k, v in mb.items()}
         l, aux, g = per_replica(grad_fn, layout, shardings.grads, summed)(params, mb)
         if summed:  # reduced over the replicas layer by layer, inside the backward pass

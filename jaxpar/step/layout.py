@@ -32,6 +32,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
             hpz=parallel.zero.hpz,
             quantize_block=parallel.zero.quantization_block if parallel.zero.quantized_weights else 0,
             repeats=repeats,
+            from_host=parallel.zero.offload_params,
         ),
         parallel.context,
         expert_exchange=expert_exchange(config, device.platform),

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.annotate import REPLICAS, ReplicaSum
-from jaxpar.step.state import cast_floats
+from jaxpar.step.state import cast_floats, on_device
 
 AXIS = "data"
 
@@ -79,6 +79,7 @@ def per_replica(grad_fn: Callable, layout: Layout, grad_shardings: Any, summed: 
     def one(params, batch):
         with use_layout(inner):
             (loss, aux), grads = grad_fn(params, batch)
+        grads = on_device(grads, layout)
         if summed:
             return loss, aux, jax.tree.map(replica_total, cast_floats(grads, jnp.float32), grad_shardings)
         return loss, aux, jax.lax.with_sharding_constraint(grads, inside)

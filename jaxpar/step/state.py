@@ -46,11 +46,14 @@ class StatePlacement:
 
 
 def place_state(tx: optax.GradientTransformation, abstract_params: Any, shardings: StateShardings, mesh,
-                mixed: bool, offload: bool, compression: Any = None, frozen: Any = None) -> StatePlacement:
+                mixed: bool, offload: bool, compression: Any = None, frozen: Any = None,
+                offload_params: bool = False) -> StatePlacement:
     """Shardings of every part of the state. Optimizer state that mirrors a parameter (Adam
     moments) is sharded like it; anything else (counts, adafactor's factored rows and
-    columns) is replicated. `compression`: the compression state's shardings, if any;
-    `frozen`: LoRA's frozen weights' (never offloaded: every step reads them)."""
+    columns) is replicated. `offload`: the master and optimizer state rest in pinned host
+    memory; `offload_params`: the parameters and the master do. `compression`: the
+    compression state's shardings, if any; `frozen`: LoRA's frozen weights' (never
+    offloaded: every step reads them)."""
     replicated = NamedSharding(mesh, P())
     masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731 (a parameter another transform of a partition has)
 
@@ -60,13 +63,14 @@ def place_state(tx: optax.GradientTransformation, abstract_params: Any, sharding
     opt = optax.tree_map_params(tx, like, jax.eval_shape(tx.init, abstract_params), shardings.optimizer,
                                 abstract_params, transform_non_params=lambda _: replicated, is_leaf=masked)
 
-    def resting(tree: Any) -> Any:
-        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree) if offload else tree
+    def on_host(tree: Any, offloaded: bool) -> Any:
+        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree) if offloaded else tree
 
     master = shardings.optimizer if mixed else None
     return StatePlacement(
-        resting=TrainState(replicated, shardings.params, resting(master) if mixed else None, resting(opt), compression,
-                           frozen),
+        resting=TrainState(replicated, on_host(shardings.params, offload_params),
+                           on_host(master, offload or offload_params) if mixed else None, on_host(opt, offload),
+                           compression, frozen),
         working=TrainState(replicated, shardings.params, master, opt, compression, frozen),
     )
 
@@ -89,6 +93,12 @@ def initial_state(master: Any, tx: optax.GradientTransformation, compute_dtype: 
 def to_device(tree: Any, shardings: Any) -> Any:
     """Fetch offloaded state to device memory for the update."""
     return None if tree is None else jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
+
+
+def on_device(grads: Any, layout: Any) -> Any:
+    """Gradients of parameters resting in host memory (parallel.zero.offload_params) arrive
+    there, layer by layer in the backward pass: back to the device for their reduction."""
+    return jax.device_put(grads, jax.memory.Space.Device) if layout.params.from_host else grads
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:

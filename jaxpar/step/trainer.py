@@ -221,7 +221,7 @@ def build(
     reduction = grad_reduction(layout, compressor)
     mixed = jnp.dtype(config.train.compute_dtype) != jnp.float32
     placement = place_state(tx, abstract_params, shardings, layout.mesh, mixed, layout.zero.offload_optimizer,
-                            compressor.shardings() if compressor else None, frozen_shardings)
+                            compressor.shardings() if compressor else None, frozen_shardings, layout.zero.offload_params)
     fields = batch_fields(config.model, config.train.seq_len, config.data)
     batch_layout = BatchLayout(fields, config.train.global_batch,
                                {k: layout.sharding(f.names, "compute") for k, f in fields.items()},
@@ -244,7 +244,7 @@ def build(
                        layout.zero.offload_optimizer, config.model,
                        fused=fuses_multi_output_loops(devices[0].platform),
                        model_layers=functools.partial(model_order_rows, split=layers) if pipelined else None,
-                       qk_clip=config.optim.qk_clip)
+                       qk_clip=config.optim.qk_clip, offload_params=layout.zero.offload_params)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict, Any]:
         batch = prepare_batch(batch, layout, task)
@@ -390,4 +390,5 @@ def offload_requests(config: Config) -> dict[str, bool]:
     return {
         "model.remat=offload": declared(config.model, "remat") == "offload",
         "parallel.zero.offload_optimizer": config.parallel.zero.offload_optimizer,
+        "parallel.zero.offload_params": config.parallel.zero.offload_params,
     }

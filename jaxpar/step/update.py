@@ -32,7 +32,7 @@ UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradien
 def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, clip_norm: float,
               shardings: StateShardings, placement: StatePlacement, compute_dtype: Any, offload: bool,
               model: Any, fused: bool = True, model_layers: Callable[[Any], Any] | None = None,
-              qk_clip: float = 0.0) -> UpdateFn:
+              qk_clip: float = 0.0, offload_params: bool = False) -> UpdateFn:
     """(state, loss, sums, gradient, compression) -> (new state, metrics). `clip_norm` > 0:
     the gradient is clipped to that global norm first, with optax.clip_by_global_norm's
     arithmetic. The model may adjust its weights after the optimizer (`update(master,
@@ -43,7 +43,9 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     step's per-layer counts as the model's layers (a pipeline's padding rows dropped, for
     `summarise`; `update` reads them as the weights rest). `qk_clip` > 0: after the update
     the model scales back the query and key weights of each head whose largest attention
-    logit this step (sums["maxima"]) passed it (jaxpar.step.qk_clip)."""
+    logit this step (sums["maxima"]) passed it (jaxpar.step.qk_clip). `offload` (the
+    optimizer state) and `offload_params` (the parameters and master): what rests in host
+    memory is fetched for the update, and the new state returns there at the step's edge."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
     def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any,
@@ -64,9 +66,12 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
 
     def update(state: TrainState, loss: jax.Array, sums: dict, grad: Gradient, compression: Any = None
                ) -> tuple[TrainState, dict]:
-        if offload:  # fetch from host memory for the update
-            state = dataclasses.replace(state, master=to_device(state.master, placement.working.master),
-                                        opt_state=to_device(state.opt_state, placement.working.opt_state))
+        if offload or offload_params:  # fetch from host memory for the update
+            state = dataclasses.replace(state, master=to_device(state.master, placement.working.master))
+        if offload:
+            state = dataclasses.replace(state, opt_state=to_device(state.opt_state, placement.working.opt_state))
+        if offload_params:  # in float32 the master; else what a step that is not applied keeps
+            state = dataclasses.replace(state, params=to_device(state.params, placement.working.params))
         counts = sums.get("counts", {})
         # A non-finite loss or gradient leaves the state as it was, and the schedule
         # (state.step, the optimizer's count) where the weights are; the loop then stops or
