@@ -177,6 +177,11 @@ VARIANTS = {
                 "its largest value, below the recipe's logits so that every step clips"),
     "qk_clip_deepseek": ("deepseek", ("optim.qk_clip=3", "optim.name=muon", "optim.lr=0.02"),
                          "the cell's subject: MuonClip on latent attention (DeepSeek's logits start near 4)"),
+    "offload_params": ("llama", ("parallel.zero.offload_params=true",),
+                       "the cell's subject: the parameters and master resting in host memory, fetched at each use "
+                       "(a no-op on the CPU backend, but every array's memory space typed)"),
+    "offload_params_deepseek": ("deepseek", ("parallel.zero.offload_params=true",),
+                                "the cell's subject: host-resting parameters beside experts"),
 }
 # FP8 cells compare with the single-device FP8 run to this tolerance, not RTOL: a gradient on
 # an 8-bit (e5m2: 2 mantissa bits) rounding boundary may round the other way when float32 sums
@@ -216,6 +221,9 @@ MUON_DEEPSEEK_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert
 # QK-clip: the largest logits over data (ZeRO), fsdp, tensor, context and experts; stages are refused.
 QK_CLIP_CELLS = (("zero1", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "ring"), ("ulysses", "tensor"), ("1f1b", "data"))
 QK_CLIP_DEEPSEEK_CELLS = (("data", "expert"), ("expert", "tensor"))
+# Parameters in host memory: beside each axis's strategy; stages are refused.
+OFFLOAD_PARAMS_CELLS = (("zero1", "tensor+sp"), ("zero3", "fsdp"), ("fsdp", "ring"), ("ulysses", "tensor"), ("gpipe", "data"))
+OFFLOAD_PARAMS_DEEPSEEK_CELLS = (("data", "expert"), ("expert", "tensor"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -321,6 +329,9 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "muon_deepseek") for combo in MUON_DEEPSEEK_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "qk_clip") for combo in QK_CLIP_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "qk_clip_deepseek") for combo in QK_CLIP_DEEPSEEK_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "offload_params") for combo in OFFLOAD_PARAMS_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "offload_params_deepseek")
+            for combo in OFFLOAD_PARAMS_DEEPSEEK_CELLS]
     return out
 
 
