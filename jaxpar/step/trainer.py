@@ -152,7 +152,7 @@ class Trainer:
     @property
     def weight_shardings(self) -> Any:
         """The shardings of `weights(state)`."""
-        return join(self.shardings.params, self.frozen_shardings)
+        return join(self.state_shardings.params, self.frozen_shardings)
 
 
 def data_loss(config: Config) -> LossFn:
@@ -257,7 +257,7 @@ def build(
         loss, _, g, _ = grads_fn(params, batch, compressor.init() if compressor else None, frozen)
         return loss, g.value()
 
-    weight_shardings = join(shardings.params, frozen_shardings)
+    weight_shardings = join(placement.resting.params, frozen_shardings)  # in host memory under offload_params
 
     def evaluate(weights, batch) -> tuple[jax.Array, jax.Array]:
         """The loss without the pipeline schedule: the whole model at once (`weights`:
@@ -349,7 +349,7 @@ def _jit_at_the_edge(state: TrainState, shardings: StateShardings, weights: Any,
         "step_and_grads": lambda f: jax.jit(f, in_shardings=(state, batch),
                                             out_shardings=(state, replicated, shardings.optimizer),
                                             donate_argnums=0, compiler_options=compiler),
-        "grads": lambda f: jax.jit(f, in_shardings=(shardings.params, batch, *([state.frozen] if state.frozen else [])),
+        "grads": lambda f: jax.jit(f, in_shardings=(state.params, batch, *([state.frozen] if state.frozen else [])),
                                    out_shardings=(replicated, shardings.optimizer), compiler_options=compiler),
         "evaluate": lambda f: jax.jit(f, in_shardings=(weights, batch), out_shardings=(replicated, replicated)),
     }

@@ -1,7 +1,7 @@
 """Parameters resting in host memory (parallel.zero.offload_params): the parameters and the
 master rest in pinned host memory between steps; each use fetches its layer's shards
 (`compute_value`), the gradients come back to the device for the reduction, the update
-fetches the master.
+fetches the master; evaluation and `forward` read the weights where they rest.
 
 The CPU backend has no separate host memory (the transfers are no-ops there: OffloadIsANoOp),
 but JAX types each array's memory space: a host array that reaches device compute
@@ -52,3 +52,22 @@ def test_the_parameters_and_master_rest_on_the_host(tiny_llama):
     assert kinds(state.params) == kinds(state.master) == {"pinned_host"} and kinds(state.opt_state) == {"device"}
     memory = inspect_step(trainer).memory
     assert memory.host_state == memory.params + memory.master > 0
+
+
+def test_evaluation_reads_the_resting_parameters(tiny_llama):
+    """The held-out loss (`evaluate`) and `forward` take the weights as they rest, in host
+    memory, and fetch them as the step does: the same loss as without the offload."""
+    from jaxpar.data.sources import make_source
+    from jaxpar.testing import initial_state
+
+    losses = []
+    for offload in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OffloadIsANoOp)
+            trainer = build(apply_overrides(tiny_llama, ["mesh.data=8", f"parallel.zero.offload_params={offload}"]))
+        batch = make_source(trainer.batch, trainer.config)(0)
+        weights = trainer.weights(initial_state(trainer))
+        total, weight = trainer.evaluate(weights, batch)
+        losses.append(float(total / weight))
+        assert trainer.forward(weights, batch).shape[:2] == batch["inputs"].shape
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
