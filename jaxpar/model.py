@@ -51,7 +51,7 @@ default.
                  the query and key projections of each head whose largest logit this step
                  (logit_max [layers, heads], what its attention layers reported through
                  jaxpar.sharding.reports_logits) passed `threshold` scaled so that it would
-                 have been `threshold` (jaxpar.step.qk_clip's helpers).
+                 have been `threshold` (jaxpar.kernels.attention.logits.clip_factors).
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.

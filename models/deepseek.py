@@ -63,6 +63,7 @@ from jaxpar.families import Family, register
 from jaxpar.hf.config import refuse_unless, rope_settings, value
 from jaxpar.hf.format import HFFormat
 from jaxpar.hf.weights import Weight
+from jaxpar.kernels.attention.logits import clip_factors
 from jaxpar.models.llama import RESIDUAL, RMSNorm, refuse_parts, refuse_scaled_tied_head, rope_frequencies, rotate
 from jaxpar.models.moe import MOE_TRAINING_FIELDS, MoEBlock, MoEConfig, MoETransformer, stack_layer_ids
 from jaxpar.nn import param
@@ -174,11 +175,12 @@ class DeepSeekConfig(MoEConfig):
         threshold / its largest logit); its query and key "nope" parts each by sqrt(gamma),
         its query RoPE part by gamma, the key RoPE part every head shares untouched, so that
         the head's logits scale by gamma."""
-        gamma = jnp.minimum(1.0, threshold / jnp.maximum(logit_max, threshold))[..., None]  # [L, H, 1]
+        root = clip_factors(logit_max, threshold, logit_max.shape[-1])[0][..., None]  # sqrt(gamma) [L, H, 1]
+        gamma = root * root
         nope, rope_dim, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        q_cols = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), (*gamma.shape[:2], nope)),
+        q_cols = jnp.concatenate([jnp.broadcast_to(root, (*gamma.shape[:2], nope)),
                                   jnp.broadcast_to(gamma, (*gamma.shape[:2], rope_dim))], axis=-1)
-        kv_cols = jnp.concatenate([jnp.broadcast_to(jnp.sqrt(gamma), (*gamma.shape[:2], nope)),
+        kv_cols = jnp.concatenate([jnp.broadcast_to(root, (*gamma.shape[:2], nope)),
                                    jnp.ones((*gamma.shape[:2], v), gamma.dtype)], axis=-1)
         q = "wq_b" if self.q_lora_rank else "wq"
         return {**attn, q: attn[q] * q_cols[:, None], "wkv_b": attn["wkv_b"] * kv_cols[:, None]}

@@ -48,6 +48,7 @@ class Gemma3Config(LlamaConfig):
     activation: Activation = "gelu_pytorch_tanh"
     qk_norm: bool = True
     tie_embeddings: bool = True
+    clip_qk = None  # QK-clip: its attention (local and global layers, its own query scale) does not report logits
     scale_tied_logits: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0  # the global layers' base

@@ -267,11 +267,9 @@ class Attention(nnx.Module):
         per head beside it, for QK-clip."""
         q, k, v = self.qkv(x_BSD)
         freq = rope_frequencies(self.cfg.head_dim, self.cfg)
-        out = self.output(self.mix(q, k, v, positions, segment_ids, freq, self.cfg.sliding_window))
-        if not reports_logits():
-            return out
-        q, k = rotate(q, positions, freq), rotate(k, positions, freq)
-        return out, largest_logits(q, k, positions, segment_ids, window=self.cfg.sliding_window)
+        mixed, logits = with_logits(self.mix(q, k, v, positions, segment_ids, freq, self.cfg.sliding_window))
+        out = self.output(mixed)
+        return out if logits is None else (out, logits)
 
     def qkv(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values [B, S, heads, K], biased and normed, before RoPE."""
@@ -286,11 +284,14 @@ class Attention(nnx.Module):
 
     def mix(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
             freq: jax.Array, window: int) -> jax.Array:
-        """RoPE at angular frequencies `freq`, then attention over the last `window` keys (0: all)."""
+        """RoPE at angular frequencies `freq`, then attention over the last `window` keys (0: all);
+        where jaxpar.sharding.reports_logits() asks (QK-clip), (that, the largest logits of
+        the queries and keys it attended with)."""
         q, k = rotate(q, positions, freq), rotate(k, positions, freq)
         q, k, v = (checkpoint_name(t, "qkv") for t in (q, k, v))  # names: what remat "selective" keeps
         o = checkpoint_name(attend(q, k, v, segment_ids, window=window), "attention_out")  # context parallel if "seq" is sharded
-        return constrain(o, Q_NAMES)
+        o = constrain(o, Q_NAMES)
+        return (o, largest_logits(q, k, positions, segment_ids, window=window)) if reports_logits() else o
 
     def output(self, o: jax.Array) -> jax.Array:
         return row_project(o, self.wo, Q_NAMES)  # SP: reduce-scatter; otherwise all-reduce

@@ -8,7 +8,7 @@ import math
 
 from jaxpar.config import OptimConfig
 from jaxpar.inspect import formulas
-from jaxpar.kernels.newton_schulz import flops
+from jaxpar.kernels.newton_schulz import MatrixAxes, flops
 from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
@@ -160,7 +160,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     psi_local, routed = _stage_params(model, rows)
     experts = declared(model, "num_experts")
     devices = math.prod(L.axes.values())
-    muon = muon_cost(model, devices) if L.optimizer == "muon" else None
+    muon = muon_cost(model, L) if L.optimizer == "muon" else None
     moments = 8 if muon is None else muon["state_bytes"]  # bytes of optimizer state a parameter
     dense = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2, moments)
     experts_state = formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2, moments)
@@ -217,18 +217,25 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
             "bubble": bubble}
 
 
-def muon_cost(model, devices: int) -> dict[str, float]:
-    """Muon's price per device (jaxpar.step.muon): its optimizer state, a float32 momentum for
-    each matrix and AdamW's two moments for the rest, in bytes a parameter; the Newton-Schulz
-    FLOPs of every matrix shared by the devices; and the bytes a device sends to make its
-    matrices whole and back (its float32 share, twice)."""
-    steps = OptimConfig().ns_steps
+def muon_cost(model, L: Layout) -> dict[str, float]:
+    """Muon's price per device (jaxpar.step.muon, at OptimConfig's settings, which the
+    compiled candidates train with): its optimizer state, a float32 momentum for each matrix
+    and AdamW's two moments for the rest, in bytes a parameter; and, per parameter, the
+    matrices a device orthogonalises and sends whole and back, as the kernel spreads them
+    (jaxpar.kernels.newton_schulz): a stage's (an expert's) share of the stack, padded to a
+    multiple of the devices sharing it."""
+    steps, devices = OptimConfig().ns_steps, math.prod(L.axes.values())
     matrices = model_matrices(model)
-    elements = sum(math.prod(shape) for shape, _ in matrices)
+    elements = sum(math.prod(shape) for shape, _, _ in matrices)
+    work = sent = 0.0
+    for shape, axes, names in matrices:
+        split = (L.stage if "layers" in names else 1) * (L.expert if "experts" in names else 1)
+        mine = -(-(-(-axes.count(shape) // split)) // (devices // split))  # ceil(ceil(stack / split) / sharers)
+        one = MatrixAxes((), axes.rows, axes.cols)
+        work += mine * flops(shape, one, steps)
+        sent += 2 * 4 * mine * math.prod(one.shape(shape))
     share = min(1.0, elements / model.param_count())
-    return {"state_bytes": 4 * share + 8 * (1 - share),
-            "flops": sum(flops(shape, axes, steps) for shape, axes in matrices) / devices,
-            "exchanged_bytes": 2 * 4 * elements / devices}
+    return {"state_bytes": 4 * share + 8 * (1 - share), "flops": work, "exchanged_bytes": sent}
 
 
 def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, intra_host: float) -> float:

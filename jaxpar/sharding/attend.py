@@ -54,7 +54,7 @@ def context_spec(layout: Layout, causal: bool = True, window: int = 0) -> Contex
 
 def reports_logits() -> bool:
     """Whether the step wants each attention layer's largest logit per head (optim.qk_clip,
-    jaxpar.step.qk_clip): a model's attention then also returns
+    the model's clip_qk after the update): a model's attention then also returns
     `largest_logits(q, k, positions, segment_ids, window=...)` of the queries and keys it
     attends with (RoPE applied), and its layer reports it as {"logit_max": [heads]}."""
     layout = active_layout()

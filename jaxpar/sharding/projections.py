@@ -165,6 +165,8 @@ def _fp8_gather(param: nnx.Variable, layout: Layout):
     source, target = layout.param_spec(names, value.shape), layout.rules.spec(names, "compute")
     if not any(gathered_axes(source, target, value.ndim)):
         return None
+    if layout.params.from_host:  # parallel.zero.offload_params: fetched as compute_value fetches
+        value = jax.device_put(value, jax.memory.Space.Device)
     if layout.replica_sum:
         value = sum_over_replicas(value, names, layout)
     if layout.replica_axis:  # inside the per-replica vmap no constraint may name its axis

@@ -16,7 +16,7 @@ biases) takes AdamW at the same learning rate, as Moonlight and K2 do.
 
 optax's `contrib.muon` averages its momentum (M <- mu M + (1 - mu) G) and corrects its bias.
 Without Nesterov the two momenta are proportional and the Newton-Schulz step normalises the
-scale away, so the updates agree (tests/test_muon.py). With Nesterov optax corrects G's and
+scale away, so the updates agree (tests/equivalence/test_muon.py). With Nesterov optax corrects G's and
 M's bias by different factors, which moves the direction: there the two differ.
 
 Which parameters are matrices comes from their logical names, so a user's model needs no
@@ -94,17 +94,20 @@ def find_matrices(model: Any, names: Any, shardings: Any | None = None) -> Matri
 
 
 @functools.lru_cache(maxsize=8)
-def model_matrices(model: Any) -> tuple[tuple[tuple[int, ...], MatrixAxes], ...]:
-    """(shape, axes) of every matrix parameter of a model config, from its abstract
-    parameters (nothing allocated): what the planner prices Muon by."""
+def model_matrices(model: Any) -> tuple[tuple[tuple[int, ...], MatrixAxes, tuple[str | None, ...]], ...]:
+    """(shape, axes, logical names) of every matrix parameter of a model config, from its
+    abstract parameters (nothing allocated): what the planner prices Muon by."""
     from flax import nnx
 
     from jaxpar.sharding import param_names
 
     with nnx.use_eager_sharding(False):
         abstract = nnx.state(nnx.eval_shape(lambda: model.build(nnx.Rngs(0))))
+    names = param_names(abstract)
     shapes = {path_of(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]}
-    return tuple((shapes[path], m.axes) for path, m in find_matrices(model, param_names(abstract)).items())
+    logical = {path_of(p): n.names for p, n in jax.tree_util.tree_flatten_with_path(
+        names, is_leaf=lambda x: hasattr(x, "names"))[0]}
+    return tuple((shapes[path], m.axes, logical[path]) for path, m in find_matrices(model, names).items())
 
 
 def path_of(path: tuple) -> str:

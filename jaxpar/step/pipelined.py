@@ -108,7 +108,8 @@ def unpipelined(params: Any, layout: Layout, param_shardings: Any, split: StageS
     """(params, layout) for running the whole model in one program (evaluation, inference):
     the layers in model order (`split`'s padding dropped), gathered from their stages, and a
     layout whose rules shard no "layers" axis (a scan over a stage-sharded stack aborts XLA's
-    partitioner)."""
+    partitioner). Nothing there clips: the attention reports no logits (optim.qk_clip)."""
+    layout = dataclasses.replace(layout, report_logits=False)
     if split is None:
         return params, layout
     whole = jax.tree.map(lambda s: without_axis(s, "stage"), param_shardings)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.errors import ConfigError
 from jaxpar.model import declared, has
 from jaxpar.step.gradients import Gradient
 from jaxpar.step.loss import MAXIMA
@@ -43,7 +44,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     step's per-layer counts as the model's layers (a pipeline's padding rows dropped, for
     `summarise`; `update` reads them as the weights rest). `qk_clip` > 0: after the update
     the model scales back the query and key weights of each head whose largest attention
-    logit this step (sums["maxima"]) passed it (jaxpar.step.qk_clip). `offload` (the
+    logit this step (sums["maxima"]) passed it (the model's clip_qk). `offload` (the
     optimizer state) and `offload_params` (the parameters and master): what rests in host
     memory is fetched for the update, and the new state returns there at the step's edge."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
@@ -87,6 +88,10 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
         else:
             compression = state.compression
         grad_norm = jnp.sqrt(sum(squares))
+        if qk_clip > 0 and MAXIMA not in sums:
+            raise ConfigError(f"optim.qk_clip={qk_clip}: {type(model).__name__}'s attention reported no largest logits; "
+                              "its attention must return them where jaxpar.sharding.reports_logits() asks, and its "
+                              "clip_qk be None otherwise; set optim.qk_clip=0")
         logits = sums[MAXIMA]["attn_logit_max"] if qk_clip > 0 else None
         new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression, logits), fused)
         shown = {**sums, "counts": model_layers(sums["counts"])} if model_layers and "counts" in sums else sums

@@ -11,6 +11,7 @@ ZeRO-1, data x fsdp x tensor, data x fsdp x ZeRO-3 (the per-replica gradients) a
 data, with AdamW and Muon.
 """
 
+import math
 import warnings
 
 import jax
@@ -71,3 +72,13 @@ def test_evaluation_reads_the_resting_parameters(tiny_llama):
         losses.append(float(total / weight))
         assert trainer.forward(weights, batch).shape[:2] == batch["inputs"].shape
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_fp8_gathers_fetch_from_the_host_too(tiny_llama):
+    """FP8 projections gather their weights their own way (jaxpar.sharding.projections): they
+    fetch from host memory as compute_value does, or the trace fails on a host operand."""
+    config = apply_overrides(tiny_llama, ["mesh.data=8", "parallel.zero.stage=3", "train.matmul_dtype=fp8", OFFLOAD])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadIsANoOp)
+        run = run_layout(config, steps=1)
+    assert math.isfinite(run.losses[0]) and run.losses[0] > 0
