@@ -172,10 +172,12 @@ VARIANTS = {
     "muon_deepseek": ("deepseek", ("optim.name=muon", "optim.lr=0.02"),
                       "the cell's subject: Muon on DeepSeek's latent attention, its experts (a stack of matrices "
                       "per layer) and its dense layers' stack"),
-    "qk_clip": ("llama", ("optim.qk_clip=0.3",),
+    "qk_clip": ("llama", ("optim.qk_clip=0.45",),
                 "the cell's subject: QK-clip (optim.qk_clip), each head's largest logit carried to the update by "
                 "its largest value, below the recipe's logits so that every step clips"),
-    "qk_clip_deepseek": ("deepseek", ("optim.qk_clip=3", "optim.name=muon", "optim.lr=0.02"),
+    # At Muon's lr=0.02 AdamW's part moves the head by a share of lr wherever its gradient is
+    # near zero: a clip's float32 difference of 1e-7 showed as 1e-5 there (the cells' lr stays 3e-3).
+    "qk_clip_deepseek": ("deepseek", ("optim.qk_clip=3", "optim.name=muon"),
                          "the cell's subject: MuonClip on latent attention (DeepSeek's logits start near 4)"),
     "offload_params": ("llama", ("parallel.zero.offload_params=true",),
                        "the cell's subject: the parameters and master resting in host memory, fetched at each use "
