@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
+from jaxpar.kernels.newton_schulz import parse_coeffs
 from jaxpar.model import declared
 
 RULES: list[Rule] = []
@@ -41,9 +42,10 @@ def optimizer_values(config, sizes) -> None:
 
 def _coeffs_ok(text: str) -> bool:
     try:
-        return len([float(v) for v in text.split(",")]) == 3
+        parse_coeffs(text)  # as the optimizer reads them
     except ValueError:
         return False
+    return True
 
 
 # Muon's fields (jaxpar.step.muon): field -> (what holds; what to say)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jax.sharding import NamedSharding
+
 from jaxpar.inspect.facts import Facts, elements, line, row
-from jaxpar.kernels.newton_schulz import MatrixAxes, flops, idle_axes, splitting_axes
-from jaxpar.kernels.quantized import entries
+from jaxpar.kernels.newton_schulz import MatrixAxes, flops, idle_axes, sharers, splitting_axes
 from jaxpar.units import count
 
 
@@ -27,21 +28,16 @@ def orthogonalize_formula(matrix, shape: tuple[int, ...], steps: int) -> tuple[f
     """(elements sent, Newton-Schulz FLOPs) per device per step for one parameter of
     global `shape` (the module docstring)."""
     mesh, spec, axes = matrix.mesh, matrix.spec, matrix.axes
-    local = _local_shape(shape, spec, mesh) if mesh else shape
+    local = NamedSharding(mesh, spec).shard_shape(shape) if mesh else shape
     split = splitting_axes(spec, axes, mesh, len(shape)) if mesh else []
-    idle = idle_axes(spec, mesh) if mesh else ()
-    replicas = math.prod(mesh.shape[a] for a in idle) if mesh else 1
-    ways = math.prod(mesh.shape[a] for a, _ in split) * replicas
+    replicas = math.prod(mesh.shape[a] for a in idle_axes(spec, mesh)) if mesh else 1
+    ways = sharers(spec, axes, mesh, len(shape)) if mesh else 1
     stack = -(-axes.count(local) // ways) * ways
     piece = math.prod(local[d] for d in axes.rows + axes.cols)
     sent = sum(2 * stack * piece / replicas * (mesh.shape[a] - 1) / mesh.shape[a] for a, _ in split)
     sent += stack * piece * (replicas - 1) / replicas
     one = flops(shape, MatrixAxes((), axes.rows, axes.cols), steps)  # a single matrix of the stack
     return sent, stack / ways * one
-
-
-def _local_shape(shape, spec, mesh) -> tuple[int, ...]:
-    return tuple(size // math.prod(mesh.shape[a] for a in names) for size, names in zip(shape, entries(spec, len(shape))))
 
 
 def muon_formula(facts: Facts) -> tuple[float, float]:

@@ -195,8 +195,8 @@ def optimizer_flops(trainer) -> float:
     the step's program cannot tell them from the model's."""
     state = trainer.abstract_state()
     on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device"))  # noqa: E731
-    master = jax.tree.map(on_device, state.master if state.master is not None else state.params)
-    master = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=s), master,
+    # the float32 master as the update works on it (wherever it rests)
+    master = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=s), state.params,
                           trainer.shardings.optimizer)
     text = jax.jit(trainer.tx.update).lower(master, jax.tree.map(on_device, state.opt_state), master).compile().as_text()
     return matmul_flops_each(text, [None])[0][0]

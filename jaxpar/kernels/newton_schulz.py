@@ -93,7 +93,7 @@ def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, s
     """`orthogonalize(x, axes)` for `x` sharded as `spec` on `mesh` (the module docstring)."""
     split = splitting_axes(spec, axes, mesh, x.ndim)
     idle = idle_axes(spec, mesh)
-    ways = math.prod(mesh.shape[a] for a, _ in split) * math.prod(mesh.shape[a] for a in idle)
+    ways = sharers(spec, axes, mesh, x.ndim)
     matrix_dims = axes.rows + axes.cols
 
     def body(block: jax.Array) -> jax.Array:
@@ -133,6 +133,18 @@ def idle_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
     which share its stack out instead of each doing all of it."""
     used = {a for names in entries(spec, len(spec)) for a in names}
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
+
+
+def sharers(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int) -> int:
+    """The devices one local stack is spread over: the mesh axes that split its matrices
+    times its replicas. The stack is padded to a multiple of them."""
+    return _size(mesh, [a for a, _ in splitting_axes(spec, axes, mesh, ndim)]) * _size(mesh, idle_axes(spec, mesh))
+
+
+def parse_coeffs(text: str) -> tuple[float, float, float]:
+    """optim.ns_coeffs ("a,b,c") as the iteration's three numbers; ValueError otherwise."""
+    a, b, c = (float(v) for v in text.split(","))
+    return a, b, c
 
 
 def _size(mesh: Mesh, names: Sequence[str]) -> int:

@@ -15,7 +15,7 @@ from jaxpar.nn import layer_policy
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.sharding.adapters import join
 from jaxpar.sharding.layer_hooks import LayerHooks, use_layer_hooks
-from jaxpar.step.loss import MAXIMA, LossFn, combine_sums, model_loss, reduce_sums
+from jaxpar.step.loss import LossFn, combine_sums, model_loss, no_sums, reduce_sums
 from jaxpar.step.microbatches import split_batch
 from jaxpar.step.reduction import GradReduction, sum_replicas
 from jaxpar.step.replicas import per_replica, split_replicas, stacked_over_data
@@ -159,8 +159,7 @@ def accumulate(microbatch: Callable, params: Any, micro: dict, grad_shardings: A
     zeros = jax.tree.map(lambda p, s: jnp.zeros(lead + p.shape, jnp.float32, device=s), params, acc_shardings)
     first = jax.tree.map(lambda x: x[0], micro)
     weight, sums = jax.eval_shape(microbatch, params, first)[1]
-    start = lambda k: (lambda a: jnp.full(a.shape, -jnp.inf, a.dtype) if k == MAXIMA else jnp.zeros(a.shape, a.dtype))  # noqa: E731
-    aux_zeros = (jnp.zeros(weight.shape, weight.dtype), {k: jax.tree.map(start(k), v) for k, v in sums.items()})
+    aux_zeros = (jnp.zeros(weight.shape, weight.dtype), no_sums(sums))
     (grads, total, aux), _ = jax.lax.scan(step, (zeros, jnp.zeros((), jnp.float32), aux_zeros), micro)
     # Pin the loop's output too: otherwise the optimizer's sharding is propagated into the
     # carry, which then gathers every microbatch.

@@ -135,6 +135,13 @@ def combine_sums(a: dict, b: dict) -> dict:
     return {k: jax.tree.map(jnp.maximum if k == MAXIMA else jnp.add, a[k], b[k]) for k in a}
 
 
+def no_sums(like: dict) -> dict:
+    """The start `combine_sums` adds to: zeros, but -inf for MAXIMA's entries (`like`:
+    shapes and dtypes)."""
+    return {k: jax.tree.map(lambda a, k=k: jnp.full(a.shape, -jnp.inf if k == MAXIMA else 0, a.dtype), v)
+            for k, v in like.items()}
+
+
 def reduce_sums(sums: dict, axis: int = 0) -> dict:
     """Sums stacked on `axis` (per replica) as one: summed, but MAXIMA's entries by their largest."""
     return {k: jax.tree.map(lambda x, k=k: x.max(axis) if k == MAXIMA else x.sum(axis), v) for k, v in sums.items()}

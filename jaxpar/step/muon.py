@@ -40,7 +40,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.kernels.newton_schulz import JORDAN_COEFFS, MatrixAxes, orthogonalize, orthogonalize_sharded
+from jaxpar.kernels.newton_schulz import (JORDAN_COEFFS, MatrixAxes, orthogonalize, orthogonalize_sharded,
+                                         parse_coeffs)
 from jaxpar.model import declared
 
 DEFAULT_STACK_AXES = ("layers", "experts")
@@ -155,16 +156,10 @@ def muon(lr: optax.ScalarOrSchedule, optim: Any, matrices: Matrices) -> optax.Gr
         return jax.tree_util.tree_map_with_path(lambda p, _: "muon" if path_of(p) in matrices else "adamw", params)
 
     rule = optax.chain(
-        scale_by_muon(matrices, optim.momentum, optim.nesterov, optim.ns_steps, ns_coeffs(optim.ns_coeffs),
+        scale_by_muon(matrices, optim.momentum, optim.nesterov, optim.ns_steps, parse_coeffs(optim.ns_coeffs),
                       optim.muon_scale, optim.muon_rms),
         optax.add_decayed_weights(optim.weight_decay),
         optax.scale_by_learning_rate(lr),
     )
     adamw = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
     return optax.partition({"muon": rule, "adamw": adamw}, labels)
-
-
-def ns_coeffs(text: str) -> tuple[float, float, float]:
-    """optim.ns_coeffs ("a,b,c") as numbers; checked before compile (jaxpar.checks)."""
-    a, b, c = (float(v) for v in text.split(","))
-    return a, b, c
