@@ -51,6 +51,7 @@ class Memory:
     host_temporaries: int  # pinned-host buffers (offload); 0 on backends without host memory
     host_state: int  # of the model state, bytes resting in pinned host memory between steps
     frozen: int = 0  # LoRA's frozen weights (jaxpar.step.lora), compute dtype
+    host_arguments: int = 0  # of `arguments`, what the compiler placed in host memory
 
     @property
     def model_state(self) -> int:
@@ -61,6 +62,12 @@ class Memory:
         """What the step holds on the device at once, by the compiler's count: arguments +
         outputs + temporaries - donated."""
         return self.arguments + self.outputs + self.temporaries - self.aliased
+
+    @property
+    def on_device(self) -> int:
+        """`total` less the state resting in host memory where the compiler counted it on the
+        device: the CPU backend and a deviceless compile have no host memory to put it in."""
+        return self.total - (self.host_state if not self.host_arguments else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +164,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         host_temporaries=stats.host_temp_size_in_bytes,
         host_state=shard_bytes(state, memory_kind="pinned_host"),
         frozen=shard_bytes(state.frozen),
+        host_arguments=stats.host_argument_size_in_bytes,
     )
     text = compiled.as_text()
     findings = parse_findings(log) + temporary_findings(trainer, text, state)

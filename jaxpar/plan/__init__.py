@@ -125,7 +125,7 @@ def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, 
     stand_in = ["parallel.attention=flash", "compiler.preset=none"] if on_cpu else []
     stand_in = stand_in if planned.layout.context == 1 or not on_cpu else stand_in[1:]
     result = compile_in_child(model, planned.overrides + stand_in, devices, seq_len,
-                              global_batch, hw, planned.estimate["hbm_bytes"], timeout_s)
+                              global_batch, hw, planned.estimate["hbm_bytes"], timeout_s, planned.estimate["host_s"])
     planned.refused, planned.failed = result.get("refused", ""), result.get("failed", "")
     planned.memory, planned.prediction = result.get("memory", 0.0), result.get("prediction", {})
 

@@ -33,7 +33,7 @@ TARGET_ENV, TOPOLOGY_ENV = "JAXPAR_PLAN_TARGET", "JAXPAR_PLAN_TOPOLOGY"
 
 
 def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, global_batch: int, hw,
-                     hbm_bytes: float, timeout_s: float) -> dict:
+                     hbm_bytes: float, timeout_s: float, host_s: float = 0.0) -> dict:
     """{"memory", "prediction"}, {"refused": why the framework refused it}, or
     {"failed": why the child died or was stopped}."""
     setup = {"sys_path": list(sys.path), "platform": devices[0].platform, "device_ids": [d.id for d in devices],
@@ -41,7 +41,7 @@ def compile_in_child(model, overrides: list[str], devices: list, seq_len: int, g
              "recipe_files": {name: m.__file__ for name, m in list(sys.modules.items())
                               if name.startswith("jaxpar_recipe_") and getattr(m, "__file__", None)}}
     job = {"model": model, "overrides": overrides, "seq_len": seq_len, "global_batch": global_batch, "hw": hw,
-           "hbm_bytes": hbm_bytes}
+           "hbm_bytes": hbm_bytes, "host_s": host_s}
     with tempfile.TemporaryDirectory(prefix="jaxpar-plan-") as tmp:
         request, result = os.path.join(tmp, "request.pickle"), os.path.join(tmp, "result.json")
         with open(request, "wb") as f:
@@ -72,8 +72,9 @@ def _cause(code: int, output: str) -> str:
 
 
 def compile_layout(model, overrides: list[str], devices: list, seq_len: int, global_batch: int, hw,
-                   hbm_bytes: float) -> dict:
-    """Compile one layout here, in this process: {"memory", "prediction"} or {"refused"}."""
+                   hbm_bytes: float, host_s: float = 0.0) -> dict:
+    """Compile one layout here, in this process: {"memory", "prediction"} or {"refused"}.
+    `host_s`: the exposed copies to and from host memory (jaxpar.plan.layouts.estimate)."""
     from jaxpar.config import Config, TrainConfig, apply_overrides
     from jaxpar.errors import ConfigError
     from jaxpar.inspect import inspect_step
@@ -86,22 +87,24 @@ def compile_layout(model, overrides: list[str], devices: list, seq_len: int, glo
         report = inspect_step(trainer)
     except (ConfigError, ValueError) as e:
         return {"refused": str(e).split("\n")[0]}
+    memory = float(report.memory.on_device)
     if report.predicted:  # compiled for a GPU: its kernels' time (jaxpar.inspect.cost)
-        return {"memory": float(report.memory.total),
-                "prediction": compiled_prediction(report, trainer.config, trainer.layout)}
-    return {"memory": float(report.memory.total), "prediction": roofline(report, trainer.config, trainer.layout, hw, hbm_bytes)}
+        return {"memory": memory, "prediction": compiled_prediction(report, trainer.config, trainer.layout, host_s)}
+    return {"memory": memory, "prediction": roofline(report, trainer.config, trainer.layout, hw, hbm_bytes, host_s)}
 
 
-def compiled_prediction(report, config, layout) -> dict[str, float]:
+def compiled_prediction(report, config, layout, host_s: float = 0.0) -> dict[str, float]:
     """The plan's prediction fields from a step compiled for a GPU (report.predicted): the
     average device's kernels, stretched by the pipeline's lockstep ticks (as `roofline`),
-    plus the collective time no compute covers."""
+    plus the collective time no compute covers and `host_s`, the copies to and from host
+    memory nothing covers (a deviceless compile has no host memory to time them in)."""
     from jaxpar.plan.step_time import pipeline_bubble
 
     kinds = report.predicted["by_kind"]
-    exposed = kinds.get("collective", 0.0)
+    collective = kinds.get("collective", 0.0)
+    exposed = collective + host_s
     bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
-    step = (report.predicted["seconds"] - exposed) / (1 - bubble) + exposed
+    step = (report.predicted["seconds"] - collective) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
     peak = report.predicted["bf16_tflops"] * 1e12
@@ -139,7 +142,7 @@ def main(argv: list[str]) -> int:
         print(f"jaxpar plan: this process has no {setup['platform']} devices {missing}", file=sys.stderr)
         return 1
     answer = compile_layout(job["model"], job["overrides"], [by_id[i] for i in ids], job["seq_len"],
-                            job["global_batch"], job["hw"], job["hbm_bytes"])
+                            job["global_batch"], job["hw"], job["hbm_bytes"], job["host_s"])
     with open(result, "w") as f:
         json.dump(answer, f)
     return 0

@@ -37,6 +37,7 @@ class Layout:
     two_hops: bool = False  # model.group_capacity=true: a token crosses to a host once per group
     schedule: str = "1f1b"  # parallel.pipeline.schedule under stages: 1f1b | 1f1b-overlap
     optimizer: str = "adamw"  # optim.name: adamw | muon (priced by `muon_cost`)
+    offload: bool = False  # parallel.zero.offload_params and offload_optimizer: the state rests on the host
 
     @property
     def axes(self) -> dict[str, int]:
@@ -70,6 +71,8 @@ class Layout:
             sets.append("parallel.expert_dispatch_dtype=fp8")
         if self.two_hops:
             sets.append("model.group_capacity=true")
+        if self.offload:
+            sets += ["parallel.zero.offload_params=true", "parallel.zero.offload_optimizer=true"]
         return sets
 
     @property
@@ -83,7 +86,8 @@ class Layout:
         layers = f" layers={compact(self.layers)}" if self.uneven else ""
         experts = " fp8-dispatch" * self.fp8_dispatch + " two-hops" * self.two_hops
         overlap = " overlapped" * (self.schedule == "1f1b-overlap")
-        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{overlap}{layers}{experts}"
+        host = " state-on-host" * self.offload
+        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{overlap}{layers}{experts}{host}"
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
@@ -95,7 +99,8 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     each with 1F1B and with 1F1B's forwards beside its backwards). Tensor need not divide the key/value
     heads: they are repeated at use (jaxpar.step.layout.kv_repeats). Experts across hosts
     also with the FP8 dispatch, and, for capacity routing with groups the hosts hold whole,
-    with group capacity (the two-hop exchange: `expert_variants`)."""
+    with group capacity (the two-hop exchange: `expert_variants`). Without stages, each also
+    with the parameters, master and optimizer state resting on the host (`offload`)."""
     heads = model.num_heads  # key/value heads tensor does not divide are repeated at use (kv_repeats)
     experts = declared(model, "num_experts")
     leading = leading_layers(model)
@@ -125,9 +130,11 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
                                     if global_batch % (data * fsdp * expert * m):
                                         continue
                                     for schedule in ("1f1b", "1f1b-overlap") if stage > 1 else ("1f1b",):
-                                        plain = Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
-                                                       splits.get(stage) or (), leading, schedule=schedule)
-                                        out += expert_variants(plain, model, devices_per_host)
+                                        for offload in (False, True) if stage == 1 else (False,):
+                                            plain = Layout(stage, data, fsdp, tensor, context, expert, zero, remat, m,
+                                                           splits.get(stage) or (), leading, schedule=schedule,
+                                                           offload=offload)
+                                            out += expert_variants(plain, model, devices_per_host)
     return out
 
 
@@ -165,7 +172,11 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     dense = formulas.model_state(psi_local - routed, L.zero_stage, L.data, L.fsdp * L.tensor, 2, moments)
     experts_state = formulas.model_state(routed, L.zero_stage, L.data, L.fsdp * L.tensor * L.expert, 2, moments)
     # the gradients accumulate in float32 over microbatches (as explain's model_state counts them)
-    state = dense.total + experts_state.total + (dense.grads + experts_state.grads) * (L.microbatches > 1)
+    grads = (dense.grads + experts_state.grads) * (1 + (L.microbatches > 1))
+    state = dense.total + experts_state.total - dense.grads - experts_state.grads + grads
+    host = host_traffic(dense, experts_state, L) if L.offload else None
+    if host is not None:  # on the device: the gradients, and one layer's weights fetched at a time
+        state = grads + 2 * layer_params(model) / L.tensor
     b = global_batch // (L.data * L.fsdp * L.expert * L.microbatches)  # rows per device per microbatch
     s, h, a = seq_len // L.context, model.embed, model.num_heads
     layers = max(counts)
@@ -203,18 +214,36 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
     tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
+    host_link = hw.host_link_gb_per_s * 1e9
+    data_time += host["streamed"] / host_link if host else 0.0  # prefetched beside the layers, as the gathers
     model_time = tensor_bytes / bw("tensor") if L.tensor > 1 else 0.0
     if experts and L.expert > 1:
         model_time += _expert_seconds(L, model, s * b, rows, bw("expert"), hw.intra_host_gb_per_s * 1e9)
     busy = compute / (1 - bubble)
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
     step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
+    host_s = (1 - hw.overlap_data) * host["streamed"] / host_link + host["update"] / host_link if host else 0.0
+    step += host["update"] / host_link if host else 0.0  # at the step's edge, after the backward: nothing covers it
     if muon is not None:  # its exchange runs beside other matrices' iterations (docs/muon.md: all covered)
         slowest = min(bw(a) for a, n in L.axes.items() if n > 1) if devices > 1 else float("inf")
         step += max(muon["flops"] / (hw.peak_tflops * 1e12 * hw.matmul_efficiency), muon["exchanged_bytes"] / slowest)
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "accumulate_bytes": accumulate, "step_s": step, "compute_s": compute,
-            "bubble": bubble}
+            "bubble": bubble, "host_bytes": host["streamed"] + host["update"] if host else 0.0, "host_s": host_s}
+
+
+def host_traffic(dense, experts, L: Layout) -> dict[str, float]:
+    """Bytes a device copies between host memory and itself in a step, with its parameters,
+    master and optimizer state resting on the host (jaxpar.sharding's ParamGather.from_host,
+    jaxpar.step.state.on_device): `streamed`, each use's fetch of its parameter shards (the
+    forward, the backward, and the recomputed forward under remat, every microbatch) and each
+    microbatch's gradients sent to the host and brought back; `update`, the master and the
+    optimizer state fetched and returned, and the new parameters returned."""
+    params = dense.params + experts.params
+    uses = (3 if L.remat != "none" else 2) * L.microbatches
+    streamed = params * uses + 2 * (dense.grads + experts.grads) * L.microbatches
+    update = 2 * (dense.master + experts.master + dense.optimizer + experts.optimizer) + params
+    return {"streamed": streamed, "update": update}
 
 
 def muon_cost(model, L: Layout) -> dict[str, float]:

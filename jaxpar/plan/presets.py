@@ -22,6 +22,9 @@ class Hardware:
     intra_host_gb_per_s: float = 450.0  # NVLink, per direction
     inter_host_gb_per_s: float = 50.0  # one 400 Gb/s NIC per GPU
     devices_per_host: int = 8
+    # Host memory to the device (parameters resting on the host): PCIe Gen5 x16 carries
+    # 64 GB/s per direction; 50 is an assumption of what a copy reaches until a GPU measures it.
+    host_link_gb_per_s: float = 50.0
     # Shares of collective time hidden behind compute: the data-parallel axes' gathers and
     # reductions are scheduled behind other layers' matmuls (the overlap preset); the
     # tensor, context and expert collectives sit on the critical path between matmuls.
@@ -32,7 +35,8 @@ class Hardware:
         return (
             f"{self.name}: {self.peak_tflops:g} TFLOP/s bf16 peak, matmuls at {self.matmul_efficiency:.0%} of it, "
             f"HBM {self.hbm_gb_per_s / 1000:g} TB/s, {self.intra_host_gb_per_s:g} GB/s inside a host of "
-            f"{self.devices_per_host}, {self.inter_host_gb_per_s:g} GB/s per device across hosts; "
+            f"{self.devices_per_host}, {self.inter_host_gb_per_s:g} GB/s per device across hosts, "
+            f"{self.host_link_gb_per_s:g} GB/s between host memory and a device; "
             f"{self.overlap_data:.0%} of data/fsdp collective time and {self.overlap_model:.0%} of "
-            "tensor/context/expert time hidden behind compute"
+            "tensor/context/expert time hidden behind compute (host copies: as data/fsdp's)"
         )

@@ -12,14 +12,16 @@ from jaxpar.sharding import Layout
 MODEL_AXES = {"tensor", "context", "expert"}
 
 
-def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> dict[str, float]:
+def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, host_s: float = 0.0) -> dict[str, float]:
     """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
     `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline's lockstep
     ticks: `pipeline_bubble`), plus the collective time the overlap does not hide.
     Collectives across hosts run at the per-device network speed, the rest at NVLink's.
     The CPU backend widens bf16 collectives of activations to f32; on GPUs they stay bf16,
     so such bytes count half. (HBM traffic comes from formulas: the CPU compiler's own count
-    reflects its weaker fusion.) The pipeline and microbatches are the layout's specs."""
+    reflects its weaker fusion.) `host_s`: the copies between host memory and the device
+    that nothing covers, from formulas too (jaxpar.plan.layouts.host_traffic: the CPU
+    backend's host copies are no-ops). The pipeline and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
     compute = report.flops / (peak * hw.matmul_efficiency)
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
@@ -33,7 +35,7 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float) -> 
         else:
             data_s += seconds
     bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
-    exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s
+    exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s + host_s
     step = max(compute, memory) / (1 - bubble) + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices

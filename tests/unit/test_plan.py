@@ -191,3 +191,31 @@ def test_muon_is_priced_by_its_state_iterations_and_exchange():
     a, m = (estimate(lay, model, 64, 4096, hw) for lay in (adamw, muon))
     assert m["memory"] < a["memory"] and m["step_s"] > a["step_s"]
     assert "optim.name=muon" in muon.overrides(8, 8) and "optim.name" not in " ".join(adamw.overrides(8, 8))
+
+
+def test_state_on_the_host_trades_device_memory_for_copies_over_pcie():
+    """With the parameters, master and optimizer state resting on the host, the device holds
+    the gradients and one layer fetched at a time; the step pays each use's fetch and the
+    gradients' round trip (hidden as the gathers are) and the update's copies (not hidden)
+    at the host link's speed (jaxpar.plan.layouts.host_traffic)."""
+    from jaxpar.inspect import formulas
+    from jaxpar.plan.layouts import host_traffic
+    from jaxpar.xla_options import layer_params
+
+    model, hw = MODELS["llama3-70b"], Hardware()
+    resting = Layout(stage=1, data=1, fsdp=8, tensor=1, context=1, expert=1, zero_stage=0, remat="full", microbatches=1)
+    host = dataclasses.replace(resting, offload=True)
+    assert host in candidates(model, 8, 8, 8, 4096) and resting in candidates(model, 8, 8, 8, 4096)
+    a, h = (estimate(lay, model, 8, 4096, hw) for lay in (resting, host))
+    state = formulas.model_state(model.param_count(), 0, 1, 8)
+    assert a["memory"] - h["memory"] == pytest.approx(state.total - state.grads - 2 * layer_params(model), rel=1e-9)
+    assert a["memory"] > 80 * 2**30 > h["memory"]  # 70B trains on 8 H100s only from the host
+    traffic = host_traffic(state, formulas.model_state(0, 0, 1), host)
+    assert traffic["streamed"] == pytest.approx(3 * state.params + 2 * state.grads)
+    assert traffic["update"] == pytest.approx(2 * (state.master + state.optimizer) + state.params)
+    link = hw.host_link_gb_per_s * 1e9
+    assert h["host_s"] == pytest.approx(0.1 * traffic["streamed"] / link + traffic["update"] / link)
+    assert h["step_s"] > a["step_s"] + traffic["update"] / link * 0.999
+    sets = host.overrides(8, 1)
+    assert "parallel.zero.offload_params=true" in sets and "parallel.zero.offload_optimizer=true" in sets
+    assert not any(lay.offload for lay in candidates(model, 16, 8, 16, 4096) if lay.stage > 1)  # refused with stages
