@@ -52,6 +52,8 @@ default.
                  (logit_max [layers, heads], what its attention layers reported through
                  jaxpar.sharding.reports_logits) passed `threshold` scaled so that it would
                  have been `threshold` (jaxpar.kernels.attention.logits.clip_factors).
+                 Under pipeline stages, logit_max comes as the stack rests (pipeline
+                 order, each stage's rows padded: padding rows -inf), as `update`'s counts do.
 Fields some parts read where a config has them (a decoder's shape):
   vocab_size     lm models: the token ids the synthetic data draws (and files must fit).
   in_features    classify models: the width of `inputs`; num_classes: the targets' range.
@@ -89,6 +91,10 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+
+# A model's reports (its aux, a pipeline chunk's "per_layer") under this key combine across
+# microbatches, replicas and devices by their largest value, not their sum (QK-clip's logits).
+MAXIMA = "maxima"
 
 # Capabilities a model declares (its config's `capabilities`).
 SEQUENCE = "sequence"  # activations carry a "seq"/"norm_seq" axis: sequence parallelism shards it

@@ -41,7 +41,7 @@ from jaxpar.hf.format import HFFormat
 from jaxpar.hf.weights import Weight
 from jaxpar.kernels.attention.logits import clip_factors
 from jaxpar.mesh import divisors
-from jaxpar.model import ATTENTION, FIRST_LAYER, PROJECTIONS, REMAT, SEQUENCE, STAGES
+from jaxpar.model import ATTENTION, FIRST_LAYER, MAXIMA, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import (attend, column_project, compute_value, constrain, largest_logits, lookup, reports_logits,
                              row_project)
@@ -363,7 +363,7 @@ class Llama(nnx.Module):
         table = compute_value(self.embedding)  # once: a tied head reuses the gathered table
         x, reports = self.trunk(table, tokens_BS, positions, segment_ids)
         out = self.logits(x, table)
-        return out if reports is None else (out, {"maxima": {"attn_logit_max": reports["logit_max"]}})
+        return out if reports is None else (out, {MAXIMA: {"attn_logit_max": reports["logit_max"]}})
 
     def trunk(self, table: jax.Array, tokens_BS: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None):
         """(hidden states after the last layer, what each layer reported or None)."""
@@ -375,8 +375,14 @@ class Llama(nnx.Module):
     def embed(self, batch: dict) -> jax.Array:
         return self.lookup(compute_value(self.embedding), batch["inputs"])
 
-    def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array:
-        return self.run_layers(x, batch.get("positions"), batch.get("segment_ids"), batch.get(FIRST_LAYER, 0))[0]
+    def apply_layers(self, x: jax.Array, batch: dict) -> jax.Array | tuple[jax.Array, dict]:
+        """x through a pipeline chunk's layers; where the attention reports its largest
+        logits (QK-clip), (x, the chunk's report: each layer's, to keep the largest of)."""
+        x, reports = self.run_layers(x, batch.get("positions"), batch.get("segment_ids"), batch.get(FIRST_LAYER, 0))
+        if reports is None:
+            return x
+        return x, {"loss": jnp.zeros((), jnp.float32), "sums": {},
+                   "per_layer": {MAXIMA: {"attn_logit_max": reports["logit_max"]}}}
 
     def output(self, x: jax.Array) -> jax.Array:
         return self.logits(x, compute_value(self.embedding) if self.cfg.tie_embeddings else None)

@@ -46,7 +46,7 @@ from jaxpar.models.llama import (ACTIVATIONS, HIDDEN, LLAMA_FORMAT, RESIDUAL, TR
 from jaxpar.choices import RouterScores, Routing
 from jaxpar.errors import ConfigError
 from jaxpar.families import Family, register
-from jaxpar.model import ATTENTION, EXPERTS, PROJECTIONS, REMAT, SEQUENCE, STAGES
+from jaxpar.model import ATTENTION, EXPERTS, MAXIMA, PROJECTIONS, REMAT, SEQUENCE, STAGES
 from jaxpar.nn import param, scan_layers, stack_layers
 from jaxpar.sharding import compute_value, constrain, expert_matmul, run_experts, top_k_indices
 
@@ -200,11 +200,10 @@ class MoEConfig(LlamaConfig):
     def scale_qk(self, params: dict, logit_max: jax.Array, threshold: float) -> dict:
         """QK-clip on each stack (the MoE layers', the dense ones'), its rows of the model's
         largest logits [all layers, H] picked by their place in the model."""
-        out = dict(params)
-        for stack, ids in stack_layer_ids(self).items():
-            if ids:
-                rows = logit_max[jnp.asarray(ids)]
-                out[stack] = {**params[stack], "attn": self.scale_attention(params[stack]["attn"], rows, threshold)}
+        out, stacks = dict(params), {s: ids for s, ids in stack_layer_ids(self).items() if ids}
+        for stack, ids in stacks.items():  # one stack: every row as it rests (under stages, padding rows too)
+            rows = logit_max if len(stacks) == 1 else logit_max[jnp.asarray(ids)]
+            out[stack] = {**params[stack], "attn": self.scale_attention(params[stack]["attn"], rows, threshold)}
         return out
 
     def update(self, params: dict, counts: dict) -> dict:
@@ -385,7 +384,7 @@ class MoETransformer(Llama):
             "counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
         }
         if "logit_max" in reports:
-            aux["maxima"] = {"attn_logit_max": reports["logit_max"]}
+            aux[MAXIMA] = {"attn_logit_max": reports["logit_max"]}
         return aux
 
     def apply_layers(self, x: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
@@ -403,7 +402,8 @@ class MoETransformer(Llama):
         return x, {
             "loss": jnp.sum(penalty * weights),
             "sums": {"token_metrics": jax.lax.stop_gradient(metrics)},
-            "per_layer": {"counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]}},
+            "per_layer": {"counts": {"expert_load": reports["expert_load"], "dropped": reports["dropped"]},
+                          **({MAXIMA: {"attn_logit_max": reports["logit_max"]}} if "logit_max" in reports else {})},
         }
 
 

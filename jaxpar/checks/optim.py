@@ -6,6 +6,7 @@ from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.newton_schulz import parse_coeffs
 from jaxpar.model import declared
+from jaxpar.pipeline.split import leading_layers
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -94,10 +95,11 @@ def muon_without_lora(config, sizes) -> None:
             "parallel.compression.method", "lora.rank"],
     summary="QK-clip (optim.qk_clip > 0) needs a model that scales its query and key weights (its clip_qk: Llama, "
     "Mistral, Mixtral, DeepSeek; not q/k norms), and a step that carries the attention's largest logits to the "
-    "update: no pipeline stages, two-batch overlap, chunked loss, gradient compression or LoRA yet.",
+    "update: no two-batch overlap, chunked loss, gradient compression or LoRA yet, and under pipeline stages no "
+    "layers run outside the stack (DeepSeek's leading dense layers).",
     example=["optim.qk_clip=-1"],
-    also=[["optim.qk_clip=100", "model.qk_norm=true"], ["optim.qk_clip=100", "mesh.stage=2", "mesh.data=4", "train.microbatches=2"],
-          ["optim.qk_clip=100", "train.loss_chunks=2"], ["optim.qk_clip=100", "lora.rank=4"]],
+    also=[["optim.qk_clip=100", "model.qk_norm=true"], ["optim.qk_clip=100", "train.loss_chunks=2"],
+          ["optim.qk_clip=100", "lora.rank=4"]],
 )
 def qk_clip_supported(config, sizes) -> None:
     threshold = config.optim.qk_clip
@@ -109,7 +111,11 @@ def qk_clip_supported(config, sizes) -> None:
     if declared(config.model, "clip_qk") is None:
         raise ConfigError(f"optim.qk_clip={threshold}: {type(config.model).__name__} does not scale its query and key "
                           "weights for QK-clip (its clip_qk; q/k norms bound the logits already); set optim.qk_clip=0")
-    unsupported = {"mesh.stage": sizes.get("stage", 1) > 1, "parallel.two_batch_overlap": config.parallel.two_batch_overlap,
+    if sizes.get("stage", 1) > 1 and leading_layers(config.model):
+        raise ConfigError(f"optim.qk_clip={threshold} with mesh.stage={sizes['stage']}: {type(config.model).__name__}'s "
+                          f"{leading_layers(config.model)} leading layers run outside the stack, with the embedding, "
+                          "and report no logits there; set optim.qk_clip=0, or mesh.stage=1")
+    unsupported = {"parallel.two_batch_overlap": config.parallel.two_batch_overlap,
                    "train.loss_chunks": config.train.loss_chunks > 1,
                    "parallel.compression.method": config.parallel.compression.method != "none",
                    "lora.rank": config.lora.rank > 0}

@@ -30,7 +30,8 @@ With `Stages.aux`, each of the three also returns what its chunk's layers report
 load-balancing losses and expert counts): first and mid return (output, aux), last returns
 (loss sum, weight, aux), where aux = {"loss": a scalar added to the objective (and
 differentiated), "sums": scalars summed over the batch, "per_layer": arrays [chunk layers,
-...] summed per layer}. Each (microbatch, virtual stage) reports once, from its backward op.
+...] summed per layer (those under jaxpar.model.MAXIMA: their largest value kept, QK-clip's
+logits)}. Each (microbatch, virtual stage) reports once, from its backward op.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.quantized import entries
-from jaxpar.model import FIRST_LAYER
+from jaxpar.model import FIRST_LAYER, MAXIMA
 from jaxpar.pipeline.program import BRANCHES, COLUMNS, Program
 from jaxpar.pipeline.split import StageSplit
 
@@ -201,15 +202,16 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
     seed = (one, none)  # d(loss sum), d(weight)
 
-    def into(a, d, start):  # a[start : start + len(d)] += d (a chunk's own layers, its padding untouched)
+    def into(a, d, start, combine=jnp.add):  # a[start : start + len(d)] += d (a chunk's layers, its padding untouched)
         return jax.lax.dynamic_update_slice_in_dim(
-            a, jax.lax.dynamic_slice_in_dim(a, start, d.shape[0], 0) + d.astype(a.dtype), start, 0)
+            a, combine(jax.lax.dynamic_slice_in_dim(a, start, d.shape[0], 0), d.astype(a.dtype)), start, 0)
 
     def report_only(acc, rep):
         """acc = (d_layers, d_other, chunk offset, report sums, per-layer reports) + a report."""
         d_layers, d_other, start, sums, per_layer = acc
         sums = jax.tree.map(lambda a, r: a + r.astype(a.dtype), sums, rep["sums"])
-        per_layer = jax.tree.map(lambda a, r: into(a, r, start), per_layer, rep["per_layer"])
+        per_layer = {k: jax.tree.map(lambda a, r, k=k: into(a, r, start, jnp.maximum if k == MAXIMA else jnp.add),
+                                     per_layer[k], rep["per_layer"][k]) for k in per_layer}
         return d_layers, d_other, start, sums, per_layer
 
     def add(acc, dc, do, rep=None):
@@ -349,7 +351,8 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
         jnp.zeros((program.act_slots, *message.shape), message.dtype),
         jnp.zeros((program.grad_slots, *message.shape), message.dtype),
     )
-    per_layer0 = jax.tree.map(lambda a: jnp.zeros((a.shape[0] * v, *a.shape[1:]), a.dtype), report["per_layer"])
+    per_layer0 = {k: jax.tree.map(lambda a, k=k: jnp.full((a.shape[0] * v, *a.shape[1:]), -jnp.inf if k == MAXIMA else 0,
+                                                          a.dtype), r) for k, r in report["per_layer"].items()}
     carry = (*buffers, zeros(layers, jnp.float32), zeros(other, jnp.float32), zeros(report["sums"]), per_layer0, none, none)
     rows = {c: tables[c][:, 0] for c in COLUMNS}
     (_, _, d_layers, d_other, sums, per_layer, loss, weight), _ = jax.lax.scan(tick, carry, rows)
@@ -360,7 +363,7 @@ def _run(program: Program, all_stages: Stages, p: int, v: int, tables, layers, o
     if manual is not None:
         d_layers = _summed(d_layers, manual.layers, EXPERT)
         d_other = _summed(d_other, manual.other, EXPERT, then=STAGE)
-        per_layer = jax.lax.psum(per_layer, EXPERT)
+        per_layer = {k: (jax.lax.pmax if k == MAXIMA else jax.lax.psum)(r, EXPERT) for k, r in per_layer.items()}
     else:
         d_other = jax.lax.psum(d_other, STAGE)
     loss, weight, sums = jax.lax.psum((loss, weight, sums), (STAGE, *expert))

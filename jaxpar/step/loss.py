@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.model import MAXIMA
 
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,9 +126,6 @@ def model_loss(model: Any, batch: dict, loss_fn: LossFn = task_loss,
         **({MAXIMA: aux[MAXIMA]} if MAXIMA in aux else {}),
     }
     return total, (weight, jax.lax.stop_gradient(sums))
-
-
-MAXIMA = "maxima"  # sums that combine by their largest value, not their total (QK-clip's logits)
 
 
 def combine_sums(a: dict, b: dict) -> dict:

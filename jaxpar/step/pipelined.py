@@ -27,7 +27,7 @@ from jaxpar.pipeline.split import StageSplit, stage_split
 from jaxpar.pipeline.stages import Score, in_model_order, join_layers, model_stages, split_layers
 from jaxpar.sharding import Layout, use_layout
 from jaxpar.step.gradients import Gradient, GradientPath
-from jaxpar.step.loss import LossFn, chunked_task_loss
+from jaxpar.step.loss import LossFn, chunked_task_loss, reduce_sums
 from jaxpar.step.microbatches import split_batch
 from jaxpar.step.replicas import inner_layout, without_axis
 
@@ -63,7 +63,7 @@ def pipelined_grads(
         total, weight = total.sum(), weight.sum()
         # The layers' reports (MoE: "token_metrics" sums, per-layer "counts" in pipeline order,
         # the order the parameters a model's `update` reads are stored in), over the replicas.
-        sums = jax.tree.map(lambda a: a.sum(0), {**reports["sums"], **reports["per_layer"]})
+        sums = reduce_sums({**reports["sums"], **reports["per_layer"]})  # MAXIMA by their largest
         return total / weight, {"weight": weight, **sums}, Gradient(summed, weight), compression
 
     return grads, program

@@ -11,7 +11,10 @@ the step, and the query and key weights scaled back after the update.
 - Training with the clip under data x fsdp x tensor, ZeRO-1 with microbatches, context x
   data and data x tensor x ZeRO-3 (Llama), expert x data (Mixtral) and expert x tensor x data
   (DeepSeek) equals one device (fp32; losses, first-step gradients, parameters after 3
-  steps, 1e-5).
+  steps, 1e-5). So it does under pipeline stages, where each chunk reports its layers'
+  logits and the update clips the stack as it rests: Llama's 4 layers over 2 stages as
+  1 + 3 (two padding rows) x data, and Mixtral's stages x expert x data; DeepSeek's leading dense
+  layers, outside the stack, are refused under stages.
 """
 
 import dataclasses
@@ -149,8 +152,13 @@ LAYOUTS = {
     "context2_data4": ["mesh.context=2", "mesh.data=4"],  # the sequence reordered over context
     "data4_tensor2_zero3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero.stage=3"],  # per-replica sums
 }
+STAGED = {  # (the model's change, the layout): the reference has the same model
+    "stage2_data4_uneven": (["model.num_layers=4"], ["mesh.stage=2", "mesh.data=4", "train.microbatches=2",
+                                                       "parallel.pipeline.layers=1,3"]),
+}
 RECIPE_LAYOUTS = {  # MoE blocks and dense runs beside them; latent attention
     "moe_expert4_data2": ("moe", ["mesh.data=2", "mesh.expert=4"]),
+    "moe_stage2_expert2_data2": ("moe", ["mesh.stage=2", "mesh.expert=2", "mesh.data=2", "train.microbatches=2"]),
     "deepseek_expert2_tensor2_data2": ("deepseek", ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]),
 }
 
@@ -160,6 +168,24 @@ def test_training_with_the_clip_equals_one_device(reference, name):
     """One device without microbatches: microbatches must carry the largest logit, not a sum."""
     base = _tiny(0.3)
     check(compare(run_layout(apply_overrides(base, LAYOUTS[name])), reference(base)), 1e-5, where=name)
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_training_with_the_clip_in_pipeline_stages_equals_one_device(reference, name):
+    """Each chunk's logits kept by their largest over microbatches; the padding rows of
+    the shorter stage clip nothing."""
+    model, layout = STAGED[name]
+    base = apply_overrides(_tiny(0.3), model)
+    check(compare(run_layout(apply_overrides(base, layout)), reference(base)), 1e-5, where=name)
+
+
+def test_layers_outside_the_stack_are_refused_under_stages():
+    from jaxpar.errors import ConfigError
+    from jaxpar.recipes import resolve_config
+
+    with pytest.raises(ConfigError, match="optim.qk_clip=0.3 with mesh.stage=2: DeepSeekConfig's 1 leading layers"):
+        build(resolve_config("deepseek", ["optim.qk_clip=0.3", "mesh.stage=2", "mesh.data=4", "mesh.expert=1",
+                                          "train.microbatches=2"], 8))
 
 
 @pytest.mark.parametrize("name", RECIPE_LAYOUTS)
