@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.choices import (Attention, AttentionKernel, CollectiveMatmul, ContextImpl, DispatchDtype, ExpertExchange,
-                            GradientCompression, OnReplicated, PipelineBalance, PipelineSchedule, SequenceLayout, ZeroStage)
+                            GradientCompression, OnReplicated, OuterCompression, PipelineBalance, PipelineSchedule,
+                            SequenceLayout, ZeroStage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,34 @@ class RulesConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DilocoConfig:
+    """parallel.diloco: DiLoCo and streaming DiLoCo over mesh.data (jaxpar.step.diloco):
+    each data replica is a group that trains on its own rows with its own inner optimizer,
+    every other mesh axis inside it as without; the groups meet only in the outer step."""
+
+    # H: the inner steps between two synchronisations of the same weights; 0: off (data
+    # parallelism). With fragments, one fragment synchronises every inner_steps / fragments.
+    inner_steps: int = 0
+    outer_lr: float = 0.7  # the outer SGD's learning rate, on the groups' mean parameter change
+    outer_momentum: float = 0.9  # the outer SGD's momentum
+    nesterov: bool = True  # Nesterov's form of the outer momentum (DiLoCo's)
+    # Streaming DiLoCo: the weights in this many fragments (the layer stack strided, the
+    # other parameters each whole in the lightest fragment), synchronised in turn.
+    fragments: int = 1
+    # 1: a fragment's exchange starts from the weights before a step and runs beside that
+    # step's compute, its outer step applied after it; 0: after the step, nothing beside it.
+    delay: int = 0
+    # After a fragment's outer step its weights become (1 - mix) x the new global ones + mix x
+    # the group's own (streaming DiLoCo's alpha; 0: the global ones).
+    mix: float = 0.0
+    # What the outer exchange moves: none (float32) | int8 (a float32 scale per
+    # quantization_block elements, both halves of the all-reduce).
+    compression: OuterCompression = "none"
+    quantization_block: int = 256  # int8: the elements that share one float32 scale
+    error_feedback: bool = True  # int8: what rounding left out of a group's share is sent with its next one
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the step runs on the mesh: one section per strategy, each the very spec the
     layout carries (jaxpar.step.layout.layout_for), so everything downstream reads the
@@ -127,6 +156,7 @@ class ParallelConfig:
     context: ContextConfig = ContextConfig()
     pipeline: PipelineConfig = PipelineConfig()
     rules: RulesConfig = RulesConfig()
+    diloco: DilocoConfig = DilocoConfig()
     # Attention over an unsharded sequence (mesh.context=1): reference (scores materialized,
     # softmax in float32), flash (jaxpar's blockwise kernel, parallel.context.block tiles,
     # its block forward), cudnn (cuDNN's fused flash attention: CUDA GPUs of compute

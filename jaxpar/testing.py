@@ -204,7 +204,73 @@ def _initial_weights(model, seed: int) -> dict:
 
 
 def reference_run(config: Config, steps: int = 3) -> Run:
+    """The single-device reference; under DiLoCo, its groups one after another (`diloco_reference`)."""
+    if config.parallel.diloco.inner_steps:
+        return diloco_reference(config, steps)
     return run_layout(*single_device(config), steps=steps)
+
+
+def diloco_reference(config: Config, steps: int = 3) -> Run:
+    """DiLoCo (parallel.diloco) as its papers write it, on one device: each of the
+    mesh.data groups takes its inner steps on its rows of each batch (rows g x B/G on), one
+    group after another, with its own optimizer state; when a fragment's period ends, numpy
+    averages the groups' changes of it, takes the outer step (SGD, (Nesterov) momentum) and
+    sets each group's weights to the new anchor, mixed with its own. Float32 outer
+    exchange only (int8's rounding depends on the layout's shards). Run.params: the anchor;
+    Run.grads: the groups' mean first gradient."""
+    from jaxpar.step.diloco import NONE, WHOLE, fragment_plan, is_selection
+    from jaxpar.step.trainer import build
+
+    spec, groups = config.parallel.diloco, config.mesh.data
+    one_config, devices = single_device(config)
+    one_config = apply_overrides(one_config, ["parallel.diloco.inner_steps=0",
+                                              f"train.global_batch={config.train.global_batch // groups}"])
+    trainer = build(one_config, devices)
+    source = make_source(build(config).batch, config)
+    start = initial_state(trainer)
+    states = [jax.tree.map(lambda x: x.copy(), start) for _ in range(groups)]
+    f32 = lambda st: jax.device_get(trainer.master_params(st))  # noqa: E731
+    anchor = f32(start)
+    momentum = jax.tree.map(np.zeros_like, anchor)
+    plans = fragment_plan(trainer.param_names, anchor, spec.fragments)
+    period, losses, grads = spec.inner_steps // spec.fragments, [], None
+    for i in range(steps):
+        batch, rows = source(i), config.train.global_batch // groups
+        before = [f32(st) for st in states]  # delay 1: the pseudo-gradient from the weights before the step
+        out = [trainer.step_and_grads(st, {k: v[g * rows:(g + 1) * rows] for k, v in batch.items()})
+               for g, st in enumerate(states)]
+        states = [o[0] for o in out]
+        losses.append(float(np.mean([float(o[1]["loss"]) for o in out])))
+        grads = jax.tree.map(lambda *g: np.mean(g, axis=0), *[jax.device_get(o[2]) for o in out]) if i == 0 else grads
+        if (i + 1) % period:
+            continue
+        plan = jax.tree.leaves(plans[((i + 1) // period - 1) % spec.fragments], is_leaf=is_selection)
+        after = [[np.array(w) for w in jax.tree.leaves(f32(st))] for st in states]
+        taken = [jax.tree.leaves(w) for w in before] if spec.delay else after
+        treedef = jax.tree.structure(anchor)
+        a, m = [np.array(x) for x in jax.tree.leaves(anchor)], [np.array(x) for x in jax.tree.leaves(momentum)]
+        for p, sel in enumerate(plan):
+            if sel == NONE:
+                continue
+            at = slice(None) if sel == WHOLE else np.asarray(sel.index)
+            delta = np.mean([a[p][at] - w[p][at] for w in taken], axis=0)
+            m[p][at] = spec.outer_momentum * m[p][at] + delta
+            a[p][at] -= spec.outer_lr * (delta + spec.outer_momentum * m[p][at] if spec.nesterov else m[p][at])
+            for w in after:
+                w[p][at] = (1 - spec.mix) * a[p][at] + spec.mix * w[p][at]
+        anchor, momentum = jax.tree.unflatten(treedef, a), jax.tree.unflatten(treedef, m)
+        states = [_with_weights(trainer, st, jax.tree.unflatten(treedef, w)) for st, w in zip(states, after)]
+    return Run(losses, grads, anchor, {})
+
+
+def _with_weights(trainer, state, weights: Any):
+    """`state` with its float32 weights (and parameters cast from them) set to `weights`,
+    its optimizer state kept."""
+    from jaxpar.step.state import cast_floats
+
+    weights = jax.device_put(weights, trainer.shardings.optimizer)
+    params = jax.device_put(cast_floats(weights, trainer.config.train.compute_dtype), trainer.state_shardings.params)
+    return dataclasses.replace(state, params=params, master=None if state.master is None else weights)
 
 
 def compare(a: Run, b: Run) -> Comparison:

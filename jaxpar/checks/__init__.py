@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.checks import (backend, checkpoint, choices, data, devices, distributed, layout, lora, model, optim,
-                           pipeline, train, zero)
+from jaxpar.checks import (backend, checkpoint, choices, data, devices, diloco, distributed, layout, lora, model,
+                           optim, pipeline, train, zero)
 from jaxpar.checks.rule import BASES, Rule
 from jaxpar.errors import ConfigError
 
@@ -23,6 +23,7 @@ CATALOGUE: tuple[Rule, ...] = (
     *model.RULES,
     *train.RULES,
     *zero.RULES,
+    *diloco.RULES,
     *optim.RULES,
     *checkpoint.RULES,
     *distributed.RULES,

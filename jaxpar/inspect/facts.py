@@ -128,7 +128,8 @@ def facts_of(trainer, report: StepReport) -> Facts:
         psi_experts_stage=sum(map(held, experts)),
         moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / sum(a.size for a in params),
         compute_bytes=jnp.dtype(trainer.config.train.compute_dtype).itemsize,
-        matrices=find_matrices(trainer.config.model, trainer.param_names, trainer.shardings.optimizer)
+        matrices=find_matrices(trainer.config.model, trainer.param_names, trainer.shardings.optimizer,
+                               ("data",) if trainer.layout.diloco.inner_steps else ())
         if trainer.config.optim.name == "muon" else None,
     )
 

@@ -30,8 +30,8 @@ def orthogonalize_formula(matrix, shape: tuple[int, ...], steps: int) -> tuple[f
     mesh, spec, axes = matrix.mesh, matrix.spec, matrix.axes
     local = NamedSharding(mesh, spec).shard_shape(shape) if mesh else shape
     split = splitting_axes(spec, axes, mesh, len(shape)) if mesh else []
-    replicas = math.prod(mesh.shape[a] for a in idle_axes(spec, mesh)) if mesh else 1
-    ways = sharers(spec, axes, mesh, len(shape)) if mesh else 1
+    replicas = math.prod(mesh.shape[a] for a in idle_axes(spec, mesh, matrix.held)) if mesh else 1
+    ways = sharers(spec, axes, mesh, len(shape), matrix.held) if mesh else 1
     stack = -(-axes.count(local) // ways) * ways
     piece = math.prod(local[d] for d in axes.rows + axes.cols)
     sent = sum(2 * stack * piece / replicas * (mesh.shape[a] - 1) / mesh.shape[a] for a, _ in split)

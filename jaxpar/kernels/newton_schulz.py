@@ -89,11 +89,14 @@ def orthogonalize(x: jax.Array, axes: MatrixAxes, steps: int = 5, coeffs: Sequen
 
 
 def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, steps: int = 5,
-                          coeffs: Sequence[float] = JORDAN_COEFFS, eps: float = 1e-7) -> jax.Array:
-    """`orthogonalize(x, axes)` for `x` sharded as `spec` on `mesh` (the module docstring)."""
+                          coeffs: Sequence[float] = JORDAN_COEFFS, eps: float = 1e-7,
+                          held: tuple[str, ...] = ()) -> jax.Array:
+    """`orthogonalize(x, axes)` for `x` sharded as `spec` on `mesh` (the module docstring).
+    `held`: mesh axes a vmap around the call maps over (DiLoCo's groups on `data`), whose
+    devices hold different values, not replicas to share the work with."""
     split = splitting_axes(spec, axes, mesh, x.ndim)
-    idle = idle_axes(spec, mesh)
-    ways = sharers(spec, axes, mesh, x.ndim)
+    idle = idle_axes(spec, mesh, held)
+    ways = sharers(spec, axes, mesh, x.ndim, held)
     matrix_dims = axes.rows + axes.cols
 
     def body(block: jax.Array) -> jax.Array:
@@ -128,17 +131,17 @@ def splitting_axes(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int) -> list[tup
     return out
 
 
-def idle_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
-    """Mesh axes of size > 1 that hold none of an array sharded as `spec`: its replicas,
-    which share its stack out instead of each doing all of it."""
-    used = {a for names in entries(spec, len(spec)) for a in names}
+def idle_axes(spec: P, mesh: Mesh, held: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that hold none of an array sharded as `spec` (nor a vmap's
+    values: `held`): its replicas, which share its stack out instead of each doing all of it."""
+    used = {a for names in entries(spec, len(spec)) for a in names} | set(held)
     return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
 
 
-def sharers(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int) -> int:
+def sharers(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int, held: tuple[str, ...] = ()) -> int:
     """The devices one local stack is spread over: the mesh axes that split its matrices
     times its replicas. The stack is padded to a multiple of them."""
-    return _size(mesh, [a for a, _ in splitting_axes(spec, axes, mesh, ndim)]) * _size(mesh, idle_axes(spec, mesh))
+    return _size(mesh, [a for a, _ in splitting_axes(spec, axes, mesh, ndim)]) * _size(mesh, idle_axes(spec, mesh, held))
 
 
 def parse_coeffs(text: str) -> tuple[float, float, float]:

@@ -185,19 +185,12 @@ def quantized_reduce_scatter(x: jax.Array, mesh: Mesh, axis: str, source: P, tar
     Each device sends (n-1)/n of its shard as int8 once (an all-to-all) and sums n dequantized
     chunks in float32.
     """
-    ndim = x.ndim - 1
-    pairs = list(zip(entries(source, ndim), entries(target, ndim)))
-    grown = [d for d, (s, t) in enumerate(pairs) if s != t]
-    if len(grown) != 1 or pairs[grown[0]][1] != pairs[grown[0]][0] + (axis,):
-        raise ValueError(f"target {target} must be source {source} with {axis!r} appended to one dimension")
-    dim, n = grown[0], mesh.shape[axis]
+    dim, n = _scattered_dim(x, mesh, axis, source, target)
 
-    @partial(jax.shard_map, mesh=mesh, in_specs=P(axis, *entries(source, ndim)), out_specs=target, check_vma=False)
+    @partial(jax.shard_map, mesh=mesh, in_specs=P(axis, *entries(source, x.ndim - 1)), out_specs=target,
+             check_vma=False)
     def body(local):
-        mine = local[0]
-        shape = list(mine.shape)
-        chunks = mine.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :])
-        chunks = jnp.moveaxis(chunks, dim, 0)  # [n, *chunk]: chunk j belongs to replica j
+        chunks = _chunks(local[0], dim, n)  # [n, *chunk]: chunk j belongs to replica j
         codes, scale = jax.vmap(lambda c: quantize(c, block))(chunks)
         codes = jax.lax.all_to_all(codes, axis, 0, 0, tiled=True)  # [n sources, blocks, block]
         scale = jax.lax.all_to_all(scale, axis, 0, 0, tiled=True)
@@ -205,6 +198,44 @@ def quantized_reduce_scatter(x: jax.Array, mesh: Mesh, axis: str, source: P, tar
         return parts.sum(0).astype(x.dtype)
 
     return body(x)
+
+
+def reduce_scatter_rounding(x: jax.Array, mesh: Mesh, axis: str, source: P, target: P, block: int) -> jax.Array:
+    """x [n, ...] as `quantized_reduce_scatter` sends it: each replica's chunks rounded to
+    int8 and back, in x's sharding. x minus this is what the rounding left out (error
+    feedback adds it to the next value sent)."""
+    dim, n = _scattered_dim(x, mesh, axis, source, target)
+    spec = P(axis, *entries(source, x.ndim - 1))
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    def body(local):
+        mine = local[0]
+        rounded = jax.vmap(lambda c: fake_quantize(c, block))(_chunks(mine, dim, n))
+        return jnp.moveaxis(rounded, 0, dim).reshape(mine.shape)[None]
+
+    return body(x)
+
+
+def reduce_scatter_rounding_reference(x: jax.Array, mesh: Mesh, target: P, block: int) -> jax.Array:
+    """Plain equivalent of `reduce_scatter_rounding`: each replica's value quantized per
+    target shard."""
+    return jnp.stack([per_shard(x[i], target, mesh, lambda s: fake_quantize(s, block)) for i in range(x.shape[0])])
+
+
+def _scattered_dim(x: jax.Array, mesh: Mesh, axis: str, source: P, target: P) -> tuple[int, int]:
+    """(the dimension of x[i] that `target` adds `axis` to, the size of `axis`)."""
+    ndim = x.ndim - 1
+    pairs = list(zip(entries(source, ndim), entries(target, ndim)))
+    grown = [d for d, (s, t) in enumerate(pairs) if s != t]
+    if len(grown) != 1 or pairs[grown[0]][1] != pairs[grown[0]][0] + (axis,):
+        raise ValueError(f"target {target} must be source {source} with {axis!r} appended to one dimension")
+    return grown[0], mesh.shape[axis]
+
+
+def _chunks(mine: jax.Array, dim: int, n: int) -> jax.Array:
+    """A shard cut into n along `dim`: [n, *chunk], chunk j the j-th piece."""
+    shape = list(mine.shape)
+    return jnp.moveaxis(mine.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]), dim, 0)
 
 
 def quantized_reduce_scatter_reference(x: jax.Array, mesh: Mesh, target: P, block: int) -> jax.Array:

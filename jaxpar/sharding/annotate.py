@@ -23,7 +23,8 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.specs import CompressionConfig, ContextConfig, PipelineConfig, TensorConfig, ZeroConfig, int8_gradients
+from jaxpar.specs import (CompressionConfig, ContextConfig, DilocoConfig, PipelineConfig, TensorConfig, ZeroConfig,
+                          int8_gradients)
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.quantized import entries as spec_entries
 from jaxpar.kernels.quantized import gathered_axes, quantized_all_gather, quantized_reduce_scatter
@@ -144,6 +145,7 @@ class Layout:
     zero: ZeroConfig = ZeroConfig()
     pipeline: PipelineConfig = PipelineConfig()
     compression: CompressionConfig = CompressionConfig()
+    diloco: DilocoConfig = DilocoConfig()
     microbatches: int = 1
     two_batch_overlap: bool = False  # layers run on two halves of the rows (jaxpar.nn.scan_layers)
     manual_experts: tuple[str, ...] = ()

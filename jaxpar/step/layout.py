@@ -45,6 +45,7 @@ def layout_for(config: Any, devices: Sequence[jax.Device], sizes: Mapping[str, i
         zero=parallel.zero,
         pipeline=parallel.pipeline,
         compression=parallel.compression,
+        diloco=parallel.diloco,
         microbatches=config.train.microbatches,
         two_batch_overlap=parallel.two_batch_overlap,
         report_logits=config.optim.qk_clip > 0,

@@ -56,6 +56,7 @@ class Matrix:
     axes: MatrixAxes
     spec: P | None = None
     mesh: Mesh | None = None
+    held: tuple[str, ...] = ()  # mesh axes a vmap holds different values over (DiLoCo's groups)
 
 
 Matrices = dict[str, Matrix]  # by the parameter's dotted path ("layers.attn.wq")
@@ -73,10 +74,10 @@ def matrix_axes(names: tuple[str | None, ...], stack_axes: tuple[str, ...]) -> M
     return MatrixAxes(batch, (rest[0],), tuple(rest[1:]))
 
 
-def find_matrices(model: Any, names: Any, shardings: Any | None = None) -> Matrices:
+def find_matrices(model: Any, names: Any, shardings: Any | None = None, held: tuple[str, ...] = ()) -> Matrices:
     """Every matrix parameter of a model config, by path: `names` the tree of
     jaxpar.sharding.ParamNames, `shardings` the optimizer state's NamedShardings (None: one
-    device)."""
+    device); `held`: mesh axes the update is vmapped over (DiLoCo's groups on `data`)."""
     from jaxpar.sharding import ParamNames
 
     stack_axes = declared(model, "stack_axes") or DEFAULT_STACK_AXES
@@ -90,7 +91,7 @@ def find_matrices(model: Any, names: Any, shardings: Any | None = None) -> Matri
         axes = matrix_axes(leaf.names, stack_axes)
         if axes is None or any(fnmatch.fnmatchcase(where, pattern) for pattern in skipped):
             continue
-        found[where] = Matrix(axes, sharding.spec if sharding else None, sharding.mesh if sharding else None)
+        found[where] = Matrix(axes, sharding.spec if sharding else None, sharding.mesh if sharding else None, held)
     return found
 
 
@@ -139,7 +140,7 @@ def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = T
             s = rms * max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, cols / rows) ** 0.5
             if matrix.mesh is None or matrix.mesh.size == 1:
                 return s * orthogonalize(u, matrix.axes, steps, coeffs, eps)
-            return s * orthogonalize_sharded(u, matrix.axes, matrix.spec, matrix.mesh, steps, coeffs, eps)
+            return s * orthogonalize_sharded(u, matrix.axes, matrix.spec, matrix.mesh, steps, coeffs, eps, matrix.held)
 
         with jax.named_scope(SCOPE):  # explain finds the orthogonalisation's collectives and FLOPs by it
             out = jax.tree_util.tree_map_with_path(one, used)

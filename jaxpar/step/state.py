@@ -34,6 +34,9 @@ class TrainState:
     # forward pass reads them beside `params`; nothing differentiates or updates them. None
     # without adapters.
     frozen: Any = None
+    # DiLoCo's outer state (jaxpar.step.diloco.Outer); None without. Under DiLoCo params,
+    # master and opt_state hold one copy per group, stacked on a leading axis over `data`.
+    outer: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,9 @@ from jaxpar.step.optim import update_rule
 from jaxpar.step.param_checks import check_params
 from jaxpar.step.pipelined import layer_split, pipelined_grads, unpipelined
 from jaxpar.step.reduction import GradReduction, grad_reduction, sum_replicas
-from jaxpar.step.state import TrainState, initial_state, place_state
+from jaxpar.step import diloco
+from jaxpar.step.replicas import inner_layout
+from jaxpar.step.state import TrainState, cast_floats, initial_state, place_state
 from jaxpar.step.update import fuses_multi_output_loops, update_fn
 from jaxpar.step.zero import StateShardings, state_shardings
 from jaxpar.xla_options import step_options
@@ -137,12 +139,17 @@ class Trainer:
         return self.batch.abstract()
 
     def master_params(self, state: TrainState) -> Any:
-        """The float32 weights, whichever field holds them (with LoRA: the trained ones)."""
+        """The float32 weights, whichever field holds them (with LoRA: the trained ones;
+        under DiLoCo the anchor, the weights of the last synchronisation)."""
+        if state.outer is not None:
+            return state.outer.anchor
         return state.params if state.master is None else state.master
 
     def weights(self, state: TrainState) -> Any:
         """What the model reads: the parameters, with LoRA's frozen weights joined in
-        (`evaluate`, sampling, inference take this tree)."""
+        (`evaluate`, sampling, inference take this tree); under DiLoCo the anchor's."""
+        if state.outer is not None:
+            return cast_floats(state.outer.anchor, self.config.train.compute_dtype)
         return join(state.params, state.frozen)
 
     def master_weights(self, state: TrainState) -> Any:
@@ -210,7 +217,8 @@ def build(
     (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
     shardings = state_shardings(names, abstract_params, layout)
     if tx is None:
-        matrices = find_matrices(config.model, names, shardings.optimizer) if config.optim.name == "muon" else None
+        held = ("data",) if layout.diloco.inner_steps else ()  # DiLoCo's groups: the update is vmapped over data
+        matrices = find_matrices(config.model, names, shardings.optimizer, held) if config.optim.name == "muon" else None
         tx, lr_schedule = update_rule(config.optim, config.train.steps, matrices)
         clip_norm = config.optim.clip_norm
     tx = _train_params_only(tx, abstract, frozen)
@@ -237,8 +245,12 @@ def build(
     def init() -> TrainState:
         return start_from(nnx.to_pure_dict(nnx.state(make_model())))
 
-    loss_sum, grads_fn, program, reduction = _gradients(config, layout, graphdef, abstract_params, names, shardings,
-                                                        batch_layout, loss_fn, reduction)
+    groups = layout.diloco.inner_steps > 0  # DiLoCo: each data replica a group (jaxpar.step.diloco)
+    if groups:  # a group's gradient, as one replica's: data out of its rules, nothing reduced over data
+        reduction = GradReduction("backward")
+    loss_sum, grads_fn, program, reduction = _gradients(config, inner_layout(layout) if groups else layout, graphdef,
+                                                        abstract_params, names, shardings, batch_layout, loss_fn,
+                                                        reduction)
     compressor, task = reduction.compressor, config.model.task
     update = update_fn(tx, lr_schedule, clip_norm, shardings, placement, config.train.compute_dtype,
                        layout.zero.offload_optimizer, config.model,
@@ -268,7 +280,7 @@ def build(
         return total, weight
 
     jit = _jit_at_the_edge(placement.resting, shardings, weight_shardings, batch_layout.shardings, options)
-    return Trainer(
+    trainer = Trainer(
         config=config, layout=layout, graphdef=graphdef, tx=tx, lr_schedule=lr_schedule, param_names=names,
         shardings=shardings, state_shardings=placement.resting, batch=batch_layout,
         init=jax.jit(init, out_shardings=placement.resting),
@@ -289,6 +301,12 @@ def build(
         init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,
         lora_targets=targets, frozen_shardings=frozen_shardings,
     )
+    if not groups:
+        return trainer
+    outer = diloco.OuterStep.build(layout.diloco, names, abstract_params, shardings.optimizer, layout.mesh)
+    parts = diloco.Groups(grads_fn, update, outer, layout, prepared_names(batch_layout.names, task),
+                          lambda batch: prepare_batch(batch, layout, task), shardings, config.train.compute_dtype)
+    return diloco.attach(trainer, parts, start_from, init, batch_layout.shardings, options)
 
 
 def _gradients(config: Config, layout: Layout, graphdef: nnx.GraphDef, abstract_params: Any, names: Any,
