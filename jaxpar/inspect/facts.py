@@ -108,7 +108,9 @@ class Facts:
 def facts_of(trainer, report: StepReport) -> Facts:
     """The facts of `trainer`'s step as `report` measured it."""
     state = trainer.abstract_state()
-    params = _param_arrays(trainer, state.params)
+    groups = trainer.config.mesh.data if state.outer is not None else 1  # DiLoCo: each group's copy stacked
+    params = _param_arrays(trainer, state.params if groups == 1 else state.outer.anchor,
+                           trainer.state_shardings.params if groups == 1 else trainer.shardings.params)
     p = report.mesh.get("stage", 1)
     split = trainer.stage_split if p > 1 else None
     # A stacked array rests as rows (padded where stages differ): a stage holds 1/stage of
@@ -126,7 +128,8 @@ def facts_of(trainer, report: StepReport) -> Facts:
         psi_experts=round(sum(map(real, experts))), psi_layers=round(sum(real(a) for a in params if stacked(a))),
         psi_stage=sum(held(a) for a in params if "experts" not in a.names),
         psi_experts_stage=sum(map(held, experts)),
-        moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / sum(a.size for a in params),
+        moments=sum(math.prod(x.shape) for x in jax.tree.leaves(state.opt_state) if x.ndim) / groups
+        / sum(a.size for a in params),
         compute_bytes=jnp.dtype(trainer.config.train.compute_dtype).itemsize,
         matrices=find_matrices(trainer.config.model, trainer.param_names, trainer.shardings.optimizer,
                                ("data",) if trainer.layout.diloco.inner_steps else ())
@@ -148,9 +151,9 @@ def _frozen(frozen, p: int, unpad: float) -> tuple[int, float | None]:
             nbytes(frozen) - nbytes(stacked) * (1 - 1 / p))
 
 
-def _param_arrays(trainer, params) -> tuple[ParamArray, ...]:
+def _param_arrays(trainer, params, shardings) -> tuple[ParamArray, ...]:
     names = jax.tree.leaves(trainer.param_names, is_leaf=lambda x: hasattr(x, "names"))
-    shardings = jax.tree.leaves(trainer.state_shardings.params)
+    shardings = jax.tree.leaves(shardings)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return tuple(
         ParamArray(path=jax.tree_util.keystr(path, simple=True, separator="."), size=math.prod(x.shape), shape=x.shape,

@@ -26,10 +26,11 @@ class ModelState:
     master: float
     optimizer: float
     frozen: float = 0.0  # LoRA's frozen weights
+    outer: float = 0.0  # DiLoCo's outer state (jaxpar.step.diloco.Outer)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.master + self.optimizer + self.frozen
+        return self.params + self.grads + self.master + self.optimizer + self.frozen + self.outer
 
 
 def model_state(

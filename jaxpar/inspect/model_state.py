@@ -24,6 +24,7 @@ def memory_rows(facts: Facts) -> dict[str, Any]:
         ("gradients", m.gradients, expected.grads),
         ("fp32 master weights", m.master, expected.master),
         ("optimizer state", m.optimizer, expected.optimizer),
+        *([("DiLoCo outer state", m.outer, expected.outer)] if m.outer else []),
         ("model state", m.model_state, expected.total),
         *([("  of which in pinned host memory between steps", m.host_state, None)] if m.host_state else []),
         ("arguments (compiler)", m.arguments, None),
@@ -74,7 +75,17 @@ def expected_state(facts: Facts) -> formulas.ModelState:
         sides = split_ratio(facts, formula_ways(facts))[0]
         expected = formulas.ModelState(*(getattr(expected, f) * sides for f in ("params", "grads", "master", "optimizer")))
         frozen = formulas.frozen_state(facts.frozen_bytes, stage, data, fsdp * tensor)
-    return dataclasses.replace(expected, frozen=frozen)
+    return dataclasses.replace(expected, frozen=frozen, outer=outer_state(facts, expected.params / compute_bytes))
+
+
+def outer_state(facts: Facts, elements: float) -> float:
+    """DiLoCo's outer state per device (jaxpar.step.diloco): the anchor and the outer momentum
+    of the `elements` a device holds of its group's weights, in float32, and int8's error
+    feedback residual."""
+    spec = facts.layout.diloco
+    if not spec.inner_steps:
+        return 0.0
+    return (8 + 4 * (spec.compression != "none" and spec.error_feedback)) * elements
 
 
 def memory_formula(facts: Facts) -> str:
@@ -82,7 +93,17 @@ def memory_formula(facts: Facts) -> str:
     mesh, stage = facts.mesh, facts.zero_stage
     text = (f"ZeRO stage {stage}: parameters, gradients, master and optimizer state over fsdp x tensor = "
             f"{mesh['fsdp'] * mesh['tensor']}" + (f", and the ZeRO part over data = {mesh['data']}" if stage else ""))
-    return text + "".join(note(facts) for note in (_stages_note, _experts_note, _repeated_heads_note, _lora_note))
+    return text + "".join(note(facts) for note in (_stages_note, _experts_note, _repeated_heads_note, _lora_note,
+                                                   _diloco_note))
+
+
+def _diloco_note(facts: Facts) -> str:
+    spec = facts.layout.diloco
+    if not spec.inner_steps:
+        return ""
+    extra = " and int8's residual (4)" if spec.compression != "none" and spec.error_feedback else ""
+    return (f"; DiLoCo: each device holds its group's copy (the {facts.mesh['data']} groups stacked over data), and "
+            f"the outer state: anchor and momentum in float32 (8 bytes a parameter){extra}")
 
 
 def _stages_note(facts: Facts) -> str:

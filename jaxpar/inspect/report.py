@@ -29,6 +29,7 @@ from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.pipeline.split import StageSplit
+from jaxpar.step.diloco import branch_shares
 from jaxpar.step.muon import SCOPE as MUON_SCOPE
 from jaxpar.xla_options import layer_params
 
@@ -52,10 +53,11 @@ class Memory:
     host_state: int  # of the model state, bytes resting in pinned host memory between steps
     frozen: int = 0  # LoRA's frozen weights (jaxpar.step.lora), compute dtype
     host_arguments: int = 0  # of `arguments`, what the compiler placed in host memory
+    outer: int = 0  # DiLoCo's outer state (jaxpar.step.diloco.Outer): anchor, momentum, residuals
 
     @property
     def model_state(self) -> int:
-        return self.params + self.master + self.optimizer + self.gradients + self.frozen
+        return self.params + self.master + self.optimizer + self.gradients + self.frozen + self.outer
 
     @property
     def total(self) -> int:
@@ -148,7 +150,8 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}  # None from a deviceless GPU compile
     grad_dtype = jnp.float32 if trainer.config.train.microbatches > 1 else jnp.dtype(trainer.config.train.compute_dtype)
-    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, grad_dtype, sharding=s), state.params, trainer.shardings.grads)
+    one = state.params if state.outer is None else state.outer.anchor  # DiLoCo: one group's shapes
+    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, grad_dtype, sharding=s), one, trainer.shardings.grads)
     memory = Memory(
         params=shard_bytes(state.params),
         master=shard_bytes(state.master),
@@ -165,6 +168,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         host_state=shard_bytes(state, memory_kind="pinned_host"),
         frozen=shard_bytes(state.frozen),
         host_arguments=stats.host_argument_size_in_bytes,
+        outer=shard_bytes(state.outer),
     )
     text = compiled.as_text()
     findings = parse_findings(log) + temporary_findings(trainer, text, state)
@@ -173,7 +177,9 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
     program = trainer.pipeline
     each = [None] if program is None else [program.branch_shares()] + [program.branch_shares(s) for s in range(program.timeline.p)]
     stages = [None] if program is None else [None, *range(program.timeline.p)]
-    each = [{**(shares or {}), **kind_shares(trainer.config.model, program, s)} or None for shares, s in zip(each, stages)]
+    groups = branch_shares(trainer.layout.diloco) if trainer.layout.diloco.inner_steps else {}  # DiLoCo's switch
+    each = [{**(shares or {}), **kind_shares(trainer.config.model, program, s), **groups} or None
+            for shares, s in zip(each, stages)]
     shares = each[0]
     (flops, _), *stage_flops = matmul_flops_each(text, each)
     host_of = host_of_positions(mesh, num_hosts)

@@ -25,6 +25,8 @@ from jaxpar.inspect.pipelined import (
 from jaxpar.inspect.traffic import (
     compression_lines,
     compression_rows,
+    diloco_lines,
+    diloco_rows,
     context_lines,
     context_rows,
     expert_lines,
@@ -149,6 +151,7 @@ PROVIDERS = (
     Provider("context parallel attention", context_rows, context_lines),
     Provider("expert all-to-alls", expert_rows, expert_lines),
     Provider("gradient compression", compression_rows, compression_lines),
+    Provider("DiLoCo's outer exchange", diloco_rows, diloco_lines),
     Provider("Muon's orthogonalisation", muon_rows, muon_lines),
     Provider("pipeline traffic", pipeline_traffic_rows, pipeline_traffic_lines),
     Provider("collectives", collective_rows, collective_lines),

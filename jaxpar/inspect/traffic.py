@@ -88,10 +88,11 @@ def gradient_rows(facts: Facts) -> dict[str, Any]:
     text = f"3Ψ'(f-1)/f over fsdp + {3 if stage >= 3 else 2}(Ψ'/f)(d-1)/d over data, Ψ' = Ψ/tensor"
     if facts.pipeline is not None:
         formula, text = pipeline_gradient_traffic(facts)
-    compressed = facts.compressor is not None
-    if compressed:  # the reduction over data is the compressor's, in its own row
+    compressed = facts.compressor is not None or facts.layout.diloco.inner_steps > 0
+    if compressed:  # the reduction over data is the compressor's, in its own row; DiLoCo has none
         formula -= formulas.gradient_traffic_elements(psi_dt / fsdp, data * expert, stage)
-        text = "3Ψ'(f-1)/f over fsdp, Ψ' = Ψ/tensor; over data: compressed, below"
+        text = "3Ψ'(f-1)/f over fsdp, Ψ' = Ψ/tensor; over data: " + (
+            "compressed, below" if facts.compressor is not None else "none (DiLoCo's groups: the outer exchange, below)")
     measured = sum(
         elements(c)
         for c in facts.step_collectives
@@ -255,6 +256,50 @@ def compression_rows(facts: Facts) -> dict[str, Any]:
         "parameter_gathers": row("parameter all-gathers over data, uncompressed", sum(c.bytes_per_step for c in gathers),
                                  _parameter_gather_bytes(facts)),
     }
+
+
+def diloco_rows(facts: Facts) -> dict[str, Any]:
+    """DiLoCo's outer exchange over data (jaxpar.step.diloco): the bytes a device sends per
+    step on average (the compiled collectives over data, all in the fragments' branches,
+    weighted by how often each runs: branch_shares) beside outer_bytes; per
+    synchronisation; how much of it runs asynchronously and overlapped with compute."""
+    from jaxpar.step.diloco import outer_bytes
+
+    spec, groups = facts.layout.diloco, facts.mesh["data"]
+    if not spec.inner_steps:
+        return {}
+    mesh = facts.mesh
+    local = sum(a.size / _ways(a.axes, mesh) for a in facts.params)
+    mine = [c for c in facts.step_collectives if "data" in c.axes]
+    per_step = sum(c.bytes_per_step for c in mine)
+    per_round = per_step * spec.inner_steps
+    return {
+        "outer_traffic": row(f"DiLoCo outer exchange, bytes per step ({spec.compression})",
+                             per_step, outer_bytes(spec, local, groups)),
+        "outer_traffic_formula": f"2 x {'4' if spec.compression == 'none' else f'(1 + 4/{spec.quantization_block})'} "
+        f"bytes x Ψ/(fsdp x tensor) x (G-1)/G, G = {groups} groups, once every inner_steps = {spec.inner_steps}; "
+        f"{spec.fragments} fragment{'s' if spec.fragments > 1 else ''} of {byte_size(per_round / spec.fragments)} "
+        f"each, one every {spec.inner_steps // spec.fragments} steps"
+        + (", each beside an inner step (delay 1)" if spec.delay else ""),
+        "outer_schedule": {"collectives": len(mine), "async_share": _share(mine, lambda c: c.is_async),
+                           "overlapped_share": _share(mine, lambda c: c.overlapped)},
+    }
+
+
+def _ways(axes: tuple[str, ...], mesh: dict[str, int]) -> int:
+    out = 1
+    for a in axes:
+        out *= mesh[a]
+    return out
+
+
+def diloco_lines(doc: dict[str, Any]) -> list[str]:
+    if "outer_traffic" not in doc:
+        return []
+    sched = doc["outer_schedule"]
+    return [line(doc["outer_traffic"], byte_size), f"  formula: {doc['outer_traffic_formula']}",
+            (f"  {sched['collectives']} collectives over data; async {_percent(sched['async_share'])}, overlapped "
+             f"with compute {_percent(sched['overlapped_share'])} of their bytes")]
 
 
 def compression_lines(doc: dict[str, Any]) -> list[str]:

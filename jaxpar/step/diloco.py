@@ -59,6 +59,7 @@ from jaxpar.step.state import TrainState, cast_floats
 from jaxpar.step.zero import StateShardings
 
 LAYERS = "layers"  # the stack whose rows the fragments stride (jaxpar.nn.stack_layers' default name)
+SCOPE = "diloco_outer"  # the name scope of the step's switch (jaxpar.inspect weighs its branches: branch_shares)
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +106,21 @@ def fragment_plan(names: Any, shapes: Any, fragments: int) -> list[Any]:
         plan[k][i] = WHOLE
         heapq.heappush(heap, (held + sizes[i], k))
     return [jax.tree.unflatten(treedef, p) for p in plan]
+
+
+def branch_shares(spec: DilocoConfig) -> dict[str, tuple[float, ...]]:
+    """For the compiled program's accounting (jaxpar.inspect.hlo.executions): how often the
+    step's switch takes each branch, none (1 - fragments / H) and each fragment's (1 / H)."""
+    return {SCOPE: (1 - spec.fragments / spec.inner_steps, *[1 / spec.inner_steps] * spec.fragments)}
+
+
+def outer_bytes(spec: DilocoConfig, elements: float, groups: int) -> float:
+    """Bytes one device sends to other groups per step, on average (the ring model of
+    jaxpar.inspect): its `elements` of the weights all-reduced over the groups once every
+    inner_steps (each fragment once a round), 2 x (G-1)/G of them, at 4 bytes each in
+    float32, 1 + 4 / quantization_block in int8 (the reduce-scatter and the all-gather)."""
+    each = 4 if spec.compression == "none" else 1 + 4 / spec.quantization_block
+    return 2 * each * elements * (groups - 1) / groups / spec.inner_steps
 
 
 def fragment_elements(plan: Any, shapes: Any) -> int:
@@ -264,7 +280,9 @@ class Groups:
                 return self.synchronise(k, state, *self.outer.pseudo_gradient(k, state.outer, local(state)))
 
             branches = [lambda state: state, *(functools.partial(after, k) for k in range(count))]
-            return jax.lax.switch(which, branches, state), {**metrics, **synced}, grad
+            with jax.named_scope(SCOPE):
+                state = jax.lax.switch(which, branches, state)
+            return state, {**metrics, **synced}, grad
 
         def beside(k, state, rows):
             means, residual = self.outer.pseudo_gradient(k, state.outer, local(state))
@@ -272,7 +290,8 @@ class Groups:
             return self.synchronise(k, state, means, residual), metrics, grad
 
         branches = [self.inner, *(functools.partial(beside, k) for k in range(count))]
-        state, metrics, grad = jax.lax.switch(which, branches, state, rows)
+        with jax.named_scope(SCOPE):
+            state, metrics, grad = jax.lax.switch(which, branches, state, rows)
         return state, {**metrics, **synced}, grad
 
 

@@ -122,3 +122,22 @@ def test_a_resumed_run_repeats_the_losses_bitwise(tmp_path):
     rest = run(trainer, progress=False)
     assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
     assert [r["outer_sync"] for r in whole] == [1.0] * 5  # a fragment each step
+
+
+def test_explain_shows_the_outer_state_and_exchange_beside_their_formulas():
+    """Streaming DiLoCo over 4 groups, int8: the outer state (anchor, momentum, residual) and
+    the exchange per step (its fragments' branches over H) at their formulas; no gradient
+    reduction over data."""
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain
+    from jaxpar.train import build
+
+    config = apply_overrides(_deep(), ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "parallel.diloco.inner_steps=4",
+                                       "parallel.diloco.fragments=2", "parallel.diloco.delay=1",
+                                       "parallel.diloco.compression=int8"])
+    trainer = build(config)
+    doc = explain(trainer, inspect_step(trainer))
+    memory = {r["name"]: r for r in doc["memory"]}
+    assert abs(memory["DiLoCo outer state"]["ratio"] - 1) < 0.01 and abs(memory["model state"]["ratio"] - 1) < 0.01
+    assert abs(doc["outer_traffic"]["ratio"] - 1) < 0.01 and doc["outer_schedule"]["collectives"] > 0
+    assert "over data: none" in doc["gradient_traffic_formula"] and abs(doc["gradient_traffic"]["ratio"] - 1) < 0.05
