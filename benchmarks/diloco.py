@@ -10,8 +10,8 @@ virtual devices: what crosses between the groups, what it does to learning, and 
      and a PNG of the curves.
   2. bytes between the groups (compiled): the bytes a device sends across hosts per step in
      the compiled program (jaxpar.inspect, ring model), beside the formula. DiLoCo's exchange
-     sits in its fragments' branches, each run once every H steps, so its bytes per step are
-     the compiled branches' sum over H (jaxpar.step.diloco.outer_bytes).
+     sits in its fragments' branches, weighed by how often each runs (once every H steps;
+     jaxpar.step.diloco.branch_shares), beside jaxpar.step.diloco.outer_bytes.
   3. when it pays: the time to each loss level at 1, 10, 100 and 400 Gb/s between groups:
      the steps of section 1 x (compute + the bytes of section 2 over the link), nothing
      overlapped, with two computes: the tiny model's step as measured here (median CPU step
@@ -20,6 +20,15 @@ virtual devices: what crosses between the groups, what it does to learning, and 
      and its bytes by the same formulas. The steps to a level are the tiny run's at both.
 
   python benchmarks/diloco.py [--steps 300] [--out benchmarks/results/diloco.json]
+  python benchmarks/diloco.py --target benchmarks/targets/h100.pbtxt   # the schedule, below
+
+  --target FILE: instead, compile streaming DiLoCo's step (2 fragments, H = 4) of a 0.5B Llama
+  for 2 hosts x 4 GPUs that FILE describes, deviceless (a venv with jax[cuda13]:
+  docs/xla_options.md), with the exchange after the inner step (delay 0) and beside it
+  (delay 1), float32 and int8; from the scheduled HLO, the share of the outer collectives'
+  bytes XLA issued asynchronously with compute between start and done, and of their transfer
+  time the compute beside them covers (jaxpar.inspect.cost); writes
+  benchmarks/results/diloco_schedule.json.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compression import FINETUNE, SMOOTH, TWO_HOSTS, draw, steps_to  # noqa: E402
+from benchmarks.compression import FINETUNE, SCHEDULE_MODEL, SMOOTH, TWO_HOSTS, draw, steps_to  # noqa: E402
 from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 
 METHODS = {
@@ -47,7 +56,7 @@ METHODS = {
     "streaming H=50": ["parallel.diloco.inner_steps=50", "parallel.diloco.fragments=2", "parallel.diloco.delay=1",
                        "parallel.diloco.compression=int8"],
 }
-LEVELS = (3.0, 2.0, 1.5, 1.25)
+LEVELS = (3.0, 2.0, 1.5, 1.0, 0.5)
 BANDWIDTHS_GBIT = (1, 10, 100, 400)
 SCALE = dict(vocab_size=32000, embed=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, mlp=11008)
 SCALE_TOKENS_PER_GPU = 8192  # 2 x 4096 tokens per GPU a step
@@ -59,7 +68,50 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="benchmarks/results/diloco.json")
     p.add_argument("--png", default="benchmarks/results/diloco.png")
+    p.add_argument("--target", help="GpuTargetConfig file: only the deviceless schedule (see above)")
     return p.parse_args()
+
+
+def schedule(target: str, out: pathlib.Path) -> None:
+    """The deviceless GPU compile (--target): streaming DiLoCo, delay 0 and 1, float32 and int8."""
+    from jaxpar.deviceless import gpu_devices
+
+    devices = gpu_devices(target, "1x2x4")  # before anything imports jax
+    import jax
+
+    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain
+    from jaxpar.models.llama import LlamaConfig
+    from jaxpar.train import build as build_on
+
+    base = Config(model=LlamaConfig(**SCHEDULE_MODEL),
+                  train=TrainConfig(global_batch=16, seq_len=1024, compute_dtype="bfloat16"))
+    rows = []
+    print(f"{'delay':>5} {'outer':<6} {'bytes/step':>11} {'async':>6} {'overlapped':>10} {'covered':>8} {'step':>9}")
+    for delay in (0, 1):
+        for compression in ("none", "int8"):
+            config = apply_overrides(base, ["mesh.data=2", "mesh.hosts.data=2", "mesh.fsdp=4",
+                                            "parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2",
+                                            f"parallel.diloco.delay={delay}",
+                                            f"parallel.diloco.compression={compression}"])
+            trainer = build_on(config, devices)
+            report = inspect_step(trainer)
+            doc = explain(trainer, report)
+            sched, covered = doc["outer_schedule"], report.predicted["outer_cover"]
+            row = dict(delay=delay, compression=compression, bytes_per_step=doc["outer_traffic"]["measured"],
+                       formula=doc["outer_traffic"]["formula"], async_share=sched["async_share"],
+                       overlapped_share=sched["overlapped_share"], covered=covered,
+                       predicted_step_s=report.predicted["seconds"])
+            rows.append(row)
+            print(f"{delay:>5} {compression:<6} {row['bytes_per_step']:>11,.0f} {row['async_share']:>6.0%} "
+                  f"{row['overlapped_share']:>10.0%} {covered['share']:>8.0%} {row['predicted_step_s'] * 1e3:>7.1f}ms",
+                  flush=True)
+    write(dict(how=f"deviceless compile for 1x2x4 x {devices[0].device_kind} ({target})", jax=jax.__version__,
+               model=SCHEDULE_MODEL, layout="mesh.data=2 (one group per host) x fsdp=4, bf16, batch 16 x 1024; "
+               "parallel.diloco.inner_steps=4 fragments=2", rows=rows,
+               command="python benchmarks/diloco.py --target " + target), out)
+    print(f"wrote {out}")
 
 
 def configs(steps: int) -> dict:
@@ -95,9 +147,8 @@ def group_bytes(config) -> dict:
     trainer = build(config, jax.devices()[:8])
     report = inspect_step(trainer)
     spec, groups = config.parallel.diloco, config.mesh.data
-    compiled = report.cross_host_bytes()
-    if spec.inner_steps:  # each fragment's branch once per round of H steps
-        compiled /= spec.inner_steps
+    compiled = report.cross_host_bytes()  # DiLoCo's branches weighed by how often they run
+    if spec.inner_steps:
         formula = outer_bytes(spec, _local_elements(trainer), groups)
     elif trainer.compressor is not None:
         formula = trainer.compressor.cross_host_bytes()["compressed"]
@@ -137,6 +188,8 @@ def scale_bytes(name: str) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.target:
+        return schedule(args.target, ROOT / "benchmarks/results/diloco_schedule.json")
     from jaxpar.mesh import force_cpu_devices
 
     force_cpu_devices(8)
@@ -175,13 +228,14 @@ def main() -> None:
                                  bytes_per_step=bytes_of(name),
                                  to_level={str(lv): (reached[name][str(lv)] * step if reached[name][str(lv)] else None)
                                            for lv in LEVELS}))
-    level = str(LEVELS[-2])
-    print(f"\nwhen it pays: time to loss {level} (the tiny run's steps x (compute + bytes / link)), nothing overlapped")
-    print(f"{'shape':<24} {'method':<16} " + " ".join(f"{str(g) + ' Gb/s':>12}" for g in BANDWIDTHS_GBIT))
-    for where in ("tiny (CPU compute)", "Llama-2-7B, 2 x 8 GPUs"):
-        for name in curves:
-            cells = [r["to_level"][level] for r in rows if r["shape"] == where and r["method"] == name]
-            print(f"{where:<24} {name:<16} " + " ".join(f"{c:>11.1f}s" if c else f"{'-':>12}" for c in cells))
+    for level in (str(LEVELS[2]), str(LEVELS[-1])):
+        print(f"\nwhen it pays: time to loss {level} (the tiny run's steps x (compute + bytes / link)), nothing "
+              "overlapped")
+        print(f"{'shape':<24} {'method':<16} " + " ".join(f"{str(g) + ' Gb/s':>12}" for g in BANDWIDTHS_GBIT))
+        for where in ("tiny (CPU compute)", "Llama-2-7B, 2 x 8 GPUs"):
+            for name in curves:
+                cells = [r["to_level"][level] for r in rows if r["shape"] == where and r["method"] == name]
+                print(f"{where:<24} {name:<16} " + " ".join(f"{c:>11.1f}s" if c else f"{'-':>12}" for c in cells))
 
     drawn = draw(curves, args.png, f"tiny HF Llama on the shipped text, 2 groups ({args.steps} steps)")
     payload = dict(layout=TWO_HOSTS, platform=platform.platform(), jax=jax.__version__, methods=METHODS,

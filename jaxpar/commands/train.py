@@ -82,6 +82,7 @@ def _train(args) -> int:
             f"{'sequence parallel | ' if trainer.layout.tensor.sequence_parallel else ''}"
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {trainer.layout.pipeline.schedule} | ' if trainer.pipeline is not None else ''}"
+            f"{_diloco_summary(trainer)}"
             f"{f'attention {trainer.layout.attention} | ' if has_attention else ''}"
             f"{_repeats_summary(trainer.layout.params.repeats)}"
             f"{_lora_summary(trainer)}"
@@ -119,6 +120,16 @@ def _train(args) -> int:
 def _repeats_summary(repeats: tuple[tuple[str, int], ...]) -> str:
     """Key/value heads fewer than mesh.tensor: how many times each is repeated at use."""
     return f"kv heads repeated {repeats[0][1]}x over tensor | " if repeats else ""
+
+
+def _diloco_summary(trainer) -> str:
+    """DiLoCo's groups and their synchronisation, for the start line (jaxpar.step.diloco)."""
+    d = trainer.layout.diloco
+    if not d.inner_steps:
+        return ""
+    fragments = f" in {d.fragments} fragments, one every {d.inner_steps // d.fragments}" if d.fragments > 1 else ""
+    return (f"DiLoCo: {trainer.mesh.shape['data']} groups, synchronised every {d.inner_steps} steps{fragments}"
+            f"{', beside a step' if d.delay else ''}{', int8' if d.compression != 'none' else ''} | ")
 
 
 def _lora_summary(trainer) -> str:

@@ -29,6 +29,7 @@ from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.pipeline.split import StageSplit
+from jaxpar.step.diloco import SCOPE as DILOCO_SCOPE
 from jaxpar.step.diloco import branch_shares
 from jaxpar.step.muon import SCOPE as MUON_SCOPE
 from jaxpar.xla_options import layer_params
@@ -196,7 +197,8 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         compile_seconds=seconds,
         platform=mesh.devices.flat[0].platform,
         stage_flops=tuple(f for f, _ in stage_flops),
-        predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of, shares if program is not None else None),
+        predicted=predicted_step(text, colls, mesh.devices.flat[0], host_of,
+                                 shares if program is not None else (groups or None)),
         latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
         matmul_types=dot_types(text),
         orthogonalize_flops=optimizer_flops(trainer) if trainer.config.optim.name == "muon" else 0.0,
@@ -216,6 +218,9 @@ def optimizer_flops(trainer) -> float:
     return matmul_flops_each(text, [None])[0][0]
 
 
+GRADIENT_KINDS = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter")
+
+
 def gpu_cost(device) -> GpuCost | None:
     """The cost model's constants for a GPU it knows, None for any other device."""
     return GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
@@ -228,17 +233,21 @@ def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list
     expert all-to-alls' cover, collective by collective. Under a pipeline
     (`pipeline_shares`: how often the average device runs each op of the executor's
     switch) the average device's kernels: the lockstep ticks' waits come on top
-    (jaxpar.plan.step_time.pipeline_bubble; before, every op counted every tick)."""
+    (jaxpar.plan.step_time.pipeline_bubble; before, every op counted every tick). Under
+    DiLoCo the shares of its switch's branches (jaxpar.step.diloco.branch_shares)."""
     gpu = gpu_cost(device)
     if gpu is None:
         return None
     covers = collective_covers(hlo_text, colls, gpu, host_of)
     muon = [c for c in covers if MUON_SCOPE in c.collective.op_name]
+    outer = [c for c in covers if DILOCO_SCOPE in c.collective.op_name and "data" in c.collective.axes]
     exchange = [c for c in covers if c.collective.kind in ("all-to-all", "ragged-all-to-all") and c not in muon]
     return {"gpu": gpu.describe(), "bf16_tflops": gpu.bf16_tflops,
             **step_cost(hlo_text, gpu, exposed_collective_seconds(covers), pipeline_shares).to_json(),
             # Muon's all-to-alls and gathers against the compute scheduled beside them
             "muon_cover": covered_share(muon, kinds=("all-to-all", "all-gather")) if muon else None,
+            # DiLoCo's outer exchange (over data, in its switch's branches) against the inner step beside it
+            "outer_cover": covered_share(outer, kinds=GRADIENT_KINDS) if outer else None,
             "all_to_all_cover": {**covered_share(exchange), "each": [
                 {"name": c.collective.name, "kind": c.collective.kind, "axes": list(c.collective.axes),
                  "crosses_hosts": c.collective.crosses_hosts, "runs": c.collective.trip_count,

@@ -282,7 +282,8 @@ def diloco_rows(facts: Facts) -> dict[str, Any]:
         f"each, one every {spec.inner_steps // spec.fragments} steps"
         + (", each beside an inner step (delay 1)" if spec.delay else ""),
         "outer_schedule": {"collectives": len(mine), "async_share": _share(mine, lambda c: c.is_async),
-                           "overlapped_share": _share(mine, lambda c: c.overlapped)},
+                           "overlapped_share": _share(mine, lambda c: c.overlapped),
+                           "covered": (facts.report.predicted or {}).get("outer_cover")},
     }
 
 
@@ -296,10 +297,12 @@ def _ways(axes: tuple[str, ...], mesh: dict[str, int]) -> int:
 def diloco_lines(doc: dict[str, Any]) -> list[str]:
     if "outer_traffic" not in doc:
         return []
-    sched = doc["outer_schedule"]
+    sched, covered = doc["outer_schedule"], doc["outer_schedule"].get("covered")
     return [line(doc["outer_traffic"], byte_size), f"  formula: {doc['outer_traffic_formula']}",
             (f"  {sched['collectives']} collectives over data; async {_percent(sched['async_share'])}, overlapped "
-             f"with compute {_percent(sched['overlapped_share'])} of their bytes")]
+             f"with compute {_percent(sched['overlapped_share'])} of their bytes")
+            + (f"; their transfer time covered by compute on this GPU: {_percent(covered['share'])} "
+               f"({covered['covered_s'] * 1e3:.2f} of {covered['transfer_s'] * 1e3:.2f} ms a step)" if covered else "")]
 
 
 def compression_lines(doc: dict[str, Any]) -> list[str]:
