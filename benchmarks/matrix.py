@@ -15,6 +15,7 @@ compared with the single-device run of the same recipe and shape.
   python benchmarks/matrix.py --only uneven --only two_batch    # stages of any size, the two-batch overlap
   python benchmarks/matrix.py --only fp8_experts   # FP8 experts and dispatch (to 1e-3: VARIANT_RTOL)
   python benchmarks/matrix.py --only two_hops      # node-limited routing: the expert axis over 2 hosts
+  python benchmarks/matrix.py --only diloco        # DiLoCo's groups over data, a layout inside each
 
 Strategies and their mesh axis (each gets DEGREE = 2 devices there; a pair runs on 4 CPU
 devices, a triple on 8, so no axis the cell does not name is > 1):
@@ -50,7 +51,10 @@ A cell is
 
 The reference is `jaxpar train RECIPE --cpu-devices 1` with the same overrides but the
 mesh and parallel.* ones (on one device every layout collapses), once per recipe and
-adaptation.
+adaptation. DiLoCo's cells ([diloco], [diloco_moe], [diloco_streaming]) keep its settings
+and its groups in the reference: `--cpu-devices 2` with mesh.data=2, each group on one
+device (jaxpar.testing.diloco_reference checks that against the groups run one after
+another: tests/equivalence/test_diloco.py).
 """
 
 from __future__ import annotations
@@ -184,6 +188,13 @@ VARIANTS = {
                        "(a no-op on the CPU backend, but every array's memory space typed)"),
     "offload_params_deepseek": ("deepseek", ("parallel.zero.offload_params=true",),
                                 "the cell's subject: host-resting parameters beside experts"),
+    "diloco": ("llama", ("parallel.diloco.inner_steps=2",),
+               "the cell's subject: DiLoCo, each data replica a group, synchronised after step 2"),
+    "diloco_moe": ("moe", ("parallel.diloco.inner_steps=2",), "the cell's subject: DiLoCo with experts inside each group"),
+    "diloco_streaming": ("llama", ("parallel.diloco.inner_steps=4", "parallel.diloco.fragments=2",
+                                   "parallel.diloco.delay=1", "parallel.diloco.mix=0.5"),
+                         "the cell's subject: streaming DiLoCo, the first fragment after step 2, its exchange beside "
+                         "the step, mixed half and half"),
 }
 # FP8 cells compare with the single-device FP8 run to this tolerance, not RTOL: a gradient on
 # an 8-bit (e5m2: 2 mantissa bits) rounding boundary may round the other way when float32 sums
@@ -191,7 +202,10 @@ VARIANTS = {
 # is near zero moves by a share of lr (measured: losses within 1.2e-7, parameters 6.5e-4).
 VARIANT_RTOL = {"fp8_experts": 1e-3}
 # parallel.* settings that change the arithmetic, not only the layout: the reference runs them too.
-NUMERICS = ("parallel.expert_dispatch_dtype",)
+NUMERICS = ("parallel.expert_dispatch_dtype", "parallel.diloco")
+# DiLoCo's groups are its arithmetic: its cells' reference keeps them, each group on one device
+# (mesh.data=2 on 2 devices), so the cell checks every layout inside a group against none.
+GROUPS_MESH = "mesh.data=2"
 KV1_CELLS = (("data", "tensor+sp"), ("zero3", "tensor"), ("fsdp", "tensor+sp"), ("ring", "tensor+sp"), ("ulysses", "tensor"),
              ("allgather", "tensor"), ("1f1b", "tensor"), ("interleaved", "tensor+sp"), ("zb-h1", "tensor"),
              ("1f1b", "fsdp", "tensor+sp"), ("fsdp", "ring", "tensor+sp"))
@@ -226,6 +240,12 @@ QK_CLIP_DEEPSEEK_CELLS = (("data", "expert"), ("expert", "tensor"))
 # Parameters in host memory: beside each axis's strategy; stages are refused.
 OFFLOAD_PARAMS_CELLS = (("zero1", "tensor+sp"), ("zero3", "fsdp"), ("fsdp", "ring"), ("ulysses", "tensor"), ("gpipe", "data"))
 OFFLOAD_PARAMS_DEEPSEEK_CELLS = (("data", "expert"), ("expert", "tensor"))
+# DiLoCo over data (its groups) with each axis's strategy inside a group; ZeRO over data and
+# stages are refused.
+DILOCO_CELLS = (("data", "fsdp"), ("data", "tensor+sp"), ("data", "ring"), ("data", "fsdp", "tensor"), ("1f1b", "data"),
+                ("zero1", "fsdp"))
+DILOCO_MOE_CELLS = (("data", "expert"),)
+DILOCO_STREAMING_CELLS = (("data", "fsdp"), ("data", "tensor"), ("data", "fsdp", "tensor+sp"))
 QWEN3_MOE_DENSE_CELLS = (("data", "expert"), ("zero1", "expert"), ("fsdp", "expert"), ("expert", "tensor"),
                          ("expert", "tensor+sp"), ("1f1b", "expert"), ("fsdp", "expert", "tensor"))
 
@@ -297,7 +317,8 @@ class Cell:
         mesh.*), which a single device runs without (a variant's pipeline split, its two-batch
         overlap, its hosts), bar those that change the arithmetic (NUMERICS)."""
         layout = lambda o: o.startswith(("parallel.", "mesh.")) and not o.startswith(NUMERICS)  # noqa: E731
-        return self.recipe, tuple(o for o, _ in self.adapted if not layout(o))
+        kept = tuple(o for o, _ in self.adapted if not layout(o))
+        return self.recipe, kept + ((GROUPS_MESH,) if any(o.startswith("parallel.diloco") for o in kept) else ())
 
 
 def cells() -> list[Cell]:
@@ -334,6 +355,9 @@ def cells() -> list[Cell]:
     out += [Cell(tuple(sorted(combo, key=order.get)), "offload_params") for combo in OFFLOAD_PARAMS_CELLS]
     out += [Cell(tuple(sorted(combo, key=order.get)), "offload_params_deepseek")
             for combo in OFFLOAD_PARAMS_DEEPSEEK_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "diloco") for combo in DILOCO_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "diloco_moe") for combo in DILOCO_MOE_CELLS]
+    out += [Cell(tuple(sorted(combo, key=order.get)), "diloco_streaming") for combo in DILOCO_STREAMING_CELLS]
     return out
 
 
@@ -493,7 +517,7 @@ def adam_reach(recipe: str) -> float:
 
 def run_reference(key, workroot: pathlib.Path, timeout_s: float, params: bool) -> dict:
     recipe, adapted = key
-    argv = train_argv(recipe, 1, [*BASE, *adapted])
+    argv = train_argv(recipe, 2 if GROUPS_MESH in adapted else 1, [*BASE, *adapted])
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="ref_", dir=workroot))
     result = run_cli(argv, workdir, timeout_s, params)
     ok = result["rc"] == 0 and len(result["losses"]) == STEPS and (result["state"] is not None or not params)

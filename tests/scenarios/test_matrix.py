@@ -128,6 +128,11 @@ def test_every_pair_of_axes_is_a_cell_once_and_no_cell_doubles_an_axis():
     assert {s for c in kv for s in c.strategies} >= {"ring", "ulysses", "allgather", "tensor", "tensor+sp"}
     for name in COMPILED:
         assert name in names
+    # DiLoCo's references keep its settings and its groups, each group on one device
+    diloco = [c for c in cells if c.family.startswith("diloco")]
+    assert len(diloco) == 10 and all(matrix.GROUPS_MESH in c.reference_key[1] for c in diloco)
+    assert all(any(o.startswith("parallel.diloco.") for o in c.reference_key[1]) for c in diloco)
+    assert not any(matrix.GROUPS_MESH in c.reference_key[1] for c in cells if not c.family.startswith("diloco"))
     pipelined = [c for c in cells if "stage" in c.axes]
     assert all("train.microbatches=2" in c.overrides for c in pipelined)
     assert all("parallel.pipeline.chunks=2" in c.overrides for c in pipelined if "interleaved" in c.strategies)
