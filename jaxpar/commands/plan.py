@@ -28,6 +28,14 @@ def add_parser(sub) -> None:
                       "(jaxpar.inspect.cost) instead of the roofline")
     plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                       help="the optimizer priced and compiled: adamw (default) or muon (docs/muon.md)")
+    plan.add_argument("--groups", type=int, default=1, metavar="G",
+                      help="the hosts are G groups (clusters, datacenters) joined by a slower link: mesh.data spans "
+                      "them, one replica each, every other axis inside a group")
+    plan.add_argument("--group-link-gbit", type=float, metavar="X",
+                      help="with --groups: Gb/s per GPU between the groups (default: the hosts' network)")
+    plan.add_argument("--diloco", type=int, default=0, metavar="H",
+                      help="with --groups: also consider DiLoCo between them, synchronising every H steps "
+                      "(docs/diloco.md)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -37,9 +45,15 @@ def run(args) -> int:
 
     for flag, value in (("--devices", args.devices), ("--hbm-gb", args.hbm_gb), ("--compile-top", args.compile_top),
                         ("--hosts", args.hosts), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
-                        ("--compile-timeout", args.compile_timeout)):
+                        ("--compile-timeout", args.compile_timeout), ("--group-link-gbit", args.group_link_gbit),
+                        ("--groups", args.groups)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be positive")
+    if args.diloco < 0:
+        raise ConfigError(f"--diloco={args.diloco}; use the inner steps between synchronisations, e.g. 100 (0: none)")
+    if args.groups == 1 and (args.diloco or args.group_link_gbit):
+        raise ConfigError("--diloco and --group-link-gbit price the link between groups of hosts; give --groups G "
+                          "(e.g. --groups 2) as well")
     if args.devices > 4096:
         raise ConfigError(f"--devices={args.devices}; plan for at most 4096 devices")
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX starts its backends
@@ -60,6 +74,7 @@ def run(args) -> int:
 
     import jax
 
+    from jaxpar.plan import Hardware
     from jaxpar.plan import plan as make_plan
     from jaxpar.plan import render, resolve_model
 
@@ -74,7 +89,8 @@ def run(args) -> int:
               f"{args.compile_timeout:g} s", file=sys.stderr, flush=True)
     planned, facts = make_plan(model, devices if args.target else jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,
                                args.compile_top, progress=bar, compile_timeout_s=args.compile_timeout,
-                               optimizer=args.optimizer)
+                               optimizer=args.optimizer, groups=args.groups, diloco=args.diloco,
+                               hw=Hardware(group_link_gb_per_s=(args.group_link_gbit or 0.0) / 8))
     if args.json:
         rows = [{"layout": p.layout.describe(), "overrides": p.overrides, "estimate": p.estimate, "memory": p.memory,
                  "prediction": p.prediction, "refused": p.refused, "failed": p.failed} for p in planned]

@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.model import has
-from jaxpar.plan.layouts import Layout, candidates, estimate
+from jaxpar.plan.layouts import Layout, candidates, diloco_variants, estimate
 from jaxpar.plan.presets import MODELS, Hardware
 from jaxpar.units import byte_size, duration
 
@@ -63,12 +63,17 @@ PLANNED_FIELDS = ("vocab_size", "embed", "num_layers", "num_heads", "num_kv_head
 
 
 def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_batch: int, compile_top: int = 4,
-         hw: Hardware = Hardware(), progress: bool = True, compile_timeout_s: float = 600.0, optimizer: str = "adamw"
-         ) -> tuple[list[Planned], dict[str, Any]]:
+         hw: Hardware = Hardware(), progress: bool = True, compile_timeout_s: float = 600.0, optimizer: str = "adamw",
+         groups: int = 1, diloco: int = 0) -> tuple[list[Planned], dict[str, Any]]:
     """(the compiled candidates, best first; facts about the search). Each compiles in a
     child process given `compile_timeout_s`; a child that dies or overruns marks its
     candidate failed, and the search goes on. `optimizer`: adamw, or muon (its state, FLOPs
-    and exchange priced: jaxpar.plan.layouts.muon_cost; the compiles train with it)."""
+    and exchange priced: jaxpar.plan.layouts.muon_cost; the compiles train with it).
+    `groups` > 1: the cluster is that many groups of hosts (clusters, datacenters) joined by
+    `hw.group_link_gb_per_s`; mesh.data spans them, a replica each, every other axis inside
+    one. `diloco` > 0: each such layout DiLoCo can run is also considered with the groups
+    synchronised every `diloco` steps (jaxpar.plan.layouts.diloco_variants). Both are priced
+    per step: DiLoCo's steps to a loss are not data parallelism's (docs/diloco.md)."""
     from tqdm import tqdm
 
     n = len(devices)
@@ -76,8 +81,11 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
         raise ConfigError(f"--hosts={hosts} does not divide --devices={n}; use a divisor of {n}")
     hw = dataclasses.replace(hw, devices_per_host=n // hosts)
     budget = hbm_gb * 2**30 * RUNTIME_SHARE
-    everything = [dataclasses.replace(lay, optimizer=optimizer)
-                  for lay in candidates(model, n, hw.devices_per_host, global_batch, seq_len)]
+    if hosts % groups:
+        raise ConfigError(f"--groups={groups} does not divide --hosts={hosts}; each group holds whole hosts")
+    laid = [lay for lay in candidates(model, n, hw.devices_per_host, global_batch, seq_len)
+            if groups == 1 or (lay.data == groups and lay.stage == 1)]  # one data replica per group
+    everything = [dataclasses.replace(lay, optimizer=optimizer) for lay in diloco_variants(laid, diloco)]
     if not everything:
         raise ConfigError(
             f"no layout of {type(model).__name__} runs {global_batch} sequences on {n} devices; use a global batch "

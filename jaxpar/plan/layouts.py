@@ -7,6 +7,8 @@ import dataclasses
 import math
 
 from jaxpar.config import OptimConfig
+from jaxpar.specs import DilocoConfig
+from jaxpar.step.diloco import outer_bytes
 from jaxpar.inspect import formulas
 from jaxpar.kernels.newton_schulz import MatrixAxes, flops
 from jaxpar.kernels.experts.exchange import two_hops
@@ -38,6 +40,7 @@ class Layout:
     schedule: str = "1f1b"  # parallel.pipeline.schedule under stages: 1f1b | 1f1b-overlap
     optimizer: str = "adamw"  # optim.name: adamw | muon (priced by `muon_cost`)
     offload: bool = False  # parallel.zero.offload_params and offload_optimizer: the state rests on the host
+    diloco: int = 0  # parallel.diloco.inner_steps: data's replicas are DiLoCo groups synchronised every this many steps
 
     @property
     def axes(self) -> dict[str, int]:
@@ -73,6 +76,8 @@ class Layout:
             sets.append("model.group_capacity=true")
         if self.offload:
             sets += ["parallel.zero.offload_params=true", "parallel.zero.offload_optimizer=true"]
+        if self.diloco:
+            sets.append(f"parallel.diloco.inner_steps={self.diloco}")
         return sets
 
     @property
@@ -87,7 +92,9 @@ class Layout:
         experts = " fp8-dispatch" * self.fp8_dispatch + " two-hops" * self.two_hops
         overlap = " overlapped" * (self.schedule == "1f1b-overlap")
         host = " state-on-host" * self.offload
-        return f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{overlap}{layers}{experts}{host}"
+        groups = f" diloco H={self.diloco}" if self.diloco else ""
+        return (f"{shown} zero{self.zero_stage} remat={self.remat} m={self.microbatches}{overlap}{layers}{experts}{host}"
+                f"{groups}")
 
 
 def candidates(model, devices: int, devices_per_host: int, global_batch: int, seq_len: int) -> list[Layout]:
@@ -138,6 +145,18 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     return out
 
 
+def diloco_variants(layouts: list[Layout], inner_steps: int) -> list[Layout]:
+    """`layouts`, and each that DiLoCo can run with its data replicas as groups (data > 1,
+    no stages, the state on the device: jaxpar.checks.diloco) once more with DiLoCo
+    synchronising every `inner_steps` (0: none), without ZeRO over data (each group holds
+    its own state)."""
+    if not inner_steps:
+        return layouts
+    able = [lay for lay in layouts if lay.data > 1 and lay.stage == 1 and not lay.offload]
+    grouped = dict.fromkeys(dataclasses.replace(lay, diloco=inner_steps, zero_stage=0) for lay in able)
+    return layouts + list(grouped)
+
+
 def expert_variants(layout: Layout, model, devices_per_host: int) -> list[Layout]:
     """`layout`, and where its experts span hosts, the same with the FP8 dispatch and (capacity
     routing whose groups the expert axis's hosts hold whole) with group capacity."""
@@ -177,6 +196,8 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     host = host_traffic(dense, experts_state, L) if L.offload else None
     if host is not None:  # on the device: the gradients, and one layer's weights fetched at a time
         state = grads + 2 * layer_params(model) / L.tensor
+    local = (psi_local - routed) / (L.fsdp * L.tensor) + routed / (L.fsdp * L.tensor * L.expert)  # elements a device holds
+    state += 8 * local if L.diloco else 0.0  # DiLoCo's anchor and outer momentum, float32
     b = global_batch // (L.data * L.fsdp * L.expert * L.microbatches)  # rows per device per microbatch
     s, h, a = seq_len // L.context, model.embed, model.num_heads
     layers = max(counts)
@@ -208,10 +229,15 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
         cost, ideal = lockstep_cost(L.schedule, L.stage, L.microbatches, 1, counts, 0.0, head_layers(model, seq_len))
         bubble = 1 - ideal / cost
     across = L.host_split(hw.devices_per_host)
-    bw = lambda axis: (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9  # noqa: E731
+    def bw(axis: str) -> float:
+        if axis == "data" and hw.group_link_gb_per_s:  # data's replicas in different clusters
+            return hw.group_link_gb_per_s * 1e9
+        return (hw.inter_host_gb_per_s if across[axis] > 1 else hw.intra_host_gb_per_s) * 1e9
     shard = weights / 2  # the parameters a device reduces and gathers: experts split e ways besides
     fsdp_bytes = 3 * 2 * shard * (L.fsdp - 1) / L.fsdp * L.microbatches if L.fsdp > 1 else 0.0
     data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
+    outer = outer_bytes(DilocoConfig(inner_steps=L.diloco), local, L.data) if L.diloco else 0.0
+    data_bytes = 0.0 if L.diloco else data_bytes  # DiLoCo: no gradient crosses between groups, its exchange does
     tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     host_link = hw.host_link_gb_per_s * 1e9
@@ -221,7 +247,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
         model_time += _expert_seconds(L, model, s * b, rows, bw("expert"), hw.intra_host_gb_per_s * 1e9)
     busy = compute / (1 - bubble)
     hidden = min(hw.overlap_data * data_time, busy)  # overlap hides collectives behind compute, no more than it lasts
-    step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time
+    step = busy + data_time - hidden + (1 - hw.overlap_model) * model_time + outer / bw("data")  # DiLoCo's: unhidden
     host_s = (1 - hw.overlap_data) * host["streamed"] / host_link + host["update"] / host_link if host else 0.0
     step += host["update"] / host_link if host else 0.0  # at the step's edge, after the backward: nothing covers it
     if muon is not None:  # its exchange runs beside other matrices' iterations (docs/muon.md: all covered)

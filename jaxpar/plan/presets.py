@@ -25,6 +25,9 @@ class Hardware:
     # Host memory to the device (parameters resting on the host): PCIe Gen5 x16 carries
     # 64 GB/s per direction; 50 is an assumption of what a copy reaches until a GPU measures it.
     host_link_gb_per_s: float = 50.0
+    # Between mesh.data's replicas where they sit in different clusters or datacenters
+    # (`jaxpar plan --group-link-gbit`): GB/s per device; 0: they meet over the hosts' links.
+    group_link_gb_per_s: float = 0.0
     # Shares of collective time hidden behind compute: the data-parallel axes' gathers and
     # reductions are scheduled behind other layers' matmuls (the overlap preset); the
     # tensor, context and expert collectives sit on the critical path between matmuls.
@@ -37,6 +40,8 @@ class Hardware:
             f"HBM {self.hbm_gb_per_s / 1000:g} TB/s, {self.intra_host_gb_per_s:g} GB/s inside a host of "
             f"{self.devices_per_host}, {self.inter_host_gb_per_s:g} GB/s per device across hosts, "
             f"{self.host_link_gb_per_s:g} GB/s between host memory and a device; "
-            f"{self.overlap_data:.0%} of data/fsdp collective time and {self.overlap_model:.0%} of "
+            + (f"{self.group_link_gb_per_s * 8:g} Gb/s per device between mesh.data's replicas (DiLoCo's exchange "
+               "there not hidden); " if self.group_link_gb_per_s else "")
+            + f"{self.overlap_data:.0%} of data/fsdp collective time and {self.overlap_model:.0%} of "
             "tensor/context/expert time hidden behind compute (host copies: as data/fsdp's)"
         )

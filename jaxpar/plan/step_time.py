@@ -18,7 +18,9 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
     ticks: `pipeline_bubble`), plus the collective time the overlap does not hide.
     Collectives across hosts run at the per-device network speed, the rest at NVLink's.
     The CPU backend widens bf16 collectives of activations to f32; on GPUs they stay bf16,
-    so such bytes count half. (HBM traffic comes from formulas: the CPU compiler's own count
+    so such bytes count half. Collectives over data run at `hw.group_link_gb_per_s` where
+    it is set (data's replicas in other clusters), and DiLoCo's exchange there is not
+    hidden (its switch's branches weighed by how often they run). (HBM traffic comes from formulas: the CPU compiler's own count
     reflects its weaker fusion.) `host_s`: the copies between host memory and the device
     that nothing covers, from formulas too (jaxpar.plan.layouts.host_traffic: the CPU
     backend's host copies are no-ops). The pipeline and microbatches are the layout's specs."""
@@ -27,16 +29,20 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
     widened = config.train.compute_dtype == "bfloat16"
     data_s = model_s = 0.0
+    groups = config.parallel.diloco.inner_steps > 0
     for c in report.collectives:
         size = c.bytes_per_step * (0.5 if widened and c.dtype == "f32" and MODEL_AXES & set(c.axes) else 1.0)
-        seconds = size / ((hw.inter_host_gb_per_s if c.crosses_hosts else hw.intra_host_gb_per_s) * 1e9)
-        if MODEL_AXES & set(c.axes) or "stage" in c.axes:
+        link = hw.inter_host_gb_per_s if c.crosses_hosts else hw.intra_host_gb_per_s
+        seconds = size / ((hw.group_link_gb_per_s if hw.group_link_gb_per_s and "data" in c.axes else link) * 1e9)
+        if MODEL_AXES & set(c.axes) or "stage" in c.axes or (groups and "data" in c.axes):  # DiLoCo's: unhidden
             model_s += seconds
         else:
             data_s += seconds
     bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
-    exposed = (1 - hw.overlap_data) * data_s + (1 - hw.overlap_model) * model_s + host_s
-    step = max(compute, memory) / (1 - bubble) + exposed
+    busy = max(compute, memory) / (1 - bubble)
+    # overlap hides the data-parallel collectives behind compute, no more than it lasts (as the estimate)
+    exposed = data_s - min(hw.overlap_data * data_s, busy) + (1 - hw.overlap_model) * model_s + host_s
+    step = busy + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
     return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,

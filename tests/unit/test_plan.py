@@ -219,3 +219,28 @@ def test_state_on_the_host_trades_device_memory_for_copies_over_pcie():
     sets = host.overrides(8, 1)
     assert "parallel.zero.offload_params=true" in sets and "parallel.zero.offload_optimizer=true" in sets
     assert not any(lay.offload for lay in candidates(model, 16, 8, 16, 4096) if lay.stage > 1)  # refused with stages
+
+
+def test_groups_across_a_slow_link_are_planned_with_diloco_too():
+    """Two clusters joined by 1 Gb/s per GPU: every candidate has a data replica per
+    cluster; data parallelism sends its gradient over that link each step, DiLoCo its
+    outer exchange every H steps, unhidden (jaxpar.step.diloco.outer_bytes), with 8 bytes
+    a parameter of outer state more; DiLoCo needs no ZeRO over data."""
+    from jaxpar.plan.layouts import diloco_variants
+    from jaxpar.specs import DilocoConfig
+    from jaxpar.step.diloco import outer_bytes
+
+    model, hw = MODELS["llama3-8b"], Hardware(group_link_gb_per_s=1 / 8)
+    dp = Layout(stage=1, data=2, fsdp=8, tensor=1, context=1, expert=1, zero_stage=1, remat="full", microbatches=1)
+    laid = diloco_variants([dp, dataclasses.replace(dp, stage=2, data=1)], 100)
+    assert len(laid) == 3 and laid[2] == dataclasses.replace(dp, diloco=100, zero_stage=0)  # stages: none
+    groups = laid[2]
+    a, d = estimate(dp, model, 16, 4096, hw), estimate(groups, model, 16, 4096, hw)
+    local = model.param_count() / 8
+    gradient = 2 * 4 * local / 2 / hw.group_link_gb_per_s / 1e9  # the all-reduce of float32 gradients, ring of 2
+    assert a["step_s"] > 0.9 * gradient and d["step_s"] < a["step_s"] / 20
+    outer = outer_bytes(DilocoConfig(inner_steps=100), local, 2) / (hw.group_link_gb_per_s * 1e9)
+    assert d["step_s"] >= outer and outer == pytest.approx(gradient / 100, rel=0.01)
+    zero0 = estimate(dataclasses.replace(dp, zero_stage=0), model, 16, 4096, hw)["memory"]
+    assert d["memory"] == pytest.approx(zero0 + 8 * local, rel=1e-6)
+    assert "parallel.diloco.inner_steps=100" in groups.overrides(8, 2) and "diloco H=100" in groups.describe()
