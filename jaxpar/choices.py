@@ -31,7 +31,7 @@ DispatchDtype = Literal["compute", "fp8"]  # what the experts' dispatch all-to-a
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "1f1b-overlap"]
 PipelineBalance = Literal["even", "balanced"]  # layers per stage without a list (jaxpar.pipeline.split)
 OnReplicated = Literal["warn", "error", "allow"]
-OuterCompression = Literal["none", "int8"]  # what DiLoCo's outer exchange moves (jaxpar.step.diloco)
+OuterCompression = Literal["none", "int8", "topk"]  # what DiLoCo's outer exchange moves (jaxpar.step.diloco)
 # train
 ComputeDtype = Literal["float32", "bfloat16"]
 MatmulDtype = Literal["compute", "fp8"]

@@ -138,10 +138,12 @@ class DilocoConfig:
     # the group's own (streaming DiLoCo's alpha; 0: the global ones).
     mix: float = 0.0
     # What the outer exchange moves: none (float32) | int8 (a float32 scale per
-    # quantization_block elements, both halves of the all-reduce).
+    # quantization_block elements, both halves of the all-reduce) | topk (each device's
+    # topk_fraction largest entries of its block, as (value, index) pairs).
     compression: OuterCompression = "none"
     quantization_block: int = 256  # int8: the elements that share one float32 scale
-    error_feedback: bool = True  # int8: what rounding left out of a group's share is sent with its next one
+    topk_fraction: float = 0.01  # topk: the share of each device's block sent
+    error_feedback: bool = True  # int8, topk: what a group's share left out is sent with its next one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,17 +14,18 @@ rule = collector(RULES)
     "diloco-values",
     fields=["parallel.diloco.inner_steps", "parallel.diloco.outer_lr", "parallel.diloco.outer_momentum",
             "parallel.diloco.fragments", "parallel.diloco.delay", "parallel.diloco.mix",
-            "parallel.diloco.quantization_block"],
+            "parallel.diloco.quantization_block", "parallel.diloco.topk_fraction"],
     summary="DiLoCo's numbers: inner_steps >= 0 (0: off), a positive outer_lr, outer_momentum in [0, 1), fragments "
     "that divide inner_steps into periods of at least delay + 1 steps (delay 0 or 1), mix in [0, 1], a positive "
-    "quantization_block.",
+    "quantization_block, a topk_fraction in (0, 1].",
     example=["parallel.diloco.inner_steps=4", "parallel.diloco.fragments=3"],
     also=[["parallel.diloco.inner_steps=-1"], ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_lr=0"],
           ["parallel.diloco.inner_steps=4", "parallel.diloco.outer_momentum=1"],
           ["parallel.diloco.inner_steps=4", "parallel.diloco.delay=2"],
           ["parallel.diloco.inner_steps=2", "parallel.diloco.fragments=2", "parallel.diloco.delay=1"],
           ["parallel.diloco.inner_steps=4", "parallel.diloco.mix=1.5"],
-          ["parallel.diloco.inner_steps=4", "parallel.diloco.quantization_block=0"]],
+          ["parallel.diloco.inner_steps=4", "parallel.diloco.quantization_block=0"],
+          ["parallel.diloco.inner_steps=4", "parallel.diloco.topk_fraction=0"]],
 )
 def diloco_values(config, sizes) -> None:
     d = config.parallel.diloco
@@ -37,6 +38,7 @@ def diloco_values(config, sizes) -> None:
               "outer_momentum": (0 <= d.outer_momentum < 1, "in [0, 1), e.g. 0.9"),
               "mix": (0 <= d.mix <= 1, "in [0, 1] (0: the new global weights)"),
               "quantization_block": (d.quantization_block > 0, "a positive block, e.g. 256"),
+              "topk_fraction": (0 < d.topk_fraction <= 1, "in (0, 1], e.g. 0.01"),
               "delay": (d.delay in (0, 1), "0 (the exchange after the step) or 1 (beside it)")}
     for field, (holds, what) in ranges.items():
         if not holds:

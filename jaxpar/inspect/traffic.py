@@ -276,8 +276,11 @@ def diloco_rows(facts: Facts) -> dict[str, Any]:
     return {
         "outer_traffic": row(f"DiLoCo outer exchange, bytes per step ({spec.compression})",
                              per_step, outer_bytes(spec, local, groups)),
-        "outer_traffic_formula": f"2 x {'4' if spec.compression == 'none' else f'(1 + 4/{spec.quantization_block})'} "
-        f"bytes x Ψ/(fsdp x tensor) x (G-1)/G, G = {groups} groups, once every inner_steps = {spec.inner_steps}; "
+        "outer_traffic_formula": (f"8 bytes x {spec.topk_fraction:g} Ψ/(fsdp x tensor) x (G-1)"
+                                  if spec.compression == "topk" else
+                                  f"2 x {'4' if spec.compression == 'none' else f'(1 + 4/{spec.quantization_block})'} "
+                                  "bytes x Ψ/(fsdp x tensor) x (G-1)/G")
+        + f", G = {groups} groups, once every inner_steps = {spec.inner_steps}; "
         f"{spec.fragments} fragment{'s' if spec.fragments > 1 else ''} of {byte_size(per_round / spec.fragments)} "
         f"each, one every {spec.inner_steps // spec.fragments} steps"
         + (", each beside an inner step (delay 1)" if spec.delay else ""),

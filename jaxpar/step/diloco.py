@@ -34,7 +34,8 @@ the inner update. Each kind of step (no sync, fragment k's) is a branch of one
 per block (jaxpar.kernels.quantized: a reduce-scatter, then an all-gather of the mean), with
 error feedback on the first half: what rounding left out of a group's share is added to its
 next one (`residual`, per group). Leaves no dimension of which `data` divides cross in
-float32.
+float32. `topk`: each device sends its block's largest entries as (value, index) pairs
+(jaxpar.kernels.compression.topk_mean), the rest kept as the residual.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.kernels.compression import topk_mean
 from jaxpar.kernels.quantized import quantized_all_gather, quantized_reduce_scatter, reduce_scatter_rounding
 from jaxpar.sharding.annotate import ParamNames, add_axes
 from jaxpar.specs import DilocoConfig
@@ -118,7 +120,10 @@ def outer_bytes(spec: DilocoConfig, elements: float, groups: int) -> float:
     """Bytes one device sends to other groups per step, on average (the ring model of
     jaxpar.inspect): its `elements` of the weights all-reduced over the groups once every
     inner_steps (each fragment once a round), 2 x (G-1)/G of them, at 4 bytes each in
-    float32, 1 + 4 / quantization_block in int8 (the reduce-scatter and the all-gather)."""
+    float32, 1 + 4 / quantization_block in int8 (the reduce-scatter and the all-gather);
+    top-k all-gathers topk_fraction of them as 8-byte (value, index) pairs, (G-1) x."""
+    if spec.compression == "topk":
+        return 8 * spec.topk_fraction * elements * (groups - 1) / spec.inner_steps
     each = 4 if spec.compression == "none" else 1 + 4 / spec.quantization_block
     return 2 * each * elements * (groups - 1) / groups / spec.inner_steps
 
@@ -183,9 +188,12 @@ class OuterStep:
         return means, new_residual
 
     def _mean(self, d: jax.Array, spec: P, names) -> tuple[jax.Array, jax.Array]:
-        """(the groups' mean of d [data, ...] in the anchor's sharding, what rounding left
-        out of each group's share: zeros in float32). int8 where `data` divides a dimension."""
+        """(the groups' mean of d [data, ...] in the anchor's sharding, what compression left
+        out of each group's share: zeros in float32). int8 where `data` divides a dimension;
+        top-k on each device's block (jaxpar.kernels.compression.topk_mean)."""
         groups = self.mesh.shape[AXIS]
+        if self.spec.compression == "topk":
+            return topk_mean(d, jnp.zeros_like(d), self.spec.topk_fraction, self.mesh, AXIS, spec)
         target = add_axes(spec, d.shape[1:], names, self.mesh, (AXIS,))
         if self.spec.compression == "none" or target == spec:
             return jax.lax.with_sharding_constraint(d.mean(0), NamedSharding(self.mesh, spec)), jnp.zeros_like(d)

@@ -141,3 +141,16 @@ def test_explain_shows_the_outer_state_and_exchange_beside_their_formulas():
     assert abs(memory["DiLoCo outer state"]["ratio"] - 1) < 0.01 and abs(memory["model state"]["ratio"] - 1) < 0.01
     assert abs(doc["outer_traffic"]["ratio"] - 1) < 0.01 and doc["outer_schedule"]["collectives"] > 0
     assert "over data: none" in doc["gradient_traffic_formula"] and abs(doc["gradient_traffic"]["ratio"] - 1) < 0.05
+
+
+def test_topk_outer_exchange_at_fraction_one_is_lossless_and_explain_prices_its_pairs():
+    from jaxpar.inspect import inspect_step
+    from jaxpar.inspect.explain import explain
+    from jaxpar.train import build
+
+    config = apply_overrides(_deep(), ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "parallel.diloco.inner_steps=2"])
+    every = apply_overrides(config, ["parallel.diloco.compression=topk", "parallel.diloco.topk_fraction=1"])
+    check(compare(run_layout(every, steps=4), run_layout(config, steps=4)), 1e-5, where="top-k of every entry")
+    tenth = build(apply_overrides(config, ["parallel.diloco.compression=topk", "parallel.diloco.topk_fraction=0.1"]))
+    doc = explain(tenth, inspect_step(tenth))
+    assert abs(doc["outer_traffic"]["ratio"] - 1) < 0.05, doc["outer_traffic"]
