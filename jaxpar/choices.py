@@ -41,7 +41,7 @@ OnNonfinite = Literal["stop", "skip"]
 Optimizer = Literal["adam", "adamw", "lion", "sgd", "muon"]
 MuonScale = Literal["rms", "shape"]  # how Muon scales an orthogonalised update by its shape (jaxpar.step.muon)
 # data
-DataSource = Literal["synthetic", "tokens", "text", "chat", "preference"]
+DataSource = Literal["synthetic", "tokens", "text", "chat", "preference", "mix"]
 DataOrder = Literal["windows", "epochs"]
 # compiler
 CompilerPreset = Literal["auto", "overlap", "none"]  # auto: overlap on GPUs, none elsewhere

@@ -104,7 +104,8 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # where batches come from: synthetic (drawn from seed and step), tokens, text or chat (path)
+    # where batches come from: synthetic (drawn from seed and step), tokens, text or chat (path),
+    # or mix (several of them by weight: data.mix)
     source: DataSource = "synthetic"
     # tokens: a .npy or .bin file of token ids; text: a .txt, .jsonl or .parquet file, a
     # folder of them, or a glob (jaxpar.data.text), tokenized with data.tokenizer; chat:
@@ -135,6 +136,12 @@ class DataConfig:
     # are drawn only from the rest, held-out batches only from it (jaxpar.data.heldout).
     # 0: the whole file trains. Synthetic sources hold out a random stream of their own.
     eval_fraction: float = 0.0
+    # mix: "WEIGHT KIND:PATH, ..." e.g. "0.7 text:web/*.txt, 0.3 tokens:code.bin" (kinds: tokens,
+    # text, chat, synthetic), each source read with the fields above (jaxpar.data.mixing)
+    mix: str = ""
+    # mix: changes of the weights, "; "-separated: "STEP=w,w,..." from that step on, "anneal
+    # N=w,w,..." linearly to these over the run's last N steps ("": data.mix's throughout)
+    mix_schedule: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,40 @@ def tokens_need_path(config, sizes) -> None:
 
 
 @rule(
+    "mix-recipe",
+    fields=["data.source", "data.mix", "data.mix_schedule", "data.tokenizer", "train.steps", "model"],
+    summary="data.source=mix reads data.mix, two or more \"WEIGHT KIND:PATH\" sources (tokens, text, chat, "
+    "synthetic) whose weights are >= 0 and sum to 1, for a language model; data.mix_schedule's changes go up "
+    "inside train.steps with as many weights; text and chat need data.tokenizer; data.mix is read only then.",
+    example=["data.source=mix", "data.mix=0.7 synthetic, 0.2 synthetic"],
+    also=[["data.mix=0.5 synthetic, 0.5 synthetic"], ["data.source=mix"],
+          ["data.source=mix", "data.mix=0.5 text:a.txt, 0.5 synthetic"],
+          ["data.source=mix", "data.mix=0.5 tokens:a.npy, 0.5 synthetic", "data.mix_schedule=5=0.5,0.5"],
+          ["data.source=mix", "data.mix=0.5 tokens:a.npy, 0.5 synthetic", "data.mix_schedule=anneal 2=1,0,0"]],
+)
+def mix_recipe(config, sizes) -> None:
+    data = config.data
+    if data.source != "mix":
+        if data.mix or data.mix_schedule:  # else they would be ignored, silently
+            raise ConfigError(f"data.mix={data.mix!r} is read only with data.source=mix, but data.source="
+                              f"{data.source!r}; set data.source=mix, or drop data.mix and data.mix_schedule")
+        return
+    if not data.mix:
+        raise ConfigError("data.source=mix needs data.mix, e.g. data.mix=\"0.7 text:web.txt, 0.3 tokens:code.bin\"")
+    from jaxpar.data.mixing import parse_mix, parse_schedule
+
+    entries = parse_mix(data.mix)
+    parse_schedule(data.mix_schedule, tuple(e.weight for e in entries), config.train.steps)
+    if config.model.task != "lm":
+        raise ConfigError(f"data.source=mix mixes token sources for a language model, but model.task="
+                          f"{config.model.task!r}; use data.source=synthetic")
+    needs = [e for e in entries if e.kind in ("text", "chat")]
+    if needs and not data.tokenizer:
+        raise ConfigError(f"data.mix's {needs[0].kind} source {needs[0].path!r} needs data.tokenizer, a Hugging Face "
+                          "tokenizer.json, which every source of the mixture shares")
+
+
+@rule(
     "text-needs-tokenizer",
     fields=["data.source", "data.tokenizer"],
     summary="data.source=text or chat is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` "
@@ -194,7 +228,7 @@ def eval_fraction_needs_token_file(config, sizes) -> None:
     if fraction and config.data.source == "preference":
         raise ConfigError(f"data.eval_fraction={fraction}: preference pairs have no held-out part yet; leave "
                           "data.eval_fraction=0 (and train.eval_every=0)")
-    if fraction and (config.data.source not in FILE_SOURCES or config.model.task != "lm"):
+    if fraction and (config.data.source not in (*FILE_SOURCES, "mix") or config.model.task != "lm"):
         raise ConfigError(
             f"data.eval_fraction={fraction} holds out the end of a token file or text, but data.source="
             f"{config.data.source} (model.task={config.model.task!r}) draws held-out batches from a random stream "

@@ -32,6 +32,10 @@ def packs_documents(data: Any) -> bool:
     """Whether a data config's rows hold packed documents (segment ids and positions): text or
     tokens with an end-of-document id (data.eos_id), conversations (data.source=chat) and
     preference pairs (data.source=preference)."""
+    if data.source == "mix":
+        from jaxpar.data.mixing import parse_mix
+
+        return data.eos_id >= 0 or any(e.kind == "chat" for e in parse_mix(data.mix))
     return data.eos_id >= 0 or data.source in ("chat", "preference")
 
 

@@ -30,6 +30,7 @@ import jax
 from jaxpar.data.batch import BatchLayout
 from jaxpar.data.order import Epochs, Windows
 from jaxpar.data.chat import ChatRows
+from jaxpar.data.mixture import Mixture
 from jaxpar.data.sources import ChatSource, Source, TokenFile, TokenRows, make_source
 from jaxpar.data.user import UserBatches, UserData, check_batch
 from jaxpar.errors import ConfigError
@@ -80,11 +81,19 @@ def held_out_batches(batch: BatchLayout, config: Any, eval_data: UserData | None
     if eval_data is not None:
         return user_held_out(batch, eval_data, config.train.eval_batches)
     source = make_source(batch, config) if source is None else source
-    if isinstance(source, TokenFile):
-        source = HeldOutTokens(source)
-    if isinstance(source, ChatSource):
-        source = HeldOutChat(source)
+    if isinstance(source, Mixture):  # each source's own held-out part, at the mixture's first weights
+        source = source.held_out(held_out_part, HELD_OUT_STEP)
+    source = held_out_part(source)
     return lambda i: source(HELD_OUT_STEP + i)
+
+
+def held_out_part(source: Source) -> Source:
+    """A training source's held-out counterpart (the module docstring); a synthetic one is its own."""
+    if isinstance(source, TokenFile):
+        return HeldOutTokens(source)
+    if isinstance(source, ChatSource):
+        return HeldOutChat(source)
+    return source
 
 
 def user_held_out(batch: BatchLayout, eval_data: UserData, count: int) -> HeldOut:

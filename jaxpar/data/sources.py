@@ -307,6 +307,10 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
         if config.checkpoint.init_from:
             _warn_of_random_fine_tuning(config.checkpoint.init_from)
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
+    if config.data.source == "mix":
+        from jaxpar.data.mixture import Mixture
+
+        return Mixture.open(batch, config.data, model.vocab_size, seed, config.train.steps)
     sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource, "preference": PreferenceSource}
     return sources[config.data.source](batch, config.data, model.vocab_size, seed)
 
