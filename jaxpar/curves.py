@@ -11,8 +11,14 @@ import pathlib
 from jaxpar.errors import ConfigError
 
 # (metric, panel title); a panel is drawn when some run has the metric
-PANELS = (("loss", "loss (held-out dashed)"), ("tokens_per_s", "tokens/s"), ("grad_norm", "gradient norm"),
-          ("learning_rate", "learning rate"), ("mfu", "MFU"))
+PANELS = (("loss", "loss (held-out dashed)"), ("loss_by_source", "each source's loss (a mixture's)"),
+          ("tokens_per_s", "tokens/s"), ("grad_norm", "gradient norm"), ("learning_rate", "learning rate"),
+          ("mfu", "MFU"))
+
+
+def sources(row: dict) -> list[str]:
+    """A mixture's sources named in a row (loss_<name> beside tokens_<name>: jaxpar.step.loss)."""
+    return [k.removeprefix("loss_") for k in row if k.startswith("loss_") and f"tokens_{k[5:]}" in row]
 
 
 def read_rows(path: str) -> list[dict]:
@@ -40,7 +46,8 @@ def plot(paths: list[str], out: str) -> list[str]:
     """Draw the runs in `paths` into the PNG `out`; returns the panels drawn."""
     runs = {pathlib.Path(p).stem if len({pathlib.Path(q).stem for q in paths}) == len(paths) else p: read_rows(p)
             for p in paths}
-    panels = [(m, title) for m, title in PANELS if any(m in r for rows in runs.values() for r in rows)]
+    has = lambda m, r: bool(sources(r)) if m == "loss_by_source" else m in r  # noqa: E731
+    panels = [(m, title) for m, title in PANELS if any(has(m, r) for rows in runs.values() for r in rows)]
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -52,6 +59,14 @@ def plot(paths: list[str], out: str) -> list[str]:
     for ax, (metric, title) in zip(axes.flat, panels):
         for i, (name, rows) in enumerate(runs.items()):
             color = f"C{i}"
+            if metric == "loss_by_source":
+                for j, source in enumerate(dict.fromkeys(s for r in rows for s in sources(r))):
+                    points = [(r["step"], r[f"loss_{source}"]) for r in rows if f"loss_{source}" in r]
+                    ax.plot(*zip(*points), color=f"C{(i + j) % 10}" if len(runs) == 1 else color,
+                            linestyle=("-", "--", ":", "-.")[j % 4], linewidth=1.1,
+                            label=source if len(runs) == 1 else f"{name} {source}")
+                ax.legend(fontsize=8)
+                continue
             points = [(r["step"], r[metric]) for r in rows if metric in r]
             if points:
                 ax.plot(*zip(*points), color=color, label=name, linewidth=1.2)

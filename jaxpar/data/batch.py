@@ -81,6 +81,8 @@ def batch_fields(model: Any, seq_len: int, data: Any) -> dict[str, Field]:
     for name, (shape, dtype) in FIELDS[kind].items():
         shape = per_example(shape)
         fields[name] = Field(shape, dtype, ("batch", *([None] * len(shape))))
+    if data.source == "mix":  # each row's source (jaxpar.data.mixture), for each source's loss
+        fields["source"] = Field((), np.int32, ("batch",))
     return fields
 
 

@@ -59,7 +59,7 @@ class Mixture(Source):
             where = source == s
             got = self.rows_of(int(s), index[where])
             for k in out:
-                out[k][where] = got[k] if k in got else _default(k, got["inputs"])
+                out[k][where] = s if k == "source" else got[k] if k in got else _default(k, got["inputs"])
         return out
 
     def rows_of(self, s: int, js: np.ndarray) -> dict[str, np.ndarray]:

@@ -321,6 +321,9 @@ def log_line(record: dict, steps: int, skipped: int = 0) -> str:
         parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
     if "eval_loss" in record:
         parts.append(f"eval_loss {record['eval_loss']:.4f}")
+    sources = [k.removeprefix("loss_") for k in record if k.startswith("loss_") and f"tokens_{k[5:]}" in record]
+    if sources:  # a mixture's (jaxpar.data.mixture): each source's loss
+        parts.append(" ".join(f"{name} {record['loss_' + name]:.4f}" for name in sources))
     if "grad_norm" in record:
         parts.append(f"grad_norm {record['grad_norm']:.3g}")
     if "learning_rate" in record:

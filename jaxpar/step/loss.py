@@ -55,6 +55,44 @@ def chunked_cross_entropy_sum(hidden: jax.Array, project: Callable[[jax.Array], 
     return total, jnp.sum(weights.astype(jnp.float32))
 
 
+SOURCE_LOSS, SOURCE_TOKENS = "source_loss:", "source_tokens:"  # per-source sums (by_source), made metrics by step_metrics
+
+
+def by_source(names: tuple[str, ...]) -> Callable[[Any, dict], tuple]:
+    """The built-in loss of a mixture's language model (data.source=mix), which also sums each
+    source's token losses and weights (batch["source"], a row's source), so that the step
+    reports every source's own loss and tokens (jaxpar.step.update.step_metrics). The
+    per-token losses are computed once, as cross_entropy_sum's."""
+
+    def loss(outputs: jax.Array, batch: dict) -> tuple:
+        logits = outputs.astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.sum(logits * jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=jnp.float32), axis=-1)
+        weights = batch["weights"].astype(jnp.float32)
+        rows_loss, rows_weight = jnp.sum((lse - target) * weights, axis=-1), jnp.sum(weights, axis=-1)  # [B]
+        which = jax.nn.one_hot(batch["source"], len(names), dtype=jnp.float32)  # [B, sources]
+        per_loss, per_weight = rows_loss @ which, rows_weight @ which
+        metrics = {**{SOURCE_LOSS + n: per_loss[i] for i, n in enumerate(names)},
+                   **{SOURCE_TOKENS + n: per_weight[i] for i, n in enumerate(names)}}
+        return jnp.sum(rows_loss), jnp.sum(rows_weight), jax.lax.stop_gradient(metrics)
+
+    return loss
+
+
+def source_metrics(metrics: dict, weight: jax.Array) -> dict:
+    """`metrics` (each sum divided by the batch's weight) with by_source's sums turned into
+    each source's mean loss, `loss_<name>` (0 where it had no tokens this step), and its
+    trained tokens this step, `tokens_<name>`."""
+    out = {k: v for k, v in metrics.items() if not k.startswith((SOURCE_LOSS, SOURCE_TOKENS))}
+    for key in metrics:
+        if key.startswith(SOURCE_LOSS):
+            name = key.removeprefix(SOURCE_LOSS)
+            share = metrics[SOURCE_TOKENS + name]
+            out[f"loss_{name}"] = jnp.where(share > 0, metrics[key] / jnp.where(share > 0, share, 1), 0.0)
+            out[f"tokens_{name}"] = share * weight
+    return out
+
+
 def task_loss(outputs: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
     """The built-in loss of both tasks: cross-entropy of the outputs (logits over the
     vocabulary for lm, over the classes for classify) against `targets`, under `weights`."""

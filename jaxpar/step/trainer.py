@@ -163,11 +163,17 @@ class Trainer:
 
 
 def data_loss(config: Config) -> LossFn:
-    """The loss a config's data calls for: DPO for preference pairs, else the task's own."""
+    """The loss a config's data calls for: DPO for preference pairs, the task's own with each
+    source's beside it for a mixture, else the task's own."""
     if config.data.source == "preference":
         from jaxpar.step.preference import dpo_loss
 
         return dpo_loss(config.train.dpo_beta)
+    if config.data.source == "mix" and config.model.task == "lm":  # each source's loss beside the whole's
+        from jaxpar.data.mixing import parse_mix
+        from jaxpar.step.loss import by_source
+
+        return by_source(tuple(e.name for e in parse_mix(config.data.mix)))
     return task_loss
 
 

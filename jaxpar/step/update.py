@@ -23,7 +23,7 @@ import optax
 from jaxpar.errors import ConfigError
 from jaxpar.model import declared, has
 from jaxpar.step.gradients import Gradient
-from jaxpar.step.loss import MAXIMA
+from jaxpar.step.loss import MAXIMA, source_metrics
 from jaxpar.step.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.step.zero import StateShardings
 
@@ -133,7 +133,7 @@ def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule,
     """What the loop shows and logs. The learning rate only where the schedule is known:
     a custom optax `tx` passed to `build` without its `lr_schedule` reports none."""
     counts = sums.get("counts", {})
-    return {
+    metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
         **({"learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)} if lr_schedule is not None else {}),
@@ -145,3 +145,4 @@ def step_metrics(loss, sums: dict, grad_norm, finite, finite_grads, lr_schedule,
         **(model.summarise(counts) if counts and has(model, "summarise") else {}),
         **({"attn_logit_max": jnp.max(sums[MAXIMA]["attn_logit_max"])} if MAXIMA in sums else {}),
     }
+    return source_metrics(metrics, sums["weight"])  # a mixture's sources' losses and tokens (jaxpar.step.loss.by_source)

@@ -65,8 +65,9 @@ def test_a_source_s_rows_are_its_own_batches_rows(mixed, tiny_llama):
             alone = [mixture.sources[s].local(int(j // B), slice(int(j % B), int(j % B) + 1)) for j in index[source == s]]
             for k in ("inputs", "targets", "weights"):
                 np.testing.assert_array_equal(batch[k][source == s], np.concatenate([a[k] for a in alone]))
-    # the token file's rows carry its own documents' fields: one document a row (no end id in it... but eos 2 may occur)
-    assert set(batch) == {"inputs", "targets", "weights", "positions", "segment_ids"}
+    # packed documents' fields for every source (the text packs them), and each row's source
+    assert set(batch) == {"inputs", "targets", "weights", "positions", "segment_ids", "source"}
+    np.testing.assert_array_equal(batch["source"], source)
     halves = [mixture.local(7, slice(0, B // 2)), mixture.local(7, slice(B // 2, B))]  # two processes' rows
     for k in batch:
         np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), batch[k])
@@ -119,3 +120,34 @@ def test_a_killed_mixture_run_resumes_repeating_the_losses(mixed, tiny_llama, tm
     first = run(trainer, steps=3, progress=False)
     rest = run(trainer, progress=False)
     assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
+
+
+def test_each_source_s_loss_is_its_own_rows_loss_under_a_layout(mixed, tiny_llama):
+    """data 2 x fsdp 2 x tensor 2 with 2 microbatches: the step's loss_<name> is the loss of
+    that source's rows alone (the held-out path's loss on the batch with the other rows'
+    weights zeroed, at the same weights, 1e-5), tokens_<name> its trained tokens, and the
+    whole loss their token-weighted mean."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.testing import initial_state
+
+    tmp_path, _ = mixed
+    config = _config(tiny_llama, tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2")
+    trainer = build(config)
+    batch = make_source(trainer.batch, config)(3)
+    state = initial_state(trainer)
+    weights = jax.tree.map(lambda x: x.copy(), trainer.weights(state))  # the step donates the state
+    _, metrics = trainer.step(state, batch)
+    names = [e.name for e in parse_mix(config.data.mix)]
+    assert names == ["code", "web", "synthetic"]
+    source = np.asarray(batch["source"])
+    total = 0.0
+    for i, name in enumerate(names):
+        mask = jnp.asarray((source == i)[:, None], jnp.float32)
+        alone = {**batch, "weights": jax.device_put(batch["weights"] * mask, trainer.batch.shardings["weights"])}
+        loss_sum, weight = trainer.evaluate(weights, alone)
+        assert float(metrics[f"tokens_{name}"]) == pytest.approx(float(weight))
+        assert float(metrics[f"loss_{name}"]) == pytest.approx(float(loss_sum / weight), rel=1e-5)
+        total += float(loss_sum)
+    assert float(metrics["loss"]) == pytest.approx(total / float(jnp.sum(batch["weights"])), rel=1e-5)
