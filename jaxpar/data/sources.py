@@ -114,7 +114,8 @@ class TokenFile(TokenRows):
         super().__init__(batch, training, order, data.eos_id)
 
     def read(self, data: Any, vocab_size: int) -> Corpus:
-        return Corpus(open_tokens(data.path, data.dtype), 1, None)  # documents: counted by data.eos_id, if any
+        tokens = open_tokens(data.path, data.dtype)
+        return Corpus(tokens, getattr(tokens, "shards", 1), None)  # documents: counted by data.eos_id, if any
 
     def describe(self, steps: int) -> str:
         training, held = len(self.tokens), len(self.held_out)
@@ -246,11 +247,17 @@ def _lm_rows(tokens: np.ndarray, eos_id: int = -1) -> dict[str, np.ndarray]:
 
 
 def open_tokens(path: str, dtype: str) -> np.ndarray:
-    """The file's token ids, memory-mapped; a file that holds none, or no integers, is
-    refused naming what it holds."""
+    """The file's token ids, memory-mapped, or a folder's or glob's shards as one lazy stream
+    (jaxpar.data.shards); a file that holds none, or no integers, is refused naming what it
+    holds."""
     p = pathlib.Path(path)
+    if p.is_dir() or any(c in path for c in "*?["):  # many shards, opened lazily (jaxpar.data.shards)
+        from jaxpar.data.shards import TokenShards
+
+        return TokenShards.open(path, dtype)
     if not p.is_file():
-        raise ConfigError(f"data.path={path!r} is not a file; give a .npy or .bin file of token ids")
+        raise ConfigError(f"data.path={path!r} is not a file; give a .npy or .bin file of token ids, a folder of "
+                          "them, or a glob")
     if p.suffix == ".npy":
         try:
             tokens = np.load(p, mmap_mode="r")

@@ -151,3 +151,31 @@ def test_each_source_s_loss_is_its_own_rows_loss_under_a_layout(mixed, tiny_llam
         assert float(metrics[f"loss_{name}"]) == pytest.approx(float(loss_sum / weight), rel=1e-5)
         total += float(loss_sum)
     assert float(metrics["loss"]) == pytest.approx(total / float(jnp.sum(batch["weights"])), rel=1e-5)
+
+
+@pytest.mark.parametrize("order", ["windows", "epochs"])
+def test_a_folder_of_shards_reads_as_their_concatenation(tmp_path, tiny_llama, order):
+    """data.path a folder (or a glob) of .npy shards, opened lazily (jaxpar.data.shards):
+    the same batches and held-out batches as one file of all their tokens, bitwise; the
+    start line counts the files; only the shards a row reads are mapped."""
+    from jaxpar.data.heldout import held_out_batches
+
+    parts = [np.random.default_rng(i).integers(0, 128, 300 + 41 * i).astype(np.uint16) for i in range(12)]
+    (tmp_path / "shards").mkdir()
+    for i, part in enumerate(parts):
+        np.save(tmp_path / "shards" / f"{i:04d}.npy", part)
+    np.save(tmp_path / "whole.npy", np.concatenate(parts))
+    runs = {}
+    for name, path in (("shards", tmp_path / "shards"), ("glob", tmp_path / "shards" / "*.npy"),
+                       ("whole", tmp_path / "whole.npy")):
+        config = apply_overrides(tiny_llama, ["data.source=tokens", f"data.path={path}", f"data.order={order}",
+                                              "data.eval_fraction=0.1"])
+        trainer = build(config)
+        source = make_source(trainer.batch, config)
+        held = held_out_batches(trainer.batch, config, source=source)
+        runs[name] = [np.asarray(source(s)["inputs"]) for s in (0, 5, 9)] + [np.asarray(held(0)["inputs"])]
+        if name == "shards":
+            assert "(12 files)" in source.describe(10) and len(source.tokens.cache) <= 12
+    for name in ("shards", "glob"):
+        for a, b in zip(runs[name], runs["whole"]):
+            np.testing.assert_array_equal(a, b)
