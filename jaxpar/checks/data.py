@@ -152,7 +152,7 @@ def dpo_beta_positive(config, sizes) -> None:
 )
 def data_order(config, sizes) -> None:
     order, source = config.data.order, config.data.source
-    if order == "epochs" and source not in FILE_SOURCES:  # a synthetic stream has no rows to go through
+    if order == "epochs" and source not in (*FILE_SOURCES, "mix"):  # a synthetic stream has no rows to go through
         raise ConfigError(f"data.order=epochs goes through a token file or text once per epoch, but "
                           f"data.source={source!r} is endless; set data.source=tokens or text, or data.order=windows")
 

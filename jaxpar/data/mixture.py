@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpar.data.batch import BatchLayout
 from jaxpar.data.mixing import MixEntry, Schedule, assign, offsets, parse_mix, parse_schedule
-from jaxpar.data.sources import ChatSource, Source, SyntheticTokens, TextSource, TokenFile, counted
+from jaxpar.data.sources import OPENERS, ChatSource, Source, SyntheticTokens, TextSource, TokenFile, counted
 
 
 def source_seed(seed: int, index: int) -> int:
@@ -114,3 +114,7 @@ def _default(field: str, inputs: np.ndarray) -> np.ndarray:
     if field == "segment_ids":
         return np.zeros(inputs.shape, np.int32)
     raise KeyError(f"mixture: a source gave no {field!r}")
+
+
+OPENERS["mix"] = lambda batch, config: Mixture.open(batch, config.data, config.model.vocab_size, config.train.seed,
+                                                    config.train.steps)

@@ -314,12 +314,17 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
         if config.checkpoint.init_from:
             _warn_of_random_fine_tuning(config.checkpoint.init_from)
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
-    if config.data.source == "mix":
-        from jaxpar.data.mixture import Mixture
+    return OPENERS[config.data.source](batch, config)
 
-        return Mixture.open(batch, config.data, model.vocab_size, seed, config.train.steps)
-    sources = {"tokens": TokenFile, "text": TextSource, "chat": ChatSource, "preference": PreferenceSource}
-    return sources[config.data.source](batch, config.data, model.vocab_size, seed)
+
+# data.source -> (the batch's layout, the run's config) -> its source. A source made of others
+# registers itself where it is defined (data.source=mix: jaxpar.data.mixture, which this
+# package's __init__ imports).
+OPENERS: dict[str, Any] = {
+    kind: (lambda cls: lambda batch, config: cls(batch, config.data, config.model.vocab_size, config.train.seed))(cls)
+    for kind, cls in (("tokens", TokenFile), ("text", TextSource), ("chat", ChatSource),
+                      ("preference", PreferenceSource))
+}
 
 
 def _warn_of_random_fine_tuning(init_from: str) -> None:

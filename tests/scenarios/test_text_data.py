@@ -13,6 +13,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from jaxpar.train import build, run
 from jaxpar.loop.metrics import JsonLines
 
@@ -28,7 +30,8 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path):
+@pytest.mark.parametrize("data", ["text", "mix"])
+def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path, data):
     """Issue 22's acceptance: the fine-tune of a Hugging Face Llama (tests/golden/llama_tied,
     its tokenizer.json and end-of-text id, by the recipe hf:DIR) on a text file, in epochs,
     resumed by `jaxpar launch` on two processes of four devices from a checkpoint that one
@@ -36,12 +39,15 @@ def test_text_run_resumed_on_two_processes_repeats_the_losses_bitwise(tmp_path):
     running on, bitwise. (The later checkpoints of that run are removed, as if it had been
     killed after step 3; a SIGKILL at any point: tests/scenarios/test_checkpoint.py. data=2 x fsdp=2 x
     tensor=2 is bitwise across process counts as is: no sum over more than 2 devices;
-    docs/distributed.md.)"""
+    docs/distributed.md.) Issue 59's too: the same with the text in a mixture beside
+    synthetic tokens (data.source=mix), each process building its rows of both."""
     golden = pathlib.Path(__file__).parents[1] / "golden"
     steps = 10  # about 7 steps an epoch: the resumed run crosses into the second
     sets = ["train.seq_len=32", "train.global_batch=16", "train.compute_dtype=float32", f"train.steps={steps}",
-            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.source=text", f"data.path={golden / 'corpus.txt'}",
-            "data.order=epochs", "optim.lr=3e-3", "checkpoint.every=3", "checkpoint.keep=10"]
+            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.order=epochs", "optim.lr=3e-3", "checkpoint.every=3",
+            "checkpoint.keep=10"]
+    sets += (["data.source=text", f"data.path={golden / 'corpus.txt'}"] if data == "text" else
+             ["data.source=mix", f"data.mix=0.6 text:{golden / 'corpus.txt'}, 0.4 synthetic"])
     recipe = f"hf:{golden / 'llama_tied'}"
     alone, metrics, ckpt = tmp_path / "alone.jsonl", tmp_path / "m.jsonl", tmp_path / "ckpt"
     train = lambda metrics: ["train", recipe, "--no-progress", "--metrics-file", str(metrics),  # noqa: E731
