@@ -30,6 +30,8 @@ def test_each_source_gives_its_share_to_a_row_and_its_rows_in_order():
         assert np.all(np.abs(counts - schedule.cumulative(step + 1) * batch) < 2)
     assert np.allclose(schedule.at(599), (0.1, 0.1, 0.8)) and np.allclose(schedule.at(449), (0.2, 0.3, 0.5))
     assert counts.sum() == 600 * batch
+    for t in (1, 200, 450, 451, 600):  # the closed form is the weights summed step by step
+        assert np.allclose(schedule.cumulative(t), sum((schedule.at(k) for k in range(t)), np.zeros(3)))
 
 
 @pytest.fixture
