@@ -136,6 +136,13 @@ class DataConfig:
     # are drawn only from the rest, held-out batches only from it (jaxpar.data.heldout).
     # 0: the whole file trains. Synthetic sources hold out a random stream of their own.
     eval_fraction: float = 0.0
+    # text: processes that tokenize the corpus when the run starts, a chunk of documents each
+    # at a time, in order (0: this process; jaxpar.data.tokenized)
+    workers: int = 0
+    # text: a folder where the tokenized corpus is written (a .npy and a side file) and read
+    # memory-mapped, found again by the next run of the same files and tokenizer ("": held in
+    # memory, tokenized by every run)
+    cache: str = ""
     # mix: "WEIGHT KIND:PATH, ..." e.g. "0.7 text:web/*.txt, 0.3 tokens:code.bin" (kinds: tokens,
     # text, chat, synthetic), each source read with the fields above (jaxpar.data.mixing)
     mix: str = ""

@@ -84,6 +84,32 @@ def mix_recipe(config, sizes) -> None:
 
 
 @rule(
+    "text-workers-and-cache",
+    fields=["data.workers", "data.cache", "data.source"],
+    summary="data.workers (>= 0) and data.cache tokenize a text corpus (data.source=text, or a mixture's text); "
+    "data.cache is a folder this user can write.",
+    example=["data.workers=-1"],
+    also=[["data.cache=/tmp"], ["data.source=text", "data.path=a.txt", "data.tokenizer=t.json",
+                                "data.cache=/proc/no_such_folder"]],
+)
+def text_workers_and_cache(config, sizes) -> None:
+    import os
+
+    data = config.data
+    if data.workers < 0:
+        raise ConfigError(f"data.workers={data.workers}; use 0 (this process) or the processes to tokenize with, e.g. "
+                          f"data.workers={os.cpu_count() or 1}")
+    texts = data.source == "text" or (data.source == "mix" and "text:" in data.mix)
+    if (data.cache or data.workers) and not texts:  # else they would be ignored, silently
+        field = "data.cache" if data.cache else "data.workers"
+        raise ConfigError(f"{field} tokenizes a text corpus, but data.source={data.source!r} has none; set "
+                          "data.source=text (or a text source in data.mix), or drop it")
+    if data.cache and not (os.path.isdir(data.cache) and os.access(data.cache, os.W_OK | os.X_OK)):
+        raise ConfigError(f"data.cache={data.cache!r} is not a folder this user can write; create it first "
+                          f"(mkdir -p {data.cache}), or give another")
+
+
+@rule(
     "text-needs-tokenizer",
     fields=["data.source", "data.tokenizer"],
     summary="data.source=text or chat is tokenized with data.tokenizer, a tokenizer.json (which `jaxpar sample` "

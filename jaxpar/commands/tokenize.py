@@ -11,24 +11,18 @@ records how it was made. The output paths are checked before any document is rea
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import multiprocessing
 import os
 import pathlib
-import shutil
-import signal
-from typing import Iterable, Iterator
 
-import numpy as np
 from tqdm import tqdm
 
 from jaxpar.data import text
+from jaxpar.data.tokenized import encoded, write_atomically, write_tokens
 from jaxpar.errors import ConfigError
 
 NAMES = text.Names(path="PATH", tokenizer="--tokenizer", text_field="--text-field", eos_id="--eos-id", bos_id="--bos-id")
 OUTPUTS = (".bin", ".npy")
-CHUNK = 256  # documents per task: enough to keep a worker busy, few enough for a smooth progress bar
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -72,7 +66,7 @@ def run(args) -> int:
     total = text.count_documents(files, spec)
     # None: no bar where stderr is not a terminal (a pipe, a log file); the last line says it all
     with tqdm(total=total, unit="doc", disable=args.no_progress or None, dynamic_ncols=True) as bar:
-        parts = _encoded(tokenizer, spec, files, dtype, args.workers, bar)
+        parts = encoded(tokenizer, spec, files, dtype, args.workers, bar)
         try:
             count = write_tokens(out, parts, dtype)
         finally:
@@ -80,7 +74,7 @@ def run(args) -> int:
     sidecar = {"tokenizer": str(pathlib.Path(spec.tokenizer).resolve()), "vocab_size": vocab, "dtype": dtype.name,
                "eos_id": spec.eos_id, "bos_id": spec.bos_id, "documents": total, "tokens": count, "source": spec.path,
                "text_field": spec.text_field}
-    _write_atomically(side_file(out), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
+    write_atomically(side_file(out), lambda f: f.write(json.dumps(sidecar, indent=1).encode() + b"\n"))
     eos = f" --set data.eos_id={spec.eos_id}" if spec.eos_id >= 0 else ""
     eos += f" --set data.bos_id={spec.bos_id}" if spec.bos_id >= 0 else ""
     print(f"jaxpar tokenize: {total} documents, {count} tokens ({dtype.name}) in {out}; train on it with "
@@ -111,72 +105,3 @@ def check_out(out: pathlib.Path) -> None:
         raise ConfigError(f"{shown} is a folder; give the file to write, e.g. --out={out / ('tokens' + out.suffix)}")
     if side_file(out).is_dir():
         raise ConfigError(f"{shown}: its side file {str(side_file(out))!r} is a folder; move it, or give another --out")
-
-
-def _encoded(tokenizer, spec: text.TextSpec, files, dtype, workers: int, bar) -> Iterator[np.ndarray]:
-    """The corpus's ids, a chunk of documents at a time, in order; with several workers each
-    encodes whole chunks with its own copy of the tokenizer."""
-    chunks = (list(c) for c in itertools.batched(text.documents(files, spec), CHUNK))
-    if workers == 1:
-        for docs in chunks:
-            yield text.encode(tokenizer, docs, spec.eos_id, dtype, spec.bos_id)
-            bar.update(len(docs))
-        return
-    # spawn: a forked child would inherit the parent's threads (JAX's, the tokenizer's) mid-state
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(spec, dtype)) as pool:
-        for ids, n_docs in pool.imap(_encode_chunk, chunks):
-            yield ids
-            bar.update(n_docs)
-
-
-_WORKER: dict = {}  # in each worker process: its tokenizer, spec and dtype, set once by _start_worker
-
-
-def _start_worker(spec: text.TextSpec, dtype) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism: no thread pool each
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the pool
-    _WORKER.update(tokenizer=text.load_tokenizer(spec), spec=spec, dtype=dtype)
-
-
-def _encode_chunk(docs: list[str]) -> tuple[np.ndarray, int]:
-    spec = _WORKER["spec"]
-    return text.encode(_WORKER["tokenizer"], docs, spec.eos_id, _WORKER["dtype"], spec.bos_id), len(docs)
-
-
-def write_tokens(out: pathlib.Path, parts: Iterable[np.ndarray], dtype) -> int:
-    """Write the parts end to end to `out` (.bin: raw; .npy: with its header) atomically, and
-    return how many ids were written. The ids stream to disk, never all in memory."""
-    raw = out.with_name(f".{out.name}.{os.getpid()}.ids")
-    count = 0
-    try:
-        with open(raw, "wb") as f:
-            for part in parts:
-                f.write(part.astype(dtype, copy=False).tobytes())
-                count += len(part)
-        if out.suffix == ".npy":
-            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
-
-            def npy(f):
-                np.lib.format.write_array_header_1_0(f, header)
-                with open(raw, "rb") as ids:
-                    shutil.copyfileobj(ids, f, 1 << 24)
-
-            _write_atomically(out, npy)
-        else:
-            os.replace(raw, out)
-    finally:
-        raw.unlink(missing_ok=True)
-    return count
-
-
-def _write_atomically(path: pathlib.Path, write) -> None:
-    """`write(file)` into a temporary file beside `path`, then rename it into place; on any
-    error or interrupt the temporary file is removed and `path` left as it was."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            write(f)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -136,7 +136,13 @@ class TextSource(TokenFile):
     kind = "text"
 
     def read(self, data: Any, vocab_size: int) -> Corpus:
-        return read_corpus(TextSpec.from_config(data), vocab_size)
+        spec = TextSpec.from_config(data)
+        if data.cache or data.workers > 1:  # a pool of processes, and a cache folder (jaxpar.data.tokenized)
+            from jaxpar.data.tokenized import cached_corpus, parallel_corpus
+
+            return (cached_corpus(spec, vocab_size, data.workers, data.cache) if data.cache
+                    else parallel_corpus(spec, vocab_size, data.workers))
+        return read_corpus(spec, vocab_size)
 
 
 class ChatSource(Source):

@@ -311,3 +311,26 @@ def test_a_missing_package_is_named_with_its_extra(corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ConfigError, match=r"data.tokenizer='.*' needs the tokenizers package: pip install 'jaxpar\[text\]'"):
         text.load_tokenizer(spec)
+
+
+def test_a_pool_and_a_cache_tokenize_what_the_run_would(tiny_llama, corpus, tmp_path, monkeypatch, worker_pools):
+    """data.workers=2 tokenizes the same stream in two processes; data.cache writes it once
+    (a .npy and its side file), and the next run memory-maps it without tokenizing (the
+    encoder made to fail shows it), its batches and described documents the same."""
+    from jaxpar.data import tokenized
+
+    plain = make_source(build(text_config(tiny_llama, corpus)).batch, text_config(tiny_llama, corpus))
+    pooled_config = text_config(tiny_llama, corpus, "data.workers=2")
+    pooled = make_source(build(pooled_config).batch, pooled_config)
+    np.testing.assert_array_equal(np.asarray(pooled.tokens), np.asarray(plain.tokens))
+    cached_config = text_config(tiny_llama, corpus, f"data.cache={tmp_path}", "data.workers=2")
+    first = make_source(build(cached_config).batch, cached_config)
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".npy"]
+    monkeypatch.setattr(tokenized, "encoded", lambda *a, **k: (_ for _ in ()).throw(AssertionError("tokenized again")))
+    again = make_source(build(cached_config).batch, cached_config)
+    assert isinstance(again.tokens.base, np.memmap) or isinstance(again.tokens, np.memmap)
+    for source in (first, again):
+        np.testing.assert_array_equal(np.asarray(source.tokens), np.asarray(plain.tokens))
+        assert source.describe(10) == plain.describe(10)
+    with pytest.raises(ConfigError, match="data.cache='/nowhere' is not a folder this user can write"):
+        build(text_config(tiny_llama, corpus, "data.cache=/nowhere"))
