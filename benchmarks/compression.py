@@ -73,21 +73,30 @@ def parse_args() -> argparse.Namespace:
 SCHEDULE_MODEL = dict(vocab_size=32000, embed=1024, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128, mlp=2816)
 
 
-def schedule(target: str, out: pathlib.Path) -> None:
-    """The deviceless GPU compile (--target): each compressor at ZeRO-0 and -3."""
+def schedule_setup(target: str) -> tuple[list, object]:
+    """(2 hosts x 4 GPUs that `target` describes, deviceless; the 0.5B Llama's config, bf16,
+    batch 16 x 1024): what the --target schedules of this benchmark and benchmarks/diloco.py
+    compile. Call it before anything imports jax."""
     from jaxpar.deviceless import gpu_devices
 
-    devices = gpu_devices(target, "1x2x4")  # before anything imports jax
+    devices = gpu_devices(target, "1x2x4")
+    from jaxpar.config import Config, TrainConfig
+    from jaxpar.models.llama import LlamaConfig
+
+    return devices, Config(model=LlamaConfig(**SCHEDULE_MODEL),
+                           train=TrainConfig(global_batch=16, seq_len=1024, compute_dtype="bfloat16"))
+
+
+def schedule(target: str, out: pathlib.Path) -> None:
+    """The deviceless GPU compile (--target): each compressor at ZeRO-0 and -3."""
+    devices, base = schedule_setup(target)
     import jax
 
-    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.config import apply_overrides
     from jaxpar.inspect import inspect_step
     from jaxpar.inspect.explain import explain
-    from jaxpar.models.llama import LlamaConfig
     from jaxpar.train import build as build_on
 
-    base = Config(model=LlamaConfig(**SCHEDULE_MODEL),
-                  train=TrainConfig(global_batch=16, seq_len=1024, compute_dtype="bfloat16"))
     rows = []
     print(f"{'method':<12} {'ZeRO':>4}  {'collectives':>11} {'async':>6} {'overlapped':>10}  where")
     for name, overrides in list(METHODS.items())[1:]:

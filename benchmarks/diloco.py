@@ -45,7 +45,8 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compression import FINETUNE, SCHEDULE_MODEL, SMOOTH, TWO_HOSTS, draw, steps_to  # noqa: E402
+from benchmarks.compression import (FINETUNE, SCHEDULE_MODEL, SMOOTH, TWO_HOSTS, draw, schedule_setup,  # noqa: E402
+                                    steps_to)
 from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 
 METHODS = {
@@ -74,19 +75,14 @@ def parse_args() -> argparse.Namespace:
 
 def schedule(target: str, out: pathlib.Path) -> None:
     """The deviceless GPU compile (--target): streaming DiLoCo, delay 0 and 1, float32 and int8."""
-    from jaxpar.deviceless import gpu_devices
-
-    devices = gpu_devices(target, "1x2x4")  # before anything imports jax
+    devices, base = schedule_setup(target)
     import jax
 
-    from jaxpar.config import Config, TrainConfig, apply_overrides
+    from jaxpar.config import apply_overrides
     from jaxpar.inspect import inspect_step
     from jaxpar.inspect.explain import explain
-    from jaxpar.models.llama import LlamaConfig
     from jaxpar.train import build as build_on
 
-    base = Config(model=LlamaConfig(**SCHEDULE_MODEL),
-                  train=TrainConfig(global_batch=16, seq_len=1024, compute_dtype="bfloat16"))
     rows = []
     print(f"{'delay':>5} {'outer':<6} {'bytes/step':>11} {'async':>6} {'overlapped':>10} {'covered':>8} {'step':>9}")
     for delay in (0, 1):

@@ -221,12 +221,13 @@ def diloco_reference(config: Config, steps: int = 3) -> Run:
     from jaxpar.step.diloco import NONE, WHOLE, fragment_plan, is_selection
     from jaxpar.step.trainer import build
 
-    spec, groups = config.parallel.diloco, config.mesh.data
+    whole = build(config)  # its batches, and its groups: mesh.data resolved
+    spec, groups = config.parallel.diloco, whole.mesh.shape["data"]
     one_config, devices = single_device(config)
     one_config = apply_overrides(one_config, ["parallel.diloco.inner_steps=0",
                                               f"train.global_batch={config.train.global_batch // groups}"])
     trainer = build(one_config, devices)
-    source = make_source(build(config).batch, config)
+    source = make_source(whole.batch, config)
     start = initial_state(trainer)
     states = [jax.tree.map(lambda x: x.copy(), start) for _ in range(groups)]
     f32 = lambda st: jax.device_get(trainer.master_params(st))  # noqa: E731

@@ -95,11 +95,13 @@ def mix_recipe(config, sizes) -> None:
 def text_workers_and_cache(config, sizes) -> None:
     import os
 
+    from jaxpar.data.mixing import parse_mix  # mix-recipe, earlier, has checked data.mix parses
+
     data = config.data
     if data.workers < 0:
         raise ConfigError(f"data.workers={data.workers}; use 0 (this process) or the processes to tokenize with, e.g. "
                           f"data.workers={os.cpu_count() or 1}")
-    texts = data.source == "text" or (data.source == "mix" and "text:" in data.mix)
+    texts = data.source == "text" or (data.source == "mix" and any(e.kind == "text" for e in parse_mix(data.mix)))
     if (data.cache or data.workers) and not texts:  # else they would be ignored, silently
         field = "data.cache" if data.cache else "data.workers"
         raise ConfigError(f"{field} tokenizes a text corpus, but data.source={data.source!r} has none; set "

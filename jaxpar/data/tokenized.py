@@ -102,30 +102,42 @@ def cached_corpus(spec: text.TextSpec, vocab_size: int, workers: int, cache: str
     """The corpus's ids memory-mapped from `cache`, tokenized into it first (by `workers`
     processes; 0 or 1: this one) unless a file of the same files, sizes, times, tokenizer
     and ids around documents is there already. Its side file counts the documents."""
-    tokenizer = text.load_tokenizer(spec, vocab_size)
-    dtype = text.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-    files = text.document_files(spec)
+    tokenizer, dtype, files = _opened(spec, vocab_size)
     key = {"files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
            "tokenizer": hashlib.sha256(pathlib.Path(spec.tokenizer).read_bytes()).hexdigest(),
            "text_field": spec.text_field, "eos_id": spec.eos_id, "bos_id": spec.bos_id}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     out, side = pathlib.Path(cache) / f"{name}.npy", pathlib.Path(cache) / f"{name}.npy.json"
     if not (out.exists() and side.exists()):
-        parts = encoded(tokenizer, spec, files, dtype, max(workers, 1))
+        documents = _Count()
+        parts = encoded(tokenizer, spec, files, dtype, max(workers, 1), documents)
         try:
             count = write_tokens(out, parts, dtype)
         finally:
             parts.close()
-        documents = text.count_documents(files, spec)
-        write_atomically(side, lambda f: f.write(json.dumps({**key, "documents": documents, "tokens": count}).encode()))
+        write_atomically(side, lambda f: f.write(json.dumps({**key, "documents": documents.n, "tokens": count}).encode()))
     return text.Corpus(np.load(out, mmap_mode="r"), len(files), json.loads(side.read_text())["documents"])
 
 
 def parallel_corpus(spec: text.TextSpec, vocab_size: int, workers: int) -> text.Corpus:
     """The corpus's ids in memory, tokenized by `workers` processes (text.read_corpus's ids)."""
+    tokenizer, dtype, files = _opened(spec, vocab_size)
+    documents = _Count()
+    parts = list(encoded(tokenizer, spec, files, dtype, workers, documents))
+    return text.Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), len(files), documents.n)
+
+
+def _opened(spec: text.TextSpec, vocab_size: int) -> tuple:
+    """(the tokenizer, the ids' dtype, the corpus's files), as text.read_corpus opens them."""
     tokenizer = text.load_tokenizer(spec, vocab_size)
-    dtype = text.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-    files = text.document_files(spec)
-    parts = list(encoded(tokenizer, spec, files, dtype, workers))
-    return text.Corpus(np.concatenate(parts) if parts else np.zeros(0, dtype), len(files),
-                       text.count_documents(files, spec))
+    return tokenizer, text.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True)), text.document_files(spec)
+
+
+class _Count:
+    """The documents `encoded` went through, counted as it reports them (a bar's `update`),
+    so the corpus is read once."""
+
+    n = 0
+
+    def update(self, documents: int) -> None:
+        self.n += documents

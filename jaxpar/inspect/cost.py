@@ -223,9 +223,9 @@ def latency_profile(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: Seq
     return "\n".join(lines) + "\n"
 
 
-def covered_share(covers: list[Cover], kinds: Sequence[str] = ("all-to-all", "ragged-all-to-all")) -> dict:
-    """{transfer_s, covered_s a step, share} of the collectives of `kinds`."""
-    mine = [c for c in covers if c.collective.kind in kinds]
+def covered_share(covers: list[Cover], kinds: Sequence[str] | None = ("all-to-all", "ragged-all-to-all")) -> dict:
+    """{transfer_s, covered_s a step, share} of the collectives of `kinds` (None: all of `covers`)."""
+    mine = [c for c in covers if kinds is None or c.collective.kind in kinds]
     total = sum(c.transfer_s * c.collective.trip_count for c in mine)
     hidden = sum(c.covered_s * c.collective.trip_count for c in mine)
     return {"transfer_s": total, "covered_s": hidden, "share": hidden / total if total else None}

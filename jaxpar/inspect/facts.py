@@ -108,7 +108,7 @@ class Facts:
 def facts_of(trainer, report: StepReport) -> Facts:
     """The facts of `trainer`'s step as `report` measured it."""
     state = trainer.abstract_state()
-    groups = trainer.config.mesh.data if state.outer is not None else 1  # DiLoCo: each group's copy stacked
+    groups = trainer.mesh.shape["data"] if state.outer is not None else 1  # DiLoCo: each group's copy stacked
     params = _param_arrays(trainer, state.params if groups == 1 else state.outer.anchor,
                            trainer.state_shardings.params if groups == 1 else trainer.shardings.params)
     p = report.mesh.get("stage", 1)

@@ -218,9 +218,6 @@ def optimizer_flops(trainer) -> float:
     return matmul_flops_each(text, [None])[0][0]
 
 
-GRADIENT_KINDS = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter")
-
-
 def gpu_cost(device) -> GpuCost | None:
     """The cost model's constants for a GPU it knows, None for any other device."""
     return GpuCost.of(getattr(device, "device_kind", "")) if device.platform in ("gpu", "cuda") else None
@@ -247,7 +244,7 @@ def predicted_step(hlo_text: str, colls: list[Collective], device, host_of: list
             # Muon's all-to-alls and gathers against the compute scheduled beside them
             "muon_cover": covered_share(muon, kinds=("all-to-all", "all-gather")) if muon else None,
             # DiLoCo's outer exchange (over data, in its switch's branches) against the inner step beside it
-            "outer_cover": covered_share(outer, kinds=GRADIENT_KINDS) if outer else None,
+            "outer_cover": covered_share(outer, kinds=None) if outer else None,
             "all_to_all_cover": {**covered_share(exchange), "each": [
                 {"name": c.collective.name, "kind": c.collective.kind, "axes": list(c.collective.axes),
                  "crosses_hosts": c.collective.crosses_hosts, "runs": c.collective.trip_count,

@@ -8,6 +8,7 @@ collectives in f32 (a GPU sends the bf16).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxpar.inspect import formulas
@@ -269,7 +270,7 @@ def diloco_rows(facts: Facts) -> dict[str, Any]:
     if not spec.inner_steps:
         return {}
     mesh = facts.mesh
-    local = sum(a.size / _ways(a.axes, mesh) for a in facts.params)
+    local = sum(a.size / math.prod(mesh[axis] for axis in a.axes) for a in facts.params)
     mine = [c for c in facts.step_collectives if "data" in c.axes]
     per_step = sum(c.bytes_per_step for c in mine)
     per_round = per_step * spec.inner_steps
@@ -288,13 +289,6 @@ def diloco_rows(facts: Facts) -> dict[str, Any]:
                            "overlapped_share": _share(mine, lambda c: c.overlapped),
                            "covered": (facts.report.predicted or {}).get("outer_cover")},
     }
-
-
-def _ways(axes: tuple[str, ...], mesh: dict[str, int]) -> int:
-    out = 1
-    for a in axes:
-        out *= mesh[a]
-    return out
 
 
 def diloco_lines(doc: dict[str, Any]) -> list[str]:

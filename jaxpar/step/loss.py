@@ -18,11 +18,15 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
     vocabulary, so vocab-sharded logits are reduced in place (max and sum all-reduced over
     the tensor axis) and the full logits never sit on one device.
     """
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(token_cross_entropy(logits, targets) * weights), jnp.sum(weights)
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target] of every token, in float32 (cross_entropy_sum's terms)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
-    weights = weights.astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * weights), jnp.sum(weights)
+    return lse - jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32), axis=-1)
 
 
 def chunked_cross_entropy_sum(hidden: jax.Array, project: Callable[[jax.Array], jax.Array], targets: jax.Array,
@@ -62,14 +66,12 @@ def by_source(names: tuple[str, ...]) -> Callable[[Any, dict], tuple]:
     """The built-in loss of a mixture's language model (data.source=mix), which also sums each
     source's token losses and weights (batch["source"], a row's source), so that the step
     reports every source's own loss and tokens (jaxpar.step.update.step_metrics). The
-    per-token losses are computed once, as cross_entropy_sum's."""
+    per-token losses are computed once (token_cross_entropy)."""
 
     def loss(outputs: jax.Array, batch: dict) -> tuple:
-        logits = outputs.astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target = jnp.sum(logits * jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=jnp.float32), axis=-1)
         weights = batch["weights"].astype(jnp.float32)
-        rows_loss, rows_weight = jnp.sum((lse - target) * weights, axis=-1), jnp.sum(weights, axis=-1)  # [B]
+        tokens = token_cross_entropy(outputs, batch["targets"]) * weights
+        rows_loss, rows_weight = jnp.sum(tokens, axis=-1), jnp.sum(weights, axis=-1)  # [B]
         which = jax.nn.one_hot(batch["source"], len(names), dtype=jnp.float32)  # [B, sources]
         per_loss, per_weight = rows_loss @ which, rows_weight @ which
         metrics = {**{SOURCE_LOSS + n: per_loss[i] for i, n in enumerate(names)},
