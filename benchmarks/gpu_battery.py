@@ -7,6 +7,8 @@ JSON, one table, most valuable first:
                  measured step of mfu_bf16: the cost model over the program compiled for an
                  H100 without one (`jaxpar plan --target`; needs the CUDA plugin, which a
                  GPU machine has), and the roofline over a CPU compile (`jaxpar plan`)
+     mfu_3b      Llama 3.2 3B's shape (--shape 3b), batch 4, every layer checkpointed on
+                 both sides (jaxpar remat full, Hugging Face's gradient checkpointing)
      predicted   the runs benchmarks/results/predictions.json registered before anyone
                  measured them (jaxpar.inspect.cost over a deviceless H100 compile), timed
                  with mfu.py (jaxpar only) unless mfu_bf16 or mfu_fp8 ran them already; the
@@ -56,6 +58,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks.mfu, for the plan section
 
 from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
 BATCH, SEQ = 8, 2048  # mfu.py's run, which the plan section predicts
+MFU_3B = ["--shape", "3b", "--remat", "full", "--batch", "4", "--loss-chunks", "8"]  # after BATCH: these win
 TARGETS = {"mfu": 0.55, "jaxpar_over_pytorch": 1.2, "fp8_over_bf16": 1.3}
 MIN_SECTION_S = 20  # a section with less of the budget left is not started
 
@@ -83,6 +86,7 @@ def sections(gpu: bool, quick: bool = False) -> list[Section]:
         Section("mfu_fp8", mfu + ["--matmul-dtype", "fp8", "--no-peer"], 180),
         # the planner compiles for CPU devices whatever the machine has
         Section("plan", [__file__, "--section", "plan"], 150, env=(("JAX_PLATFORMS", "cpu"),)),
+        Section("mfu_3b", mfu + MFU_3B if gpu else mfu, 300),
         Section("predicted", [__file__, "--section", "predicted"], 280, gpu_only=True),
         Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
@@ -221,14 +225,19 @@ def _compiled_for_h100(compile_for) -> dict:
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
 # The registered runs the mfu sections time already, by their mfu.py flags.
-TIMED_BY = {("none", "8", "2048", "compute", False): ("mfu_bf16", "jaxpar"),
-            ("none", "8", "2048", "fp8", False): ("mfu_fp8", "jaxpar")}
+TIMED_BY = {("none", "8", "2048", "compute", False, "0.9b"): ("mfu_bf16", "jaxpar"),
+            ("none", "8", "2048", "fp8", False, "0.9b"): ("mfu_fp8", "jaxpar"),
+            ("full", "4", "2048", "compute", False, "3b"): ("mfu_3b", "jaxpar")}
 
 
 def flags_key(flags: list[str]) -> tuple:
-    """(remat, batch, seq, matmul dtype, unrolled) of mfu.py's flags."""
-    given = {f: flags[i + 1] for i, f in enumerate(flags[:-1]) if f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")}
-    return (*(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")), "--unroll-layers" in flags)
+    """(remat, batch, seq, matmul dtype, unrolled, shape) of mfu.py's flags (the last of a
+    flag given twice, as argparse reads it)."""
+    given = {"--seq-len": "2048", "--matmul-dtype": "compute", "--shape": "0.9b"}
+    given.update({f: flags[i + 1] for i, f in enumerate(flags[:-1])
+                  if f in ("--remat", "--batch", "--seq-len", "--matmul-dtype", "--shape")})
+    return (*(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")), "--unroll-layers" in flags,
+            given["--shape"])
 
 
 def predicted_section(out: str) -> int:
@@ -288,6 +297,9 @@ def summarize(done: dict, gpu: bool) -> dict:
     ours, peer, eight = speed(bf16.get("jaxpar", {})), speed(bf16.get("pytorch", {})), speed(fp8.get("jaxpar", {}))
     s = {"jaxpar_bf16": ours, "pytorch": peer, "jaxpar_fp8": eight,
          "jaxpar_over_pytorch": ratio(ours, peer), "fp8_over_bf16": ratio(eight, ours)}
+    big = result(done, "mfu_3b")
+    big_ours, big_peer = speed(big.get("jaxpar", {})), speed(big.get("pytorch", {}))
+    s["llama_3b"] = {"jaxpar": big_ours, "pytorch": big_peer, "jaxpar_over_pytorch": ratio(big_ours, big_peer)}
     values = {"mfu": ours.get("mfu"), **{k: s[k] for k in ("jaxpar_over_pytorch", "fp8_over_bf16")}}
     s["targets"] = {k: {"value": v, "target": TARGETS[k], "verdict": verdict(v, TARGETS[k], gpu)}
                     for k, v in values.items()}
@@ -323,8 +335,11 @@ def registered_errors(done: dict, registered: dict) -> dict:
         section, side = TIMED_BY.get(flags_key(row["mfu_flags"]), ("predicted", None))
         measured = (result(done, section).get(side) if side else result(done, section).get(name)) or {}
         step = measured.get("step_s")
-        out[name] = {"predicted_s": row["predicted_s"], "registered_at": row.get("commit"), "measured_s": step,
-                     "error": row["predicted_s"] / step - 1 if step else None}
+        # the prediction for the device the battery drew, where the row has one for it
+        device = next((d for d in row.get("by_device_s", {}) if d in measured.get("device", "")), None)
+        predicted = row["by_device_s"][device] if device else row["predicted_s"]
+        out[name] = {"predicted_s": predicted, "device": device or "H100", "registered_at": row.get("commit"),
+                     "measured_s": step, "error": predicted / step - 1 if step else None}
     return out
 
 
@@ -390,8 +405,9 @@ def render(done: dict, s: dict, setup: dict) -> str:
         lines.append(f"{name:11s} {row['status'][:24]:24s} {wall:>6s}  {row.get('error', '')[:75]}")
     lines += ["", f"{'speed':24s} {'tokens/s':>10s} {'MFU':>6s}"]
     for key, label in (("jaxpar_bf16", "jaxpar bf16"), ("pytorch", "pytorch bf16 autocast"),
-                       ("jaxpar_fp8", "jaxpar fp8 matmuls")):
-        row = s[key]
+                       ("jaxpar_fp8", "jaxpar fp8 matmuls"), ("3b/jaxpar", "3B: jaxpar bf16"),
+                       ("3b/pytorch", "3B: pytorch")):
+        row = s[key] if key in s else s["llama_3b"][key.split("/")[1]]
         if "skipped" in row:
             lines.append(f"{label:24s} skipped: {str(row['skipped'])[:80]}")
         else:

@@ -9,6 +9,8 @@ cuDNN's fused flash attention on GPUs.
   python benchmarks/mfu.py --tiny     # a toy shape, to check the script on a CPU
   python benchmarks/mfu.py --matmul-dtype fp8 --no-peer   # jaxpar alone, its projections in FP8
   python benchmarks/mfu.py --target benchmarks/targets/h100.pbtxt   # compile only, for an H100, without a GPU
+  python benchmarks/mfu.py --shape 3b --remat full --batch 4 --loss-chunks 8   # Llama 3.2 3B's shape, both sides
+      # checkpointing every layer (the peer: Hugging Face's gradient checkpointing, under any jaxpar remat but none)
 
 Both sides train on the same shapes (batch x seq tokens of random ids), their step times
 are the median of `--steps` timed steps after `--warmup`, and MFU is the model FLOPs
@@ -34,6 +36,10 @@ from types import SimpleNamespace
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
 SHAPE = dict(vocab_size=32000, embed=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, mlp=5632)
+# Llama 3.2 3B's shape (tied embeddings, a 128k vocabulary): --shape 3b, the bigger row.
+SHAPE_3B = dict(vocab_size=128256, embed=3072, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128, mlp=8192,
+                tie_embeddings=True)
+SHAPES = {"0.9b": SHAPE, "3b": SHAPE_3B}
 TINY = dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp=128)
 
 
@@ -46,14 +52,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--remat", default="none", help="jaxpar model.remat (none | full | dots | ...)")
     p.add_argument("--unroll-layers", action="store_true", help="jaxpar model.unroll_layers: the layers in line, "
                    "not a loop")
+    p.add_argument("--shape", choices=list(SHAPES), default="0.9b", help="the model: the 0.9B Llama or Llama 3.2 "
+                   "3B's shape (both sides)")
     p.add_argument("--tiny", action="store_true", help="a toy shape and 2 x 64 tokens (CPU check)")
     p.add_argument("--matmul-dtype", choices=["compute", "fp8"], default="compute",
                    help="jaxpar train.matmul_dtype: compute (bf16) or fp8 projections")
     p.add_argument("--no-peer", action="store_true", help="measure jaxpar only (no PyTorch side)")
     p.add_argument("--target", help="GpuTargetConfig file: only compile jaxpar's step for that GPU (deviceless; needs "
                    "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
-    p.add_argument("--loss-chunks", type=int, default=1, help="with --target: jaxpar train.loss_chunks (the loss in "
-                   "that many groups of tokens)")
+    p.add_argument("--loss-chunks", type=int, default=1, help="jaxpar train.loss_chunks (the loss in that many "
+                   "groups of tokens: a 128k vocabulary's logits need them)")
     p.add_argument("--vocab", type=int, help="with --target: the vocabulary instead of the 0.9B shape's 32000")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process
@@ -71,13 +79,13 @@ def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, mat
 
 
 def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str,
-                 unroll_layers: bool = False) -> dict:
+                 unroll_layers: bool = False, loss_chunks: int = 1) -> dict:
     import jax
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
 
-    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, unroll_layers=unroll_layers)
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, loss_chunks, unroll_layers)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer.batch, trainer.config)
@@ -93,7 +101,9 @@ def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warm
             "flops_per_step": config.model.flops_per_token(seq) * batch * seq, "device": jax.devices()[0].device_kind}
 
 
-def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
+def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int, checkpointing: bool = False) -> dict:
+    """The peer's median step; `checkpointing`: Hugging Face's per-layer activation
+    checkpointing (jaxpar's remat full, its counterpart; the peer has no finer policy)."""
     try:
         import torch
         from transformers import LlamaConfig as HFConfig
@@ -104,9 +114,12 @@ def torch_steps(shape: dict, batch: int, seq: int, steps: int, warmup: int) -> d
     config = HFConfig(vocab_size=shape["vocab_size"], hidden_size=shape["embed"], intermediate_size=shape["mlp"],
                       num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
                       num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],
-                      max_position_embeddings=seq, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      max_position_embeddings=seq, rms_norm_eps=1e-6,
+                      tie_word_embeddings=shape.get("tie_embeddings", False),
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(config).to(device)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     compiled = torch.compile(model)
@@ -147,7 +160,7 @@ def compile_only(args) -> int:
     from jaxpar.train import build
 
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
-    shape = {**SHAPE, "vocab_size": args.vocab or SHAPE["vocab_size"]}
+    shape = {**SHAPES[args.shape], **({"vocab_size": args.vocab} if args.vocab else {})}
     config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks,
                            args.unroll_layers)
     trainer = build(config, [device])
@@ -202,9 +215,11 @@ def run_side(side: str) -> dict:
 def main() -> int:
     args = parse_args()
     if args.target and args.tiny:
-        raise SystemExit("--target compiles the 0.9B shape for a GPU; --tiny is for CPU runs, drop one")
-    if not args.target and (args.loss_chunks != 1 or args.vocab):
-        raise SystemExit("--loss-chunks and --vocab change the compiled shape only: give --target too")
+        raise SystemExit("--target compiles a real shape for a GPU; --tiny is for CPU runs, drop one")
+    if not args.target and args.vocab:
+        raise SystemExit("--vocab changes the compiled shape only: give --target too")
+    if args.tiny and args.shape != "0.9b":
+        raise SystemExit(f"--tiny is its own toy shape; drop --shape {args.shape}")
     args.out = args.out or f"benchmarks/results/{'mfu_compile' if args.target else 'mfu'}.json"
     if args.target:
         return compile_only(args)
@@ -212,11 +227,12 @@ def main() -> int:
 
     from jaxpar.flops import peak_flops
 
-    shape = TINY if args.tiny else SHAPE
+    shape = TINY if args.tiny else SHAPES[args.shape]
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
     if args.side:
-        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype, args.unroll_layers)
-               if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup))
+        row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype, args.unroll_layers,
+                            args.loss_chunks)
+               if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup, args.remat != "none"))
         print("SIDE " + json.dumps(row))
         return 0
     tokens = batch * seq
@@ -245,7 +261,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat,
-                               "unroll_layers": args.unroll_layers,
+                               "unroll_layers": args.unroll_layers, "loss_chunks": args.loss_chunks,
                                "matmul_dtype": args.matmul_dtype, "jax": jax.__version__,
                                "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
     print(f"wrote {out}")

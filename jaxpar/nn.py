@@ -11,9 +11,10 @@ Remat policies (per layer of a scanned stack):
   dots       save matmul outputs, recompute the element-wise rest
   dots_no_batch  save only matmuls without batch dimensions (weight-only products)
   (selective, dots and dots_no_batch also keep a context-parallel attention kernel's
-  residuals, which its backward reads, rather than run the ring again: a blockwise kernel
-  has no s^2 part to drop. The kernel is one opaque step to every policy, so no policy
-  keeps its score tiles; full and offload run it again. Likewise they keep the buffers the
+  residuals and cuDNN's fused attention's outputs, which their backward reads, rather than
+  run the ring or the kernel again: a blockwise kernel has no s^2 part to drop. The kernel
+  is one opaque step to every policy, so no policy keeps its score tiles; full and offload
+  run it again. Likewise they keep the buffers the
   MoE all-to-alls deliver, so only full and offload exchange tokens again.)
 
 No policy saves a gathered parameter: under FSDP / ZeRO-3 a weight is all-gathered again for
@@ -25,6 +26,7 @@ of every layer and undo the sharding. Every policy saves hpZ's in-host secondary
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, get_args
 
 import jax
@@ -51,6 +53,13 @@ OFFLOADED_NAME = "layer_input"  # what the offload policy moves to host memory
 SELECTIVE_SAVED = ("layer_input", "qkv", "attention_out", "mlp_hidden", "residual")
 
 
+# cuDNN's fused attention (jax.nn.dot_product_attention), by its forward primitive's name:
+# its outputs (the attention and each row's softmax statistics) are what its backward
+# reads, so the policies that keep matmuls keep them, rather than run the kernel again
+# (0.9B Llama, H100, remat dots: 4.5 ms a step, benchmarks/results/step_kernels.json).
+FUSED_ATTENTION = ("dot_product_attention_fwd",)
+
+
 # Outputs recomputed from their (saved) inputs rather than stored: sharding constraints mark
 # gathered parameters and resharded activations. The int8 parameter gather
 # (jaxpar.kernels.quantized) appears to a policy as `remat_opt` (its custom VJP), or as
@@ -70,16 +79,20 @@ def _either(a: Callable, b: Callable) -> Callable:
     return lambda prim, *args, **params: a(prim, *args, **params) or b(prim, *args, **params)
 
 
+def _fused_attention(prim: Any, *_, **__) -> bool:
+    return prim.name.startswith(FUSED_ATTENTION)
+
+
 def layer_policy(remat: str) -> Callable:
     """The jax.checkpoint policy applied to each layer for a remat name."""
     cp = jax.checkpoint_policies
     hpz = cp.save_only_these_names(HPZ_NAME)
-    # the attention kernel's outputs, and what the expert all-to-alls deliver
-    kept_like_matmuls = cp.save_only_these_names(HPZ_NAME, RESIDUALS_NAME, EXCHANGED_NAME)
+    # the attention kernels' outputs, and what the expert all-to-alls deliver
+    kept_like_matmuls = _either(cp.save_only_these_names(HPZ_NAME, RESIDUALS_NAME, EXCHANGED_NAME), _fused_attention)
     if remat == "none":
         return _not_a_layout_change
     if remat == "selective":
-        return cp.save_only_these_names(*SELECTIVE_SAVED, HPZ_NAME, RESIDUALS_NAME, EXCHANGED_NAME)
+        return _either(cp.save_only_these_names(*SELECTIVE_SAVED), kept_like_matmuls)
     if remat == "full":
         return hpz
     if remat == "dots":
@@ -226,3 +239,78 @@ def by_kind(kind: Any, branches: Sequence[Callable], *operands: Any) -> Any:
         return out
     cache.made.append(out[1])
     return out[0]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x / rms(x) x (offset + scale) over the last axis, in float32, returned in x's dtype.
+
+    Its backward pass keeps only x and each row's 1 / rms (float32, one value a row) and
+    rebuilds the rest in one pass: plain autodiff of the same lines keeps float32 copies
+    of x and of x / rms(x), which a scanned layer stack writes into stacks twice the
+    activations' size and reads back (0.9B Llama on an H100, remat none: about 19 ms of a
+    0.23 s step, benchmarks/results/step_kernels.json). Equal to `rms_norm_reference` in
+    values and gradients up to float32 rounding (tests/unit/test_nn.py)."""
+    return _rms_norm(x, scale, eps, offset)
+
+
+def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """rms_norm by plain autodiff: the definition its custom backward is checked against."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float) -> jax.Array:
+    return rms_norm_reference(x, scale, eps, offset)
+
+
+def _rms_norm_fwd(x, scale, eps, offset):
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = (x32 * inv * (offset + scale.astype(jnp.float32))).astype(x.dtype)
+    return y, (x, scale, inv)
+
+
+def _rms_norm_bwd(eps, offset, residuals, dy):
+    x, scale, inv = residuals
+    normed = x.astype(jnp.float32) * inv
+    dy32 = dy.astype(jnp.float32)
+    g = dy32 * (offset + scale.astype(jnp.float32))
+    # d/dx of x * inv(x): inv * (g - normed * mean(g * normed))
+    dx = inv * (g - normed * jnp.mean(g * normed, axis=-1, keepdims=True))
+    # summed over every leading axis in place: a reshape to rows would gather a sharded sequence
+    dscale = jnp.sum(dy32 * normed, axis=tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def gated(activation: Callable[[jax.Array], jax.Array], gate: jax.Array, up: jax.Array) -> jax.Array:
+    """activation(gate) * up (SwiGLU, GeGLU), whose backward pass keeps only gate and up
+    and recomputes the activation beside its own derivative in one pass. Plain autodiff
+    keeps the activation's intermediates too (silu: the sigmoid and silu(gate)), each a
+    [tokens, mlp] buffer a scanned layer stack writes and reads back. `activation` is
+    element-wise. Equal to activation(gate) * up in values and gradients
+    (tests/unit/test_nn.py)."""
+    return _gated(activation, gate, up)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated(activation, gate, up):
+    return activation(gate) * up
+
+
+def _gated_fwd(activation, gate, up):
+    return activation(gate) * up, (gate, up)
+
+
+def _gated_bwd(activation, residuals, d_out):
+    gate, up = residuals
+    act, act_vjp = jax.vjp(activation, gate)
+    (d_gate,) = act_vjp(d_out * up)
+    return d_gate, (d_out * act).astype(up.dtype)
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)

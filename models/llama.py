@@ -42,7 +42,7 @@ from jaxpar.hf.weights import Weight
 from jaxpar.kernels.attention.logits import clip_factors
 from jaxpar.mesh import divisors
 from jaxpar.model import ATTENTION, FIRST_LAYER, MAXIMA, PROJECTIONS, REMAT, SEQUENCE, STAGES
-from jaxpar.nn import param, scan_layers, stack_layers
+from jaxpar.nn import gated, param, rms_norm, scan_layers, stack_layers
 from jaxpar.sharding import (attend, column_project, compute_value, constrain, largest_logits, lookup, reports_logits,
                              row_project)
 from jaxpar.sharding.projections import GATHERED, SCATTERED
@@ -204,10 +204,7 @@ class RMSNorm(nnx.Module):
         self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = compute_value(self.scale).astype(jnp.float32)
-        return (y * (self.offset + scale if self.offset else scale)).astype(x.dtype)
+        return rms_norm(x, compute_value(self.scale), self.eps, self.offset)
 
 
 def rope_frequencies(head_dim: int, cfg: LlamaConfig, theta: float | None = None) -> jax.Array:
@@ -311,7 +308,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         gate, up = column_project(x_BSD, [self.w_gate, self.w_up], [MLP_NAMES] * 2)
         gate, up = checkpoint_name(gate, "mlp_hidden"), checkpoint_name(up, "mlp_hidden")
-        h_BSF = constrain(ACTIVATIONS[self.activation](gate) * up, MLP_NAMES)
+        h_BSF = constrain(gated(ACTIVATIONS[self.activation], gate, up), MLP_NAMES)
         return row_project(h_BSF, self.w_down, MLP_NAMES)
 
 

@@ -2,6 +2,8 @@
 loop of 4 trips whose fusion slices one layer out of a stacked weight, a GEMM inside it, a
 cuDNN attention call, and an update written in place into a stacked buffer."""
 
+import dataclasses
+
 import pytest
 
 from jaxpar.inspect.cost import GpuCost, step_cost
@@ -85,6 +87,16 @@ def test_each_kernel_costs_its_own_flops_or_bytes_and_loops_count_their_trips():
     assert attention.kind == "attention" and attention.flops == 0.5 * 4 * 2 * 4 * 512 * 512 * 64
     assert attention.seconds == pytest.approx(max(attention.flops / 0.25e12, attention.bytes / 1e12) + 1e-6)
     assert cost.seconds == pytest.approx(4 * gemm.seconds + 4 * store.seconds + attention.seconds)
+
+
+def test_the_fused_attention_backward_runs_at_its_own_rate():
+    """2.5 times the forward's FLOPs (dQ, dK, dV, dP and the scores again), at the backward's
+    efficiency: cuDNN's backward kernel reaches less of the peak than its forward."""
+    backward = dataclasses.replace(GPU, attention_backward_efficiency=0.1)
+    kernel = next(k for k in step_cost(HLO.replace('fmhaSoftmax"', 'fmhaSoftmaxBackward"'), backward).kernels
+                  if k.name == "a")
+    assert kernel.flops == 2.5 * 0.5 * 4 * 2 * 4 * 512 * 512 * 64
+    assert kernel.seconds == pytest.approx(kernel.flops / 0.1e12 + 1e-6)
 
 
 def test_a_target_is_checked_before_anything_compiles(tmp_path):

@@ -13,7 +13,7 @@ _spec.loader.exec_module(battery)
 
 
 def side(tokens_per_s, mfu):
-    return {"tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": 16384 / tokens_per_s}
+    return {"tokens_per_s": tokens_per_s, "mfu": mfu, "step_s": 16384 / tokens_per_s, "device": "NVIDIA H100 80GB HBM3"}
 
 
 def attention_row(dtype, out, grad, ref_s, cudnn_s):
@@ -28,6 +28,7 @@ def results():
     return {
         "mfu_bf16": ok({"jaxpar": side(96000, 0.56), "pytorch": side(75000, 0.44)}),
         "mfu_fp8": ok({"jaxpar": side(115200, 0.67), "pytorch": {"skipped": "--no-peer"}}),
+        "mfu_3b": ok({"jaxpar": side(24000, 0.52), "pytorch": side(20000, 0.43)}),
         "plan": ok({"prediction": {"step_s": 0.12, "mfu": 0.78}, "cost_model": {"prediction": {"step_s": 0.17}}}),
         "cudnn": ok({"cudnn": [attention_row("bfloat16", 4e-3, 8e-3, 0.02, 0.004),
                                attention_row("float16", 1e-3, 2e-3, 0.01, 0.002), {"packed": True, "skipped": "no"}]}),
@@ -46,6 +47,7 @@ def test_targets_ratios_and_table_on_a_gpu():
     assert abs(s["jaxpar_over_pytorch"] - 1.28) < 1e-9 and abs(s["fp8_over_bf16"] - 1.2) < 1e-9
     assert {k: t["verdict"] for k, t in s["targets"].items()} == {
         "mfu": "ok", "jaxpar_over_pytorch": "ok", "fp8_over_bf16": "MISSED"}
+    assert abs(s["llama_3b"]["jaxpar_over_pytorch"] - 1.2) < 1e-9  # the bigger row, beside its own peer
     assert abs(s["plan"]["predicted_over_measured"] - 0.12 / (16384 / 96000)) < 1e-9
     assert abs(s["plan"]["cost_model_over_measured"] - 0.17 / (16384 / 96000)) < 1e-9  # the compiled program's
     assert s["overlap"]["preset_none"] == 0.6 and s["overlap"]["preset_overlap"] == 0.8
@@ -124,6 +126,10 @@ def test_each_registered_prediction_meets_the_step_the_battery_measured():
                       "--remat", "none", "--batch", "8", "--seq-len", "2048", "--matmul-dtype", "compute",
                       "--unroll-layers"]}}
     done = {**results(), "predicted": {"status": "ok", "result": {"bf16_full_b8": {"step_s": 0.25}}}}
+    # a row predicted for both devices is judged against the one the battery drew (H100 here)
+    both = {"fp8_none_b8": {**registered["fp8_none_b8"], "by_device_s": {"H100": 0.26, "H200": 0.2}}}
+    judged = battery.registered_errors(done, both)["fp8_none_b8"]
+    assert judged["predicted_s"] == 0.26 and judged["device"] == "H100"
     errors = battery.registered_errors(done, registered)
     assert abs(errors["fp8_none_b8"]["error"] - (0.25 / (16384 / 115200) - 1)) < 1e-12  # timed by mfu_fp8
     assert abs(errors["bf16_full_b8"]["error"] - (0.2 / 0.25 - 1)) < 1e-12

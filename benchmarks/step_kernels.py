@@ -1,0 +1,100 @@
+"""What the 0.9B Llama step (benchmarks/mfu.py's shape) spends beyond its matmuls, kernel
+by kernel, on the program XLA compiles for an H100 without one (a deviceless compile):
+each memory-bound kernel labelled by phase and by the Python line that made it
+(jaxpar.inspect.kernel_table), summed, largest first; the predicted step (jaxpar.inspect.cost)
+on an H100 and an H200; the scanned stack's own share (zero fills, stack writes and reads).
+
+  <venv with jax[cuda13]>/bin/python benchmarks/step_kernels.py --label after
+  <venv with jax[cuda13]>/bin/python benchmarks/step_kernels.py --label before --runs none,dots
+
+Each call adds its label (with the commit it ran on) to the JSON file, so one file holds the
+step before and after a change, measured by the same script: run it on the old code with
+`--label before`, then on the new. `--runs`: which of RUNS (default all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.mfu
+
+TARGET = "benchmarks/targets/h100.pbtxt"
+RUNS = {  # name: (remat, batch, matmul_dtype), at seq 2048
+    "none": ("none", 8, "compute"),
+    "dots": ("dots", 8, "compute"),
+    "fp8_none": ("none", 8, "fp8"),
+    "selective_b16": ("selective", 16, "compute"),
+}
+
+
+def measure(name: str, devices) -> dict:
+    from benchmarks.mfu import SHAPE, jaxpar_config
+    from jaxpar.inspect.cost import GpuCost, step_cost
+    from jaxpar.inspect.kernel_table import kernel_rows, totals
+    from jaxpar.train import build
+
+    remat, batch, dtype = RUNS[name]
+    config = jaxpar_config(dict(SHAPE), batch, 2048, remat, 1, dtype)
+    trainer = build(config, devices)
+    t0 = time.perf_counter()
+    compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    text = compiled.as_text()
+    flops = config.model.flops_per_token(2048) * batch * 2048
+    out = {"remat": remat, "batch": batch, "matmul_dtype": dtype, "compile_s": round(time.perf_counter() - t0, 1),
+           "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30}
+    for device in ("H100", "H200"):
+        gpu = GpuCost.of(device)
+        cost, rows = step_cost(text, gpu), kernel_rows(text, gpu)
+        out[device] = {"predicted_s": cost.seconds, "predicted_mfu": flops / cost.seconds / (gpu.bf16_tflops * 1e12),
+                       "by_kind_s": cost.by_kind(), "memory_bound": totals(rows),
+                       "table": [dataclasses.asdict(r) for r in rows[:30]]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--label", required=True, help="this code's name in the file (before, after, ...)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--out", default="benchmarks/results/step_kernels.json")
+    args = p.parse_args()
+    runs = args.runs.split(",")
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"--runs {','.join(unknown)}: unknown; use any of {', '.join(RUNS)}")
+    from jaxpar.deviceless import gpu_devices
+    from jaxpar.inspect.kernel_table import Row, describe
+
+    devices = gpu_devices(str(ROOT / TARGET))[:1]
+    out = ROOT / args.out if not pathlib.Path(args.out).is_absolute() else pathlib.Path(args.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"about": __doc__.split("\n\n")[0].replace("\n", " "),
+                                                            "target": TARGET, "labels": {}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=ROOT).stdout.strip())
+    import jax
+
+    entry = doc["labels"].setdefault(args.label, {})
+    entry.update(commit=commit + ("+changes" if dirty else ""), jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
+    for name in runs:
+        row = measure(name, devices)
+        entry.setdefault("runs", {})[name] = row
+        h100 = row["H100"]
+        print(f"\n{args.label} / {name}: predicted H100 step {h100['predicted_s'] * 1e3:.1f} ms "
+              f"({h100['predicted_mfu']:.1%} MFU), H200 {row['H200']['predicted_s'] * 1e3:.1f} ms, "
+              f"temp {row['temp_gib']:.1f} GiB", flush=True)
+        print(describe([Row(**r) for r in h100["table"]], top=12, total=h100["memory_bound"]))
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
