@@ -57,6 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks.mfu, for the plan section
 
 from benchmarks.gpu_checks import write  # noqa: E402  (the atomic JSON writer)
+from benchmarks.predict import Run  # noqa: E402  (a registered row's run, from its flags)
 BATCH, SEQ = 8, 2048  # mfu.py's run, which the plan section predicts
 MFU_3B = ["--shape", "3b", "--remat", "full", "--batch", "4", "--loss-chunks", "8"]  # after BATCH: these win
 TARGETS = {"mfu": 0.55, "jaxpar_over_pytorch": 1.2, "fp8_over_bf16": 1.3}
@@ -225,19 +226,15 @@ def _compiled_for_h100(compile_for) -> dict:
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
 # The registered runs the mfu sections time already, by their mfu.py flags.
-TIMED_BY = {("none", "8", "2048", "compute", False, "0.9b"): ("mfu_bf16", "jaxpar"),
-            ("none", "8", "2048", "fp8", False, "0.9b"): ("mfu_fp8", "jaxpar"),
-            ("full", "4", "2048", "compute", False, "3b"): ("mfu_3b", "jaxpar")}
+TIMED_BY = {("none", 8, 2048, "compute", False, "0.9b"): ("mfu_bf16", "jaxpar"),
+            ("none", 8, 2048, "fp8", False, "0.9b"): ("mfu_fp8", "jaxpar"),
+            ("full", 4, 2048, "compute", False, "3b"): ("mfu_3b", "jaxpar")}
 
 
 def flags_key(flags: list[str]) -> tuple:
-    """(remat, batch, seq, matmul dtype, unrolled, shape) of mfu.py's flags (the last of a
-    flag given twice, as argparse reads it)."""
-    given = {"--seq-len": "2048", "--matmul-dtype": "compute", "--shape": "0.9b"}
-    given.update({f: flags[i + 1] for i, f in enumerate(flags[:-1])
-                  if f in ("--remat", "--batch", "--seq-len", "--matmul-dtype", "--shape")})
-    return (*(given[f] for f in ("--remat", "--batch", "--seq-len", "--matmul-dtype")), "--unroll-layers" in flags,
-            given["--shape"])
+    """(remat, batch, seq, matmul dtype, unrolled, shape) of the run mfu.py's flags describe."""
+    run = Run.from_flags("", flags)
+    return run.remat, run.batch, run.seq_len, run.matmul_dtype, run.unroll_layers, run.shape
 
 
 def predicted_section(out: str) -> int:

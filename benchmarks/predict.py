@@ -85,16 +85,24 @@ UNMEASURED: list[Run] = [
 ]
 
 
-def predict(run: Run, devices) -> dict:
+def compile_run(run: Run, devices):
+    """(config, compiled step, seconds the compile took) of one run, for `devices`."""
     from benchmarks.mfu import SHAPES, jaxpar_config
-    from jaxpar.inspect.cost import GpuCost, step_cost
     from jaxpar.train import build
 
     config = jaxpar_config(dict(SHAPES[run.shape]), run.batch, run.seq_len, run.remat, 1, run.matmul_dtype,
                            run.loss_chunks, run.unroll_layers)
     trainer = build(config, devices)
     t0 = time.perf_counter()
-    text = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
+    compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    return config, compiled, round(time.perf_counter() - t0, 1)
+
+
+def predict(run: Run, devices) -> dict:
+    from jaxpar.inspect.cost import GpuCost, step_cost
+
+    config, compiled, compile_s = compile_run(run, devices)
+    text = compiled.as_text()
     cost = step_cost(text, GpuCost())
     flops = config.model.flops_per_token(run.seq_len) * run.batch * run.seq_len
     # The same program timed with an H200's constants (its HBM; the H100 target compiles
@@ -102,7 +110,7 @@ def predict(run: Run, devices) -> dict:
     by_device = {d: step_cost(text, GpuCost.of(d)).seconds for d in ("H100", "H200")}
     return {"predicted_s": cost.seconds, "predicted_mfu": flops / cost.seconds / (GpuCost().bf16_tflops * 1e12),
             "by_device_s": by_device, "by_kind_s": cost.by_kind(), "kernels": cost.to_json()["kernels"],
-            "compile_s": round(time.perf_counter() - t0, 1)}
+            "compile_s": compile_s}
 
 
 def recheck(doc: dict, devices, commit: str) -> dict:

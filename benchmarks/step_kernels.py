@@ -23,35 +23,29 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # benchmarks.mfu
+sys.path.insert(0, str(ROOT))  # benchmarks.mfu, benchmarks.predict
+
+from benchmarks.predict import Run, compile_run  # noqa: E402
 
 TARGET = "benchmarks/targets/h100.pbtxt"
-RUNS = {  # name: (remat, batch, matmul_dtype), at seq 2048
-    "none": ("none", 8, "compute"),
-    "dots": ("dots", 8, "compute"),
-    "fp8_none": ("none", 8, "fp8"),
-    "selective_b16": ("selective", 16, "compute"),
-}
+RUNS = {run.name: run for run in (Run("none"), Run("dots", "dots"), Run("fp8_none", matmul_dtype="fp8"),
+                                  Run("selective_b16", "selective", 16))}
 
 
 def measure(name: str, devices) -> dict:
-    from benchmarks.mfu import SHAPE, jaxpar_config
     from jaxpar.inspect.cost import GpuCost, step_cost
     from jaxpar.inspect.kernel_table import kernel_rows, totals
-    from jaxpar.train import build
 
-    remat, batch, dtype = RUNS[name]
-    config = jaxpar_config(dict(SHAPE), batch, 2048, remat, 1, dtype)
-    trainer = build(config, devices)
-    t0 = time.perf_counter()
-    compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    run = RUNS[name]
+    config, compiled, compile_s = compile_run(run, devices)
     text = compiled.as_text()
-    flops = config.model.flops_per_token(2048) * batch * 2048
-    out = {"remat": remat, "batch": batch, "matmul_dtype": dtype, "compile_s": round(time.perf_counter() - t0, 1),
+    flops = config.model.flops_per_token(run.seq_len) * run.batch * run.seq_len
+    out = {"remat": run.remat, "batch": run.batch, "matmul_dtype": run.matmul_dtype, "compile_s": compile_s,
            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30}
     for device in ("H100", "H200"):
         gpu = GpuCost.of(device)
-        cost, rows = step_cost(text, gpu), kernel_rows(text, gpu)
+        cost = step_cost(text, gpu)
+        rows = kernel_rows(text, gpu, cost)
         out[device] = {"predicted_s": cost.seconds, "predicted_mfu": flops / cost.seconds / (gpu.bf16_tflops * 1e12),
                        "by_kind_s": cost.by_kind(), "memory_bound": totals(rows),
                        "table": [dataclasses.asdict(r) for r in rows[:30]]}

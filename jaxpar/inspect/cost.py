@@ -25,8 +25,8 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from jaxpar.inspect.buffers import entry_name, running_computations
-from jaxpar.inspect.hlo import (ARRAY, BranchShares, callees, closing, done_of, dot_flops, executions, nbytes, parse,
-                                split_outside)
+from jaxpar.inspect.hlo import (ARRAY, BranchShares, callees, closing, done_of, dot_flops, executions, fused_body,
+                                fused_outputs, nbytes, parse, split_outside)
 
 # Instructions that launch nothing: views, plumbing, control flow (its bodies are counted),
 # and the second half of an async pair (its start is counted).
@@ -318,7 +318,7 @@ def _bytes(ins, comps, shapes) -> int:
         return 2 * nbytes(result)
     if ins.opcode == "dynamic-update-slice":
         return 2 * nbytes(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else 0
-    body = next((comps.get(c, []) for role, c in callees(ins) if role == "calls"), [])
+    body = fused_body(ins, comps)
     if not body:
         return nbytes(result) + sum(nbytes(shapes.get(o, "")) for o in ins.operands)
     params = {int(i.operands[0]): i for i in body if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
@@ -360,10 +360,8 @@ def _in_place(body: list) -> tuple[set[str], int]:
     element, that dynamic-update-slices into a parameter (or a bitcast of one: a view, as
     a scanned layer's stacked residual in another layout) writes only its update."""
     by_name = {i.name: i for i in body}
-    root = body[-1]
-    outputs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
     updated, written = set(), 0
-    for out in outputs:
+    for out in fused_outputs(body):
         if out is None:
             continue
         while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:

@@ -375,6 +375,18 @@ def callees(ins: _Instr) -> list[tuple[str, str]]:
     return found
 
 
+def fused_body(ins: _Instr, comps: dict[str, list[_Instr]]) -> list[_Instr]:
+    """The instructions of the computation a fusion calls (empty for any other instruction)."""
+    return next((comps.get(c, []) for role, c in callees(ins) if role == "calls"), [])
+
+
+def fused_outputs(body: list[_Instr]) -> list[_Instr | None]:
+    """A fused body's outputs: its root tuple's elements (None where not in the body), or the root."""
+    by_name = {i.name: i for i in body}
+    root = body[-1]
+    return [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+
+
 def _shares_of(ins: _Instr, count: int, branch_shares: BranchShares | None) -> Sequence[float] | None:
     """The share of runs of each of the `count` branches of `ins`, where `branch_shares` knows
     them: by the scope the conditional itself was traced under (not one it sits inside), else

@@ -24,8 +24,8 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from jaxpar.inspect.cost import GpuCost, step_cost
-from jaxpar.inspect.hlo import callees, parse
+from jaxpar.inspect.cost import GpuCost, StepCost, step_cost
+from jaxpar.inspect.hlo import fused_body, fused_outputs, parse
 
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -80,26 +80,20 @@ def phase_of(attrs: str) -> str:
     return "step"
 
 
-def _root(ins, comps):
-    body = next((comps.get(c, []) for role, c in callees(ins) if role == "calls"), [])
-    return body, (body[-1] if body else None)
-
-
 def role_of(ins, comps) -> str | None:
     """zero fill, stack write or stack read, from what the kernel's fused body does; None
     for any other kernel (labelled by its source instead)."""
-    body, root = _root(ins, comps)
+    body = fused_body(ins, comps)
     opcodes = {i.opcode for i in body}
     if body and not ins.operands and opcodes <= {"constant", "broadcast", "copy", "tuple", "bitcast"}:
         return "zero fill"
-    if root is not None and ins.shape.count("[") >= 1:
-        outs = [next((i for i in body if i.name == o), None) for o in root.operands] if root.opcode == "tuple" else [root]
-        if outs and all(o is not None and o.opcode == "dynamic-update-slice" for o in outs):
-            return "stack write"
-        if outs and all(o is not None and o.opcode in ("dynamic-slice", "bitcast", "copy") for o in outs) and \
-                "dynamic-slice" in opcodes and opcodes <= {"parameter", "dynamic-slice", "bitcast", "copy", "tuple",
-                                                           "constant", "compare", "select", "add", "subtract"}:
-            return "stack read"
+    outs = fused_outputs(body) if body else []
+    if outs and all(o is not None and o.opcode == "dynamic-update-slice" for o in outs):
+        return "stack write"
+    if outs and all(o is not None and o.opcode in ("dynamic-slice", "bitcast", "copy") for o in outs) and \
+            "dynamic-slice" in opcodes and opcodes <= {"parameter", "dynamic-slice", "bitcast", "copy", "tuple",
+                                                       "constant", "compare", "select", "add", "subtract"}:
+        return "stack read"
     if ins.opcode == "dynamic-update-slice":
         return "stack write"
     if ins.opcode == "dynamic-slice":
@@ -107,13 +101,14 @@ def role_of(ins, comps) -> str | None:
     return None
 
 
-def kernel_rows(hlo_text: str, gpu: GpuCost = GpuCost()) -> list[Row]:
-    """The memory-bound kernels of a compiled program, summed by (phase, what), costliest first."""
+def kernel_rows(hlo_text: str, gpu: GpuCost = GpuCost(), cost: StepCost | None = None) -> list[Row]:
+    """The memory-bound kernels of a compiled program, summed by (phase, what), costliest
+    first; `cost`: its step_cost on `gpu`, where the caller has it already."""
     comps = parse(hlo_text)
     by_name = {i.name: i for instrs in comps.values() for i in instrs}
     frames = sources(hlo_text)
     groups: dict[tuple[str, str], list] = defaultdict(list)
-    for k in step_cost(hlo_text, gpu).kernels:
+    for k in (cost or step_cost(hlo_text, gpu)).kernels:
         if k.kind != "memory":
             continue
         ins = by_name[k.name]
