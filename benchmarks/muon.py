@@ -7,8 +7,9 @@
    SMOOTH steps); the table gives, at the tuned rates, the steps each needs to reach LEVELS.
    The tuned rate reaches the last level first (then: the lowest final loss).
 2. `--target benchmarks/targets/h100.pbtxt` (a venv with `jax[cuda13]`, no GPU): the 0.9B
-   Llama of benchmarks/mfu.py compiled for 8 H100s (fsdp 8, bf16, remat full) with each
-   optimizer: the cost model's step time, the compiled peak, Muon's Newton-Schulz FLOPs and
+   Llama of benchmarks/mfu.py compiled for 8 H100s (fsdp 8, bf16, remat full) with AdamW and
+   with Muon (float32 and bfloat16 iterations, parameters cut alike joined or each alone:
+   VARIANTS): the cost model's step time, the compiled peak, Muon's Newton-Schulz FLOPs and
    exchanged elements per device (explain's rows), and the share of its collectives' time
    that compute scheduled beside them covers.
 
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -96,6 +98,28 @@ def train(steps: int) -> dict:
     return {"steps": steps, "layout": FINETUNE, "levels": LEVELS, "runs": runs, "tuned": table}
 
 
+# The compiled rows: AdamW; Muon; Muon iterating in bfloat16 (optim.ns_dtype); and Muon with
+# each parameter's stack orthogonalised alone (`apart`), as before parameters cut alike joined.
+VARIANTS = {"adamw": ["optim.name=adamw"], "muon": ["optim.name=muon"],
+            "muon_bf16": ["optim.name=muon", "optim.ns_dtype=bfloat16"], "muon_apart": ["optim.name=muon"]}
+
+
+@contextlib.contextmanager
+def apart():
+    """Each parameter its own stack: share_groups (where the step and explain read it) split
+    into groups of one, for the side-by-side row."""
+    import jaxpar.inspect.optimizer as explained
+    import jaxpar.step.muon as step
+
+    joined = step.share_groups
+    alone = lambda matrices, shapes: [[p] for group in joined(matrices, shapes) for p in group]  # noqa: E731
+    step.share_groups = explained.share_groups = alone
+    try:
+        yield
+    finally:
+        step.share_groups = explained.share_groups = joined
+
+
 def compiled(target: str) -> dict:
     from jaxpar.deviceless import gpu_devices
     from jaxpar.inspect import inspect_step
@@ -105,33 +129,39 @@ def compiled(target: str) -> dict:
 
     devices = gpu_devices(target, "1x1x8")  # before JAX starts a backend
     rows = {}
-    for optimizer in ("adamw", "muon"):
-        config = resolve_config("llama", [*SHAPE, *COMPILED, f"optim.name={optimizer}"], len(devices))
+    for name, overrides in VARIANTS.items():
+        config = resolve_config("llama", [*SHAPE, *COMPILED, *overrides], len(devices))
         t0 = time.time()
-        trainer = build(config, devices)
-        report = inspect_step(trainer)
-        doc = explain(trainer, report)
+        with apart() if name == "muon_apart" else contextlib.nullcontext():
+            trainer = build(config, devices)
+            report = inspect_step(trainer)
+            doc = explain(trainer, report)
         predicted = report.predicted or {}
-        rows[optimizer] = {
-            "step_s": predicted.get("seconds"), "by_kind_s": predicted.get("by_kind"),
+        rows[name] = {
+            "overrides": overrides, "step_s": predicted.get("seconds"), "by_kind_s": predicted.get("by_kind"),
             "peak_gib": report.memory.peak / 2**30, "compile_s": time.time() - t0,
             "newton_schulz_flops": doc.get("muon_flops"), "exchanged_elements": doc.get("muon_traffic"),
-            "muon_cover": predicted.get("muon_cover"),
+            "muon_formula": doc.get("muon_formula"), "muon_cover": predicted.get("muon_cover"),
         }
-        print(f"{optimizer}: predicted step {rows[optimizer]['step_s'] * 1e3:.1f} ms, peak "
-              f"{rows[optimizer]['peak_gib']:.2f} GiB", file=sys.stderr)
-    muon, adamw = rows["muon"], rows["adamw"]
-    print(f"\n0.9B Llama on 8 H100s (fsdp 8, deviceless, the cost model): AdamW {adamw['step_s'] * 1e3:.1f} ms, "
-          f"Muon {muon['step_s'] * 1e3:.1f} ms a step ({muon['step_s'] / adamw['step_s']:.3f}x); peak "
-          f"{adamw['peak_gib']:.2f} / {muon['peak_gib']:.2f} GiB")
-    flops, sent = muon["newton_schulz_flops"], muon["exchanged_elements"]
-    print(f"Muon: {flops['measured'] / 1e12:.2f} TFLOP of Newton-Schulz a device (formula {flops['formula'] / 1e12:.2f}), "
-          f"{sent['measured'] / 1e6:.1f}M elements exchanged (formula {sent['formula'] / 1e6:.1f}M)")
-    cover = muon["muon_cover"] or {}
-    if cover.get("share") is not None:
-        print(f"Muon's collectives covered by compute: {cover['share']:.0%} ({cover['covered_s'] * 1e3:.2f} of "
-              f"{cover['transfer_s'] * 1e3:.2f} ms)")
+        print(f"{name}: predicted step {rows[name]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+    print(table(rows))
     return {"target": target, "shape": SHAPE, "layout": COMPILED, "optimizers": rows}
+
+
+def table(rows: dict) -> str:
+    """The compiled rows side by side, as docs/muon.md shows them."""
+    adamw = rows["adamw"]["step_s"]
+    lines = ["\n0.9B Llama on 8 H100s (fsdp 8, deviceless, the cost model)",
+             f"{'':12s} {'step':>9s} {'x AdamW':>8s} {'GEMMs':>8s} {'memory':>8s} {'peak':>9s} {'NS TFLOP':>9s} "
+             f"{'exchanged':>10s} {'covered':>8s}"]
+    for name, r in rows.items():
+        kinds, flops, sent = r["by_kind_s"] or {}, r["newton_schulz_flops"], r["exchanged_elements"]
+        cover = (r["muon_cover"] or {}).get("share")
+        lines.append(f"{name:12s} {r['step_s'] * 1e3:7.1f}ms {r['step_s'] / adamw:7.3f}x {kinds.get('gemm', 0) * 1e3:6.1f}ms "
+                     f"{kinds.get('memory', 0) * 1e3:6.1f}ms {r['peak_gib']:6.2f}GiB "
+                     f"{flops['measured'] / 1e12 if flops else 0:9.2f} {sent['measured'] / 1e6 if sent else 0:9.1f}M "
+                     f"{'' if cover is None else f'{cover:.0%}':>8s}")
+    return "\n".join(lines)
 
 
 def main() -> None:

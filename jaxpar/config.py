@@ -91,6 +91,9 @@ class OptimConfig:
     nesterov: bool = True  # Muon: the update reads the gradient plus momentum x the momentum (Nesterov)
     ns_steps: int = 5  # Muon: Newton-Schulz iterations
     ns_coeffs: str = "3.4445,-4.7750,2.0315"  # Muon: the quintic iteration's coefficients "a,b,c"
+    # Muon: what the iteration multiplies in and its pieces travel in: float32, or bfloat16
+    # (Keller Jordan's and Moonlight's; half the FLOP time and bytes on a GPU)
+    ns_dtype: ComputeDtype = "float32"
     # Muon: how an orthogonalised update is scaled by its shape: "rms" (muon_rms x
     # sqrt(max(rows, cols)), Moonlight's: AdamW's learning rate fits) or "shape"
     # (sqrt(max(1, cols / rows)), Keller Jordan's)

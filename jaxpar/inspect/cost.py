@@ -47,6 +47,9 @@ class GpuCost:
     name: str = "H100 SXM"
     bf16_tflops: float = 989.0  # dense
     fp8_tflops: float = 1979.0
+    # float32 operands: XLA's default precision multiplies them as TF32 on Hopper and Ampere
+    # (half the bf16 rate; JAX's default matmul precision on GPUs)
+    tf32_tflops: float = 494.7
     hbm_gb_per_s: float = 3350.0
     link_gb_per_s: float = 450.0  # NVLink, per direction
     inter_host_gb_per_s: float = 50.0  # one 400 Gb/s NIC per GPU
@@ -62,13 +65,13 @@ class GpuCost:
     def of(cls, device_kind: str) -> GpuCost | None:
         """The constants for a device kind ("NVIDIA H100 80GB HBM3"), None for one unknown."""
         known = {"H100": cls(), "H200": cls(name="H200", hbm_gb_per_s=4800.0),
-                 "A100": cls(name="A100 SXM", bf16_tflops=312.0, fp8_tflops=312.0, hbm_gb_per_s=2039.0,
+                 "A100": cls(name="A100 SXM", bf16_tflops=312.0, fp8_tflops=312.0, tf32_tflops=156.0, hbm_gb_per_s=2039.0,
                              link_gb_per_s=300.0)}
         return next((v for k, v in known.items() if k in device_kind), None)
 
     def describe(self) -> str:
         return (f"{self.name}: GEMMs at {self.gemm_efficiency:.0%} of {self.bf16_tflops:g} TFLOP/s bf16 "
-                f"({self.fp8_tflops:g} fp8), fused attention at {self.attention_efficiency:.0%} forward and "
+                f"({self.fp8_tflops:g} fp8, {self.tf32_tflops:g} float32 as TF32), fused attention at {self.attention_efficiency:.0%} forward and "
                 f"{self.attention_backward_efficiency:.0%} backward, HBM at "
                 f"{self.hbm_efficiency:.0%} of {self.hbm_gb_per_s / 1000:g} TB/s, {self.launch_s * 1e6:g} us a kernel")
 
@@ -247,8 +250,9 @@ def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCo
         if ins.opcode == "dot":
             work += dot_flops(ins, shapes)
         kind = "gemm" if work else "memory"
-        fp8 = work and _reads_fp8(ins, comps, shapes)
-        rate = (gpu.fp8_tflops if fp8 else gpu.bf16_tflops) * 1e12 * gpu.gemm_efficiency
+        operand = _operand_dtype(ins, comps, shapes) if work else ""
+        peak = gpu.fp8_tflops if operand == "f8" else gpu.tf32_tflops if operand == "f32" else gpu.bf16_tflops
+        rate = peak * 1e12 * gpu.gemm_efficiency
     moved = _bytes(ins, comps, shapes)
     compute_s, memory_s = work / rate if work else 0.0, moved / (gpu.hbm_gb_per_s * 1e9 * gpu.hbm_efficiency)
     if kind == "gemm" and memory_s > compute_s:
@@ -301,11 +305,15 @@ def _attention_flops(ins, shapes, variant: str) -> float:
     return forward * (2.5 if "Backward" in variant else 1.0) * (0.5 if causal else 1.0)
 
 
-def _reads_fp8(ins, comps, shapes) -> bool:
-    """Whether the GEMM multiplies 8-bit floats (its own operands, or a dot inside it)."""
+def _operand_dtype(ins, comps, shapes) -> str:
+    """What a GEMM multiplies: "f8" where an operand is an 8-bit float (an FP8 GEMM), "f32"
+    where both are float32 (TF32), else "bf16"; read off the dot inside a fusion, or the
+    call's own operands."""
     inside = [i for _, c in callees(ins) for i in comps.get(c, []) if i.opcode == "dot"]
-    operands = [shapes.get(o, "") for i in ([ins] + inside) for o in i.operands[:2]]
-    return any(s.startswith("f8") for s in operands)
+    kinds = {shapes.get(o, "").split("[")[0] for i in (inside or [ins]) for o in i.operands[:2]}
+    if any(k.startswith("f8") for k in kinds):
+        return "f8"
+    return "f32" if kinds == {"f32"} else "bf16"
 
 
 def _bytes(ins, comps, shapes) -> int:

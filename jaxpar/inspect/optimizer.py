@@ -1,8 +1,9 @@
 """Explain's rows for the optimizer's own work: Muon's orthogonalisation (jaxpar.step.muon),
 its collectives and its Newton-Schulz FLOPs per device per step, each beside its formula.
 
-For a matrix parameter whose optimizer state rests as `spec`, on each device
-(jaxpar.kernels.newton_schulz.orthogonalize_sharded): s, its local stack of matrices padded
+For a share group of matrix parameters (jaxpar.step.muon.share_groups: their optimizer
+states rest as `spec`, their matrices cut alike), on each device
+(jaxpar.kernels.newton_schulz.orthogonalize_together): s, their local stacks joined and padded
 to a multiple of w, the devices that share it (the mesh axes splitting a matrix, sizes n_a,
 times its replicas, R); a, the local elements of one matrix piece. Then per step:
 
@@ -21,19 +22,21 @@ from jax.sharding import NamedSharding
 
 from jaxpar.inspect.facts import Facts, elements, line, row
 from jaxpar.kernels.newton_schulz import MatrixAxes, flops, idle_axes, sharers, splitting_axes
+from jaxpar.step.muon import share_groups
 from jaxpar.units import count
 
 
-def orthogonalize_formula(matrix, shape: tuple[int, ...], steps: int) -> tuple[float, float]:
-    """(elements sent, Newton-Schulz FLOPs) per device per step for one parameter of
-    global `shape` (the module docstring)."""
-    mesh, spec, axes = matrix.mesh, matrix.spec, matrix.axes
-    local = NamedSharding(mesh, spec).shard_shape(shape) if mesh else shape
+def orthogonalize_formula(matrices: list, shapes: list[tuple[int, ...]], steps: int) -> tuple[float, float]:
+    """(elements sent, Newton-Schulz FLOPs) per device per step for one share group of
+    parameters (global `shapes`), orthogonalised as one stack (the module docstring)."""
+    first, shape = matrices[0], shapes[0]
+    mesh, spec, axes = first.mesh, first.spec, first.axes
+    local = [NamedSharding(mesh, m.spec).shard_shape(s) if mesh else s for m, s in zip(matrices, shapes)]
     split = splitting_axes(spec, axes, mesh, len(shape)) if mesh else []
-    replicas = math.prod(mesh.shape[a] for a in idle_axes(spec, mesh, matrix.held)) if mesh else 1
-    ways = sharers(spec, axes, mesh, len(shape), matrix.held) if mesh else 1
-    stack = -(-axes.count(local) // ways) * ways
-    piece = math.prod(local[d] for d in axes.rows + axes.cols)
+    replicas = math.prod(mesh.shape[a] for a in idle_axes(spec, mesh, first.held)) if mesh else 1
+    ways = sharers(spec, axes, mesh, len(shape), first.held) if mesh else 1
+    stack = -(-sum(m.axes.count(s) for m, s in zip(matrices, local)) // ways) * ways
+    piece = math.prod(local[0][d] for d in axes.rows + axes.cols)
     sent = sum(2 * stack * piece / replicas * (mesh.shape[a] - 1) / mesh.shape[a] for a, _ in split)
     sent += stack * piece * (replicas - 1) / replicas
     one = flops(shape, MatrixAxes((), axes.rows, axes.cols), steps)  # a single matrix of the stack
@@ -45,9 +48,22 @@ def muon_formula(facts: Facts) -> tuple[float, float]:
     under another optimizer."""
     if not facts.matrices:
         return 0.0, 0.0
-    shapes = {p.path: p.shape for p in facts.params}
-    each = [orthogonalize_formula(m, shapes[path], facts.config.optim.ns_steps) for path, m in facts.matrices.items()]
+    shapes = _matrix_shapes(facts)
+    each = [orthogonalize_formula([facts.matrices[p] for p in g], [shapes[p] for p in g], facts.config.optim.ns_steps)
+            for g in _stacks(facts.matrices, shapes)]
     return sum(e[0] for e in each), sum(e[1] for e in each)
+
+
+def _matrix_shapes(facts: Facts) -> dict[str, tuple[int, ...]]:
+    return {p.path: p.shape for p in facts.params if p.path in facts.matrices}
+
+
+def _stacks(matrices, shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
+    """The stacks the matrices are orthogonalised as: each share group, or a parameter alone
+    on one device."""
+    grouped = share_groups(matrices, shapes)
+    alone = {p for g in grouped for p in g}
+    return grouped + [[p] for p in shapes if p not in alone]
 
 
 def muon_rows(facts: Facts) -> dict[str, Any]:
@@ -60,7 +76,7 @@ def muon_rows(facts: Facts) -> dict[str, Any]:
         "muon_traffic": row("Muon: elements to make matrices whole and back", sum(map(elements, colls)), sent),
         "muon_flops": row("Muon: Newton-Schulz FLOPs per device", facts.report.orthogonalize_flops, flops),
         "muon_matrices": len(facts.matrices),
-        "muon_formula": f"{len(facts.matrices)} matrix parameters; all-to-alls 2 V (n-1)/n per axis splitting a "
+        "muon_formula": f"{len(facts.matrices)} matrix parameters in {len(_stacks(facts.matrices, _matrix_shapes(facts)))} stacks; all-to-alls 2 V (n-1)/n per axis splitting a "
                         f"matrix, the replicas' all-gather s a (R-1)/R; {steps} x (4 m^2 k + 2 m^3) per matrix a "
                         "device runs (jaxpar.inspect.optimizer)",
         "muon_cover": (facts.report.predicted or {}).get("muon_cover"),

@@ -6,6 +6,9 @@ mesh)` does the same to an array sharded as `spec`, where a matrix may be split 
 devices (ZeRO, FSDP, tensor parallelism) and the iteration needs it whole. Inside one
 shard_map:
 
+0. several arrays whose matrices are cut the same way (`share_key`) join one local stack
+   (`orthogonalize_together`), rounded to the iteration's dtype (bfloat16 halves what
+   moves);
 1. the local stack is padded with zero matrices to a multiple of the devices that share it;
 2. mesh axes that hold none of the array (replicas) each take their slice of the stack;
 3. an all-to-all per mesh axis that splits a matrix trades pieces of matrices for whole
@@ -26,7 +29,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.kernels.quantized import entries
@@ -65,59 +68,102 @@ def flops(shape: Sequence[int], axes: MatrixAxes, steps: int) -> float:
 
 
 def newton_schulz(x: jax.Array, steps: int = 5, coeffs: Sequence[float] = JORDAN_COEFFS,
-                  eps: float = 1e-7) -> jax.Array:
+                  eps: float = 1e-7, dtype=jnp.float32) -> jax.Array:
     """One matrix [m, n] scaled to unit Frobenius norm, then `steps` quintic iterations
     X <- aX + (bA + cA^2)X, A = XX^T, on the wider orientation (X^T when m > n, as the
     iteration commutes with transposing). Near U V^T of the SVD U S V^T, with the singular
-    values in about [0.7, 1.2] rather than all 1 (the coefficients trade accuracy for speed)."""
+    values in about [0.7, 1.2] rather than all 1 (the coefficients trade accuracy for speed).
+
+    `dtype`: what the iteration multiplies in (optim.ns_dtype). bfloat16 is Keller Jordan's
+    and Moonlight's choice: the iteration only needs singular values near 1, not exact ones.
+    The matrix is rounded to it first and its norm summed in float32; the result comes back
+    in x's dtype."""
     a, b, c = coeffs
+    given = x.dtype
     tall = x.shape[0] > x.shape[1]
-    x = x.T if tall else x
-    x = x / (jnp.linalg.norm(x) + eps)
+    x = (x.T if tall else x).astype(dtype)
+    wide = x.astype(jnp.float32)
+    x = (wide / (jnp.linalg.norm(wide) + eps)).astype(dtype)
     for _ in range(steps):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return (x.T if tall else x).astype(given)
 
 
-def orthogonalize(x: jax.Array, axes: MatrixAxes, steps: int = 5, coeffs: Sequence[float] = JORDAN_COEFFS,
-                  eps: float = 1e-7) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """The Newton-Schulz settings (optim.ns_steps, ns_coeffs, ns_dtype): one matrix
+    orthogonalised by calling it."""
+
+    steps: int = 5
+    coeffs: tuple[float, float, float] = JORDAN_COEFFS
+    eps: float = 1e-7
+    dtype: str = "float32"
+
+    def __call__(self, m: jax.Array) -> jax.Array:
+        return newton_schulz(m, self.steps, self.coeffs, self.eps, jnp.dtype(self.dtype))
+
+
+def orthogonalize(x: jax.Array, axes: MatrixAxes, iteration: Iteration = Iteration()) -> jax.Array:
     """Every matrix of `x` orthogonalised, on one device: the reference."""
     stacked = _stack(x, axes)
-    done = jax.vmap(lambda m: newton_schulz(m, steps, coeffs, eps))(stacked.reshape(-1, *axes.shape(x.shape)))
+    done = jax.vmap(iteration)(stacked.reshape(-1, *axes.shape(x.shape)))
     return _unstack(done.reshape(stacked.shape), x.shape, axes)
 
 
-def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, steps: int = 5,
-                          coeffs: Sequence[float] = JORDAN_COEFFS, eps: float = 1e-7,
+def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, iteration: Iteration = Iteration(),
                           held: tuple[str, ...] = ()) -> jax.Array:
     """`orthogonalize(x, axes)` for `x` sharded as `spec` on `mesh` (the module docstring).
     `held`: mesh axes a vmap around the call maps over (DiLoCo's groups on `data`), whose
     devices hold different values, not replicas to share the work with."""
-    split = splitting_axes(spec, axes, mesh, x.ndim)
-    idle = idle_axes(spec, mesh, held)
-    ways = sharers(spec, axes, mesh, x.ndim, held)
-    matrix_dims = axes.rows + axes.cols
+    return orthogonalize_together([x], [axes], [spec], mesh, iteration, held)[0]
 
-    def body(block: jax.Array) -> jax.Array:
-        y = _stack(block, axes)  # [stack, rows..., cols...], matrices possibly in pieces
-        count = y.shape[0]
-        y = jnp.concatenate([y, jnp.zeros((-count % ways, *y.shape[1:]), y.dtype)]) if count % ways else y
+
+def share_key(shape: Sequence[int], axes: MatrixAxes, spec: P, mesh: Mesh, held: tuple[str, ...] = ()) -> tuple:
+    """Arrays with equal keys can be orthogonalised together (`orthogonalize_together`):
+    their matrices' local pieces have one shape, made whole by the same all-to-alls and
+    shared by the same replicas."""
+    local = NamedSharding(mesh, spec).shard_shape(tuple(shape))
+    dims = axes.rows + axes.cols
+    split = tuple((a, dims.index(d)) for a, d in splitting_axes(spec, axes, mesh, len(shape)))
+    return tuple(local[d] for d in dims), len(axes.rows), split, idle_axes(spec, mesh, held), held
+
+
+def orthogonalize_together(xs: Sequence[jax.Array], axes: Sequence[MatrixAxes], specs: Sequence[P], mesh: Mesh,
+                           iteration: Iteration = Iteration(), held: tuple[str, ...] = ()) -> list[jax.Array]:
+    """`orthogonalize_sharded` of several arrays of one `share_key`, their stacks joined into
+    one before they are spread (the module docstring): one set of all-to-alls for all of
+    them, and the padding paid once, so that parameters whose stacks are shorter than the
+    devices sharing them (a stage's few layers on many devices) fill each other's gaps.
+    Each matrix's arithmetic is still the reference's. The pieces travel in the
+    iteration's dtype."""
+    split = splitting_axes(specs[0], axes[0], mesh, xs[0].ndim)
+    at = [1 + (axes[0].rows + axes[0].cols).index(dim) for _, dim in split]  # each all-to-all's piece dim
+    idle = idle_axes(specs[0], mesh, held)
+    ways = sharers(specs[0], axes[0], mesh, xs[0].ndim, held)
+    row_dims = len(axes[0].rows)
+
+    def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
+        stacks = [_stack(b, a).astype(iteration.dtype) for b, a in zip(blocks, axes)]  # [stack, rows..., cols...]
+        counts = [y.shape[0] for y in stacks]
+        y = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
+        y = jnp.concatenate([y, jnp.zeros((-y.shape[0] % ways, *y.shape[1:]), y.dtype)]) if y.shape[0] % ways else y
         if idle:
             share = y.shape[0] // _size(mesh, idle)
             y = lax.dynamic_slice_in_dim(y, lax.axis_index(idle) * share, share)
-        for axis, dim in split:
-            y = lax.all_to_all(y, axis, 0, 1 + matrix_dims.index(dim), tiled=True)
-        rows = math.prod(y.shape[1:1 + len(axes.rows)])
-        whole = jax.vmap(lambda m: newton_schulz(m, steps, coeffs, eps))(y.reshape(y.shape[0], rows, -1))
-        y = whole.reshape(y.shape)
-        for axis, dim in reversed(split):
-            y = lax.all_to_all(y, axis, 1 + matrix_dims.index(dim), 0, tiled=True)
+        for (axis, _), dim in zip(split, at):
+            y = lax.all_to_all(y, axis, 0, dim, tiled=True)
+        rows = math.prod(y.shape[1:1 + row_dims])
+        y = jax.vmap(iteration)(y.reshape(y.shape[0], rows, -1)).reshape(y.shape)
+        for (axis, _), dim in reversed(list(zip(split, at))):
+            y = lax.all_to_all(y, axis, dim, 0, tiled=True)
         if idle:
             y = lax.all_gather(y, idle, axis=0, tiled=True)
-        return _unstack(y[:count], block.shape, axes)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return tuple(_unstack(y[s:s + n], b.shape, a).astype(b.dtype) for s, n, b, a in zip(starts, counts, blocks, axes))
 
-    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=tuple(specs), check_vma=False)
+    return list(sharded(*xs))
 
 
 def splitting_axes(spec: P, axes: MatrixAxes, mesh: Mesh, ndim: int) -> list[tuple[str, int]]:

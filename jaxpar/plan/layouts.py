@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+
+import jax.numpy as jnp
 
 from jaxpar.config import OptimConfig
 from jaxpar.specs import DilocoConfig
@@ -252,7 +255,8 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     step += host["update"] / host_link if host else 0.0  # at the step's edge, after the backward: nothing covers it
     if muon is not None:  # its exchange runs beside other matrices' iterations (docs/muon.md: all covered)
         slowest = min(bw(a) for a, n in L.axes.items() if n > 1) if devices > 1 else float("inf")
-        step += max(muon["flops"] / (hw.peak_tflops * 1e12 * hw.matmul_efficiency), muon["exchanged_bytes"] / slowest)
+        step += max(muon["flops"] / (hw.peak_tflops * 1e12 * hw.matmul_efficiency * muon["rate"]),
+                    muon["exchanged_bytes"] / slowest)
     step = max(step, hbm / (hw.hbm_gb_per_s * 1e9))
     return {"memory": memory, "hbm_bytes": hbm, "accumulate_bytes": accumulate, "step_s": step, "compute_s": compute,
             "bubble": bubble, "host_bytes": host["streamed"] + host["update"] if host else 0.0, "host_s": host_s}
@@ -275,22 +279,27 @@ def host_traffic(dense, experts, L: Layout) -> dict[str, float]:
 def muon_cost(model, L: Layout) -> dict[str, float]:
     """Muon's price per device (jaxpar.step.muon, at OptimConfig's settings, which the
     compiled candidates train with): its optimizer state, a float32 momentum for each matrix
-    and AdamW's two moments for the rest, in bytes a parameter; and, per parameter, the
-    matrices a device orthogonalises and sends whole and back, as the kernel spreads them
-    (jaxpar.kernels.newton_schulz): a stage's (an expert's) share of the stack, padded to a
-    multiple of the devices sharing it."""
-    steps, devices = OptimConfig().ns_steps, math.prod(L.axes.values())
+    and AdamW's two moments for the rest, in bytes a parameter; and the matrices a device
+    orthogonalises and sends whole and back, as the kernel spreads them
+    (jaxpar.kernels.newton_schulz): parameters whose matrices are cut alike joined into one
+    stack, a stage's (an expert's) share of it padded to a multiple of the devices sharing it."""
+    optim, devices = OptimConfig(), math.prod(L.axes.values())
     matrices = model_matrices(model)
     elements = sum(math.prod(shape) for shape, _, _ in matrices)
-    work = sent = 0.0
+    stacks: dict[tuple, int] = collections.defaultdict(int)  # (matrix dims, row dims, split) -> matrices
     for shape, axes, names in matrices:
         split = (L.stage if "layers" in names else 1) * (L.expert if "experts" in names else 1)
-        mine = -(-(-(-axes.count(shape) // split)) // (devices // split))  # ceil(ceil(stack / split) / sharers)
-        one = MatrixAxes((), axes.rows, axes.cols)
-        work += mine * flops(shape, one, steps)
-        sent += 2 * 4 * mine * math.prod(one.shape(shape))
+        stacks[(tuple(shape[d] for d in axes.rows + axes.cols), len(axes.rows), split)] += -(-axes.count(shape) // split)
+    work = sent = 0.0
+    for (dims, rows, split), stack in stacks.items():
+        mine = -(-stack // (devices // split))  # ceil(the stage's stack / its sharers)
+        one = MatrixAxes((), tuple(range(rows)), tuple(range(rows, len(dims))))
+        work += mine * flops(dims, one, optim.ns_steps)
+        sent += 2 * jnp.dtype(optim.ns_dtype).itemsize * mine * math.prod(dims)
     share = min(1.0, elements / model.param_count())
-    return {"state_bytes": 4 * share + 8 * (1 - share), "flops": work, "exchanged_bytes": sent}
+    # float32 iterations multiply as TF32, at half the bf16 rate (jaxpar.inspect.cost)
+    rate = 0.5 if optim.ns_dtype == "float32" else 1.0
+    return {"state_bytes": 4 * share + 8 * (1 - share), "flops": work, "rate": rate, "exchanged_bytes": sent}
 
 
 def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, intra_host: float) -> float:

@@ -6,7 +6,7 @@ form Kimi K2 and GLM-4.5 trained with. For a matrix W with gradient G:
 
     M <- mu M + G                          (optim.momentum)
     U  = G + mu M  (Nesterov), else M      (optim.nesterov)
-    O  = NewtonSchulz(U)                   (optim.ns_steps; jaxpar.kernels.newton_schulz)
+    O  = NewtonSchulz(U)                   (optim.ns_steps, ns_dtype; jaxpar.kernels.newton_schulz)
     W <- W - lr (s O + wd W)               (optim.weight_decay)
 
 with s = optim.muon_rms x sqrt(max(rows, cols)) ("rms", Moonlight's: the update's RMS near
@@ -40,8 +40,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.kernels.newton_schulz import (JORDAN_COEFFS, MatrixAxes, orthogonalize, orthogonalize_sharded,
-                                         parse_coeffs)
+from jaxpar.kernels.newton_schulz import (Iteration, MatrixAxes, orthogonalize, orthogonalize_together, parse_coeffs,
+                                         share_key)
 from jaxpar.model import declared
 
 DEFAULT_STACK_AXES = ("layers", "experts")
@@ -120,9 +120,8 @@ class MuonState(NamedTuple):
     momentum: Any  # float32, one per matrix, sharded as the parameter's optimizer state
 
 
-def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = True, steps: int = 5,
-                  coeffs: tuple[float, float, float] = JORDAN_COEFFS, scale: str = "rms", rms: float = 0.2,
-                  eps: float = 1e-7) -> optax.GradientTransformation:
+def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = True,
+                  iteration: Iteration = Iteration(), scale: str = "rms", rms: float = 0.2) -> optax.GradientTransformation:
     """Momentum, Newton-Schulz and the shape scale of the module docstring, on the leaves
     `matrices` names (optax.partition hands it only those)."""
 
@@ -133,20 +132,52 @@ def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = T
         del params
         kept = jax.tree.map(lambda m, g: momentum * m + g.astype(jnp.float32), state.momentum, updates)
         used = jax.tree.map(lambda m, g: g.astype(jnp.float32) + momentum * m, kept, updates) if nesterov else kept
-
-        def one(path, u):
-            matrix = matrices[path_of(path)]
-            rows, cols = matrix.axes.shape(u.shape)
-            s = rms * max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, cols / rows) ** 0.5
-            if matrix.mesh is None or matrix.mesh.size == 1:
-                return s * orthogonalize(u, matrix.axes, steps, coeffs, eps)
-            return s * orthogonalize_sharded(u, matrix.axes, matrix.spec, matrix.mesh, steps, coeffs, eps, matrix.held)
-
+        flat, tree = jax.tree_util.tree_flatten_with_path(used)
+        paths = [path_of(p) for p, _ in flat]
         with jax.named_scope(SCOPE):  # explain finds the orthogonalisation's collectives and FLOPs by it
-            out = jax.tree_util.tree_map_with_path(one, used)
+            done = orthogonalized(matrices, dict(zip(paths, (u for _, u in flat))), iteration)
+        scaled = [_shape_scale(matrices[p].axes.shape(done[p].shape), scale, rms) * done[p] for p in paths]
+        out = jax.tree_util.tree_unflatten(tree, scaled)
         return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), MuonState(kept)
 
     return optax.GradientTransformation(init, update)
+
+
+def _shape_scale(sides: tuple[int, int], scale: str, rms: float) -> float:
+    rows, cols = sides
+    return rms * max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, cols / rows) ** 0.5
+
+
+def orthogonalized(matrices: Matrices, updates: dict[str, jax.Array], iteration: Iteration) -> dict[str, jax.Array]:
+    """Each update (by path) orthogonalised: on one device one parameter at a time (the
+    reference); sharded, the parameters of one share group together (`share_groups`)."""
+    done = {p: orthogonalize(u, matrices[p].axes, iteration) for p, u in updates.items() if _local(matrices[p])}
+    for group in share_groups(matrices, {p: u.shape for p, u in updates.items() if p not in done}):
+        first = matrices[group[0]]
+        outs = orthogonalize_together([updates[p] for p in group], [matrices[p].axes for p in group],
+                                      [matrices[p].spec for p in group], first.mesh, iteration, first.held)
+        done.update(zip(group, outs))
+    return done
+
+
+def share_groups(matrices: Matrices, shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
+    """The sharded parameters of `shapes` (by path) grouped by their share_key, in order:
+    each group is orthogonalised as one stack (jaxpar.kernels.newton_schulz)."""
+    groups: dict[tuple, list[str]] = {}
+    for path, shape in shapes.items():
+        m = matrices[path]
+        if not _local(m):
+            groups.setdefault((m.mesh, *share_key(shape, m.axes, m.spec, m.mesh, m.held)), []).append(path)
+    return list(groups.values())
+
+
+def _local(m: Matrix) -> bool:
+    return m.mesh is None or m.mesh.size == 1
+
+
+def iteration_of(optim: Any) -> Iteration:
+    """The Newton-Schulz settings of a jaxpar.config.OptimConfig."""
+    return Iteration(optim.ns_steps, parse_coeffs(optim.ns_coeffs), dtype=optim.ns_dtype)
 
 
 def muon(lr: optax.ScalarOrSchedule, optim: Any, matrices: Matrices) -> optax.GradientTransformation:
@@ -157,8 +188,7 @@ def muon(lr: optax.ScalarOrSchedule, optim: Any, matrices: Matrices) -> optax.Gr
         return jax.tree_util.tree_map_with_path(lambda p, _: "muon" if path_of(p) in matrices else "adamw", params)
 
     rule = optax.chain(
-        scale_by_muon(matrices, optim.momentum, optim.nesterov, optim.ns_steps, parse_coeffs(optim.ns_coeffs),
-                      optim.muon_scale, optim.muon_rms),
+        scale_by_muon(matrices, optim.momentum, optim.nesterov, iteration_of(optim), optim.muon_scale, optim.muon_rms),
         optax.add_decayed_weights(optim.weight_decay),
         optax.scale_by_learning_rate(lr),
     )

@@ -99,6 +99,24 @@ def test_the_fused_attention_backward_runs_at_its_own_rate():
     assert kernel.seconds == pytest.approx(kernel.flops / 0.1e12 + 1e-6)
 
 
+def test_a_gemm_runs_at_the_rate_of_what_it_multiplies():
+    """bf16 at the bf16 peak, float32 at TF32's (XLA's default precision on Hopper), an
+    8-bit operand at the FP8 peak: the same GEMM body with other element types."""
+    rates = dataclasses.replace(GPU, tf32_tflops=0.5, fp8_tflops=2.0)
+
+    def gemm(text):
+        return next(k for k in step_cost(text, rates).kernels if k.name == "g")
+
+    f32 = HLO.replace("p0: bf16[64,128], p1: bf16[4,128,256]", "p0: f32[64,128], p1: f32[4,128,256]").replace(
+        "%p0 = bf16[64,128]", "%p0 = f32[64,128]").replace("%p1 = bf16[4,128,256]", "%p1 = f32[4,128,256]").replace(
+        "%w = bf16[1,128,256]", "%w = f32[1,128,256]").replace("%w2 = bf16[128,256]", "%w2 = f32[128,256]")
+    fp8 = HLO.replace("%w2 = bf16[128,256]", "%w2 = f8e4m3fn[128,256]")
+    flops = 2 * 64 * 256 * 128
+    assert gemm(HLO).seconds == pytest.approx(flops / 0.5e12 + 1e-6)
+    assert gemm(f32).seconds == pytest.approx(flops / 0.25e12 + 1e-6)
+    assert gemm(fp8).seconds == pytest.approx(flops / 1e12 + 1e-6)
+
+
 def test_a_target_is_checked_before_anything_compiles(tmp_path):
     """`--target` (explain, plan) names a GpuTargetConfig file and needs JAX's CUDA plugin
     (the suite's environment has none): one line each, before any compile."""
