@@ -62,6 +62,8 @@ def parse_args() -> argparse.Namespace:
                    "the CUDA plugin, not a GPU) and report its memory, kernels and FLOPs")
     p.add_argument("--loss-chunks", type=int, default=1, help="jaxpar train.loss_chunks (the loss in that many "
                    "groups of tokens: a 128k vocabulary's logits need them)")
+    p.add_argument("--xla-options", default="", help="jaxpar compiler.options for its step, 'name=value,...' "
+                   "(e.g. xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul)")
     p.add_argument("--vocab", type=int, help="with --target: the vocabulary instead of the 0.9B shape's 32000")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process
@@ -69,23 +71,24 @@ def parse_args() -> argparse.Namespace:
 
 
 def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute",
-                  loss_chunks: int = 1, unroll_layers: bool = False):
-    from jaxpar.config import Config, TrainConfig
+                  loss_chunks: int = 1, unroll_layers: bool = False, xla_options: str = ""):
+    from jaxpar.config import CompilerConfig, Config, TrainConfig
     from jaxpar.models.llama import LlamaConfig
 
     return Config(model=LlamaConfig(**shape, remat=remat, unroll_layers=unroll_layers),
                   train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
-                                    matmul_dtype=matmul_dtype, loss_chunks=loss_chunks))
+                                    matmul_dtype=matmul_dtype, loss_chunks=loss_chunks),
+                  compiler=CompilerConfig(options=xla_options))
 
 
 def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str,
-                 unroll_layers: bool = False, loss_chunks: int = 1) -> dict:
+                 unroll_layers: bool = False, loss_chunks: int = 1, xla_options: str = "") -> dict:
     import jax
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
 
-    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, loss_chunks, unroll_layers)
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, loss_chunks, unroll_layers, xla_options)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer.batch, trainer.config)
@@ -162,7 +165,7 @@ def compile_only(args) -> int:
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
     shape = {**SHAPES[args.shape], **({"vocab_size": args.vocab} if args.vocab else {})}
     config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks,
-                           args.unroll_layers)
+                           args.unroll_layers, args.xla_options)
     trainer = build(config, [device])
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     memory = compiled.memory_analysis()
@@ -231,7 +234,7 @@ def main() -> int:
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
     if args.side:
         row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype, args.unroll_layers,
-                            args.loss_chunks)
+                            args.loss_chunks, args.xla_options)
                if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup, args.remat != "none"))
         print("SIDE " + json.dumps(row))
         return 0
@@ -262,6 +265,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat,
                                "unroll_layers": args.unroll_layers, "loss_chunks": args.loss_chunks,
+                               "xla_options": args.xla_options,
                                "matmul_dtype": args.matmul_dtype, "jax": jax.__version__,
                                "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
     print(f"wrote {out}")

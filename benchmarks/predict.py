@@ -42,6 +42,7 @@ class Run:
     unroll_layers: bool = False
     shape: str = "0.9b"  # benchmarks/mfu.py --shape
     loss_chunks: int = 1
+    xla_options: str = ""  # benchmarks/mfu.py --xla-options (jaxpar compiler.options)
     measured_s: float | None = None  # on an H100 before this file existed (the issue's table), or None
     measured_how: str = ""
 
@@ -51,13 +52,14 @@ class Run:
         given = {f: flags[i + 1] for i, f in enumerate(flags[:-1]) if f.startswith("--")}
         return cls(name, given.get("--remat", "none"), int(given.get("--batch", 8)), int(given.get("--seq-len", 2048)),
                    given.get("--matmul-dtype", "compute"), "--unroll-layers" in flags, given.get("--shape", "0.9b"),
-                   int(given.get("--loss-chunks", 1)))
+                   int(given.get("--loss-chunks", 1)), given.get("--xla-options", ""))
 
     def mfu_flags(self) -> list[str]:
         return ["--remat", self.remat, "--batch", str(self.batch), "--seq-len", str(self.seq_len),
                 "--matmul-dtype", self.matmul_dtype, *(["--unroll-layers"] if self.unroll_layers else []),
                 *(["--shape", self.shape] if self.shape != "0.9b" else []),
-                *(["--loss-chunks", str(self.loss_chunks)] if self.loss_chunks != 1 else [])]
+                *(["--loss-chunks", str(self.loss_chunks)] if self.loss_chunks != 1 else []),
+                *(["--xla-options", self.xla_options] if self.xla_options else [])]
 
 
 # Measured on one H100, jax 0.11.2 (benchmarks/results/mfu*.json, the issue 34 table).
@@ -82,6 +84,12 @@ UNMEASURED: list[Run] = [
     Run("bf16_selective_b16_lean", "selective", 16),
     Run("bf16_3b_full_b4", "full", 4, shape="3b", loss_chunks=8),
     Run("bf16_3b_dots_b4", "dots", 4, shape="3b", loss_chunks=8),
+    # Registered once the cost model read cuBLAS calls inside XLA's dynamic-slice fusions:
+    # every matmul through cuBLAS (Triton GEMMs off), where XLA multiplies a layer's saved
+    # activations straight out of the scan's stacks, no copy; the deviceless compile otherwise
+    # makes Triton GEMMs, which a GPU's autotuner may or may not keep.
+    Run("bf16_none_b8_cublas", "none", 8, xla_options="xla_gpu_enable_triton_gemm=false"),
+    Run("bf16_dots_b8_cublas", "dots", 8, xla_options="xla_gpu_enable_triton_gemm=false"),
 ]
 
 
@@ -91,7 +99,7 @@ def compile_run(run: Run, devices):
     from jaxpar.train import build
 
     config = jaxpar_config(dict(SHAPES[run.shape]), run.batch, run.seq_len, run.remat, 1, run.matmul_dtype,
-                           run.loss_chunks, run.unroll_layers)
+                           run.loss_chunks, run.unroll_layers, run.xla_options)
     trainer = build(config, devices)
     t0 = time.perf_counter()
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()

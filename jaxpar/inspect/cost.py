@@ -261,13 +261,20 @@ def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCo
 
 
 def _flops_per_computation(comps, shapes) -> dict[str, float]:
-    """Computation -> the dot FLOPs it runs, nested fusions (a Triton GEMM's) included."""
+    """Computation -> the dot FLOPs it runs, nested fusions (a Triton GEMM's) included, and the
+    cuBLAS calls inside a custom fusion (XLA's dynamic-slice fusion, whose GEMM reads a layer
+    out of a stacked buffer in place)."""
     memo: dict[str, float] = {}
+
+    def own(i) -> float:
+        if i.opcode == "dot":
+            return dot_flops(i, shapes)
+        return _gemm_flops(i, shapes) if i.opcode == "custom-call" and _GEMM.search(i.attrs) else 0.0
 
     def total(comp: str) -> float:
         if comp not in memo:
             memo[comp] = 0.0
-            memo[comp] = sum(dot_flops(i, shapes) if i.opcode == "dot" else 0.0 for i in comps.get(comp, [])) + sum(
+            memo[comp] = sum(map(own, comps.get(comp, []))) + sum(
                 total(c) for i in comps.get(comp, []) for role, c in callees(i) if role == "calls")
         return memo[comp]
 
@@ -309,7 +316,8 @@ def _operand_dtype(ins, comps, shapes) -> str:
     """What a GEMM multiplies: "f8" where an operand is an 8-bit float (an FP8 GEMM), "f32"
     where both are float32 (TF32), else "bf16"; read off the dot inside a fusion, or the
     call's own operands."""
-    inside = [i for _, c in callees(ins) for i in comps.get(c, []) if i.opcode == "dot"]
+    inside = [i for _, c in callees(ins) for i in comps.get(c, [])
+              if i.opcode == "dot" or i.opcode == "custom-call" and _GEMM.search(i.attrs)]
     kinds = {shapes.get(o, "").split("[")[0] for i in (inside or [ins]) for o in i.operands[:2]}
     if any(k.startswith("f8") for k in kinds):
         return "f8"

@@ -255,3 +255,34 @@ def test_explain_says_how_many_gemms_read_fp8():
     assert fp8_lines({"bf16 x bf16": 56, "f8e4m3fn x f8e4m3fn": 45, "f8e4m3fn x f8e5m2": 24}) == [
         "  FP8 GEMMs: 69 of 125 matrix multiplies (45 f8e4m3fn x f8e4m3fn, 24 f8e4m3fn x f8e5m2)"]
     assert fp8_lines({"bf16 x bf16": 56}) == []
+
+
+CUBLAS_IN_PLACE = """HloModule c
+
+%dsf (stack: bf16[4,128,256], i: s32[], x: bf16[64,128]) -> (bf16[64,256], s8[1024]) {
+  %stack = bf16[4,128,256]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[64,128]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %w = bf16[1,128,256]{2,1,0} dynamic-slice(%stack, %i, %z, %z), dynamic_slice_sizes={1,128,256}
+  %w2 = bf16[128,256]{1,0} bitcast(%w)
+  ROOT %g = (bf16[64,256]{1,0}, s8[1024]{0}) custom-call(%x, %w2), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+}
+
+ENTRY %main (stack: bf16[4,128,256], x: bf16[64,128]) -> (bf16[64,256], s8[1024]) {
+  %stack = bf16[4,128,256]{2,1,0} parameter(0)
+  %x = bf16[64,128]{1,0} parameter(1)
+  %i = s32[] constant(2)
+  ROOT %f = (bf16[64,256]{1,0}, s8[1024]{0}) fusion(%stack, %i, %x), kind=kCustom, calls=%dsf, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion"}}}
+}
+"""
+
+
+def test_a_cublas_call_inside_a_dynamic_slice_fusion_is_a_gemm_reading_one_layer():
+    """XLA's dynamic-slice fusion (the GPU compiler makes one when cuBLAS multiplies a layer
+    of a stacked buffer, Triton GEMMs off): its cuBLAS call's FLOPs at the GEMM rate, and
+    the one layer it reads, not the stack (before: charged as memory-bound copying)."""
+    kernel = step_cost(CUBLAS_IN_PLACE, GPU).kernels[0]
+    assert (kernel.kind, kernel.flops) == ("gemm", 2 * 64 * 256 * 128)
+    assert kernel.bytes < 2 * 4 * 128 * 256  # less than the stack alone
+    assert kernel.seconds == pytest.approx(kernel.flops / 0.5e12 + 1e-6)
