@@ -15,7 +15,7 @@ MODEL_AXES = {"tensor", "context", "expert"}
 def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, host_s: float = 0.0) -> dict[str, float]:
     """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
     `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline's lockstep
-    ticks: `pipeline_bubble`), plus the collective time the overlap does not hide.
+    ticks: `pipeline_bubble`), then Muon's iteration at its dtype's rate, plus the collective time the overlap does not hide.
     Collectives across hosts run at the per-device network speed, the rest at NVLink's.
     The CPU backend widens bf16 collectives of activations to f32; on GPUs they stay bf16,
     so such bytes count half. Collectives over data run at `hw.group_link_gb_per_s` where
@@ -25,7 +25,10 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
     that nothing covers, from formulas too (jaxpar.plan.layouts.host_traffic: the CPU
     backend's host copies are no-ops). The pipeline and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
-    compute = report.flops / (peak * hw.matmul_efficiency)
+    optimizer = report.orthogonalize_flops  # Muon's iteration: once a step, after the pipeline's ticks
+    compute = (report.flops - optimizer) / (peak * hw.matmul_efficiency)
+    # float32 iterations multiply as TF32, at half the bf16 rate (jaxpar.inspect.cost)
+    optimizer_s = optimizer / (peak * hw.matmul_efficiency * (0.5 if config.optim.ns_dtype == "float32" else 1.0))
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
     widened = config.train.compute_dtype == "bfloat16"
     data_s = model_s = 0.0
@@ -39,13 +42,13 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
         else:
             data_s += seconds
     bubble = pipeline_bubble(config, layout.pipeline, report.mesh.get("stage", 1), layout.microbatches)
-    busy = max(compute, memory) / (1 - bubble)
+    busy = max(compute, memory) / (1 - bubble) + optimizer_s
     # overlap hides the data-parallel collectives behind compute, no more than it lasts (as the estimate)
     exposed = data_s - min(hw.overlap_data * data_s, busy) + (1 - hw.overlap_model) * model_s + host_s
     step = busy + exposed
     tokens = config.train.global_batch * config.train.seq_len
     model_flops = config.model.flops_per_token(config.train.seq_len) * tokens / report.num_devices
-    return {"step_s": step, "compute_s": compute, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
+    return {"step_s": step, "compute_s": compute + optimizer_s, "memory_s": memory, "data_comm_s": data_s, "model_comm_s": model_s,
             "exposed_comm_s": exposed, "bubble": bubble, "tokens_per_s_per_device": tokens / report.num_devices / step,
             "mfu": model_flops / (peak * step)}
 

@@ -108,6 +108,12 @@ def test_roofline_is_the_stated_arithmetic(tiny_llama):
     cost, ideal = lockstep_cost("1f1b", 2, 4, 1, (1, 1), 0.0, head_layers(config.model, config.train.seq_len))
     assert r["bubble"] == pytest.approx(1 - ideal / cost) and 0.4 < r["bubble"] < 0.5
     assert r["step_s"] == pytest.approx(0.2 * cost / ideal)
+    # Muon's 2e12 of those FLOPs: once a step, after the ticks, float32 at half the rate
+    muon = dataclasses.replace(report, orthogonalize_flops=2e12)
+    m = roofline(muon, config, layout, hw, hbm_bytes=1e9)
+    assert m["step_s"] == pytest.approx(0.16 * cost / ideal + 2e12 / 25e12)
+    half = roofline(muon, apply_overrides(config, ["optim.ns_dtype=bfloat16"]), layout, hw, hbm_bytes=1e9)
+    assert half["step_s"] == pytest.approx(0.16 * cost / ideal + 2e12 / 50e12)
 
 
 def test_small_models_print_in_their_own_units():
