@@ -90,6 +90,7 @@ def sections(gpu: bool, quick: bool = False) -> list[Section]:
         Section("mfu_3b", mfu + MFU_3B if gpu else mfu, 300),
         Section("predicted", [__file__, "--section", "predicted"], 280, gpu_only=True),
         Section("profile", ["benchmarks/profile_step.py", *([] if gpu else ["--tiny"])], 150),
+        Section("muon", [checks, "--only", "muon"], 240, gpu_only=True),
         Section("cudnn", [checks, "--only", "cudnn"], 180, gpu_only=True),
         Section("gpu_checks", [checks, "--only", "pallas,grouped,offload"], 300, gpu_only=True),
         Section("overlap", ["benchmarks/overlap.py", "--collective-matmul", "none",
@@ -314,6 +315,7 @@ def summarize(done: dict, gpu: bool) -> dict:
                        "grouped_error": worst(checks.get("grouped", []), "_error"),
                        "offload_losses_agree": offload_agrees(checks.get("offload", [])),
                        "offload_loss_difference": offload_difference(checks.get("offload", []))}
+    s["muon"] = muon_summary(result(done, "muon").get("muon", []))
     prof = result(done, "profile")
     s["profile"] = {"busy_s": prof.get("device_busy_s_per_step"),
                     "by_kind": {k: v["share"] for k, v in list(prof.get("by_kind", {}).items())[:4]},
@@ -353,6 +355,15 @@ def plan_vs_measured(prediction: dict, measured: float | None, gpu: bool, compil
             **({} if gpu else {"note": "no GPU: mfu.py ran its toy shape; nothing to compare"})}
 
 
+def muon_summary(rows: list) -> dict:
+    """Each optimizer's measured step and the cost model's error on it, and Muon's steps
+    over AdamW's (benchmarks/gpu_checks.py's muon section)."""
+    steps = {r["setting"]: r for r in rows if isinstance(r, dict) and "step_seconds" in r}
+    adamw = steps.get("adamw", {}).get("step_seconds")
+    return {name: {"step_s": r["step_seconds"], "predicted_error": r.get("error"),
+                   "over_adamw": r["step_seconds"] / adamw if adamw else None} for name, r in steps.items()}
+
+
 def cudnn_summary(rows: list) -> dict:
     """Worst errors of cuDNN's attention and of the reference in the same dtype (both against
     float32), and each case's forward+backward speedup over the reference."""
@@ -374,19 +385,19 @@ OFFLOAD_LOSS_RTOL = 1e-3
 
 
 def offload_agrees(rows) -> bool | None:
-    """Whether the offloaded optimizer's losses equal the resident run's, to bf16's rounding
-    (OFFLOAD_LOSS_RTOL)."""
+    """Whether the offloaded runs' losses (optimizer state, parameters) equal the resident
+    run's, to bf16's rounding (OFFLOAD_LOSS_RTOL)."""
     difference = offload_difference(rows)
     return None if difference is None else difference <= OFFLOAD_LOSS_RTOL
 
 
 def offload_difference(rows) -> float | None:
-    """The largest relative difference between the offloaded and the resident losses."""
+    """The largest relative difference between an offloaded run's losses and the resident
+    run's (None without both)."""
     by = {r.get("setting"): r.get("losses") for r in rows if isinstance(r, dict)}
-    a, b = by.get("resident"), by.get("offload_optimizer")
-    if not a or not b or len(a) != len(b):
-        return None
-    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+    a = by.get("resident")
+    pairs = [b for b in (by.get("offload_optimizer"), by.get("offload_params")) if a and b and len(a) == len(b)]
+    return max((abs(x - y) / max(abs(x), 1e-12) for b in pairs for x, y in zip(a, b)), default=None)
 
 
 def fmt(value, spec: str = ".2f", none: str = "-") -> str:
@@ -432,6 +443,9 @@ def render(done: dict, s: dict, setup: dict) -> str:
         f" (worst relative difference {fmt(g['offload_loss_difference'], '.1e')})",
         "predictions       " + ("; ".join(f"{k} {fmt(v['predicted_s'], '.3f')} s vs {fmt(v['measured_s'], '.3f')}"
                                        f" ({fmt(v['error'], '+.1%')})" for k, v in s["predictions"].items()) or "-"),
+        "muon (0.9B, dots) " + ("; ".join(f"{k} {fmt(v['step_s'], '.3f')} s ({fmt(v['over_adamw'], '.2f')}x AdamW,"
+                                        f" predicted {fmt(v['predicted_error'], '+.1%')})"
+                                        for k, v in s["muon"].items()) or "-"),
         f"profile           device busy {fmt(s['profile']['busy_s'], '.3f')} s a step: "
         + (", ".join(f"{k} {v:.0%}" for k, v in s["profile"]["by_kind"].items()) or "-"),
     ]

@@ -6,8 +6,8 @@
   2. grouped: the dropless experts' grouped matmul (jax.lax.ragged_dot, custom VJP)
      against a per-group loop of matmuls, values and gradients, and its time against
      running every row through every expert (the reference's dense cost).
-  3. offload: the `llama` recipe on one GPU with `parallel.zero.offload_optimizer` off and on:
-     where the optimizer state rests between steps, the compiled device bytes, losses of
+  3. offload: the `llama` recipe on one GPU with `parallel.zero.offload_optimizer` and
+     `offload_params` off and on: where the optimizer state and parameters rest between steps, the compiled device bytes, losses of
      the same steps (must agree), and step time side by side; and `model.remat=offload`
      beside `full`: pinned-host temporaries and device temporaries.
   4. cudnn: cuDNN's fused attention as jaxpar runs it for parallel.attention=cudnn (and
@@ -19,6 +19,9 @@
      time side by side.
      Packed documents are not checked: jaxpar's cuDNN path takes no segment ids (attend
      refuses them, and the checks refuse attention=cudnn with data.eos_id set).
+  5. muon: the 0.9B Llama (benchmarks/mfu.py's shape, batch 8, remat dots) with AdamW, Muon and
+     Muon in bfloat16 (optim.ns_dtype): the step measured beside the cost model's prediction
+     of the same program.
 
   python benchmarks/gpu_checks.py [--out benchmarks/results/gpu_checks.json]
   python benchmarks/gpu_checks.py --only cudnn        # one section (or several: pallas,grouped)
@@ -175,6 +178,7 @@ def offload_rows(steps: int = 12) -> list[dict]:
     for name, overrides in [
         ("resident", []),
         ("offload_optimizer", ["parallel.zero.offload_optimizer=true"]),
+        ("offload_params", ["parallel.zero.offload_params=true"]),
         ("remat_full", ["model.remat=full"]),
         ("remat_offload", ["model.remat=offload"]),
     ]:
@@ -184,6 +188,7 @@ def offload_rows(steps: int = 12) -> list[dict]:
         stats = compiled.memory_analysis()
         state = trainer.init()
         kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
+        param_kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.params)})
         source = make_source(trainer.batch, trainer.config)
         losses, times = [], []
         for i in range(steps):
@@ -194,12 +199,47 @@ def offload_rows(steps: int = 12) -> list[dict]:
         after = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
         rows.append({
             "setting": name, "optimizer_state_memory_kinds": kinds, "after_steps": after,
+            "param_memory_kinds": param_kinds,
             "device_arguments_bytes": stats.argument_size_in_bytes,
             "device_temporaries_bytes": stats.temp_size_in_bytes,
             "host_arguments_bytes": getattr(stats, "host_argument_size_in_bytes", None),
             "host_temporaries_bytes": stats.host_temp_size_in_bytes,
             "losses": losses, "step_seconds": statistics.median(times[2:]),
         })
+    return rows
+
+
+def muon_rows(steps: int = 10) -> list[dict]:
+    """The 0.9B Llama of benchmarks/mfu.py (batch 8 x 2048, bf16, remat dots) on one GPU with
+    AdamW, Muon and Muon iterating in bfloat16: the median step beside the cost model's
+    prediction of the same compiled program (jaxpar.inspect.cost), and the losses."""
+    import jax
+
+    from benchmarks.mfu import SHAPE, jaxpar_config
+    from jaxpar.config import apply_overrides
+    from jaxpar.data.sources import make_source
+    from jaxpar.inspect.cost import GpuCost, step_cost
+    from jaxpar.train import build
+
+    rows = []
+    for name, overrides in [("adamw", []), ("muon", ["optim.name=muon"]),
+                            ("muon_bf16", ["optim.name=muon", "optim.ns_dtype=bfloat16"])]:
+        config = apply_overrides(jaxpar_config(dict(SHAPE), 8, 2048, "dots", steps), overrides)
+        trainer = build(config, jax.devices()[:1])
+        compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+        gpu = GpuCost.of(jax.devices()[0].device_kind)
+        predicted = step_cost(compiled.as_text(), gpu).seconds if gpu else None
+        state, source = trainer.init(), make_source(trainer.batch, trainer.config)
+        losses, times = [], []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, source(i))
+            losses.append(float(metrics["loss"]))  # waits for the step
+            times.append(time.perf_counter() - t0)
+        measured = statistics.median(times[2:])
+        rows.append({"setting": name, "overrides": overrides, "step_seconds": measured, "predicted_seconds": predicted,
+                     "error": predicted / measured - 1 if predicted else None, "losses": losses})
+        del state
     return rows
 
 
@@ -297,6 +337,7 @@ SECTIONS = {
     "pallas": lambda args: pallas_rows(args.repeats),
     "grouped": lambda args: grouped_rows(args.repeats),
     "offload": lambda args: offload_rows(),
+    "muon": lambda args: muon_rows(),
     "cudnn": lambda args: cudnn_rows(args.repeats),
 }
 

@@ -37,7 +37,11 @@ def results():
             "preset=overlap,collective_matmul=none": {"overlapped_share": 0.8}}}),
         "gpu_checks": {"status": "timeout", "wall_s": 300.0, "error": "stopped after 300 s", "result": {
             "offload": [{"setting": "resident", "losses": [3.0, 2.5]},
-                        {"setting": "offload_optimizer", "losses": [3.0, 2.5001]}]}},
+                        {"setting": "offload_optimizer", "losses": [3.0, 2.5001]},
+                        {"setting": "offload_params", "losses": [3.0, 2.49995]}]}},
+        "muon": ok({"muon": [{"setting": "adamw", "step_seconds": 0.20, "error": 0.05},
+                             {"setting": "muon", "step_seconds": 0.25, "error": -0.1},
+                             {"setting": "muon_bf16", "step_seconds": 0.22, "error": None}]}),
     }
 
 
@@ -56,8 +60,12 @@ def test_targets_ratios_and_table_on_a_gpu():
     assert s["gpu_checks"]["pallas_out_error"] is None and s["gpu_checks"]["grouped_error"] is None
     off = [{"setting": "resident", "losses": [3.0, 2.5]}, {"setting": "offload_optimizer", "losses": [3.0, 2.4]}]
     assert battery.offload_agrees(off) is False  # a wrong update is far outside bf16's rounding
+    params_off = [{"setting": "resident", "losses": [3.0, 2.5]}, {"setting": "offload_params", "losses": [3.0, 2.4]}]
+    assert battery.offload_agrees(params_off) is False  # the parameters' offload is judged too
+    assert s["muon"]["muon"]["over_adamw"] == 1.25 and s["muon"]["muon_bf16"]["predicted_error"] is None
     table = battery.render(done, s, {"platform": "gpu", "gpu": True, "device": "H100", "jax": "0.11.2"})
     assert "fp8_over_bf16" in table and "MISSED" in table and "stopped after 300 s" in table
+    assert "muon 0.250 s (1.25x AdamW, predicted -10.0%)" in table
     assert "cost model 0.170 s a step (1.00 of measured), roofline 0.120 s (0.70)" in table, table
     assert "skipped" not in table.split("target")[0].split("speed")[1]  # all three speeds measured
 
