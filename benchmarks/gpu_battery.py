@@ -396,8 +396,10 @@ def offload_difference(rows) -> float | None:
     run's (None without both)."""
     by = {r.get("setting"): r.get("losses") for r in rows if isinstance(r, dict)}
     a = by.get("resident")
-    pairs = [b for b in (by.get("offload_optimizer"), by.get("offload_params")) if a and b and len(a) == len(b)]
-    return max((abs(x - y) / max(abs(x), 1e-12) for b in pairs for x, y in zip(a, b)), default=None)
+    offloaded = [by[k] for k in ("offload_optimizer", "offload_params") if k in by]
+    if not a or not offloaded or any(not b or len(b) != len(a) for b in offloaded):  # a run that failed: no verdict
+        return None
+    return max(abs(x - y) / max(abs(x), 1e-12) for b in offloaded for x, y in zip(a, b))
 
 
 def fmt(value, spec: str = ".2f", none: str = "-") -> str:

@@ -7,8 +7,8 @@
      against a per-group loop of matmuls, values and gradients, and its time against
      running every row through every expert (the reference's dense cost).
   3. offload: the `llama` recipe on one GPU with `parallel.zero.offload_optimizer` and
-     `offload_params` off and on: where the optimizer state and parameters rest between steps, the compiled device bytes, losses of
-     the same steps (must agree), and step time side by side; and `model.remat=offload`
+     `offload_params` off and on: where the optimizer state and parameters rest between
+     steps, the compiled device bytes, losses of the same steps (must agree), and step time side by side; and `model.remat=offload`
      beside `full`: pinned-host temporaries and device temporaries.
   4. cudnn: cuDNN's fused attention as jaxpar runs it for parallel.attention=cudnn (and
      auto on GPUs): `attend` under a layout whose attention is cudnn, that is

@@ -157,7 +157,8 @@ def table(rows: dict) -> str:
     for name, r in rows.items():
         kinds, flops, sent = r["by_kind_s"] or {}, r["newton_schulz_flops"], r["exchanged_elements"]
         cover = (r["muon_cover"] or {}).get("share")
-        lines.append(f"{name:12s} {r['step_s'] * 1e3:7.1f}ms {r['step_s'] / adamw:7.3f}x {kinds.get('gemm', 0) * 1e3:6.1f}ms "
+        lines.append(f"{name:12s} {r['step_s'] * 1e3:7.1f}ms {r['step_s'] / adamw:7.3f}x "
+                     f"{kinds.get('gemm', 0) * 1e3:6.1f}ms "
                      f"{kinds.get('memory', 0) * 1e3:6.1f}ms {r['peak_gib']:6.2f}GiB "
                      f"{flops['measured'] / 1e12 if flops else 0:9.2f} {sent['measured'] / 1e6 if sent else 0:9.1f}M "
                      f"{'' if cover is None else f'{cover:.0%}':>8s}")

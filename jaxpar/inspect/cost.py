@@ -71,7 +71,8 @@ class GpuCost:
 
     def describe(self) -> str:
         return (f"{self.name}: GEMMs at {self.gemm_efficiency:.0%} of {self.bf16_tflops:g} TFLOP/s bf16 "
-                f"({self.fp8_tflops:g} fp8, {self.tf32_tflops:g} float32 as TF32), fused attention at {self.attention_efficiency:.0%} forward and "
+                f"({self.fp8_tflops:g} fp8, {self.tf32_tflops:g} float32 as TF32), fused attention at "
+                f"{self.attention_efficiency:.0%} forward and "
                 f"{self.attention_backward_efficiency:.0%} backward, HBM at "
                 f"{self.hbm_efficiency:.0%} of {self.hbm_gb_per_s / 1000:g} TB/s, {self.launch_s * 1e6:g} us a kernel")
 
@@ -314,14 +315,24 @@ def _attention_flops(ins, shapes, variant: str) -> float:
 
 def _operand_dtype(ins, comps, shapes) -> str:
     """What a GEMM multiplies: "f8" where an operand is an 8-bit float (an FP8 GEMM), "f32"
-    where both are float32 (TF32), else "bf16"; read off the dot inside a fusion, or the
-    call's own operands."""
-    inside = [i for _, c in callees(ins) for i in comps.get(c, [])
-              if i.opcode == "dot" or i.opcode == "custom-call" and _GEMM.search(i.attrs)]
+    where both are float32 (TF32), else "bf16"; read off the dots (or cuBLAS calls) the
+    kernel runs, however deeply nested, or the call's own operands."""
+    inside = _gemms_inside(ins, comps)
     kinds = {shapes.get(o, "").split("[")[0] for i in (inside or [ins]) for o in i.operands[:2]}
     if any(k.startswith("f8") for k in kinds):
         return "f8"
     return "f32" if kinds == {"f32"} else "bf16"
+
+
+def _gemms_inside(ins, comps, seen: frozenset = frozenset()) -> list:
+    """The dots and cuBLAS calls of the computations `ins` calls, through nested calls."""
+    out = []
+    for _, c in callees(ins):
+        for i in comps.get(c, []) if c not in seen else []:
+            if i.opcode == "dot" or i.opcode == "custom-call" and _GEMM.search(i.attrs):
+                out.append(i)
+            out += _gemms_inside(i, comps, seen | {c})
+    return out
 
 
 def _bytes(ins, comps, shapes) -> int:

@@ -72,13 +72,14 @@ def muon_rows(facts: Facts) -> dict[str, Any]:
     steps = facts.config.optim.ns_steps
     sent, flops = muon_formula(facts)
     colls = facts.optimizer_collectives
+    stacks = len(_stacks(facts.matrices, _matrix_shapes(facts)))
     return {
         "muon_traffic": row("Muon: elements to make matrices whole and back", sum(map(elements, colls)), sent),
         "muon_flops": row("Muon: Newton-Schulz FLOPs per device", facts.report.orthogonalize_flops, flops),
         "muon_matrices": len(facts.matrices),
-        "muon_formula": f"{len(facts.matrices)} matrix parameters in {len(_stacks(facts.matrices, _matrix_shapes(facts)))} stacks; all-to-alls 2 V (n-1)/n per axis splitting a "
-                        f"matrix, the replicas' all-gather s a (R-1)/R; {steps} x (4 m^2 k + 2 m^3) per matrix a "
-                        "device runs (jaxpar.inspect.optimizer)",
+        "muon_formula": f"{len(facts.matrices)} matrix parameters in {stacks} stacks; all-to-alls 2 V (n-1)/n per "
+                        f"axis splitting a matrix, the replicas' all-gather s a (R-1)/R; {steps} x (4 m^2 k + 2 m^3) "
+                        "per matrix a device runs (jaxpar.inspect.optimizer)",
         "muon_cover": (facts.report.predicted or {}).get("muon_cover"),
     }
 

@@ -120,13 +120,13 @@ def orthogonalize_sharded(x: jax.Array, axes: MatrixAxes, spec: P, mesh: Mesh, i
 
 
 def share_key(shape: Sequence[int], axes: MatrixAxes, spec: P, mesh: Mesh, held: tuple[str, ...] = ()) -> tuple:
-    """Arrays with equal keys can be orthogonalised together (`orthogonalize_together`):
-    their matrices' local pieces have one shape, made whole by the same all-to-alls and
-    shared by the same replicas."""
+    """Arrays with equal keys can be orthogonalised together (`orthogonalize_together`): on
+    one mesh, their matrices' local pieces have one shape, made whole by the same
+    all-to-alls and shared by the same replicas."""
     local = NamedSharding(mesh, spec).shard_shape(tuple(shape))
     dims = axes.rows + axes.cols
     split = tuple((a, dims.index(d)) for a, d in splitting_axes(spec, axes, mesh, len(shape)))
-    return tuple(local[d] for d in dims), len(axes.rows), split, idle_axes(spec, mesh, held), held
+    return mesh, tuple(local[d] for d in dims), len(axes.rows), split, idle_axes(spec, mesh, held), held
 
 
 def orthogonalize_together(xs: Sequence[jax.Array], axes: Sequence[MatrixAxes], specs: Sequence[P], mesh: Mesh,
@@ -137,6 +137,10 @@ def orthogonalize_together(xs: Sequence[jax.Array], axes: Sequence[MatrixAxes], 
     devices sharing them (a stage's few layers on many devices) fill each other's gaps.
     Each matrix's arithmetic is still the reference's. The pieces travel in the
     iteration's dtype."""
+    keys = {share_key(x.shape, a, s, mesh, held) for x, a, s in zip(xs, axes, specs)}
+    if len(keys) > 1:  # the exchange below is the first array's: another cut would come back scrambled
+        raise ValueError(f"orthogonalize_together: arrays cut differently ({len(keys)} share keys); "
+                         "group them by share_key")
     split = splitting_axes(specs[0], axes[0], mesh, xs[0].ndim)
     at = [1 + (axes[0].rows + axes[0].cols).index(dim) for _, dim in split]  # each all-to-all's piece dim
     idle = idle_axes(specs[0], mesh, held)
@@ -160,7 +164,8 @@ def orthogonalize_together(xs: Sequence[jax.Array], axes: Sequence[MatrixAxes], 
         if idle:
             y = lax.all_gather(y, idle, axis=0, tiled=True)
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        return tuple(_unstack(y[s:s + n], b.shape, a).astype(b.dtype) for s, n, b, a in zip(starts, counts, blocks, axes))
+        return tuple(_unstack(y[s:s + n], b.shape, a).astype(b.dtype)
+                     for s, n, b, a in zip(starts, counts, blocks, axes))
 
     sharded = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=tuple(specs), check_vma=False)
     return list(sharded(*xs))

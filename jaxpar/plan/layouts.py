@@ -286,12 +286,16 @@ def muon_cost(model, L: Layout) -> dict[str, float]:
     optim, devices = OptimConfig(), math.prod(L.axes.values())
     matrices = model_matrices(model)
     elements = sum(math.prod(shape) for shape, _, _ in matrices)
-    stacks: dict[tuple, int] = collections.defaultdict(int)  # (matrix dims, row dims, split) -> matrices
+    # (matrix dims, row dims, their logical names, split) -> matrices: names stand for how the
+    # layout cuts them (the kernel joins stacks whose pieces match: share_key)
+    stacks: dict[tuple, int] = collections.defaultdict(int)
     for shape, axes, names in matrices:
         split = (L.stage if "layers" in names else 1) * (L.expert if "experts" in names else 1)
-        stacks[(tuple(shape[d] for d in axes.rows + axes.cols), len(axes.rows), split)] += -(-axes.count(shape) // split)
+        sides = axes.rows + axes.cols
+        key = (tuple(shape[d] for d in sides), len(axes.rows), tuple(names[d] for d in sides), split)
+        stacks[key] += -(-axes.count(shape) // split)
     work = sent = 0.0
-    for (dims, rows, split), stack in stacks.items():
+    for (dims, rows, _, split), stack in stacks.items():
         mine = -(-stack // (devices // split))  # ceil(the stage's stack / its sharers)
         one = MatrixAxes((), tuple(range(rows)), tuple(range(rows, len(dims))))
         work += mine * flops(dims, one, optim.ns_steps)

@@ -13,9 +13,10 @@ MODEL_AXES = {"tensor", "context", "expert"}
 
 
 def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, host_s: float = 0.0) -> dict[str, float]:
-    """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency or
-    `hbm_bytes` at HBM speed, whichever is longer (stretched by the pipeline's lockstep
-    ticks: `pipeline_bubble`), then Muon's iteration at its dtype's rate, plus the collective time the overlap does not hide.
+    """Step time on `hw` from a compiled step: its matmul FLOPs at the matmul efficiency (float32
+    ones at TF32's half rate) or `hbm_bytes` at HBM speed, whichever is longer (stretched by
+    the pipeline's lockstep ticks: `pipeline_bubble`), then Muon's iteration at its dtype's
+    rate, plus the collective time the overlap does not hide.
     Collectives across hosts run at the per-device network speed, the rest at NVLink's.
     The CPU backend widens bf16 collectives of activations to f32; on GPUs they stay bf16,
     so such bytes count half. Collectives over data run at `hw.group_link_gb_per_s` where
@@ -26,9 +27,10 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
     backend's host copies are no-ops). The pipeline and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
     optimizer = report.orthogonalize_flops  # Muon's iteration: once a step, after the pipeline's ticks
-    compute = (report.flops - optimizer) / (peak * hw.matmul_efficiency)
-    # float32 iterations multiply as TF32, at half the bf16 rate (jaxpar.inspect.cost)
-    optimizer_s = optimizer / (peak * hw.matmul_efficiency * (0.5 if config.optim.ns_dtype == "float32" else 1.0))
+    # float32 multiplies as TF32, at half the bf16 rate (jaxpar.inspect.cost)
+    rate = lambda dtype: peak * hw.matmul_efficiency * (0.5 if dtype == "float32" else 1.0)  # noqa: E731
+    compute = (report.flops - optimizer) / rate(config.train.compute_dtype)
+    optimizer_s = optimizer / rate(config.optim.ns_dtype)
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
     widened = config.train.compute_dtype == "bfloat16"
     data_s = model_s = 0.0

@@ -120,8 +120,8 @@ class MuonState(NamedTuple):
     momentum: Any  # float32, one per matrix, sharded as the parameter's optimizer state
 
 
-def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = True,
-                  iteration: Iteration = Iteration(), scale: str = "rms", rms: float = 0.2) -> optax.GradientTransformation:
+def scale_by_muon(matrices: Matrices, momentum: float = 0.95, nesterov: bool = True, iteration: Iteration = Iteration(),
+                  scale: str = "rms", rms: float = 0.2) -> optax.GradientTransformation:
     """Momentum, Newton-Schulz and the shape scale of the module docstring, on the leaves
     `matrices` names (optax.partition hands it only those)."""
 
@@ -167,7 +167,7 @@ def share_groups(matrices: Matrices, shapes: dict[str, tuple[int, ...]]) -> list
     for path, shape in shapes.items():
         m = matrices[path]
         if not _local(m):
-            groups.setdefault((m.mesh, *share_key(shape, m.axes, m.spec, m.mesh, m.held)), []).append(path)
+            groups.setdefault(share_key(shape, m.axes, m.spec, m.mesh, m.held), []).append(path)
     return list(groups.values())
 
 

@@ -81,9 +81,14 @@ def test_parameters_cut_alike_are_orthogonalised_together():
     padding) and each equals its one-device reference; a stack cut otherwise has another key."""
     mesh, spec, axes = _mesh(), P(None, "fsdp", "tensor"), MatrixAxes((0,), (1,), (2, 3))
     xs = [_draw((3, 16, 4, 8), seed=1), _draw((2, 16, 4, 8), seed=2)]
-    other = MatrixAxes((0,), (1,), (2,))
-    assert share_key((3, 16, 4, 8), axes, spec, mesh) == share_key((2, 16, 4, 8), axes, spec, mesh)
-    assert share_key((3, 16, 4, 8), axes, spec, mesh) != share_key((3, 16, 32), other, spec, mesh)
+    key = share_key((3, 16, 4, 8), axes, spec, mesh)
+    assert key == share_key((2, 16, 4, 8), axes, spec, mesh)
+    swapped = P(None, "tensor", "fsdp")  # the same piece shape, made whole by other all-to-alls
+    assert key[1] == share_key((3, 16, 4, 8), axes, swapped, mesh)[1] and key != share_key((3, 16, 4, 8), axes,
+                                                                                            swapped, mesh)
+    assert key != share_key((3, 16, 4, 8), axes, spec, mesh, held=("data",))  # DiLoCo's groups: not replicas
+    with pytest.raises(ValueError, match="cut differently"):
+        orthogonalize_together(xs, [axes, axes], [spec, swapped], mesh)
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in xs]
     together = jax.jit(lambda a, b: orthogonalize_together([a, b], [axes, axes], [spec, spec], mesh))
     for out, x in zip(together(*placed), xs):

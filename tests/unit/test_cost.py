@@ -286,3 +286,45 @@ def test_a_cublas_call_inside_a_dynamic_slice_fusion_is_a_gemm_reading_one_layer
     assert (kernel.kind, kernel.flops) == ("gemm", 2 * 64 * 256 * 128)
     assert kernel.bytes < 2 * 4 * 128 * 256  # less than the stack alone
     assert kernel.seconds == pytest.approx(kernel.flops / 0.5e12 + 1e-6)
+
+
+def test_a_gemm_nested_in_calls_or_reading_widened_operands_runs_at_its_multiply_s_rate():
+    """The dot that decides the rate may sit a fusion deeper than the kernel (a GEMM fusion
+    wrapped in another), and a fusion's float32 parameters converted to bf16 before its dot multiply as
+    bf16, not as TF32."""
+    rates = dataclasses.replace(GPU, tf32_tflops=0.25)
+    flops = 2 * 64 * 256 * 128
+
+    def seconds(text):
+        return next(k for k in step_cost(text, rates).kernels if k.name == "g").seconds
+
+    nested = """HloModule n
+
+%inner (p: bf16[64,128], q: bf16[128,256]) -> bf16[64,256] {
+  %p = bf16[64,128]{1,0} parameter(0)
+  %q = bf16[128,256]{1,0} parameter(1)
+  ROOT %d = bf16[64,256]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%outer (a: f32[64,128], b: f32[128,256]) -> bf16[64,256] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,256]{1,0} parameter(1)
+  %a16 = bf16[64,128]{1,0} convert(%a)
+  %b16 = bf16[128,256]{1,0} convert(%b)
+  ROOT %c = bf16[64,256]{1,0} fusion(%a16, %b16), kind=kCustom, calls=%inner
+}
+
+ENTRY %main (x: f32[64,128], w: f32[128,256]) -> bf16[64,256] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,256]{1,0} parameter(1)
+  ROOT %g = bf16[64,256]{1,0} fusion(%x, %w), kind=kCustom, calls=%outer
+}
+"""
+    assert seconds(nested) == pytest.approx(flops / 0.5e12 + 1e-6)  # bf16, not its float32 operands' TF32
+    widened = HLO.replace("p0: bf16[64,128], p1: bf16[4,128,256], i: s32[]) -> bf16[64,256]",
+                          "p0: f32[64,128], p1: bf16[4,128,256], i: s32[]) -> bf16[64,256]", 1).replace(
+        "%p0 = bf16[64,128]{1,0} parameter(0)\n  %p1",
+        "%p0f = f32[64,128]{1,0} parameter(0)\n  %p0 = bf16[64,128]{1,0} convert(%p0f)\n  %p1", 1)
+    assert "convert(%p0f)" in widened
+    assert seconds(widened) == pytest.approx(flops / 0.5e12 + 1e-6)
+
