@@ -165,6 +165,18 @@ def grouped_rows(repeats: int) -> list[dict]:
     return rows
 
 
+def run_steps(step, state, source, steps: int) -> tuple:
+    """(the state after, each step's loss, each step's seconds) of `steps` steps on the
+    source's batches, each timed to its loss (which waits for it)."""
+    losses, times = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, source(i))
+        losses.append(float(metrics["loss"]))
+        times.append(time.perf_counter() - t0)
+    return state, losses, times
+
+
 def offload_rows(steps: int = 12) -> list[dict]:
     import jax
 
@@ -190,12 +202,7 @@ def offload_rows(steps: int = 12) -> list[dict]:
         kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
         param_kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.params)})
         source = make_source(trainer.batch, trainer.config)
-        losses, times = [], []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            state, metrics = trainer.step(state, source(i))
-            losses.append(float(metrics["loss"]))  # waits for the step
-            times.append(time.perf_counter() - t0)
+        state, losses, times = run_steps(trainer.step, state, source, steps)
         after = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
         rows.append({
             "setting": name, "optimizer_state_memory_kinds": kinds, "after_steps": after,
@@ -230,12 +237,7 @@ def muon_rows(steps: int = 10) -> list[dict]:
         gpu = GpuCost.of(jax.devices()[0].device_kind)
         predicted = step_cost(compiled.as_text(), gpu).seconds if gpu else None
         state, source = trainer.init(), make_source(trainer.batch, trainer.config)
-        losses, times = [], []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, source(i))
-            losses.append(float(metrics["loss"]))  # waits for the step
-            times.append(time.perf_counter() - t0)
+        state, losses, times = run_steps(compiled, state, source, steps)
         measured = statistics.median(times[2:])
         rows.append({"setting": name, "overrides": overrides, "step_seconds": measured, "predicted_seconds": predicted,
                      "error": predicted / measured - 1 if predicted else None, "losses": losses})

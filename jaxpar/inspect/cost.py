@@ -246,7 +246,7 @@ def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCo
         backward = "Backward" in attention.group(1)
         rate = gpu.bf16_tflops * 1e12 * (gpu.attention_backward_efficiency if backward else gpu.attention_efficiency)
     else:
-        work = _gemm_flops(ins, shapes) if ins.opcode == "custom-call" and _GEMM.search(ins.attrs) else 0.0
+        work = _gemm_flops(ins, shapes) if _cublas(ins) else 0.0
         work += sum(flops.get(c, 0.0) for role, c in callees(ins) if role == "calls")
         if ins.opcode == "dot":
             work += dot_flops(ins, shapes)
@@ -270,7 +270,7 @@ def _flops_per_computation(comps, shapes) -> dict[str, float]:
     def own(i) -> float:
         if i.opcode == "dot":
             return dot_flops(i, shapes)
-        return _gemm_flops(i, shapes) if i.opcode == "custom-call" and _GEMM.search(i.attrs) else 0.0
+        return _gemm_flops(i, shapes) if _cublas(i) else 0.0
 
     def total(comp: str) -> float:
         if comp not in memo:
@@ -324,12 +324,17 @@ def _operand_dtype(ins, comps, shapes) -> str:
     return "f32" if kinds == {"f32"} else "bf16"
 
 
+def _cublas(ins) -> bool:
+    """Whether an instruction is a cuBLAS GEMM call."""
+    return ins.opcode == "custom-call" and bool(_GEMM.search(ins.attrs))
+
+
 def _gemms_inside(ins, comps, seen: frozenset = frozenset()) -> list:
     """The dots and cuBLAS calls of the computations `ins` calls, through nested calls."""
     out = []
     for _, c in callees(ins):
         for i in comps.get(c, []) if c not in seen else []:
-            if i.opcode == "dot" or i.opcode == "custom-call" and _GEMM.search(i.attrs):
+            if i.opcode == "dot" or _cublas(i):
                 out.append(i)
             out += _gemms_inside(i, comps, seen | {c})
     return out

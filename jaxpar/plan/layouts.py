@@ -18,7 +18,7 @@ from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.model import declared
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import balanced_layers, compact, head_layers, leading_layers
-from jaxpar.plan.presets import Hardware
+from jaxpar.plan.presets import Hardware, tf32_share
 from jaxpar.step.muon import model_matrices
 from jaxpar.xla_options import layer_params
 
@@ -301,8 +301,7 @@ def muon_cost(model, L: Layout) -> dict[str, float]:
         work += mine * flops(dims, one, optim.ns_steps)
         sent += 2 * jnp.dtype(optim.ns_dtype).itemsize * mine * math.prod(dims)
     share = min(1.0, elements / model.param_count())
-    # float32 iterations multiply as TF32, at half the bf16 rate (jaxpar.inspect.cost)
-    rate = 0.5 if optim.ns_dtype == "float32" else 1.0
+    rate = tf32_share(optim.ns_dtype)  # float32 iterations multiply as TF32
     return {"state_bytes": 4 * share + 8 * (1 - share), "flops": work, "rate": rate, "exchanged_bytes": sent}
 
 

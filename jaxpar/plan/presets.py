@@ -11,6 +11,12 @@ from jaxpar.families import View, presets
 MODELS = View(presets)
 
 
+def tf32_share(dtype: str) -> float:
+    """A matmul's rate in `dtype` as a share of the bf16 peak's: float32 multiplies as TF32,
+    at half of it."""
+    return 0.5 if dtype == "float32" else 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """What the roofline assumes per device (defaults: H100 SXM, reference.md)."""
@@ -33,6 +39,11 @@ class Hardware:
     # tensor, context and expert collectives sit on the critical path between matmuls.
     overlap_data: float = 0.9
     overlap_model: float = 0.0
+
+    def matmul_flops_per_s(self, dtype: str) -> float:
+        """What a matmul in `dtype` reaches: the bf16 peak at the matmul efficiency, half of
+        it for float32, which multiplies as TF32 (jaxpar.inspect.cost.GpuCost.tf32_tflops)."""
+        return self.peak_tflops * 1e12 * self.matmul_efficiency * tf32_share(dtype)
 
     def describe(self) -> str:
         return (

@@ -27,10 +27,8 @@ def roofline(report, config, layout: Layout, hw: Hardware, hbm_bytes: float, hos
     backend's host copies are no-ops). The pipeline and microbatches are the layout's specs."""
     peak = hw.peak_tflops * 1e12
     optimizer = report.orthogonalize_flops  # Muon's iteration: once a step, after the pipeline's ticks
-    # float32 multiplies as TF32, at half the bf16 rate (jaxpar.inspect.cost)
-    rate = lambda dtype: peak * hw.matmul_efficiency * (0.5 if dtype == "float32" else 1.0)  # noqa: E731
-    compute = (report.flops - optimizer) / rate(config.train.compute_dtype)
-    optimizer_s = optimizer / rate(config.optim.ns_dtype)
+    compute = (report.flops - optimizer) / hw.matmul_flops_per_s(config.train.compute_dtype)
+    optimizer_s = optimizer / hw.matmul_flops_per_s(config.optim.ns_dtype)
     memory = hbm_bytes / (hw.hbm_gb_per_s * 1e9)
     widened = config.train.compute_dtype == "bfloat16"
     data_s = model_s = 0.0
