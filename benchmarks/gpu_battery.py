@@ -227,16 +227,17 @@ def _compiled_for_h100(compile_for) -> dict:
 
 PREDICTIONS = ROOT / "benchmarks" / "results" / "predictions.json"
 # The registered runs the mfu sections time already, by their mfu.py flags.
-TIMED_BY = {("none", 8, 2048, "compute", False, "0.9b", ""): ("mfu_bf16", "jaxpar"),
-            ("none", 8, 2048, "fp8", False, "0.9b", ""): ("mfu_fp8", "jaxpar"),
-            ("full", 4, 2048, "compute", False, "3b", ""): ("mfu_3b", "jaxpar")}
+TIMED_BY = {("none", 8, 2048, "compute", False, "0.9b", "", ()): ("mfu_bf16", "jaxpar"),
+            ("none", 8, 2048, "fp8", False, "0.9b", "", ()): ("mfu_fp8", "jaxpar"),
+            ("full", 4, 2048, "compute", False, "3b", "", ()): ("mfu_3b", "jaxpar")}
 
 
 def flags_key(flags: list[str]) -> tuple:
-    """(remat, batch, seq, matmul dtype, unrolled, shape, XLA options) of the run mfu.py's
-    flags describe."""
+    """(remat, batch, seq, matmul dtype, unrolled, shape, XLA options, config overrides) of
+    the run mfu.py's flags describe."""
     run = Run.from_flags("", flags)
-    return run.remat, run.batch, run.seq_len, run.matmul_dtype, run.unroll_layers, run.shape, run.xla_options
+    return (run.remat, run.batch, run.seq_len, run.matmul_dtype, run.unroll_layers, run.shape, run.xla_options,
+            run.overrides)
 
 
 def predicted_section(out: str) -> int:

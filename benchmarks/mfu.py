@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+from typing import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.targets
 
@@ -64,6 +65,8 @@ def parse_args() -> argparse.Namespace:
                    "groups of tokens: a 128k vocabulary's logits need them)")
     p.add_argument("--xla-options", default="", help="jaxpar compiler.options for its step, 'name=value,...' "
                    "(e.g. xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a jaxpar config override for its step (repeatable), e.g. compiler.uninitialised_stacks=true")
     p.add_argument("--vocab", type=int, help="with --target: the vocabulary instead of the 0.9B shape's 32000")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process
@@ -71,24 +74,29 @@ def parse_args() -> argparse.Namespace:
 
 
 def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute",
-                  loss_chunks: int = 1, unroll_layers: bool = False, xla_options: str = ""):
-    from jaxpar.config import CompilerConfig, Config, TrainConfig
+                  loss_chunks: int = 1, unroll_layers: bool = False, xla_options: str = "",
+                  overrides: Sequence[str] = ()):
+    """jaxpar's config of the run; `overrides`: --set's 'key=value's, applied last."""
+    from jaxpar.config import CompilerConfig, Config, TrainConfig, apply_overrides
     from jaxpar.models.llama import LlamaConfig
 
-    return Config(model=LlamaConfig(**shape, remat=remat, unroll_layers=unroll_layers),
-                  train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
-                                    matmul_dtype=matmul_dtype, loss_chunks=loss_chunks),
-                  compiler=CompilerConfig(options=xla_options))
+    config = Config(model=LlamaConfig(**shape, remat=remat, unroll_layers=unroll_layers),
+                    train=TrainConfig(global_batch=batch, seq_len=seq, compute_dtype="bfloat16", steps=steps,
+                                      matmul_dtype=matmul_dtype, loss_chunks=loss_chunks),
+                    compiler=CompilerConfig(options=xla_options))
+    return apply_overrides(config, list(overrides))
 
 
 def jaxpar_steps(shape: dict, batch: int, seq: int, remat: str, steps: int, warmup: int, matmul_dtype: str,
-                 unroll_layers: bool = False, loss_chunks: int = 1, xla_options: str = "") -> dict:
+                 unroll_layers: bool = False, loss_chunks: int = 1, xla_options: str = "",
+                 overrides: Sequence[str] = ()) -> dict:
     import jax
 
     from jaxpar.data.sources import make_source
     from jaxpar.train import build
 
-    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, loss_chunks, unroll_layers, xla_options)
+    config = jaxpar_config(shape, batch, seq, remat, steps + warmup, matmul_dtype, loss_chunks, unroll_layers, xla_options,
+                           overrides)
     trainer = build(config, jax.devices()[:1])
     step = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, source = trainer.init(), make_source(trainer.batch, trainer.config)
@@ -165,7 +173,7 @@ def compile_only(args) -> int:
     hbm = int(re.search(r"device_memory_size:\s*(\d+)", pathlib.Path(args.target).read_text()).group(1))
     shape = {**SHAPES[args.shape], **({"vocab_size": args.vocab} if args.vocab else {})}
     config = jaxpar_config(shape, args.batch, args.seq_len, args.remat, 1, args.matmul_dtype, args.loss_chunks,
-                           args.unroll_layers, args.xla_options)
+                           args.unroll_layers, args.xla_options, args.overrides)
     trainer = build(config, [device])
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     memory = compiled.memory_analysis()
@@ -234,7 +242,7 @@ def main() -> int:
     batch, seq = (2, 64) if args.tiny else (args.batch, args.seq_len)
     if args.side:
         row = (jaxpar_steps(shape, batch, seq, args.remat, args.steps, args.warmup, args.matmul_dtype, args.unroll_layers,
-                            args.loss_chunks, args.xla_options)
+                            args.loss_chunks, args.xla_options, args.overrides)
                if args.side == "jaxpar" else torch_steps(shape, batch, seq, args.steps, args.warmup, args.remat != "none"))
         print("SIDE " + json.dumps(row))
         return 0

@@ -43,6 +43,7 @@ class Run:
     shape: str = "0.9b"  # benchmarks/mfu.py --shape
     loss_chunks: int = 1
     xla_options: str = ""  # benchmarks/mfu.py --xla-options (jaxpar compiler.options)
+    overrides: tuple[str, ...] = ()  # benchmarks/mfu.py --set KEY=VALUE, each
     measured_s: float | None = None  # on an H100 before this file existed (the issue's table), or None
     measured_how: str = ""
 
@@ -50,16 +51,18 @@ class Run:
     def from_flags(cls, name: str, flags: list[str]) -> Run:
         """The run a registered row's mfu_flags describe."""
         given = {f: flags[i + 1] for i, f in enumerate(flags[:-1]) if f.startswith("--")}
+        overrides = tuple(flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--set")
         return cls(name, given.get("--remat", "none"), int(given.get("--batch", 8)), int(given.get("--seq-len", 2048)),
                    given.get("--matmul-dtype", "compute"), "--unroll-layers" in flags, given.get("--shape", "0.9b"),
-                   int(given.get("--loss-chunks", 1)), given.get("--xla-options", ""))
+                   int(given.get("--loss-chunks", 1)), given.get("--xla-options", ""), overrides)
 
     def mfu_flags(self) -> list[str]:
         return ["--remat", self.remat, "--batch", str(self.batch), "--seq-len", str(self.seq_len),
                 "--matmul-dtype", self.matmul_dtype, *(["--unroll-layers"] if self.unroll_layers else []),
                 *(["--shape", self.shape] if self.shape != "0.9b" else []),
                 *(["--loss-chunks", str(self.loss_chunks)] if self.loss_chunks != 1 else []),
-                *(["--xla-options", self.xla_options] if self.xla_options else [])]
+                *(["--xla-options", self.xla_options] if self.xla_options else []),
+                *(arg for item in self.overrides for arg in ("--set", item))]
 
 
 # Measured on one H100, jax 0.11.2 (benchmarks/results/mfu*.json, the issue 34 table).
@@ -93,6 +96,10 @@ UNMEASURED: list[Run] = [
     # The predicted best bf16 setting at 0.9B: dots at batch 16 (36.5 GiB) beats selective at
     # 16 and none at 16 (54.1 GiB), whose stacks cost more traffic than dots' recompute.
     Run("bf16_dots_b16", "dots", 16),
+    # A scan's stacks allocated without their zero fill (compiler.uninitialised_stacks: lax.empty,
+    # XLA's AllocateBuffer, which launches nothing), the same runs as *_lean otherwise.
+    Run("bf16_none_b8_unfilled", "none", 8, overrides=("compiler.uninitialised_stacks=true",)),
+    Run("bf16_dots_b8_unfilled", "dots", 8, overrides=("compiler.uninitialised_stacks=true",)),
 ]
 
 
@@ -102,7 +109,7 @@ def compile_run(run: Run, devices):
     from jaxpar.train import build
 
     config = jaxpar_config(dict(SHAPES[run.shape]), run.batch, run.seq_len, run.remat, 1, run.matmul_dtype,
-                           run.loss_chunks, run.unroll_layers, run.xla_options)
+                           run.loss_chunks, run.unroll_layers, run.xla_options, run.overrides)
     trainer = build(config, devices)
     t0 = time.perf_counter()
     compiled = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()

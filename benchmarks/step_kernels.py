@@ -6,10 +6,13 @@ on an H100 and an H200; the scanned stack's own share (zero fills, stack writes 
 
   <venv with jax[cuda13]>/bin/python benchmarks/step_kernels.py --label after
   <venv with jax[cuda13]>/bin/python benchmarks/step_kernels.py --label before --runs none,dots
+  <venv with jax[cuda13]>/bin/python benchmarks/step_kernels.py --label "+ uninitialised stacks" \
+      --set compiler.uninitialised_stacks=true
 
 Each call adds its label (with the commit it ran on) to the JSON file, so one file holds the
 step before and after a change, measured by the same script: run it on the old code with
-`--label before`, then on the new. `--runs`: which of RUNS (default all).
+`--label before`, then on the new. `--runs`: which of RUNS (default all); `--set`: jaxpar
+config overrides for every run (an option's effect, labelled as its own column).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ RUNS = {run.name: run for run in (Run("none"), Run("dots", "dots"), Run("fp8_non
                                   Run("selective_b16", "selective", 16))}
 
 
-def measure(name: str, devices) -> dict:
+def measure(name: str, devices, overrides: tuple[str, ...] = ()) -> dict:
     from jaxpar.inspect.cost import GpuCost, step_cost
     from jaxpar.inspect.kernel_table import kernel_rows, totals
 
-    run = RUNS[name]
+    run = dataclasses.replace(RUNS[name], overrides=overrides)
     config, compiled, compile_s = compile_run(run, devices)
     text = compiled.as_text()
     flops = config.model.flops_per_token(run.seq_len) * run.batch * run.seq_len
@@ -56,6 +59,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--label", required=True, help="this code's name in the file (before, after, ...)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a jaxpar config override for every run (repeatable)")
     p.add_argument("--out", default="benchmarks/results/step_kernels.json")
     args = p.parse_args()
     runs = args.runs.split(",")
@@ -76,9 +81,10 @@ def main() -> int:
     import jax
 
     entry = doc["labels"].setdefault(args.label, {})
-    entry.update(commit=commit + ("+changes" if dirty else ""), jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
+    entry.update(commit=commit + ("+changes" if dirty else ""), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                 overrides=args.overrides)
     for name in runs:
-        row = measure(name, devices)
+        row = measure(name, devices, tuple(args.overrides))
         entry.setdefault("runs", {})[name] = row
         h100 = row["H100"]
         print(f"\n{args.label} / {name}: predicted H100 step {h100['predicted_s'] * 1e3:.1f} ms "

@@ -189,6 +189,11 @@ class CompilerConfig:
     # XLA options on top of the preset, 'name=value,...' (e.g.
     # 'xla_gpu_enable_latency_hiding_scheduler=false'); each is checked against the jaxlib.
     options: str = ""
+    # A scan's stacked outputs (a layer loop's saved activations, its stacked weight
+    # gradients) allocated without the zero fill jax gives them (jaxpar.scan_stacks): each
+    # slot is written before it is read. One device only; only a GPU's program changes;
+    # process-wide, set by each build.
+    uninitialised_stacks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

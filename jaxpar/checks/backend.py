@@ -3,6 +3,8 @@ validate is told the platform), then the rule-table overrides."""
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.checks.rule import Rule, collector
 from jaxpar.errors import ConfigError
 from jaxpar.data.batch import packs_documents
@@ -155,6 +157,22 @@ def compiler_options_known(config, platform: str) -> None:
     from jaxpar.xla_options import step_options
 
     step_options(config, platform)
+
+
+@rule(
+    "uninitialised-stacks-one-device",
+    fields=["compiler.uninitialised_stacks"],
+    summary="Stacks allocated without a fill (compiler.uninitialised_stacks) run on one device: on more, XLA's SPMD "
+    "partitioner does not split the allocation, so each device would hold every stack whole and copy its share out "
+    "(the 8-device recipes' compiled temporaries grow 1.04x to 4.3x).",
+    example=["compiler.uninitialised_stacks=true"],
+)
+def uninitialised_stacks_one_device(config, sizes) -> None:
+    devices = math.prod(sizes.values())
+    if config.compiler.uninitialised_stacks and devices > 1:
+        raise ConfigError(f"compiler.uninitialised_stacks=true on {devices} devices: XLA's SPMD partitioner does not "
+                          "split an uninitialised allocation, so every device would hold each stack whole; use it on "
+                          "one device, or set it false")
 
 
 # parse_table also reads the tables for build, so its two messages stay there and this

@@ -37,6 +37,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
 _COLLECTIVE = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _ATTENTION = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+# lax.empty's buffer: the runtime allocates it and XLA emits no kernel (openxla/xla#10638).
+_ALLOCATE = 'custom_call_target="AllocateBuffer"'
 _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
@@ -126,7 +128,7 @@ def step_cost(hlo_text: str, gpu: GpuCost = GpuCost(), exposed_collective_s: flo
     for comp in running_computations(comps, entry_name(hlo_text, comps)):
         n = runs.get(comp, (0, True))[0]
         for ins in comps[comp]:
-            if ins.opcode in _FREE or ins.opcode.startswith(_COLLECTIVE):
+            if _launches_nothing(ins):
                 continue
             kernels.append(_kernel(ins, n, comps, shapes, flops, gpu))
     if exposed_collective_s:
@@ -200,7 +202,7 @@ def collective_covers(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: S
                 c = waiting.pop(ins.name)
                 covered[id(c)] = transfer[id(c)] - left.pop(id(c))
                 continue
-            if ins.opcode in _FREE or ins.opcode.startswith(_COLLECTIVE) or not waiting:
+            if _launches_nothing(ins) or not waiting:
                 continue
             spend = _kernel(ins, 1, comps, shapes, flops, gpu).seconds
             for c in waiting.values():
@@ -226,7 +228,7 @@ def latency_profile(hlo_text: str, colls, gpu: GpuCost = GpuCost(), host_of: Seq
     flops = _flops_per_computation(comps, shapes)
     lines = [f'costs {{ name: "{ins.name}" cost_us: {_kernel(ins, 1, comps, shapes, flops, gpu).seconds * 1e6:.3f} }}'
              for instrs in comps.values() for ins in instrs
-             if ins.opcode not in _FREE and not ins.opcode.startswith(_COLLECTIVE)]
+             if not _launches_nothing(ins)]
     lines += [f'costs {{ name: "{c.name}" cost_us: {transfer_seconds(c, gpu, host_of) * 1e6:.3f} }}' for c in colls]
     return "\n".join(lines) + "\n"
 
@@ -237,6 +239,12 @@ def covered_share(covers: list[Cover], kinds: Sequence[str] | None = ("all-to-al
     total = sum(c.transfer_s * c.collective.trip_count for c in mine)
     hidden = sum(c.covered_s * c.collective.trip_count for c in mine)
     return {"transfer_s": total, "covered_s": hidden, "share": hidden / total if total else None}
+
+
+def _launches_nothing(ins) -> bool:
+    """No kernel of its own: plumbing, a collective (timed apart), an uninitialised buffer."""
+    return (ins.opcode in _FREE or ins.opcode.startswith(_COLLECTIVE)
+            or (ins.opcode == "custom-call" and _ALLOCATE in ins.attrs))
 
 
 def _kernel(ins, runs: float, comps, shapes, flops: dict[str, float], gpu: GpuCost) -> Kernel:

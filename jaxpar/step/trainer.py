@@ -38,6 +38,7 @@ from jaxpar.config import Config
 from jaxpar.data.batch import BatchLayout, batch_fields
 from jaxpar.model import declared, has
 from jaxpar.pipeline.program import Program
+from jaxpar.scan_stacks import set_uninitialised
 from jaxpar.pipeline.split import StageSplit, model_order_rows
 from jaxpar.pipeline.stages import in_model_order, in_pipeline_order, model_layout_state, stored_shapes
 from jaxpar.sharding import Layout, ParamNames, param_names, use_layout
@@ -194,6 +195,7 @@ def build(
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
     options = step_options(config, devices[0].platform)
+    set_uninitialised(config.compiler.uninitialised_stacks)  # how scans lower: jaxpar.scan_stacks
     warn_if_offload_is_a_no_op(config, devices)
     layout = layout_for(config, devices, sizes)
     if config.train.loss_chunks > 1 and loss_fn is not task_loss:

@@ -89,6 +89,17 @@ def test_each_kernel_costs_its_own_flops_or_bytes_and_loops_count_their_trips():
     assert cost.seconds == pytest.approx(4 * gemm.seconds + 4 * store.seconds + attention.seconds)
 
 
+def test_a_stack_lax_empty_allocates_launches_nothing():
+    """compiler.uninitialised_stacks: the loop's stack comes from XLA's AllocateBuffer,
+    which the runtime allocates without a kernel; a zero fill in its place is a kernel."""
+    allocated = HLO.replace("%acc = f32[4,64,256]{2,1,0} parameter(2)",
+                            '%acc = f32[4,64,256]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"')
+    assert {k.name for k in step_cost(allocated, GPU).kernels} == {"g", "s", "a"}
+    filled = HLO.replace("%acc = f32[4,64,256]{2,1,0} parameter(2)", "%acc = f32[4,64,256]{2,1,0} fusion(), "
+                         "kind=kLoop, calls=%cond")  # any fusion launches
+    assert "acc" in {k.name for k in step_cost(filled, GPU).kernels}
+
+
 def test_the_fused_attention_backward_runs_at_its_own_rate():
     """2.5 times the forward's FLOPs (dQ, dK, dV, dP and the scores again), at the backward's
     efficiency: cuDNN's backward kernel reaches less of the peak than its forward."""
