@@ -57,11 +57,6 @@ def _uninitialised_stack(prefix: tuple, length_spec: tuple, aval):
     return core.pvary(stack, tuple(aval.mat.varying))
 
 
-def supported() -> bool:
-    """Whether this jax makes its scan stacks as set_uninitialised expects."""
-    return _original is not None or _scan_internals() is not None
-
-
 def set_uninitialised(on: bool) -> None:
     """Every scan lowered from now on allocates its stacks uninitialised (on) or zero-filled
     as jax does (off); a change empties jax's caches, whose lowerings hold the stacks as they
