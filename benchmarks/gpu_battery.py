@@ -242,10 +242,11 @@ def flags_key(flags: list[str]) -> tuple:
 
 def predicted_section(out: str) -> int:
     """Child: each registered run that no mfu section times, timed by mfu.py (jaxpar only,
-    10 steps after 3), one child process each."""
+    10 steps after 3), one child process each, the newest registered first: the latest
+    change's rows are the ones a short budget should reach."""
     registered = json.loads(PREDICTIONS.read_text())["registered"]
     doc = {}
-    for name, row in registered.items():
+    for name, row in reversed(registered.items()):
         if flags_key(row["mfu_flags"]) in TIMED_BY:
             continue
         with tempfile.TemporaryDirectory() as tmp:
