@@ -73,11 +73,26 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+# The config keys mfu.py's own flags set.
+FLAGGED = {"train.global_batch": "--batch", "train.seq_len": "--seq-len", "model.remat": "--remat",
+           "model.unroll_layers": "--unroll-layers", "train.matmul_dtype": "--matmul-dtype",
+           "train.loss_chunks": "--loss-chunks", "compiler.options": "--xla-options"}
+
+
+def refuse_flagged(overrides: Sequence[str]) -> None:
+    flagged = sorted({key.partition("=")[0].strip() for key in overrides} & set(FLAGGED))
+    if flagged:
+        raise SystemExit(f"--set {', '.join(flagged)}: use {', '.join(FLAGGED[k] for k in flagged)} instead")
+
+
 def jaxpar_config(shape: dict, batch: int, seq: int, remat: str, steps: int, matmul_dtype: str = "compute",
                   loss_chunks: int = 1, unroll_layers: bool = False, xla_options: str = "",
                   overrides: Sequence[str] = ()):
-    """jaxpar's config of the run; `overrides`: --set's 'key=value's, applied last."""
+    """jaxpar's config of the run; `overrides`: --set's 'key=value's, applied last, for what
+    no flag sets (a flag's own key is refused: the run's name and its MFU read the flags)."""
     from jaxpar.config import CompilerConfig, Config, TrainConfig, apply_overrides
+
+    refuse_flagged(overrides)
     from jaxpar.models.llama import LlamaConfig
 
     config = Config(model=LlamaConfig(**shape, remat=remat, unroll_layers=unroll_layers),
@@ -206,6 +221,7 @@ def compile_only(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"compile_only": row, "shape": shape, "batch": args.batch, "seq_len": args.seq_len,
                                "remat": args.remat, "matmul_dtype": args.matmul_dtype, "loss_chunks": args.loss_chunks,
+                               "overrides": args.overrides,
                                "jax": jax.__version__}, indent=1))
     print(f"wrote {out}")
     return 0 if used <= hbm else 1
@@ -231,6 +247,7 @@ def main() -> int:
         raise SystemExit("--vocab changes the compiled shape only: give --target too")
     if args.tiny and args.shape != "0.9b":
         raise SystemExit(f"--tiny is its own toy shape; drop --shape {args.shape}")
+    refuse_flagged(args.overrides)
     args.out = args.out or f"benchmarks/results/{'mfu_compile' if args.target else 'mfu'}.json"
     if args.target:
         return compile_only(args)
@@ -273,7 +290,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "batch": batch, "seq_len": seq, "remat": args.remat,
                                "unroll_layers": args.unroll_layers, "loss_chunks": args.loss_chunks,
-                               "xla_options": args.xla_options,
+                               "xla_options": args.xla_options, "overrides": args.overrides,
                                "matmul_dtype": args.matmul_dtype, "jax": jax.__version__,
                                "python": platform.python_version(), "peak_flops": peak, **rows}, indent=1))
     print(f"wrote {out}")

@@ -14,7 +14,13 @@ the CPU lax.empty lowers to the same zeros, so only a GPU's (or TPU's) program c
 
 One device only (jaxpar.checks refuses more): XLA's SPMD partitioner does not split an
 AllocateBuffer, so on a mesh each device would allocate every stack whole and copy its
-share out of it (the 8-device recipes' temporaries grow up to 4.3x).
+share out of it (the 8-device recipes' temporaries grow up to 4.3x). Being process-wide, a
+process that also builds trainers on a mesh should leave it off: a mesh trainer built
+before it was turned on recompiles (the caches are emptied) with it on.
+
+What it costs on one device: two stacks of the same value (residuals XLA would merge while
+both were zero-filled) stay two; the 0.9B step under remat none keeps the attention's output
+twice, 1 GiB and a 0.8 ms stack write more (docs/performance.md).
 """
 
 from __future__ import annotations

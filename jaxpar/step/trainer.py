@@ -195,7 +195,6 @@ def build(
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate(config, len(devices), devices[0].platform)  # the whole jaxpar.checks catalogue
     options = step_options(config, devices[0].platform)
-    set_uninitialised(config.compiler.uninitialised_stacks)  # how scans lower: jaxpar.scan_stacks
     warn_if_offload_is_a_no_op(config, devices)
     layout = layout_for(config, devices, sizes)
     if config.train.loss_chunks > 1 and loss_fn is not task_loss:
@@ -309,6 +308,8 @@ def build(
         init_compression=jax.jit(compressor.init, out_shardings=compressor.shardings()) if compressor else None,
         lora_targets=targets, frozen_shardings=frozen_shardings,
     )
+    # how scans lower from here on (jaxpar.scan_stacks): set once the build can no longer fail
+    set_uninitialised(config.compiler.uninitialised_stacks)
     if not groups:
         return trainer
     outer = diloco.OuterStep.build(layout.diloco, names, abstract_params, shardings.optimizer, layout.mesh)
