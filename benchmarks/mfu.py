@@ -45,6 +45,8 @@ TINY = dict(vocab_size=256, embed=64, num_layers=2, num_heads=4, num_kv_heads=2,
 
 
 def parse_args() -> argparse.Namespace:
+    from jaxpar.commands.common import add_overrides
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -65,8 +67,7 @@ def parse_args() -> argparse.Namespace:
                    "groups of tokens: a 128k vocabulary's logits need them)")
     p.add_argument("--xla-options", default="", help="jaxpar compiler.options for its step, 'name=value,...' "
                    "(e.g. xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a jaxpar config override for its step (repeatable), e.g. compiler.uninitialised_stacks=true")
+    add_overrides(p, "compiler.uninitialised_stacks=true")  # jaxpar's step only
     p.add_argument("--vocab", type=int, help="with --target: the vocabulary instead of the 0.9B shape's 32000")
     p.add_argument("--out", help="JSON file (default benchmarks/results/mfu.json, or mfu_compile.json with --target)")
     p.add_argument("--side", choices=["jaxpar", "pytorch"], help=argparse.SUPPRESS)  # one side, in a child process

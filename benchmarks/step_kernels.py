@@ -56,11 +56,12 @@ def measure(name: str, devices, overrides: tuple[str, ...] = ()) -> dict:
 
 
 def main() -> int:
+    from jaxpar.commands.common import add_overrides
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--label", required=True, help="this code's name in the file (before, after, ...)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a jaxpar config override for every run (repeatable)")
+    add_overrides(p, "compiler.uninitialised_stacks=true")  # every run's
     p.add_argument("--out", default="benchmarks/results/step_kernels.json")
     args = p.parse_args()
     runs = args.runs.split(",")
