@@ -6,7 +6,9 @@ virtual CPU devices, measured from the compiled program and divided by the publi
   2. gradient / parameter traffic per device per step, elements: 2Ψ(N-1)/N (DP, ZeRO-1/2),
      3Ψ(N-1)/N (ZeRO-3)
   3. activation bytes per layer and sequence (growth of temporaries from 2 to 4 layers and
-     from batch 1 to 2) vs Korthikanti et al.: tensor parallel, + SP, + selective recompute
+     from batch 1 to 2; and of the forward layer loop's stacks from batch 1 to 2) vs Korthikanti et al.: tensor parallel, + SP, + selective recompute;
+     and remat dots (matmul outputs kept) vs formulas.matmul_outputs_bytes_per_layer, the
+     planner's estimate
   4. cross-host bytes of hierarchical ZeRO (hybrid sharding: fsdp inside a host of 8, data
      across hosts) vs flat ZeRO-3 over the same devices
 
@@ -48,6 +50,7 @@ def main() -> None:
 
     from jaxpar.config import Config, ParallelConfig, TrainConfig, apply_overrides
     from jaxpar.inspect import formulas, inspect_step
+    from jaxpar.inspect.hlo import loop_stacks
     from jaxpar.inspect.explain import explain
     from jaxpar.mesh import MeshConfig
     from jaxpar.train import build
@@ -64,13 +67,17 @@ def main() -> None:
         )
         return apply_overrides(base, overrides)
 
+    def compile_step(n: int, overrides: list[str], **kw):
+        trainer = build(config(n, overrides, **kw), devices[:n])
+        return trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+
     def measure(n: int, overrides: list[str], **kw):
         trainer = build(config(n, overrides, **kw), devices[:n])
         report = inspect_step(trainer)
         return trainer, report, explain(trainer, report)
 
     jobs = [("zero", n, s) for n in counts for s in range(4)]
-    jobs += [("activations", 4, v) for v in ("tp", "tp_sp", "tp_sp_selective")]
+    jobs += [("activations", 4, v) for v in ("tp", "tp_sp", "tp_sp_selective", "tp_sp_dots")]
     jobs += [("hierarchical", n, v) for n in counts if n > HOST_SIZE for v in ("zero3", "hsdp")]
     results = {"zero": [], "activations": [], "hierarchical": []}
     started = time.perf_counter()
@@ -95,18 +102,32 @@ def main() -> None:
             overrides = ["mesh.data=1", f"mesh.tensor={t}"]
             overrides += ["parallel.tensor.sequence_parallel=true"] if "sp" in variant else []
             overrides += ["model.remat=selective"] if "selective" in variant else []
+            # dots keeps every matmul's output, the reference attention's s x s scores among them:
+            # the blockwise kernel (as the planner compiles on CPUs; cuDNN's on GPUs) has none
+            overrides += ["model.remat=dots", "parallel.attention=flash"] if "dots" in variant else []
             # Per layer: temporaries of 4 layers minus 2, halved. That also holds per-layer
             # gradient and update buffers, which do not grow with the batch: the activations
-            # of one sequence are the growth from batch 1 to batch 2.
-            temps = {(layers, b): measure(t, overrides, layers=layers, batch=b)[1].memory.temporaries
-                     for layers in (2, 4) for b in (1, 2)}
+            # of one sequence are the growth from batch 1 to batch 2. Beside it, exactly what
+            # the forward layer loop keeps: the growth of its stacks (weights and gradients
+            # do not grow), over its 4 layers. XLA shares temporaries whose lives do not
+            # overlap, so the first can read less than the second.
+            compiled = {(layers, b): compile_step(t, overrides, layers=layers, batch=b)
+                        for layers in (2, 4) for b in (1, 2)}
+            temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
             per_layer = ((temps[4, 2] - temps[2, 2]) - (temps[4, 1] - temps[2, 1])) / 2
+            stacks = {b: loop_stacks(compiled[4, b].as_text(), 4)[0] for b in (1, 2)}
+            kept = (stacks[2] - stacks[1]) / 4
             s, h, a = args.seq, MODEL["embed"], MODEL["num_heads"]
-            formula = formulas.activation_bytes_per_layer(
-                s, 1, h, a, t, sequence_parallel="sp" in variant, selective="selective" in variant)
+            if "dots" in variant:
+                q, kv = a * MODEL["head_dim"], MODEL["num_kv_heads"] * MODEL["head_dim"]
+                formula = formulas.matmul_outputs_bytes_per_layer(s, 1, h, q, kv, MODEL["mlp"], t, sequence_parallel=True)
+            else:
+                formula = formulas.activation_bytes_per_layer(
+                    s, 1, h, a, t, sequence_parallel="sp" in variant, selective="selective" in variant)
             results["activations"].append({
                 "variant": variant, "tensor": t, "seq": s, "micro_batch": 1,
                 "bytes_per_layer": per_layer, "formula_bytes": formula, "ratio": per_layer / formula,
+                "kept_bytes_per_layer": kept, "kept_ratio": kept / formula,
             })
         else:
             hosts = n // HOST_SIZE
@@ -141,10 +162,11 @@ def print_tables(results: dict) -> None:
     for r in results["zero"]:
         print(f"{r['devices']:>5}{r['stage']:>6}{r['model_state_bytes'] / gib:>11.3f}{r['formula_bytes'] / gib:>11.3f}"
               f"{r['ratio']:>8.3f}{r['traffic_elements'] / 1e9:>11.3f}G{r['traffic_formula'] / 1e9:>11.3f}G{r['traffic_ratio']:>8.3f}")
-    print("\nactivation bytes per layer (tensor=4, micro-batch 1), Korthikanti et al.")
-    print(f"{'variant':<18}{'measured MiB':>14}{'formula MiB':>13}{'ratio':>8}")
+    print("\nactivation bytes per layer (tensor=4, micro-batch 1), Korthikanti et al. (dots: the matmul outputs' formula)")
+    print(f"{'variant':<18}{'temporaries MiB':>16}{'loop keeps MiB':>15}{'formula MiB':>13}{'ratio':>7}{'kept':>7}")
     for r in results["activations"]:
-        print(f"{r['variant']:<18}{r['bytes_per_layer'] / 2**20:>14.1f}{r['formula_bytes'] / 2**20:>13.1f}{r['ratio']:>8.3f}")
+        print(f"{r['variant']:<18}{r['bytes_per_layer'] / 2**20:>16.1f}{r['kept_bytes_per_layer'] / 2**20:>15.1f}"
+              f"{r['formula_bytes'] / 2**20:>13.1f}{r['ratio']:>7.3f}{r['kept_ratio']:>7.3f}")
     print(f"\ncross-host bytes per device per step ({HOST_SIZE} devices per host)")
     print(f"{'N':>5}{'hosts':>6}{'variant':>8}{'cross-host MiB':>16}{'vs ZeRO-3':>11}")
     for r in results["hierarchical"]:

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     plan.add_argument("--hosts", type=int, metavar="H", help="hosts (default: N / 8, 8 GPUs per host)")
     plan.add_argument("--seq-len", type=int, metavar="S", help="tokens per sequence (default: the recipe's, else 4096)")
     plan.add_argument("--global-batch", type=int, metavar="B", help="sequences per step (default: N)")
-    plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile the K fastest estimates (default 4)")
+    plan.add_argument("--compile-top", type=int, default=4, metavar="K", help="compile K layouts: the fastest estimate of each remat policy, then the fastest "
+                      "(default 4)")
     plan.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
                       help="seconds each layout's compile may take before it is stopped and marked failed (default 600)")
     plan.add_argument("--target", metavar="FILE",
@@ -84,7 +85,8 @@ def run(args) -> int:
 
     bar = not args.json and sys.stderr.isatty()  # a bar redraws with carriage returns: a terminal's alone
     if not args.json and not bar:
-        print(f"compiling the {args.compile_top} fastest estimates of {args.model}'s layouts (up to "
+        print(f"compiling the {args.compile_top} fastest estimates of {args.model}'s layouts, each remat policy's "
+              f"fastest first (up to "
               f"{3 * args.compile_top} until one fits), each in a process of its own for at most "
               f"{args.compile_timeout:g} s", file=sys.stderr, flush=True)
     planned, facts = make_plan(model, devices if args.target else jax.devices(), args.hbm_gb, hosts, seq_len, args.global_batch or args.devices,

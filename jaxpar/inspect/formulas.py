@@ -8,6 +8,9 @@
   activations per transformer layer (Korthikanti et al., arXiv 2205.05198), 16-bit:
   s·b·h·(34 + 5as/h) plain; (10 + 24/t + 5as/(ht)) with TP; (34/t + 5as/(ht)) with TP + SP;
   34/t with SP and selective recomputation.
+  what remat `dots` keeps of a decoder layer (matmul outputs, 16-bit): the residual stream
+  twice (the layer's input, the attention projection's output), the query, key and value
+  projections, attention's output and the MLP's gate and up projections.
 """
 
 from __future__ import annotations
@@ -88,6 +91,18 @@ def activation_bytes_per_layer(
     if t > 1:
         return s * b * h * (10 + 24 / t + attention)
     return s * b * h * (34 + 5 * a * s / h)
+
+
+def matmul_outputs_bytes_per_layer(s: int, b: int, h: int, q: int, kv: int, ffn: float, t: int = 1,
+                                   sequence_parallel: bool = False) -> float:
+    """What remat `dots` keeps of a decoder layer, 16-bit, per device (jaxpar.nn): the
+    residual stream twice, h wide (the layer's input and the attention projection's output,
+    from which the norms are recomputed; split by t under sequence parallelism), and split by
+    t the query (q wide), key and value (kv each), attention's output (q) and the MLP's gate
+    and up projections (ffn each: a token's width through its experts, for MoE). The down
+    projection's output is not kept: the next layer's input is."""
+    stream = s * b * h / (t if sequence_parallel or t == 1 else 1)
+    return 2 * (2 * stream + s * b * (2 * q + 2 * kv + 2 * ffn) / t)
 
 
 def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: int, window: int = 0,

@@ -586,3 +586,17 @@ def _axes(groups, mesh: Mesh) -> tuple[str, ...]:
         coords = np.array(np.unravel_index(list(g), mesh.devices.shape))
         varying |= {k for k in range(coords.shape[0]) if len(set(coords[k].tolist())) > 1}
     return tuple(mesh.axis_names[k] for k in sorted(varying))
+
+
+
+def loop_stacks(hlo_text: str, length: int) -> list[int]:
+    """Per-device bytes of the stacks each while loop of the entry computation carries, in
+    run order: the arrays in its state whose leading dimension is `length` (a scan's stacked
+    inputs and outputs over that many layers: their weights, the activations remat keeps,
+    the weights' gradients). Not the trip count: XLA:GPU may run two layers an iteration.
+    Their growth with the batch is what the layer loop keeps of the activations
+    (benchmarks/memory_comm.py)."""
+    entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))
+    loops = [ins for ins in parse(hlo_text)[_HEADER.match(entry).group(1)] if ins.opcode == "while"]
+    return [sum(nbytes(f"{t}[{dims}]") for t, dims in ARRAY.findall(ins.shape) if dims.split(",")[0] == str(length))
+            for ins in loops]

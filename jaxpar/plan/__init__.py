@@ -93,7 +93,16 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
         )
     scored = [Planned(lay, estimate(lay, model, global_batch, seq_len, hw), lay.overrides(hw.devices_per_host, hosts))
               for lay in everything]
-    hopeful = sorted((p for p in scored if p.estimate["memory"] <= budget), key=lambda p: p.estimate["step_s"])
+    # equal estimates (dots and none compute alike) go smaller first
+    hopeful = sorted((p for p in scored if p.estimate["memory"] <= budget),
+                     key=lambda p: (p.estimate["step_s"], p.estimate["memory"]))
+    # The estimates rank layouts of one remat policy better than they rank policies against
+    # each other (what the compiler keeps and recomputes is the compile's to say), so the
+    # fastest estimate of each policy is compiled first, then the rest in order.
+    firsts: dict[str, Planned] = {}
+    for p in hopeful:
+        firsts.setdefault(p.layout.remat, p)
+    hopeful = list(firsts.values()) + [p for p in hopeful if all(p is not f for f in firsts.values())]
     fallback = not hopeful
     if fallback:  # nothing seems to fit: compile the smallest, to say by how much
         hopeful = sorted(scored, key=lambda p: p.estimate["memory"])
@@ -116,7 +125,7 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
         if planned.compiled and planned.memory <= budget:
             scale = max(scale or 0.0, planned.memory / planned.estimate["memory"])
     bar.close()
-    chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf)))
+    chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf), p.memory))
     facts = {"candidates": len(everything), "estimated_to_fit": sum(p.estimate["memory"] <= budget for p in scored),
              "compiled": len(chosen), "failed": sum(bool(p.failed) for p in chosen), "budget_bytes": budget,
              "hardware": hw}
@@ -143,7 +152,8 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float, command
     that runs them: ready to paste) and the assumptions."""
     failed = f" ({facts['failed']} failed)" if facts.get("failed") else ""
     lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
-             f"(x{RUNTIME_SHARE} for the step); the {facts['compiled']} fastest estimates compiled{failed}:", "",
+             f"(x{RUNTIME_SHARE} for the step); {facts['compiled']} compiled, the fastest estimate of each remat "
+             f"policy first{failed}:", "",
              f"{'#':>2s}  {'layout':58s} {'memory':>10s} {'fits':>4s} {'compute':>8s} {'comm*':>8s} {'bubble':>6s} "
              f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
     budget = facts["budget_bytes"]

@@ -16,13 +16,16 @@ from jaxpar.inspect import formulas
 from jaxpar.kernels.newton_schulz import MatrixAxes, flops
 from jaxpar.kernels.experts.exchange import two_hops
 from jaxpar.model import declared
+from jaxpar.nn import RECOMPUTES_ATTENTION
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import balanced_layers, compact, head_layers, leading_layers
 from jaxpar.plan.presets import Hardware, tf32_share
 from jaxpar.step.muon import model_matrices
 from jaxpar.xla_options import layer_params
 
-REMATS = ("full", "none")
+# full (each layer's input kept, its matmuls run again), dots (matmul outputs kept, the
+# element-wise rest recomputed: jaxpar.nn) and none
+REMATS = ("full", "dots", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,7 @@ def candidates(model, devices: int, devices_per_host: int, global_batch: int, se
     inside a host; experts over up to every device, across hosts if need be (DeepSeek-V3's
     EP 64 spans 8 hosts); up to 16 stages, each holding the balanced rule's layers
     (jaxpar.pipeline.split.balanced_layers; experts split inside them); fsdp x data filling the rest; ZeRO over
-    data when there is one; both remat extremes; microbatches from 1 (p..4p under a pipeline,
+    data when there is one; remat full, dots and none; microbatches from 1 (p..4p under a pipeline,
     each with 1F1B and with 1F1B's forwards beside its backwards). Tensor need not divide the key/value
     heads: they are repeated at use (jaxpar.step.layout.kv_repeats). Experts across hosts
     also with the FP8 dispatch, and, for capacity routing with groups the hosts hold whole,
@@ -206,11 +209,12 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     layers = max(counts)
     full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
     kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
+    per_layer = {"none": full, "full": kept, "dots": _matmul_outputs(model, s, b, L.tensor)}[L.remat]
     if L.stage > 1:  # stage-level recomputation: chunk inputs in flight (overlapped: 2p - 1), one chunk live
         in_flight = 2 * L.stage - 1 if L.schedule == "1f1b-overlap" else L.stage
-        activations = in_flight * kept + layers * (full if L.remat == "none" else kept) + full
-    else:
-        activations = layers * (full if L.remat == "none" else kept) + (full if L.remat != "none" else 0)
+        activations = in_flight * kept + layers * per_layer + full
+    else:  # under remat, one layer's whole activations live while it is recomputed
+        activations = layers * per_layer + (full if L.remat != "none" else 0)
     logits = 3 * 4 * s * b * model.vocab_size / L.tensor  # fp32 logits, their softmax and gradient
     memory = state + activations + logits
     # HBM traffic: each layer's gathered weights read in the forward, the recomputed forward
@@ -220,12 +224,12 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     # 4x the bf16 weights' bytes a microbatch; DeepSeek-V3's compiled 2,048-GPU plan spent
     # most of its step there).
     weights = 2 * ((psi_local - routed) / L.tensor + routed / (L.tensor * L.expert))
-    passes = 4 if L.remat != "none" else 3
+    passes = 4 if L.remat == "full" else 3  # full runs each layer's matmuls again
     accumulate = 4 * weights * L.microbatches if L.microbatches > 1 else 0.0
     hbm = passes * weights * L.microbatches + 2 * activations * L.microbatches + 2 * state + accumulate
 
     tokens = global_batch * seq_len
-    recompute = 4 / 3 if L.remat != "none" else 1.0
+    recompute = 4 / 3 if L.remat == "full" else 1.0
     compute = model.flops_per_token(seq_len) * tokens / devices * recompute / (hw.peak_tflops * 1e12 * hw.matmul_efficiency)
     bubble = 0.0  # the share of the lockstep step above the mean device's work
     if L.stage > 1:
@@ -239,9 +243,13 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     shard = weights / 2  # the parameters a device reduces and gathers: experts split e ways besides
     fsdp_bytes = 3 * 2 * shard * (L.fsdp - 1) / L.fsdp * L.microbatches if L.fsdp > 1 else 0.0
     data_bytes = (3 if L.zero_stage >= 3 else 2) * 4 * shard / L.fsdp * (L.data - 1) / L.data if L.data > 1 else 0.0
+    if L.zero_stage >= 3 and L.data > 1:  # gathered and reduced over data x fsdp at once: every byte at data's link
+        joint = L.data * L.fsdp  # (as the compiled roofline charges one collective over both axes)
+        fsdp_bytes, data_bytes = 0.0, 3 * 2 * shard * (joint - 1) / joint * L.microbatches
     outer = outer_bytes(DilocoConfig(inner_steps=L.diloco), local, L.data) if L.diloco else 0.0
     data_bytes = 0.0 if L.diloco else data_bytes  # DiLoCo: no gradient crosses between groups, its exchange does
-    tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * recompute
+    # dots recomputes the norms, and so gathers their sequence-parallel outputs again, as full does
+    tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * (4 / 3 if L.remat != "none" else 1.0)
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     host_link = hw.host_link_gb_per_s * 1e9
     data_time += host["streamed"] / host_link if host else 0.0  # prefetched beside the layers, as the gathers
@@ -270,7 +278,7 @@ def host_traffic(dense, experts, L: Layout) -> dict[str, float]:
     microbatch's gradients sent to the host and brought back; `update`, the master and the
     optimizer state fetched and returned, and the new parameters returned."""
     params = dense.params + experts.params
-    uses = (3 if L.remat != "none" else 2) * L.microbatches
+    uses = (3 if L.remat == "full" else 2) * L.microbatches  # dots keeps the matmuls' outputs
     streamed = params * uses + 2 * (dense.grads + experts.grads) * L.microbatches
     update = 2 * (dense.master + experts.master + dense.optimizer + experts.optimizer) + params
     return {"streamed": streamed, "update": update}
@@ -311,13 +319,22 @@ def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, 
     With two hops a token crosses hosts top_groups / k as often, and its k copies then move
     inside the host, over NVLink."""
     factor = model.capacity_factor if model.routing == "capacity" else 1.0
-    passes, dispatches = (6, 2) if L.remat != "none" else (4, 1)
+    passes, dispatches = (6, 2) if L.remat in RECOMPUTES_ATTENTION else (4, 1)  # dots keeps what they deliver
     pass_bytes = passes - dispatches * (1 - formulas.FP8_PAYLOAD_BYTES / 2) if L.fp8_dispatch else passes
     elements = formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor) * rows * L.microbatches
     moved = 2 * elements * pass_bytes * (L.expert - 1) / L.expert
     if not L.two_hops:
         return moved / bandwidth
     return moved * declared(model, "top_groups") / model.top_k / bandwidth + moved / intra_host
+
+
+def _matmul_outputs(model, s: int, b: int, t: int) -> float:
+    """What remat `dots` keeps of a layer (formulas.matmul_outputs_bytes_per_layer): a
+    token's MLP width is its top_k experts' (over the capacity factor) in an MoE model."""
+    experts = declared(model, "num_experts")
+    factor = (model.capacity_factor if model.routing == "capacity" else 1.0) * model.top_k if experts else 1.0
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return formulas.matmul_outputs_bytes_per_layer(s, b, model.embed, q, kv, model.mlp * factor, t, t > 1)
 
 
 def _stage_params(model, rows: int) -> tuple[float, float]:

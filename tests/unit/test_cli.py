@@ -131,7 +131,8 @@ def test_plan_draws_its_bar_only_on_a_terminal(monkeypatch, capsys):
     assert main(command) == 0
     captured = capsys.readouterr()
     assert asked == [False] and "\r" not in captured.err and captured.out.endswith("the table\n")
-    assert captured.err.startswith("compiling the 4 fastest estimates of llama's layouts (up to 12 until one fits)")
+    assert captured.err.startswith("compiling the 4 fastest estimates of llama's layouts, each remat policy's fastest "
+                                   "first (up to 12 until one fits)")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert main(command) == 0 and asked[-1] is True and "compiling" not in capsys.readouterr().err
     assert main(command + ["--json"]) == 0 and asked[-1] is False

@@ -90,8 +90,30 @@ def test_estimates_order_memory_as_zero_and_remat_promise():
     base = Layout(stage=1, data=8, fsdp=1, tensor=8, context=1, expert=1, zero_stage=1, remat="none", microbatches=1)
     mem = lambda **kw: estimate(base.__class__(**{**base.__dict__, **kw}), model, 64, 4096, hw)["memory"]  # noqa: E731
     assert mem(zero_stage=3) < mem() < mem(zero_stage=0)
-    assert mem(remat="full") < mem()
+    assert mem(remat="full") < mem(remat="dots") < mem()
     assert mem(microbatches=4) < mem()
+
+
+def test_remat_dots_is_priced_between_the_extremes():
+    """dots keeps the matmuls' outputs: no matmul runs again (none's compute), but the norms' sequence-parallel gathers do (full's), and it holds more than
+    full, less than none (formulas.matmul_outputs_bytes_per_layer)."""
+    from jaxpar.inspect import formulas
+
+    model, hw = MODELS["llama3-8b"], Hardware()
+    base = Layout(stage=1, data=1, fsdp=8, tensor=1, context=1, expert=1, zero_stage=0, remat="none", microbatches=1)
+    est = {r: estimate(dataclasses.replace(base, remat=r), model, 8, 4096, hw) for r in ("none", "dots", "full")}
+    assert est["dots"]["compute_s"] == est["none"]["compute_s"] == pytest.approx(est["full"]["compute_s"] * 3 / 4)
+    assert est["full"]["memory"] < est["dots"]["memory"] < est["none"]["memory"]
+    tp = dataclasses.replace(base, fsdp=1, tensor=8, data=1)
+    gathers = {r: estimate(dataclasses.replace(tp, remat=r), model, 8, 4096, hw)["step_s"] for r in ("none", "dots")}
+    assert gathers["dots"] > gathers["none"]
+    # the kept bytes, for Llama 3 8B's layer at 4096 tokens: the stream twice (h = 4096), q and
+    # attention's output (4096 each), k and v (1024 each), gate and up (14336 each), 2 bytes
+    kept = 2 * 4096 * (2 * 4096 + 2 * 4096 + 2 * 1024 + 2 * 14336)
+    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, 4096, 1024, 14336) == kept
+    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, 4096, 1024, 14336, 4, True) == kept / 4
+    assert {lay.remat for lay in candidates(model, 8, 8, 8, 4096)} == {"full", "dots", "none"}
+    assert "model.remat=dots" in dataclasses.replace(base, remat="dots").overrides(8, 1)
 
 
 def test_roofline_is_the_stated_arithmetic(tiny_llama):
@@ -253,3 +275,26 @@ def test_groups_across_a_slow_link_are_planned_with_diloco_too():
     zero0 = estimate(dataclasses.replace(dp, zero_stage=0), model, 16, 4096, hw)["memory"]
     assert d["memory"] == pytest.approx(zero0 + 8 * local, rel=1e-6)
     assert "parallel.diloco.inner_steps=100" in groups.overrides(8, 2) and "diloco H=100" in groups.describe()
+
+
+
+def test_each_remat_policy_has_its_fastest_estimate_compiled_first(tiny_llama, monkeypatch):
+    """The estimates rank layouts within a remat policy; across policies the compile decides:
+    the first compiles are the fastest estimate of each policy, then the rest in order."""
+    import jax
+
+    import jaxpar.plan as planner
+
+    compiled = []
+
+    def fake(planned, *_):
+        compiled.append(planned)
+        planned.memory, planned.prediction = 1.0, {"step_s": planned.estimate["step_s"]}
+
+    monkeypatch.setattr(planner, "_compile", fake)
+    planned, facts = planner.plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
+                                  compile_top=4, progress=False)
+    assert {p.layout.remat for p in compiled[:3]} == {"full", "dots", "none"}
+    rest = [p.estimate["step_s"] for p in compiled[3:]]
+    assert rest == sorted(rest) and len(compiled) == 4
+    assert [p.prediction["step_s"] for p in planned] == sorted(p.prediction["step_s"] for p in planned)
