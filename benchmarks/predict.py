@@ -100,6 +100,11 @@ UNMEASURED: list[Run] = [
     # XLA's AllocateBuffer, which launches nothing), the same runs as *_lean otherwise.
     Run("bf16_none_b8_unfilled", "none", 8, overrides=("compiler.uninitialised_stacks=true",)),
     Run("bf16_dots_b8_unfilled", "dots", 8, overrides=("compiler.uninitialised_stacks=true",)),
+    # The two together with the best settings before them: cuBLAS's in-place stack writes, and
+    # the predicted best bf16 batch.
+    Run("bf16_dots_b8_cublas_unfilled", "dots", 8, xla_options="xla_gpu_enable_triton_gemm=false",
+        overrides=("compiler.uninitialised_stacks=true",)),
+    Run("bf16_dots_b16_unfilled", "dots", 16, overrides=("compiler.uninitialised_stacks=true",)),
 ]
 
 
@@ -176,7 +181,8 @@ def main() -> int:
     doc = {"about": __doc__.split("\n\n")[0].replace("\n", " "), "gpu": GpuCost().describe(), "target": TARGET,
            "measured": old.get("measured", {}), "registered": old.get("registered", {}),
            "checked": old.get("checked", {}), **({"recheck": old["recheck"]} if "recheck" in old else {})}
-    print(f"{'run':24s} {'predicted':>10s} {'H200':>7s} {'measured':>9s} {'error':>7s}  by kind (ms)")
+    width = max(len(run.name) for run in MEASURED + UNMEASURED)
+    print(f"{'run':{width}s} {'predicted':>10s} {'H200':>7s} {'measured':>9s} {'error':>7s}  by kind (ms)")
     for run in MEASURED + UNMEASURED:
         kept = doc["measured" if run.measured_s is not None else "registered"]
         if run.name in kept:  # made first, kept as it was (--redo replaces)
@@ -193,7 +199,7 @@ def main() -> int:
         kinds = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in row["by_kind_s"].items())
         h200 = row.get("by_device_s", {}).get("H200")
         h200 = f"{h200:.3f}" if h200 else "-"
-        print(f"{run.name:24s} {row['predicted_s']:10.3f} {h200:>7s} {measured:>9s} {error:>7s}  {kinds}", flush=True)
+        print(f"{run.name:{width}s} {row['predicted_s']:10.3f} {h200:>7s} {measured:>9s} {error:>7s}  {kinds}", flush=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
