@@ -119,8 +119,9 @@ def main() -> None:
             kept = (stacks[2] - stacks[1]) / 4
             s, h, a = args.seq, MODEL["embed"], MODEL["num_heads"]
             if "dots" in variant:
-                q, kv = a * MODEL["head_dim"], MODEL["num_kv_heads"] * MODEL["head_dim"]
-                formula = formulas.matmul_outputs_bytes_per_layer(s, 1, h, q, kv, MODEL["mlp"], t, sequence_parallel=True)
+                attention = 2 * (a + MODEL["num_kv_heads"]) * MODEL["head_dim"]  # q and its output, k and v
+                formula = formulas.matmul_outputs_bytes_per_layer(s, 1, h, attention, 2 * MODEL["mlp"], t,
+                                                                  sequence_parallel=True)
             else:
                 formula = formulas.activation_bytes_per_layer(
                     s, 1, h, a, t, sequence_parallel="sp" in variant, selective="selective" in variant)

@@ -93,16 +93,16 @@ def activation_bytes_per_layer(
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def matmul_outputs_bytes_per_layer(s: int, b: int, h: int, q: int, kv: int, ffn: float, t: int = 1,
+def matmul_outputs_bytes_per_layer(s: int, b: int, h: int, attention: float, mlp: float, t: int = 1,
                                    sequence_parallel: bool = False) -> float:
     """What remat `dots` keeps of a decoder layer, 16-bit, per device (jaxpar.nn): the
     residual stream twice, h wide (the layer's input and the attention projection's output,
     from which the norms are recomputed; split by t under sequence parallelism), and split by
-    t the query (q wide), key and value (kv each), attention's output (q) and the MLP's gate
-    and up projections (ffn each: a token's width through its experts, for MoE). The down
-    projection's output is not kept: the next layer's input is."""
+    t a token's `attention` (its query, key, value and attention-output widths summed) and
+    `mlp` (the gate and up projections' widths summed; an MoE layer's over its top-k experts,
+    with their outputs). The down projection's output is not kept: the next layer's input is."""
     stream = s * b * h / (t if sequence_parallel or t == 1 else 1)
-    return 2 * (2 * stream + s * b * (2 * q + 2 * kv + 2 * ffn) / t)
+    return 2 * (2 * stream + s * b * (attention + mlp) / t)
 
 
 def context_traffic_elements(impl: str, s: int, b: int, hq: int, hkv: int, n: int, window: int = 0,

@@ -596,7 +596,9 @@ def loop_stacks(hlo_text: str, length: int) -> list[int]:
     the weights' gradients). Not the trip count: XLA:GPU may run two layers an iteration.
     Their growth with the batch is what the layer loop keeps of the activations
     (benchmarks/memory_comm.py)."""
-    entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))
+    entry = next((line for line in hlo_text.splitlines() if line.startswith("ENTRY")), None)
+    if entry is None:
+        raise ValueError("loop_stacks reads a whole module's HLO text (compiled.as_text()); this has no ENTRY computation")
     loops = [ins for ins in parse(hlo_text)[_HEADER.match(entry).group(1)] if ins.opcode == "while"]
     return [sum(nbytes(f"{t}[{dims}]") for t, dims in ARRAY.findall(ins.shape) if dims.split(",")[0] == str(length))
             for ins in loops]

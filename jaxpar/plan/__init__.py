@@ -93,30 +93,23 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
         )
     scored = [Planned(lay, estimate(lay, model, global_batch, seq_len, hw), lay.overrides(hw.devices_per_host, hosts))
               for lay in everything]
-    # equal estimates (dots and none compute alike) go smaller first
-    hopeful = sorted((p for p in scored if p.estimate["memory"] <= budget),
-                     key=lambda p: (p.estimate["step_s"], p.estimate["memory"]))
-    # The estimates rank layouts of one remat policy better than they rank policies against
-    # each other (what the compiler keeps and recomputes is the compile's to say), so the
-    # fastest estimate of each policy is compiled first, then the rest in order.
-    firsts: dict[str, Planned] = {}
-    for p in hopeful:
-        firsts.setdefault(p.layout.remat, p)
-    hopeful = list(firsts.values()) + [p for p in hopeful if all(p is not f for f in firsts.values())]
+    hopeful, firsts = _compile_order(scored, budget)
     fallback = not hopeful
     if fallback:  # nothing seems to fit: compile the smallest, to say by how much
         hopeful = sorted(scored, key=lambda p: p.estimate["memory"])
     # The formulas miss what the compiler adds (workspace, copies, widened buffers). Once a
     # compiled layout fits, the estimates are scaled by the largest compiled / estimated
-    # ratio among those that fit, and layouts that would then not fit are skipped. Until
-    # one fits, compiling goes on past compile_top, up to 3 x compile_top layouts.
+    # ratio among those that fit, and layouts that would then not fit are skipped (each
+    # policy's first never is: its scale may not be another's). Until one fits, compiling
+    # goes on past compile_top, up to 3 x compile_top layouts.
     chosen: list[Planned] = []
     scale, attempts = None, 0
     bar = tqdm(total=compile_top, desc="compiling", unit="layout", disable=not progress)
     for planned in hopeful:
         if (len(chosen) >= compile_top and scale is not None) or attempts == 3 * compile_top:
             break
-        if scale is not None and not fallback and planned.estimate["memory"] * scale > budget:
+        first = any(planned is f for f in firsts)
+        if scale is not None and not fallback and not first and planned.estimate["memory"] * scale > budget:
             continue
         _compile(planned, model, devices, seq_len, global_batch, hw, compile_timeout_s)
         attempts += 1
@@ -130,6 +123,21 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
              "compiled": len(chosen), "failed": sum(bool(p.failed) for p in chosen), "budget_bytes": budget,
              "hardware": hw}
     return chosen, facts
+
+
+def _compile_order(scored: list[Planned], budget: float) -> tuple[list[Planned], list[Planned]]:
+    """(those estimated to fit, in the order they compile; the first of each remat policy).
+    The estimates rank layouts of one remat policy better than they rank policies against
+    each other (what the compiler keeps and recomputes is the compile's to say), so the
+    fastest estimate of each policy goes first, then the rest by estimate; equal estimates
+    (dots and none compute alike) smaller first."""
+    hopeful = sorted((p for p in scored if p.estimate["memory"] <= budget),
+                     key=lambda p: (p.estimate["step_s"], p.estimate["memory"]))
+    firsts: dict[str, Planned] = {}
+    for p in hopeful:
+        firsts.setdefault(p.layout.remat, p)
+    heads = list(firsts.values())
+    return heads + [p for p in hopeful if all(p is not f for f in heads)], heads
 
 
 def _compile(planned: Planned, model, devices, seq_len: int, global_batch: int, hw: Hardware, timeout_s: float) -> None:

@@ -209,7 +209,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     layers = max(counts)
     full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
     kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
-    per_layer = {"none": full, "full": kept, "dots": _matmul_outputs(model, s, b, L.tensor)}[L.remat]
+    per_layer = {"none": full, "full": kept, "dots": _matmul_outputs(model, s, b, L)}[L.remat]
     if L.stage > 1:  # stage-level recomputation: chunk inputs in flight (overlapped: 2p - 1), one chunk live
         in_flight = 2 * L.stage - 1 if L.schedule == "1f1b-overlap" else L.stage
         activations = in_flight * kept + layers * per_layer + full
@@ -248,8 +248,11 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
         fsdp_bytes, data_bytes = 0.0, 3 * 2 * shard * (joint - 1) / joint * L.microbatches
     outer = outer_bytes(DilocoConfig(inner_steps=L.diloco), local, L.data) if L.diloco else 0.0
     data_bytes = 0.0 if L.diloco else data_bytes  # DiLoCo: no gradient crosses between groups, its exchange does
-    # dots recomputes the norms, and so gathers their sequence-parallel outputs again, as full does
-    tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * (4 / 3 if L.remat != "none" else 1.0)
+    # 8 collectives a layer (forward and backward: 2 gathers into the column projections, 2
+    # reductions out of the row ones, each way); under full as many more as its compute (4/3),
+    # under dots the 2 gathers of the norms it recomputes
+    again = {"none": 1.0, "dots": 10 / 8, "full": 4 / 3}[L.remat]
+    tensor_bytes = 8 * layers * 2 * s * b * h * (L.tensor - 1) / L.tensor * L.microbatches * again
     data_time = fsdp_bytes / bw("fsdp") + data_bytes / bw("data")
     host_link = hw.host_link_gb_per_s * 1e9
     data_time += host["streamed"] / host_link if host else 0.0  # prefetched beside the layers, as the gathers
@@ -328,13 +331,21 @@ def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, 
     return moved * declared(model, "top_groups") / model.top_k / bandwidth + moved / intra_host
 
 
-def _matmul_outputs(model, s: int, b: int, t: int) -> float:
-    """What remat `dots` keeps of a layer (formulas.matmul_outputs_bytes_per_layer): a
-    token's MLP width is its top_k experts' (over the capacity factor) in an MoE model."""
-    experts = declared(model, "num_experts")
-    factor = (model.capacity_factor if model.routing == "capacity" else 1.0) * model.top_k if experts else 1.0
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return formulas.matmul_outputs_bytes_per_layer(s, b, model.embed, q, kv, model.mlp * factor, t, t > 1)
+def _matmul_outputs(model, s: int, b: int, L: Layout) -> float:
+    """What remat `dots` keeps of a layer (formulas.matmul_outputs_bytes_per_layer). Key and
+    value heads tensor does not divide are repeated to t; values may be narrower than keys
+    (v_head_dim: DeepSeek's). An MoE layer keeps its top-k experts' gate and up outputs
+    (over the capacity factor) and the shared experts', and each routed copy's output, twice
+    over expert parallelism (the all-to-alls' buffers, EXCHANGED_NAME); DeepSeek's latents
+    are not counted."""
+    t, head, value = L.tensor, model.head_dim, declared(model, "v_head_dim") or model.head_dim
+    kv = max(model.num_kv_heads, t)
+    attention = model.num_heads * (head + value) + kv * (head + value)
+    mlp = 2 * model.mlp
+    if declared(model, "num_experts"):
+        routed = model.top_k * (model.capacity_factor if model.routing == "capacity" else 1.0)
+        mlp = 2 * model.mlp * (routed + model.shared_experts) + routed * model.embed * (2 if L.expert > 1 else 1)
+    return formulas.matmul_outputs_bytes_per_layer(s, b, model.embed, attention, mlp, t, t > 1)
 
 
 def _stage_params(model, rows: int) -> tuple[float, float]:

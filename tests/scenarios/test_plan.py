@@ -100,5 +100,5 @@ def test_the_dots_formula_is_what_the_layer_loop_keeps():
         text = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
         stacks.append(loop_stacks(text, 2)[0])
     kept = (stacks[1] - stacks[0]) / 2
-    formula = formulas.matmul_outputs_bytes_per_layer(64, 1, 128, 128, 64, 256)
+    formula = formulas.matmul_outputs_bytes_per_layer(64, 1, 128, 2 * 128 + 2 * 64, 2 * 256)
     assert formula <= kept <= 1.15 * formula

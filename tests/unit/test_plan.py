@@ -14,7 +14,7 @@ from jaxpar.config import apply_overrides
 from jaxpar.inspect.report import Memory, StepReport
 from jaxpar.plan import MODELS, Hardware
 from jaxpar.plan.step_time import roofline
-from jaxpar.plan.layouts import Layout, _stage_params, candidates, estimate
+from jaxpar.plan.layouts import Layout, _matmul_outputs, _stage_params, candidates, estimate
 from jaxpar.config import PipelineConfig
 from jaxpar.pipeline.lockstep import lockstep_cost
 from jaxpar.pipeline.split import head_layers
@@ -94,6 +94,20 @@ def test_estimates_order_memory_as_zero_and_remat_promise():
     assert mem(microbatches=4) < mem()
 
 
+def test_zero3_over_data_is_charged_as_one_collective_over_data_and_fsdp():
+    """ZeRO-3 over data shards as fsdp does: inside a host data 8 costs what fsdp 8 costs;
+    across two hosts every byte of the gathers and reductions goes at the network's speed."""
+    model, hw = MODELS["llama3-8b"], Hardware()
+    fsdp = Layout(stage=1, data=1, fsdp=8, tensor=1, context=1, expert=1, zero_stage=0, remat="full", microbatches=1)
+    data = dataclasses.replace(fsdp, data=8, fsdp=1, zero_stage=3)
+    assert estimate(data, model, 8, 4096, hw)["step_s"] == pytest.approx(estimate(fsdp, model, 8, 4096, hw)["step_s"])
+    wide = dataclasses.replace(data, data=2, fsdp=8)  # 16 devices on 2 hosts, data across them
+    est = estimate(wide, model, 16, 4096, hw)
+    sent = 3 * 2 * model.param_count() * 15 / 16
+    busy = est["compute_s"]
+    assert est["step_s"] == pytest.approx(busy + sent / 50e9 - min(0.9 * sent / 50e9, busy), rel=1e-3)
+
+
 def test_remat_dots_is_priced_between_the_extremes():
     """dots keeps the matmuls' outputs: no matmul runs again (none's compute), but the norms' sequence-parallel gathers do (full's), and it holds more than
     full, less than none (formulas.matmul_outputs_bytes_per_layer)."""
@@ -110,8 +124,14 @@ def test_remat_dots_is_priced_between_the_extremes():
     # the kept bytes, for Llama 3 8B's layer at 4096 tokens: the stream twice (h = 4096), q and
     # attention's output (4096 each), k and v (1024 each), gate and up (14336 each), 2 bytes
     kept = 2 * 4096 * (2 * 4096 + 2 * 4096 + 2 * 1024 + 2 * 14336)
-    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, 4096, 1024, 14336) == kept
-    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, 4096, 1024, 14336, 4, True) == kept / 4
+    attention, mlp = 2 * 4096 + 2 * 1024, 2 * 14336
+    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, attention, mlp) == kept
+    assert formulas.matmul_outputs_bytes_per_layer(4096, 1, 4096, attention, mlp, 4, True) == kept / 4
+    assert _matmul_outputs(model, 4096, 1, base) == kept
+    # DeepSeek-V3's experts: each token's 8 x 1.25 routed outputs (7168 wide) kept once, twice
+    # over expert parallelism (the all-to-alls' buffers)
+    deepseek, ep = MODELS["deepseek-v3"], dataclasses.replace(base, expert=8, fsdp=1)
+    assert _matmul_outputs(deepseek, 4096, 1, ep) - _matmul_outputs(deepseek, 4096, 1, base) == 2 * 4096 * 10 * 7168
     assert {lay.remat for lay in candidates(model, 8, 8, 8, 4096)} == {"full", "dots", "none"}
     assert "model.remat=dots" in dataclasses.replace(base, remat="dots").overrides(8, 1)
 
@@ -293,8 +313,35 @@ def test_each_remat_policy_has_its_fastest_estimate_compiled_first(tiny_llama, m
 
     monkeypatch.setattr(planner, "_compile", fake)
     planned, facts = planner.plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
-                                  compile_top=4, progress=False)
-    assert {p.layout.remat for p in compiled[:3]} == {"full", "dots", "none"}
-    rest = [p.estimate["step_s"] for p in compiled[3:]]
-    assert rest == sorted(rest) and len(compiled) == 4
+                                  compile_top=6, progress=False)
+    key = lambda p: (p.estimate["step_s"], p.estimate["memory"])  # noqa: E731
+    fastest = {}
+    for lay in candidates(tiny_llama.model, 8, 4, 16, 16):
+        e = estimate(lay, tiny_llama.model, 16, 16, Hardware(devices_per_host=4))
+        fastest[lay.remat] = min(fastest.get(lay.remat, (math.inf,)), (e["step_s"], e["memory"]))
+    assert {p.layout.remat: key(p) for p in compiled[:3]} == fastest
+    assert [key(p) for p in compiled[3:]] == sorted(key(p) for p in compiled[3:]) and len(compiled) == 6
     assert [p.prediction["step_s"] for p in planned] == sorted(p.prediction["step_s"] for p in planned)
+
+
+def test_a_policy_whose_compile_ran_large_does_not_hide_the_others(tiny_llama, monkeypatch):
+    """The first layout compiled more than its estimate (here: the whole budget): the scale
+    it sets skips the layouts behind it, but not another policy's fastest."""
+    import jax
+
+    import jaxpar.plan as planner
+
+    compiled = []
+
+    def fake(planned, *_):
+        compiled.append(planned)
+        planned.memory = 0.9 * 2**30 * 0.99 if len(compiled) == 1 else planned.estimate["memory"]
+        planned.prediction = {"step_s": planned.estimate["step_s"]}
+
+    monkeypatch.setattr(planner, "_compile", fake)
+    planner.plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16, compile_top=6,
+                 progress=False)
+    budget, scale = 2**30 * 0.9, compiled[0].memory / compiled[0].estimate["memory"]
+    assert {p.layout.remat for p in compiled[:3]} == {"full", "dots", "none"}
+    assert any(p.estimate["memory"] * scale > budget for p in compiled[1:3])  # kept though the scale says not
+    assert all(p.estimate["memory"] * scale <= budget for p in compiled[3:])  # the rest: skipped where it says so
