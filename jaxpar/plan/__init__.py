@@ -121,6 +121,7 @@ def plan(model, devices: list, hbm_gb: float, hosts: int, seq_len: int, global_b
     chosen.sort(key=lambda p: (not (p.compiled and p.memory <= budget), p.prediction.get("step_s", math.inf), p.memory))
     facts = {"candidates": len(everything), "estimated_to_fit": sum(p.estimate["memory"] <= budget for p in scored),
              "compiled": len(chosen), "failed": sum(bool(p.failed) for p in chosen), "budget_bytes": budget,
+             "fallback": fallback,
              "hardware": hw}
     return chosen, facts
 
@@ -159,9 +160,9 @@ def render(planned: list[Planned], facts: dict[str, Any], hbm_gb: float, command
     """The ranking table, the best layout's overrides (after `command`, the `jaxpar train`
     that runs them: ready to paste) and the assumptions."""
     failed = f" ({facts['failed']} failed)" if facts.get("failed") else ""
+    order = "the smallest estimates" if facts.get("fallback") else "the fastest estimate of each remat policy first"
     lines = [f"{facts['candidates']} layouts; {facts['estimated_to_fit']} estimated to fit {hbm_gb:g} GB "
-             f"(x{RUNTIME_SHARE} for the step); {facts['compiled']} compiled, the fastest estimate of each remat "
-             f"policy first{failed}:", "",
+             f"(x{RUNTIME_SHARE} for the step); {facts['compiled']} compiled, {order}{failed}:", "",
              f"{'#':>2s}  {'layout':58s} {'memory':>10s} {'fits':>4s} {'compute':>8s} {'comm*':>8s} {'bubble':>6s} "
              f"{'step':>8s} {'tok/s/dev':>9s} {'MFU':>6s}"]
     budget = facts["budget_bytes"]

@@ -305,11 +305,14 @@ def test_each_remat_policy_has_its_fastest_estimate_compiled_first(tiny_llama, m
 
     import jaxpar.plan as planner
 
-    compiled = []
+    compiled, fitting = [], True
 
     def fake(planned, *_):
         compiled.append(planned)
-        planned.memory, planned.prediction = 1.0, {"step_s": planned.estimate["step_s"]}
+        step = planned.estimate["step_s"]
+        planned.memory = 1.0 if fitting else 2.0 * 2**30
+        planned.prediction = dict(step_s=step, compute_s=step, exposed_comm_s=0.0, bubble=0.0, tokens_per_s_per_device=1.0,
+                                  mfu=0.5)
 
     monkeypatch.setattr(planner, "_compile", fake)
     planned, facts = planner.plan(tiny_llama.model, jax.devices(), hbm_gb=1.0, hosts=2, seq_len=16, global_batch=16,
@@ -322,6 +325,13 @@ def test_each_remat_policy_has_its_fastest_estimate_compiled_first(tiny_llama, m
     assert {p.layout.remat: key(p) for p in compiled[:3]} == fastest
     assert [key(p) for p in compiled[3:]] == sorted(key(p) for p in compiled[3:]) and len(compiled) == 6
     assert [p.prediction["step_s"] for p in planned] == sorted(p.prediction["step_s"] for p in planned)
+    assert "6 compiled, the fastest estimate of each remat policy first:" in planner.render(planned, facts, 1.0)
+    # nothing estimated to fit: the smallest compile first, and the table says so
+    compiled.clear()
+    fitting = False  # what fake compiles from now on
+    planned, facts = planner.plan(tiny_llama.model, jax.devices(), hbm_gb=1e-6, hosts=2, seq_len=16, global_batch=16,
+                                  compile_top=1, progress=False)
+    assert facts["fallback"] and "3 compiled, the smallest estimates:" in planner.render(planned, facts, 1e-6)
 
 
 def test_a_policy_whose_compile_ran_large_does_not_hide_the_others(tiny_llama, monkeypatch):
