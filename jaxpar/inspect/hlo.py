@@ -588,7 +588,6 @@ def _axes(groups, mesh: Mesh) -> tuple[str, ...]:
     return tuple(mesh.axis_names[k] for k in sorted(varying))
 
 
-
 def loop_stacks(hlo_text: str, length: int) -> list[int]:
     """Per-device bytes of the stacks each while loop of the entry computation carries, in
     run order: the arrays in its state whose leading dimension is `length` (a scan's stacked

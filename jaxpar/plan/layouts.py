@@ -209,7 +209,7 @@ def estimate(layout: Layout, model, global_batch: int, seq_len: int, hw: Hardwar
     layers = max(counts)
     full = formulas.activation_bytes_per_layer(s, b, h, a, L.tensor, sequence_parallel=L.tensor > 1)
     kept = 2 * s * b * h / L.tensor  # a layer's input, sequence parallel
-    per_layer = {"none": full, "full": kept, "dots": _matmul_outputs(model, s, b, L)}[L.remat]
+    per_layer = full if L.remat == "none" else kept if L.remat == "full" else _matmul_outputs(model, s, b, L)
     if L.stage > 1:  # stage-level recomputation: chunk inputs in flight (overlapped: 2p - 1), one chunk live
         in_flight = 2 * L.stage - 1 if L.schedule == "1f1b-overlap" else L.stage
         activations = in_flight * kept + layers * per_layer + full
@@ -321,7 +321,7 @@ def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, 
     dispatches (1 of them, 2 recomputed) at 1 + 4/128 bytes an element with the FP8 dispatch.
     With two hops a token crosses hosts top_groups / k as often, and its k copies then move
     inside the host, over NVLink."""
-    factor = model.capacity_factor if model.routing == "capacity" else 1.0
+    factor = _capacity_factor(model)
     passes, dispatches = (6, 2) if L.remat in RECOMPUTES_ATTENTION else (4, 1)  # dots keeps what they deliver
     pass_bytes = passes - dispatches * (1 - formulas.FP8_PAYLOAD_BYTES / 2) if L.fp8_dispatch else passes
     elements = formulas.expert_traffic_elements(tokens, model.top_k, model.embed, factor) * rows * L.microbatches
@@ -329,6 +329,12 @@ def _expert_seconds(L: Layout, model, tokens: int, rows: int, bandwidth: float, 
     if not L.two_hops:
         return moved / bandwidth
     return moved * declared(model, "top_groups") / model.top_k / bandwidth + moved / intra_host
+
+
+def _capacity_factor(model) -> float:
+    """The slots an expert holds over its even share of tokens: capacity routing's factor, 1
+    for dropless routing."""
+    return model.capacity_factor if model.routing == "capacity" else 1.0
 
 
 def _matmul_outputs(model, s: int, b: int, L: Layout) -> float:
@@ -343,7 +349,7 @@ def _matmul_outputs(model, s: int, b: int, L: Layout) -> float:
     attention = model.num_heads * (head + value) + kv * (head + value)
     mlp = 2 * model.mlp
     if declared(model, "num_experts"):
-        routed = model.top_k * (model.capacity_factor if model.routing == "capacity" else 1.0)
+        routed = model.top_k * _capacity_factor(model)
         mlp = 2 * model.mlp * (routed + model.shared_experts) + routed * model.embed * (2 if L.expert > 1 else 1)
     return formulas.matmul_outputs_bytes_per_layer(s, b, model.embed, attention, mlp, t, t > 1)
 
