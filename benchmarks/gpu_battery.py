@@ -462,6 +462,9 @@ def main(argv=None) -> int:
         return plan_section(args.out)
     if args.section == "predicted":
         return predicted_section(args.out)
+    from jaxpar.mesh import share_gpu_memory
+
+    share_gpu_memory()  # every section's process inherits it: the planner's 90%, not JAX's 75%
     setup = probe(args.cpu_only)
     setup.update(gpu=setup["platform"] == "gpu", python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M"))
     print(f"platform: {setup['platform']} ({setup.get('device') or setup.get('why', '')}); "

@@ -355,6 +355,9 @@ def write(doc: dict, out: pathlib.Path) -> None:
 
 def main() -> None:
     args = parse_args()
+    from jaxpar.mesh import share_gpu_memory
+
+    share_gpu_memory()  # as jaxpar's commands do
     import jax
 
     if jax.devices()[0].platform != "gpu":

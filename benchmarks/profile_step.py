@@ -173,6 +173,9 @@ def render(doc: dict) -> str:
 
 def main() -> int:
     args = parse_args()
+    from jaxpar.mesh import share_gpu_memory
+
+    share_gpu_memory()  # as jaxpar's commands do
     doc = profile(args)
     print(render(doc))
     out = pathlib.Path(args.out)

@@ -127,6 +127,20 @@ def force_cpu_devices(n: int) -> None:
             raise RuntimeError(f"force_cpu_devices({n}) came after JAX started with {have} CPU devices") from e
 
 
+# The share of each GPU's memory the step may take: what `jaxpar plan` budgets, and what
+# jaxpar's commands let JAX's allocator hold (`share_gpu_memory`); the rest is for the CUDA
+# context, NCCL's buffers and fragmentation. JAX's own default is 0.75.
+DEVICE_MEMORY_SHARE = 0.9
+MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def share_gpu_memory(share: float = DEVICE_MEMORY_SHARE) -> None:
+    """Let JAX's GPU allocator hold `share` of each GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    which JAX reads when its GPU backend starts), so a layout the planner fits into 90% runs
+    where JAX's default 75% would run out; a user's own setting wins. No effect on CPUs."""
+    os.environ.setdefault(MEMORY_FRACTION_VARIABLE, str(share))
+
+
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None,
               sizes: dict[str, int] | None = None) -> Mesh:
     """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis;

@@ -15,6 +15,7 @@ import warnings
 from jaxpar.commands import explain, export, launch, plan, plot, recipes, sample, schedule, tokenize, train
 from jaxpar.commands.common import one_line_warning, report_error
 from jaxpar.errors import ConfigError, TrainingStopped
+from jaxpar.mesh import share_gpu_memory
 
 COMMANDS = {"train": train, "explain": explain, "schedule": schedule, "plan": plan, "launch": launch,
             "recipes": recipes, "sample": sample, "export": export, "tokenize": tokenize, "plot": plot}
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = one_line_warning
     try:
         args = parser().parse_args(argv)  # --config reads its file here
+        share_gpu_memory()  # before any command starts JAX's backends
         return COMMANDS[args.command].run(args)
     except (ConfigError, TrainingStopped) as e:
         return report_error(e)

@@ -23,6 +23,7 @@ from jaxpar.errors import Preempted, TrainingStopped
 from jaxpar.flops import mfu, peak_flops
 from jaxpar.loop.checkpoint import Checkpoints
 from jaxpar.loop.evaluation import Evaluation, Sums, collect, open_evaluation
+from jaxpar.loop.fits import check_fits
 from jaxpar.loop.metrics import Writer, Writers
 from jaxpar.loop.profile import Profiler
 from jaxpar.loop.start import start_of, starting_state
@@ -56,7 +57,7 @@ def run(trainer: Trainer, steps: int | None = None, progress: bool | None = None
     loop, apart from `step_time_s`.
 
     Everything a user gave is checked before the compile (`_Run.open`); then the step
-    compiles, the starting state is made (jaxpar.loop.start), and the steps run with the
+    compiles, is checked to fit the devices' memory (jaxpar.loop.fits), the starting state is made (jaxpar.loop.start), and the steps run with the
     services called after each (`_Run.after`)."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
@@ -66,6 +67,7 @@ def run(trainer: Trainer, steps: int | None = None, progress: bool | None = None
         return []
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    check_fits(step_fn, next(d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()))
     services.compile()
     dpo = cfg.data.source == "preference" and data is None
     state = starting_state(trainer, services.fresh, services.restored, services.source if dpo else None)

@@ -16,12 +16,13 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.mesh import DEVICE_MEMORY_SHARE
 from jaxpar.model import has
 from jaxpar.plan.layouts import Layout, candidates, diloco_variants, estimate
 from jaxpar.plan.presets import MODELS, Hardware
 from jaxpar.units import byte_size, duration
 
-RUNTIME_SHARE = 0.9  # of HBM, for the step: the rest for the runtime, NCCL buffers and fragmentation
+RUNTIME_SHARE = DEVICE_MEMORY_SHARE  # of HBM, for the step: what jaxpar's commands let JAX's allocator hold
 
 
 @dataclasses.dataclass

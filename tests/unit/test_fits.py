@@ -1,0 +1,71 @@
+"""The compiled step against a device's memory (jaxpar.loop.fits) and the GPU memory share
+jaxpar's commands give JAX's allocator (jaxpar.mesh.share_gpu_memory)."""
+
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpar.errors import ConfigError
+from jaxpar.loop.fits import check_fits, fit_problem, step_bytes
+from jaxpar.mesh import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, share_gpu_memory
+from jaxpar.plan import RUNTIME_SHARE
+
+GIB = 2**30
+
+
+def stats(arguments=40, outputs=40, temps=20, aliased=40):
+    """A memory_analysis in GiB: by default 40 GiB of donated state and 20 of temporaries."""
+    return types.SimpleNamespace(argument_size_in_bytes=arguments * GIB, output_size_in_bytes=outputs * GIB,
+                                 temp_size_in_bytes=temps * GIB, alias_size_in_bytes=aliased * GIB)
+
+
+class Device:
+    """A device as jax.Device reports its allocator: `limit` bytes, or no stats (CPUs)."""
+
+    def __init__(self, limit=None):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_a_step_within_the_allocator_fits():
+    assert step_bytes(stats()) == 60 * GIB
+    assert fit_problem(stats(), 60 * GIB, "cuda:0") is None
+
+
+def test_a_step_beyond_it_is_refused_with_its_figures_and_what_works(monkeypatch):
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    problem = fit_problem(stats(temps=22), int(59.7 * GIB), "cuda:0")
+    assert "needs 62.00 GiB on each device" in problem
+    assert "22.00 GiB of temporaries" in problem and "40.00 GiB of arguments" in problem
+    assert "holds 59.70 GiB (JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION=0.75)" in problem
+    assert "model.remat=dots or full" in problem and "mesh.fsdp" in problem and "jaxpar explain" in problem
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.5")
+    assert "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.5)" in fit_problem(stats(temps=22), 40 * GIB, "cuda:0")
+
+
+def test_check_fits_reads_the_compiled_program_and_the_device():
+    compiled = jax.jit(lambda x: jnp.outer(x, x).sum(0)).lower(jnp.ones(1024, jnp.float32)).compile()
+    need = step_bytes(compiled.memory_analysis())
+    assert need >= 4 * 1024  # at least its argument
+    check_fits(compiled, Device())  # no allocator limit reported (a CPU): nothing to check
+    check_fits(compiled, Device(need))
+    with pytest.raises(ConfigError, match=r"the compiled step needs .* but JAX's allocator on cuda:0 holds"):
+        check_fits(compiled, Device(need - 1))
+
+
+def test_the_commands_give_the_allocator_what_the_planner_budgets(monkeypatch):
+    assert RUNTIME_SHARE == DEVICE_MEMORY_SHARE == 0.9
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    share_gpu_memory()
+    assert float(os.environ[MEMORY_FRACTION_VARIABLE]) == DEVICE_MEMORY_SHARE
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.6")  # the user's own setting wins
+    share_gpu_memory()
+    assert os.environ[MEMORY_FRACTION_VARIABLE] == "0.6"
