@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import re
 
 from jaxpar.errors import ConfigError
 
@@ -43,6 +44,8 @@ def gpu_devices(target: str, topology: str = "1x1x1") -> list:
                           f"{str(e).splitlines()[0][:200]}); it needs the CUDA plugin (pip install 'jax[cuda13]', "
                           "no GPU needed) and a GpuTargetConfig text file") from e
     _attention_checks_see(devices[0].compute_capability)
+    memory = re.search(r"device_memory_size:\s*(\d+)", text)
+    _TARGET_MEMORY[0] = int(memory.group(1)) if memory else None
     return devices
 
 
@@ -53,6 +56,13 @@ def target_capability() -> str | None:
 
 
 _TARGET: list[str | None] = [None]
+_TARGET_MEMORY: list[int | None] = [None]
+
+
+def target_memory() -> int | None:
+    """Bytes of memory each GPU this process compiles for without them has (the target
+    file's device_memory_size), or None (no deviceless target, or a file without it)."""
+    return _TARGET_MEMORY[0]
 
 
 def _attention_checks_see(capability: str) -> None:

@@ -141,6 +141,24 @@ def share_gpu_memory(share: float = DEVICE_MEMORY_SHARE) -> None:
     os.environ.setdefault(MEMORY_FRACTION_VARIABLE, str(share))
 
 
+def allocator_bytes(device: jax.Device) -> int | None:
+    """Bytes JAX's allocator holds on `device` for programs: what a GPU reports (its
+    bytes_limit); for a GPU compiled for without one (jaxpar.deviceless), the share
+    XLA_PYTHON_CLIENT_MEM_FRACTION (or `share_gpu_memory`'s) of the target's memory; None
+    where there is no limit to check against (CPUs)."""
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a deviceless GPU has no allocator to ask
+        limit = None
+    if limit or device.platform != "gpu":
+        return limit or None
+    from jaxpar.deviceless import target_memory
+
+    memory = target_memory()
+    share = float(os.environ.get(MEMORY_FRACTION_VARIABLE, DEVICE_MEMORY_SHARE))
+    return int(memory * share) if memory else None
+
+
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None,
               sizes: dict[str, int] | None = None) -> Mesh:
     """A Mesh over `devices` (default: all) with Auto axes, hosts outermost on every axis;

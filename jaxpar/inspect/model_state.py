@@ -33,8 +33,12 @@ def memory_rows(facts: Facts) -> dict[str, Any]:
     ]
     if m.host_temporaries:
         rows.append(("pinned host temporaries", m.host_temporaries, None))
+    allocator = facts.report.allocator
+    if allocator:  # a GPU's (or a deviceless target's share): what the total must fit in
+        rows.append(("JAX's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)", allocator, None))
     return {
         "memory": [row(n, a, b) for n, a, b in rows],
+        "fits": None if not allocator else m.total <= allocator,
         "logits": loss_logits(facts.config, facts.mesh, facts.report.num_devices),
         "split_fewer_ways": split_fewer_ways(facts),
         "memory_formula": memory_formula(facts),
@@ -43,6 +47,9 @@ def memory_rows(facts: Facts) -> dict[str, Any]:
 
 def memory_lines(doc: dict[str, Any]) -> list[str]:
     lines = [table_header("memory per device"), *(line(r, byte_size) for r in doc["memory"])]
+    if doc.get("fits") is False:
+        lines.append("  does not fit: the total is above what JAX's allocator holds; `jaxpar train` refuses it (raise "
+                     "XLA_PYTHON_CLIENT_MEM_FRACTION, or model.remat, train.microbatches, mesh.fsdp: docs/zero_and_explain.md)")
     lines.append(f"  formula: {doc['memory_formula']}")
     if doc.get("split_fewer_ways"):
         lines.append(f"  ratio: {doc['split_fewer_ways']}")

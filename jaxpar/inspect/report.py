@@ -25,7 +25,7 @@ from jaxpar.inspect.cost import (GpuCost, collective_covers, covered_share, expo
                                  step_cost)
 from jaxpar.inspect.findings import Finding, compiler_warnings, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, dot_types, matmul_flops_each, summarize
-from jaxpar.mesh import host_of_positions
+from jaxpar.mesh import allocator_bytes, host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.pipeline.split import StageSplit
@@ -94,6 +94,9 @@ class StepReport:
     matmul_types: dict[str, int] = dataclasses.field(default_factory=dict)
     # Muon's Newton-Schulz matmul FLOPs per device per step (jaxpar.step.muon.SCOPE); 0 without
     orthogonalize_flops: float = 0.0
+    # Bytes JAX's allocator holds on a device (jaxpar.mesh.allocator_bytes), what `total` must
+    # fit in: a GPU's, or a deviceless target's share; None on CPUs
+    allocator: int | None = None
 
     @property
     def num_devices(self) -> int:
@@ -202,6 +205,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         latency_profile=latency_profile(text, colls, gpu, host_of) if with_latency_profile and gpu else None,
         matmul_types=dot_types(text),
         orthogonalize_flops=optimizer_flops(trainer) if trainer.config.optim.name == "muon" else 0.0,
+        allocator=allocator_bytes(mesh.devices.flat[0]),
     )
 
 

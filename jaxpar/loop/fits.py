@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE
+from jaxpar.mesh import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, allocator_bytes
 from jaxpar.units import byte_size
 
 # What needs less memory, for the refusal's message.
@@ -46,7 +46,7 @@ def check_fits(compiled: Any, device: Any) -> None:
     runs on); nothing where the device reports no allocator limit (CPUs) or the compiler
     no memory analysis."""
     stats = compiled.memory_analysis()
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    limit = allocator_bytes(device)
     if stats is None or not limit:
         return
     problem = fit_problem(stats, limit, str(device))

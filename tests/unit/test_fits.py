@@ -27,6 +27,7 @@ class Device:
 
     def __init__(self, limit=None):
         self.limit = limit
+        self.platform = "cpu" if limit is None else "gpu"
 
     def memory_stats(self):
         return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
@@ -69,3 +70,37 @@ def test_the_commands_give_the_allocator_what_the_planner_budgets(monkeypatch):
     monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.6")  # the user's own setting wins
     share_gpu_memory()
     assert os.environ[MEMORY_FRACTION_VARIABLE] == "0.6"
+
+
+class Deviceless:
+    """A GPU compiled for without one (jaxpar.deviceless): no allocator to ask."""
+
+    platform = "gpu"
+
+    def memory_stats(self):
+        raise RuntimeError("a topology device holds no memory")
+
+
+def test_the_allocator_a_device_reports_or_a_deviceless_target_share(monkeypatch):
+    from jaxpar import deviceless
+    from jaxpar.mesh import allocator_bytes
+
+    assert allocator_bytes(Device()) is None  # a CPU: nothing to check against
+    assert allocator_bytes(Device(5 * GIB)) == 5 * GIB  # what the GPU says
+    monkeypatch.setattr(deviceless, "_TARGET_MEMORY", [None])
+    assert allocator_bytes(Deviceless()) is None
+    monkeypatch.setattr(deviceless, "_TARGET_MEMORY", [80 * GIB])  # benchmarks/targets/h100.pbtxt's size
+    monkeypatch.delenv(MEMORY_FRACTION_VARIABLE, raising=False)
+    assert allocator_bytes(Deviceless()) == int(80 * GIB * DEVICE_MEMORY_SHARE)
+    monkeypatch.setenv(MEMORY_FRACTION_VARIABLE, "0.75")
+    assert allocator_bytes(Deviceless()) == 60 * GIB
+
+
+def test_explain_says_when_the_total_does_not_fit():
+    from jaxpar.inspect.model_state import memory_lines
+
+    doc = {"memory": [], "memory_formula": "f", "fits": False}
+    assert any(line.startswith("  does not fit: the total is above what JAX's allocator holds")
+               for line in memory_lines(doc))
+    for fits in (True, None):  # fits, or no allocator to check (CPUs)
+        assert not any("does not fit" in line for line in memory_lines({**doc, "fits": fits}))
