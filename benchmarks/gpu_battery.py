@@ -462,7 +462,7 @@ def main(argv=None) -> int:
         return plan_section(args.out)
     if args.section == "predicted":
         return predicted_section(args.out)
-    from jaxpar.mesh import share_gpu_memory
+    from jaxpar.device_memory import share_gpu_memory
 
     share_gpu_memory()  # every section's process inherits it: the planner's 90%, not JAX's 75%
     setup = probe(args.cpu_only)

@@ -355,7 +355,7 @@ def write(doc: dict, out: pathlib.Path) -> None:
 
 def main() -> None:
     args = parse_args()
-    from jaxpar.mesh import share_gpu_memory
+    from jaxpar.device_memory import share_gpu_memory
 
     share_gpu_memory()  # as jaxpar's commands do
     import jax

@@ -249,7 +249,7 @@ def main() -> int:
     if args.tiny and args.shape != "0.9b":
         raise SystemExit(f"--tiny is its own toy shape; drop --shape {args.shape}")
     refuse_flagged(args.overrides)
-    from jaxpar.mesh import share_gpu_memory
+    from jaxpar.device_memory import share_gpu_memory
 
     share_gpu_memory()  # as jaxpar's commands do: the planner's 90%, not JAX's 75%
     args.out = args.out or f"benchmarks/results/{'mfu_compile' if args.target else 'mfu'}.json"

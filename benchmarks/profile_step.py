@@ -173,7 +173,7 @@ def render(doc: dict) -> str:
 
 def main() -> int:
     args = parse_args()
-    from jaxpar.mesh import share_gpu_memory
+    from jaxpar.device_memory import share_gpu_memory
 
     share_gpu_memory()  # as jaxpar's commands do
     doc = profile(args)

@@ -15,7 +15,7 @@ import warnings
 from jaxpar.commands import explain, export, launch, plan, plot, recipes, sample, schedule, tokenize, train
 from jaxpar.commands.common import one_line_warning, report_error
 from jaxpar.errors import ConfigError, TrainingStopped
-from jaxpar.mesh import share_gpu_memory
+from jaxpar.device_memory import share_gpu_memory
 
 COMMANDS = {"train": train, "explain": explain, "schedule": schedule, "plan": plan, "launch": launch,
             "recipes": recipes, "sample": sample, "export": export, "tokenize": tokenize, "plot": plot}

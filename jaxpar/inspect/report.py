@@ -25,7 +25,8 @@ from jaxpar.inspect.cost import (GpuCost, collective_covers, covered_share, expo
                                  step_cost)
 from jaxpar.inspect.findings import Finding, compiler_warnings, oversized_temporaries, parse_findings
 from jaxpar.inspect.hlo import Collective, collectives, dot_types, matmul_flops_each, summarize
-from jaxpar.mesh import allocator_bytes, host_of_positions
+from jaxpar.device_memory import allocator_bytes, step_bytes
+from jaxpar.mesh import host_of_positions
 from jaxpar.model import layer_windows
 from jaxpar.nn import KIND_SCOPE, window_kinds
 from jaxpar.pipeline.split import StageSplit
@@ -94,7 +95,7 @@ class StepReport:
     matmul_types: dict[str, int] = dataclasses.field(default_factory=dict)
     # Muon's Newton-Schulz matmul FLOPs per device per step (jaxpar.step.muon.SCOPE); 0 without
     orthogonalize_flops: float = 0.0
-    # Bytes JAX's allocator holds on a device (jaxpar.mesh.allocator_bytes), what `total` must
+    # Bytes JAX's allocator holds on a device (jaxpar.device_memory.allocator_bytes), what `total` must
     # fit in: a GPU's, or a deviceless target's share; None on CPUs
     allocator: int | None = None
 
@@ -166,8 +167,7 @@ def inspect_step(trainer, with_latency_profile: bool = False) -> StepReport:
         outputs=stats.output_size_in_bytes,
         temporaries=stats.temp_size_in_bytes,
         aliased=stats.alias_size_in_bytes,
-        peak=getattr(stats, "peak_memory_in_bytes", 0)
-        or stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes,
+        peak=getattr(stats, "peak_memory_in_bytes", 0) or step_bytes(stats),
         host_temporaries=stats.host_temp_size_in_bytes,
         host_state=shard_bytes(state, memory_kind="pinned_host"),
         frozen=shard_bytes(state.frozen),

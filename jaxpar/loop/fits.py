@@ -8,22 +8,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxpar.device_memory import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, allocator_bytes, step_bytes
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, allocator_bytes
 from jaxpar.units import byte_size
 
 # What needs less memory, for the refusal's message.
 LESS = ("model.remat=dots or full; fewer tokens a step per device (train.global_batch, or the same batch in more "
         "train.microbatches); parameters and optimizer state split over mesh.fsdp; or optim.offload. `jaxpar "
         "explain RECIPE --set ...` prints where the bytes go")
-
-
-def step_bytes(stats: Any) -> int:
-    """Device bytes the compiled step holds at once, by the compiler's count (XLA's
-    memory_analysis): its arguments, its outputs and its temporaries, less the donated
-    arguments its outputs reuse. Host-memory buffers (offload) are counted apart by XLA."""
-    held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    return held - stats.alias_size_in_bytes
 
 
 def fit_problem(stats: Any, limit: int, device: str) -> str | None:

@@ -57,8 +57,9 @@ def run(trainer: Trainer, steps: int | None = None, progress: bool | None = None
     loop, apart from `step_time_s`.
 
     Everything a user gave is checked before the compile (`_Run.open`); then the step
-    compiles, is checked to fit the devices' memory (jaxpar.loop.fits), the starting state is made (jaxpar.loop.start), and the steps run with the
-    services called after each (`_Run.after`)."""
+    compiles and is checked to fit the devices' memory (jaxpar.loop.fits), the starting
+    state is made (jaxpar.loop.start), and the steps run with the services called after
+    each (`_Run.after`)."""
     cfg = trainer.config
     progress = sys.stderr.isatty() if progress is None else progress
     steps = cfg.train.steps if steps is None else steps
@@ -67,7 +68,7 @@ def run(trainer: Trainer, steps: int | None = None, progress: bool | None = None
         return []
     t0 = time.perf_counter()
     step_fn = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    check_fits(step_fn, next(d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()))
+    check_fits(step_fn, trainer.mesh.local_devices[0])
     services.compile()
     dpo = cfg.data.source == "preference" and data is None
     state = starting_state(trainer, services.fresh, services.restored, services.source if dpo else None)

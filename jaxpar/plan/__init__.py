@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DEVICE_MEMORY_SHARE
+from jaxpar.device_memory import DEVICE_MEMORY_SHARE
 from jaxpar.model import has
 from jaxpar.plan.layouts import Layout, candidates, diloco_variants, estimate
 from jaxpar.plan.presets import MODELS, Hardware

@@ -1,5 +1,5 @@
 """The compiled step against a device's memory (jaxpar.loop.fits) and the GPU memory share
-jaxpar's commands give JAX's allocator (jaxpar.mesh.share_gpu_memory)."""
+jaxpar's commands give JAX's allocator (jaxpar.device_memory.share_gpu_memory)."""
 
 import os
 import types
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.loop.fits import check_fits, fit_problem, step_bytes
-from jaxpar.mesh import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, share_gpu_memory
+from jaxpar.device_memory import DEVICE_MEMORY_SHARE, MEMORY_FRACTION_VARIABLE, share_gpu_memory, step_bytes
+from jaxpar.loop.fits import check_fits, fit_problem
 from jaxpar.plan import RUNTIME_SHARE
 
 GIB = 2**30
@@ -83,7 +83,7 @@ class Deviceless:
 
 def test_the_allocator_a_device_reports_or_a_deviceless_target_share(monkeypatch):
     from jaxpar import deviceless
-    from jaxpar.mesh import allocator_bytes
+    from jaxpar.device_memory import allocator_bytes
 
     assert allocator_bytes(Device()) is None  # a CPU: nothing to check against
     assert allocator_bytes(Device(5 * GIB)) == 5 * GIB  # what the GPU says

@@ -129,7 +129,7 @@ LAYERS = [
     ("kernels and parts", ["jaxpar.kernels", "jaxpar.pipeline", "jaxpar.data", "jaxpar.launch", "jaxpar.distributed",
                            "jaxpar.curves"]),
     ("base", ["jaxpar.choices", "jaxpar.families", "jaxpar.mesh", "jaxpar.model", "jaxpar.errors", "jaxpar.specs", "jaxpar.logs", "jaxpar.units", "jaxpar.flops",
-              "jaxpar.xla_options", "jaxpar.deviceless", "jaxpar.scan_stacks"]),
+              "jaxpar.xla_options", "jaxpar.deviceless", "jaxpar.device_memory", "jaxpar.scan_stacks"]),
 ]
 # Imports that still run upward, each with its reason (none today); the test fails if one
 # disappears too, so this list stays true.
