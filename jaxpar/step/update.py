@@ -49,6 +49,11 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
     memory is fetched for the update, and the new state returns there at the step's edge."""
     mixed = jnp.dtype(compute_dtype) != jnp.float32
 
+    def params_of(master: Any) -> Any:
+        # ZeRO 1-2: each device updated its shard; gathering the new weights is the
+        # all-gather half of the step's 2x(N-1)/N traffic.
+        return jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
+
     def apply(state: TrainState, grad: Gradient, norm: jax.Array, counts: dict, compression: Any,
               logits: Any) -> TrainState:
         # in float32 the parameters are the master weights
@@ -59,11 +64,9 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
             master = model.update(master, counts)
         if logits is not None:
             master = declared(model, "clip_qk")(master, logits, qk_clip)
-        # ZeRO 1-2: each device updated its shard; gathering the new weights is the
-        # all-gather half of the step's 2x(N-1)/N traffic.
-        params = jax.lax.with_sharding_constraint(cast_floats(master, compute_dtype), shardings.params)
-        return TrainState(step=state.step + 1, params=params, master=master if mixed else None, opt_state=opt_state,
-                          compression=compression, frozen=state.frozen)
+        return TrainState(step=state.step + 1, params=params_of(master) if mixed else master,
+                          master=master if mixed else None, opt_state=opt_state, compression=compression,
+                          frozen=state.frozen)
 
     def update(state: TrainState, loss: jax.Array, sums: dict, grad: Gradient, compression: Any = None
                ) -> tuple[TrainState, dict]:
@@ -71,7 +74,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
             state = dataclasses.replace(state, master=to_device(state.master, placement.working.master))
         if offload:
             state = dataclasses.replace(state, opt_state=to_device(state.opt_state, placement.working.opt_state))
-        if offload_params:  # in float32 the master; else what a step that is not applied keeps
+        if offload_params and not mixed:  # in float32 the master (in mixed precision the update reads none)
             state = dataclasses.replace(state, params=to_device(state.params, placement.working.params))
         counts = sums.get("counts", {})
         # A non-finite loss or gradient leaves the state as it was, and the schedule
@@ -93,7 +96,8 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
                               "its attention must return them where jaxpar.sharding.reports_logits() asks, and its "
                               "clip_qk be None otherwise; set optim.qk_clip=0")
         logits = sums[MAXIMA]["attn_logit_max"] if qk_clip > 0 else None
-        new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression, logits), fused)
+        new = keep_if_finite(finite, apply, state, (grad, grad_norm, counts, compression, logits), fused,
+                             params_of if mixed else None)
         shown = {**sums, "counts": model_layers(sums["counts"])} if model_layers and "counts" in sums else sums
         return new, step_metrics(loss, shown, grad_norm, finite, finite_grads, lr_schedule, state.step, model)
 
@@ -106,15 +110,26 @@ def fuses_multi_output_loops(platform: str) -> bool:
     return platform != "cpu"
 
 
-def keep_if_finite(finite: jax.Array, apply: Callable, state: TrainState, args: tuple, fused: bool) -> TrainState:
+def keep_if_finite(finite: jax.Array, apply: Callable, state: TrainState, args: tuple, fused: bool,
+                   params_of: Callable[[Any], Any] | None = None) -> TrainState:
     """`apply(state, *args)` if `finite`, else `state`. Fused: a select per element, which a
     GPU compile folds into the update's one multi-output loop per parameter, where it costs
     nothing (a conditional's results are buffers of their own, written by separate loops).
     Not fused (XLA:CPU): a branch, which a finite step pays only for the test, where a
-    select is one more pass over the state (docs/performance.md, framework overhead)."""
+    select is one more pass over the state (docs/performance.md, framework overhead).
+    `params_of(master)` (mixed precision, where the parameters are always the master's cast):
+    the parameters are made from the kept master, not kept themselves, so the update never
+    reads the old ones (2 of its 30 bytes a parameter under AdamW) nor, when they rest in host
+    memory, fetches them."""
+    def kept(state: TrainState) -> TrainState:
+        return state if params_of is None else dataclasses.replace(state, params=params_of(state.master))
+
     if fused:
-        return jax.tree.map(lambda new, old: jax.lax.select(finite, new, old), apply(state, *args), state)
-    return jax.lax.cond(finite, apply, lambda state, *_: state, state, *args)
+        new, old = apply(state, *args), state
+        if params_of is not None:  # the parameters left out of the select
+            new, old = dataclasses.replace(new, params=None), dataclasses.replace(old, params=None)
+        return kept(jax.tree.map(lambda new, old: jax.lax.select(finite, new, old), new, old))
+    return jax.lax.cond(finite, apply, lambda state, *_: kept(state), state, *args)
 
 
 def clipped(grad: Gradient, norm: jax.Array, clip_norm: float) -> Any:
