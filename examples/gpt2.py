@@ -63,6 +63,8 @@ class GPT2Config:
     num_kv_heads = property(lambda self: self.n_head)
     head_dim = property(lambda self: self.n_embd // self.n_head)
     num_layers = property(lambda self: self.n_layer)
+    # The learned position table's rows: a longer train.seq_len is refused before compile.
+    max_seq_len = property(lambda self: self.n_positions)
 
     def check(self, sizes: dict[str, int]) -> None:
         from jaxpar.errors import ConfigError

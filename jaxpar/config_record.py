@@ -24,7 +24,7 @@ def record(config: Config) -> dict:
     """{"config": every field flattened to a JSON value, "model_class": where the model's
     config class is found again}."""
     return {"config": {k: jsonable(v) for k, v in flatten(config).items()},
-            "model_class": _class_record(type(config.model))}
+            "model_class": class_record(type(config.model))}
 
 
 def rebuild(meta: dict, where: str, step: int) -> Config:
@@ -47,11 +47,18 @@ def jsonable(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
 
 
-def _class_record(cls: type) -> dict:
+def class_record(cls: type) -> dict:
     """Where a class is found again: its module, its qualified name, and the module's file
     (a recipe file is imported under a name of jaxpar.recipes' making, not importable)."""
     module = sys.modules.get(cls.__module__)
     return {"module": cls.__module__, "qualname": cls.__qualname__, "file": getattr(module, "__file__", None)}
+
+
+def class_shown(record: dict) -> str:
+    """A `class_record` as errors name it: the class, and its module, or a recipe file's path
+    (its module's name is jaxpar.recipes' making, which the user never wrote)."""
+    imported_from_file = record["module"].startswith("jaxpar_recipe_") and record.get("file")
+    return f"{record['qualname']} ({record['file'] if imported_from_file else record['module']})"
 
 
 def _model_class(record: dict, where: str) -> type:

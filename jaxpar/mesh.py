@@ -73,10 +73,7 @@ class MeshConfig:
         fixed = math.prod(s for s in sizes.values() if s != -1)
         if fill:
             if num_devices % fixed:
-                raise ConfigError(
-                    f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
-                    f"which does not divide {num_devices}; use axis sizes whose product divides {num_devices}"
-                )
+                raise ConfigError(_not_dividing(sizes, fill[0], num_devices))
             sizes[fill[0]] = num_devices // fixed
         elif fixed != num_devices:
             shown = " x ".join(f"mesh.{a}={s}" for a, s in sizes.items() if s != 1) or "mesh: all axes 1"
@@ -91,6 +88,21 @@ class MeshConfig:
                     f"use one of {divisors(sizes[axis])}"
                 )
         return sizes
+
+
+def _not_dividing(sizes: dict[str, int], fill: str, num_devices: int) -> str:
+    """The error for set axes whose product does not divide the devices `fill` (-1) would
+    take the rest of: it names the axes set (what the user typed, not the fill axis) and
+    the sizes of the largest of them that would fit beside the others."""
+    set_axes = {a: s for a, s in sizes.items() if s not in (1, -1)}
+    fixed = math.prod(set_axes.values())
+    shown = " x ".join(f"mesh.{a}={s}" for a, s in set_axes.items()) + (f" = {fixed}" if len(set_axes) > 1 else "")
+    largest = max(set_axes, key=set_axes.get)
+    others = fixed // set_axes[largest]
+    fits = f"use mesh.{largest} in {divisors(num_devices // others)}" if num_devices % others == 0 else \
+        f"use axis sizes whose product divides {num_devices}"
+    return (f"{shown} does not divide the {num_devices} devices (mesh.{fill}=-1 takes what the set axes leave); "
+            f"{fits}")
 
 
 def divisors(n: int) -> list[int]:

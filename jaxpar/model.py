@@ -1,6 +1,7 @@
 """The model contract: what jaxpar asks of a model config, and what a model may declare.
 
-A model config is a frozen dataclass (so `--set model.field=value` and checkpoints work).
+A model config is a frozen dataclass (so `--set model.field=value` and checkpoints work;
+check_model refuses any other).
 
 Required (`ModelConfig`):
   task                       "lm" (next-token batches: inputs/targets/weights [B, S] token ids)
@@ -27,6 +28,9 @@ default.
                  with one line naming the field and the sizes that work.
   check(sizes)   the model's own field checks, given the resolved mesh axis sizes; raises
                  jaxpar.errors.ConfigError naming `model.<field>`.
+  max_seq_len    the longest sequence the model's positions cover (a learned position
+                 table's rows; None for none, as RoPE's): a longer train.seq_len is refused
+                 before compile (it would read past the table and train on NaN).
   sequence_length  models with the 'sequence' capability whose activations' sequence is not
                  train.seq_len (a ViT's patch count): what sequence parallelism divides.
   input_shape    classify models: each example's `inputs` shape (default (in_features,)),
@@ -86,11 +90,14 @@ with its formats, planner presets and recipes) registers it with the model, once
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.mesh import AXES
 
 # A model's reports (its aux, a pipeline chunk's "per_layer") under this key combine across
 # microbatches, replicas and devices by their largest value, not their sum (QK-clip's logits).
@@ -176,7 +183,7 @@ MEMBERS: dict[str, Any] = {
     "num_heads": None, "num_kv_heads": None, "head_dim": None, "mlp": None, "tie_embeddings": None,
     "num_experts": 0, "expert_groups": 1, "top_groups": 1, "group_capacity": False, "mtp_layers": 0,
     "remat": "none", "sliding_window": 0, "layer_windows": None, "v_head_dim": 0,
-    "stack_axes": None, "not_matrices": None, "clip_qk": None,
+    "stack_axes": None, "not_matrices": None, "clip_qk": None, "max_seq_len": None,
 }
 _DEFAULT = object()
 
@@ -236,23 +243,148 @@ def mesh_divides(model: Any) -> dict[str, tuple[str, ...]]:
     return {axis: tuple(fields) for axis, fields in declared(model, "mesh_divides", {}).items()}
 
 
-def check_model(model: Any, sizes: Mapping[str, int]) -> None:
-    """The contract's required members, then the model's own `check`."""
+def check_model(model: Any, sizes: Mapping[str, int], *, seq_len: int | None = None, staged: bool = False) -> None:
+    """The contract's members, then the model's own `check`: each mistake one line before
+    compile, not a traceback from the part that reads the member. `seq_len`: the run's
+    train.seq_len, held against `max_seq_len`; `staged`: the run calls the module's
+    PipelineStages members (mesh.stage > 1, train.loss_chunks > 1), so a model declaring
+    STAGES has its module built (abstractly) and checked for them."""
     missing = [m for m in ("task", "build", "param_count", "flops_per_token") if not hasattr(model, m)]
     if missing:
         raise ConfigError(
             f"model {model_name(model)} lacks {', '.join(missing)}: a model config provides task, build(rngs), "
             "param_count() and flops_per_token(seq_len) (jaxpar.model.ModelConfig; docs/your_model.md)"
         )
+    if not dataclasses.is_dataclass(model) or not model.__dataclass_params__.frozen:
+        # --set, --print-config and checkpoints read and replace its fields as a dataclass's
+        raise ConfigError(f"model {model_name(model)} is not a frozen dataclass, so --set model.<field>, "
+                          "--print-config and checkpoints cannot read its fields; decorate its class with "
+                          "@dataclasses.dataclass(frozen=True) (docs/your_model.md §1)")
     unknown = sorted(capabilities(model) - set(CAPABILITIES))
     if unknown:
         raise ConfigError(f"model {model_name(model)} declares unknown capabilities {unknown}; use {sorted(CAPABILITIES)}")
+    _check_task_fields(model)
+    _check_mesh_divides(model)
+    if staged and supports(model, STAGES):
+        _check_stages(model)
+    if seq_len is not None:
+        _check_max_seq_len(model, seq_len)
     if has(model, "check"):
         model.check(dict(sizes))
 
 
+# What jaxpar's own batches and synthetic data read of a model of each task (one member of
+# each tuple): without it they end in a numpy traceback (jaxpar.data.batch, .sources).
+TASK_FIELDS = {
+    "lm": ((("vocab_size",), "the token ids the data draws and token files must fit"),),
+    "classify": ((("in_features", "input_shape"), "each example's inputs"), (("num_classes",), "the targets' range")),
+}
+
+
+def _check_task_fields(model: Any) -> None:
+    if has(model, "batch_fields"):  # its own batches, from run(data=...): jaxpar makes none
+        return
+    for fields, what in TASK_FIELDS.get(model.task, ()):
+        if not any(has(model, f) for f in fields):
+            raise ConfigError(f"model {model_name(model)}: task={model.task!r} reads model.{' or model.'.join(fields)} "
+                              f"({what}), which the config lacks; give it such a field, or a property returning "
+                              "yours (docs/your_model.md §1)")
+
+
+def _check_mesh_divides(model: Any) -> None:
+    """Every axis `mesh_divides` names is a mesh axis, every field an integer of the config:
+    a misspelt one would be skipped, or end in an AttributeError."""
+    where = f"model {model_name(model)}'s mesh_divides"
+    for axis, fields in mesh_divides(model).items():
+        if axis not in AXES:
+            raise ConfigError(f"{where} names mesh axis {axis!r}{_did_you_mean(axis, AXES)}; "
+                              f"use one of {', '.join(AXES)}")
+        for field in fields:
+            value = getattr(model, field, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                sizes = _int_members(model)
+                what = f"which is {value!r}, not an integer" if hasattr(model, field) else "which it lacks"
+                raise ConfigError(f"{where}[{axis!r}] names {field!r}, {what}{_did_you_mean(field, sizes)}; "
+                                  f"name integer fields of the config, such as {', '.join(sizes[:8])}")
+
+
+def _int_members(model: Any) -> list[str]:
+    """The config's public integer members (fields and properties), for a did-you-mean."""
+    fields = [f.name for f in dataclasses.fields(model)]
+    names = fields + sorted(set(dir(type(model))) - set(fields))
+    return [n for n in names if not n.startswith("_") and type(_get(model, n)) is int]
+
+
+def _get(model: Any, name: str) -> Any:
+    try:
+        return getattr(model, name)
+    except Exception:  # a property of the user's that fails is no candidate, not the error to report
+        return None
+
+
+def _did_you_mean(name: str, choices: Any) -> str:
+    near = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _check_stages(model: Any) -> None:
+    """A model declaring STAGES whose module lacks the members would fail while tracing
+    (a KeyError on 'layers'); its module is built abstractly (no weights) to ask it."""
+    if not has(model, "num_layers"):
+        raise ConfigError(f"model {model_name(model)} declares the {STAGES!r} capability but has no num_layers (the "
+                          "pipeline splits its layer stack by it); give the config a num_layers field or property, or "
+                          f"leave {STAGES!r} out of its capabilities")
+    with nnx.use_eager_sharding(False):  # shardings come from jaxpar's rules, not a global mesh
+        module = nnx.eval_shape(lambda: model.build(nnx.Rngs(0)))
+    if not isinstance(module, PipelineStages):
+        lacking = [m for m in ("layers", "embed", "apply_layers", "output") if not hasattr(module, m)]
+        raise ConfigError(
+            f"model {model_name(model)} declares the {STAGES!r} capability, but its module "
+            f"{type(module).__name__} lacks {', '.join(lacking)} (jaxpar.model.PipelineStages: its layers stacked "
+            "under `layers` by jaxpar.nn.stack_layers, and embed, apply_layers, output); add them, or leave "
+            f"{STAGES!r} out of its capabilities and use mesh.stage=1, train.loss_chunks=1"
+        )
+
+
+def _check_max_seq_len(model: Any, seq_len: int) -> None:
+    longest = declared(model, "max_seq_len")
+    if longest is not None and seq_len > longest:
+        field = settable_field(model, "max_seq_len")
+        larger = f", or a larger {field}" if field else ""
+        raise ConfigError(f"train.seq_len={seq_len} is longer than the {longest} positions model "
+                          f"{model_name(model)} covers ({field_name(model, 'max_seq_len', longest)}); use "
+                          f"train.seq_len <= {longest}{larger}")
+
+
+def settable_field(model: Any, member: str) -> str | None:
+    """`model.<field>` for the dataclass field that holds `member`: the member itself, or the
+    one field a property of that name returns (`num_layers = property(lambda self:
+    self.depth)`); None for a property computed otherwise or a class attribute, which
+    --set cannot change."""
+    fields = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
+    if member in fields:
+        return f"model.{member}"
+    getter = getattr(getattr(type(model), member, None), "fget", None)
+    read = [n for n in getattr(getattr(getter, "__code__", None), "co_names", ()) if n in fields]
+    if len(read) == 1 and _get(model, read[0]) == _get(model, member):  # it returns that field as it is
+        return f"model.{read[0]}"
+    return None
+
+
+def field_name(model: Any, member: str, value: Any = _DEFAULT) -> str:
+    """How an error names the model's `member` (jaxpar's word for it, e.g. num_layers), with
+    `=value` where given: the field the user sets (`model.depth=4`), or, where no field holds
+    it, the member marked as one --set cannot change."""
+    shown = "" if value is _DEFAULT else f"={value}"
+    field = settable_field(model, member)
+    if field:
+        return field + shown
+    kind = "property" if isinstance(getattr(type(model), member, None), property) else "class attribute"
+    return f"the model's {member}{shown} (a {kind} of {model_name(model)}, not a field --set can change)"
+
+
 __all__ = [
     "ATTENTION", "CAPABILITIES", "EXPERTS", "MEMBERS", "PROJECTIONS", "REMAT", "SEQUENCE", "STAGES",
-    "ModelConfig", "PipelineStages", "axis_names", "capabilities", "check_model", "declared", "has", "lacks",
-    "mesh_divides", "supports",
+    "ModelConfig", "PipelineStages", "axis_names", "capabilities", "check_model", "declared", "field_name", "has",
+    "lacks", "mesh_divides", "settable_field", "supports",
 ]

@@ -9,8 +9,8 @@ from jaxpar.kernels.attention.tiles import tile
 from jaxpar.kernels.attention.order import chunk_length
 from jaxpar.kernels.attention.pallas import shape_problem, triton_tile
 from jaxpar.mesh import divisors
-from jaxpar.model import (ATTENTION, PROJECTIONS, SEQUENCE, STAGES, declared, lacks, mesh_divides, model_name,
-                          supports)
+from jaxpar.model import (ATTENTION, PROJECTIONS, SEQUENCE, STAGES, declared, field_name, lacks, mesh_divides,
+                          model_name, supports)
 
 RULES: list[Rule] = []
 rule = collector(RULES)
@@ -296,6 +296,7 @@ def ulysses_divides_heads(config, sizes) -> None:
     if local % c:
         raise ConfigError(
             f"parallel.context.impl=ulysses: mesh.context={c} does not divide the {local} query heads per tensor "
-            f"shard (model.num_heads={config.model.num_heads} / mesh.tensor={sizes['tensor']}); use "
+            f"shard ({field_name(config.model, 'num_heads', config.model.num_heads)} / "
+            f"mesh.tensor={sizes['tensor']}); use "
             f"mesh.context in {divisors(local)}, or parallel.context.impl=ring or allgather"
         )

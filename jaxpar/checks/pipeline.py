@@ -9,7 +9,7 @@ from jaxpar.checks.rule import Rule, collector
 from jaxpar.config import PipelineConfig
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import divisors
-from jaxpar.model import STAGES, lacks, supports
+from jaxpar.model import STAGES, field_name, lacks, settable_field, supports
 from jaxpar.pipeline.split import balanced_layers, compact, leading_layers, parse_layers
 
 RULES: list[Rule] = []
@@ -175,18 +175,21 @@ def pipeline_layers_split(config, sizes) -> None:
     if p == 1 or pipeline.layers:
         return
     suggested = _suggest(config, sizes)
+    named = field_name(config.model, "num_layers", layers)  # the user's own field where an alias reads one
     if pipeline.balance == "balanced" and suggested is None:
-        raise ConfigError(f"parallel.pipeline.balance=balanced: model.num_layers={layers} cannot fill mesh.stage x "
+        raise ConfigError(f"parallel.pipeline.balance=balanced: {named} cannot fill mesh.stage x "
                           f"parallel.pipeline.chunks = {p} x {v} = {p * v} virtual stages (each but the first and last "
                           f"holds a layer); use fewer stages or chunks")
     if layers % (p * v) and pipeline.balance == "even":
         stages = [d // v for d in divisors(layers) if d % v == 0 and d // v > 1]
+        field = settable_field(config.model, "num_layers")
         raise ConfigError(
-            f"model.num_layers={layers} does not split evenly into mesh.stage x parallel.pipeline.chunks = "
+            f"{named} does not split evenly into mesh.stage x parallel.pipeline.chunks = "
             f"{p} x {v} = {p * v} chunks; use "
             + (f"parallel.pipeline.balance=balanced (here parallel.pipeline.layers={compact(suggested)}), "
                if suggested else "")
-            + f"model.num_layers a multiple of {p * v}" + (f", or mesh.stage in {stages}" if stages else "")
+            + (f"{field} a multiple of {p * v}" if field else f"a multiple of {p * v} layers")
+            + (f", or mesh.stage in {stages}" if stages else "")
         )
 
 

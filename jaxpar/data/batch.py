@@ -56,6 +56,9 @@ class Field:
     shape: tuple[int, ...]
     dtype: Any
     names: tuple[str | None, ...]
+    # Integer ids must lie in [0, ids_below): an lm's input tokens, which index the embedding
+    # (one out of range reads NaN there); None: unchecked.
+    ids_below: int | None = None
 
 
 def batch_fields(model: Any, seq_len: int, data: Any) -> dict[str, Field]:
@@ -80,7 +83,8 @@ def batch_fields(model: Any, seq_len: int, data: Any) -> dict[str, Field]:
     fields = {}
     for name, (shape, dtype) in FIELDS[kind].items():
         shape = per_example(shape)
-        fields[name] = Field(shape, dtype, ("batch", *([None] * len(shape))))
+        ids_below = declared(model, "vocab_size") if kind.startswith("lm") and name == "inputs" else None
+        fields[name] = Field(shape, dtype, ("batch", *([None] * len(shape))), ids_below)
     if data.source == "mix":  # each row's source (jaxpar.data.mixture), for each source's loss
         fields["source"] = Field((), np.int32, ("batch",))
     return fields

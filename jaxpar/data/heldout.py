@@ -110,7 +110,7 @@ def user_held_out(batch: BatchLayout, eval_data: UserData, count: int) -> HeldOu
     try:
         source.peek(0)
         for one in kept or ():
-            check_batch(one, source.expected, source.rows)
+            check_batch(one, source.expected, source.rows, source.ids_below)
     except ConfigError as e:  # its messages begin "data: "
         raise ConfigError(f"eval_{e}") from None
     return source

@@ -20,6 +20,7 @@ from jaxpar.data.chat import ChatRows, PackedRows, chat_rows, preference_rows
 from jaxpar.data.order import Epochs, Windows, row_order, split_tokens
 from jaxpar.data.text import Corpus, TextSpec, read_corpus
 from jaxpar.errors import ConfigError
+from jaxpar.model import field_name, settable_field
 
 
 class Source:
@@ -301,9 +302,24 @@ def check_ids(tokens: np.ndarray, vocab: int, path: str, eos_id: int = -1, chunk
         if high >= vocab or low < 0:
             bad = high if high >= vocab else low
             where = start + int(np.argmax(part == bad))
-            raise ConfigError(f"data.path={path!r} holds token id {bad} (at position {where}) but "
-                              f"model.vocab_size={vocab}; set model.vocab_size above the largest id, or re-tokenize")
+            raise OutsideVocabulary(f"data.path={path!r} holds token id {bad} (at position {where})", vocab)
     return ends
+
+
+class OutsideVocabulary(ConfigError):
+    """check_ids' refusal. It knows the vocabulary's size alone; make_source words it for the
+    model (`worded`), whose vocab_size may be a property over a field of another name
+    (model.n_vocab), where --set model.vocab_size finds nothing."""
+
+    def __init__(self, held: str, vocab: int):
+        self.held, self.vocab = held, vocab
+        super().__init__(f"{held} but model.vocab_size={vocab}; set model.vocab_size above the largest id, or "
+                         "re-tokenize")
+
+    def worded(self, model: Any) -> str:
+        field = settable_field(model, "vocab_size")
+        larger = f"set {field} above the largest id" if field else "give the model a larger vocabulary"
+        return f"{self.held} but {field_name(model, 'vocab_size', self.vocab)}; {larger}, or re-tokenize"
 
 
 def make_source(batch: BatchLayout, config: Any) -> Source:
@@ -320,7 +336,10 @@ def make_source(batch: BatchLayout, config: Any) -> Source:
         if config.checkpoint.init_from:
             _warn_of_random_fine_tuning(config.checkpoint.init_from)
         return SyntheticTokens(batch, model.vocab_size, seed, config.data.eos_id)
-    return OPENERS[config.data.source](batch, config)
+    try:
+        return OPENERS[config.data.source](batch, config)
+    except OutsideVocabulary as e:
+        raise ConfigError(e.worded(model)) from None
 
 
 # data.source -> (the batch's layout, the run's config) -> its source. A source made of others
@@ -340,6 +359,8 @@ def _warn_of_random_fine_tuning(init_from: str) -> None:
 
     from jaxpar.errors import JaxparWarning
 
+    if not (pathlib.Path(init_from) / "config.json").is_file():
+        return  # no checkpoint there: the import's error names checkpoint.init_from, without this warning first
     warnings.warn(f"checkpoint.init_from={init_from!r} with data.source=synthetic fine-tunes the checkpoint on random "
                   "tokens, which unlearns what it knows; give it real data: --set data.source=text --set "
                   "data.path=FILE (a .txt, .jsonl or .parquet file), or data.source=chat for conversations",

@@ -32,6 +32,7 @@ class UserBatches:
     def __init__(self, batch: BatchLayout, data: UserData):
         self.batch = batch
         self.expected = {k: (batch.shapes[k], np.dtype(f.dtype)) for k, f in batch.fields.items()}
+        self.ids_below = {k: f.ids_below for k, f in batch.fields.items() if f.ids_below is not None}
         rows = batch.rows
         self.rows = rows.stop - rows.start
         self.by_step = data if callable(data) else None
@@ -47,7 +48,7 @@ class UserBatches:
     def peek(self, step: int) -> None:
         """Fetch and check the first batch now (before the compile), keep it for `step`."""
         self.first = self._next(step)
-        check_batch(self.first, self.expected, self.rows)
+        check_batch(self.first, self.expected, self.rows, self.ids_below)
 
     def __call__(self, step: int) -> dict[str, jax.Array]:
         local = self.first if self.first is not None else self._next(step)
@@ -65,8 +66,10 @@ class UserBatches:
                               "or a function step -> batch") from None
 
 
-def check_batch(batch: Any, expected: dict[str, tuple[tuple[int, ...], np.dtype]], rows: int) -> None:
-    """One line naming the field, what came and what the step takes."""
+def check_batch(batch: Any, expected: dict[str, tuple[tuple[int, ...], np.dtype]], rows: int,
+                ids_below: dict[str, int] | None = None) -> None:
+    """One line naming the field, what came and what the step takes. `ids_below`: fields of
+    integer ids and the bound they stay below (an lm's inputs: the vocabulary)."""
     if not isinstance(batch, dict):
         raise ConfigError(f"data: a batch is a dict of arrays, not {type(batch).__name__}; "
                           f"give fields {', '.join(expected)}")
@@ -82,6 +85,11 @@ def check_batch(batch: Any, expected: dict[str, tuple[tuple[int, ...], np.dtype]
                               f"(its {rows} rows of the global batch {shape})")
         if not np.can_cast(value.dtype, dtype, casting="same_kind"):
             raise ConfigError(f"data: field {name!r} is {value.dtype}; the step takes {np.dtype(dtype).name}")
+        bound = (ids_below or {}).get(name)
+        if bound is not None and value.size and not 0 <= value.min() <= value.max() < bound:
+            bad = value.min() if value.min() < 0 else value.max()
+            raise ConfigError(f"data: field {name!r} holds id {bad}; ids index the model's vocabulary and lie in "
+                              f"[0, {bound}) (vocab_size={bound}): fix the data or give the model a larger vocabulary")
 
 
 __all__ = ["UserBatches", "UserData", "check_batch"]

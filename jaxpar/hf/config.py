@@ -11,15 +11,21 @@ from typing import Any
 from jaxpar.errors import ConfigError
 
 
-def read_config(folder: pathlib.Path) -> dict:
+def read_config(folder: pathlib.Path, field: str = "") -> dict:
+    """config.json of the Hugging Face checkpoint in `folder`; `field`: the setting that gave
+    the folder (checkpoint.init_from), which the errors name."""
     path = folder / "config.json"
+    shown = f"{field}={str(folder)!r}" if field else repr(str(folder))
+    wanted = "give the folder of a Hugging Face checkpoint (config.json and *.safetensors)"
+    if field:  # a run's own checkpoint.dir is what a new user tries there first
+        wanted = (f"{field} takes only the folder of a Hugging Face checkpoint (config.json and *.safetensors); a "
+                  "jaxpar run's own checkpoints resume through checkpoint.dir")
     if not folder.is_dir():
-        raise ConfigError(f"{str(folder)!r} is not a folder; give the folder of a Hugging Face checkpoint "
-                          "(config.json and *.safetensors)")
+        raise ConfigError(f"{shown} is not a folder; {wanted}")
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{str(folder)!r} has no config.json; give the folder of a Hugging Face checkpoint") from None
+        raise ConfigError(f"{shown} has no config.json; {wanted}") from None
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{str(path)!r} is not readable JSON ({type(e).__name__}: {e})") from None
     if not isinstance(config, dict):

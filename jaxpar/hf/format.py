@@ -56,12 +56,13 @@ class HFFormat:
 
 def format_of(model: Any) -> HFFormat:
     """The Hugging Face format `model`'s family registers (jaxpar.families), refused in one
-    line for a model without one."""
+    line for a model without one: worded for every caller (export, checkpoint.init_from),
+    which may add its own way out."""
     found = hf_format(model)
     if found is None:
-        raise ConfigError(f"model {model_name(model)} declares no Hugging Face format (its family registers none: "
-                          "jaxpar.families.Family(..., hf=jaxpar.hf.HFFormat(...)), docs/your_model.md); train it from "
-                          "its own initialisation instead")
+        raise ConfigError(f"model {model_name(model)} declares no Hugging Face format, so its weights can be neither "
+                          "read from nor exported as a Hugging Face checkpoint; give its family one to do either "
+                          "(jaxpar.families.Family(..., hf=jaxpar.hf.HFFormat(...)), docs/your_model.md)")
     return found
 
 

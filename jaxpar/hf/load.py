@@ -53,7 +53,7 @@ def prepare_import(trainer: StepProgram, folder: str | pathlib.Path, weights_onl
     folder = pathlib.Path(folder)
     model = trainer.config.model
     form = format_of(model)
-    hf = read_config(folder)
+    hf = read_config(folder, "checkpoint.init_from")
     name = architecture(hf, folder)
     if name not in form.architectures:
         raise ConfigError(f"checkpoint.init_from={str(folder)!r} holds a {name}, but this run's model "

@@ -36,8 +36,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpar.checks.checkpoint import folder_problem
 from jaxpar.config import Config
-from jaxpar.config_record import first_change, rebuild, record
+from jaxpar.config_record import class_record, class_shown, first_change, rebuild, record
 from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.pipeline.split import StageSplit
 from jaxpar.pipeline.stages import layers_mover
@@ -56,13 +57,14 @@ class Checkpoints:
     def open(directory: str | pathlib.Path, keep: int = 3, async_save: bool = True,
              remove_partial: bool = False) -> "Checkpoints":
         """The checkpoints in `directory` (created if missing). `remove_partial`: for the run
-        that writes here: remove saves cut short (never checkpoints), each named in a
-        warning; a reader (sample, export) leaves them, they may be another run's save in
-        flight."""
+        that writes here: refuse a folder this user cannot write, and remove saves cut short
+        (never checkpoints), each named in a warning; a reader (sample, export) leaves them,
+        they may be another run's save in flight."""
         directory = pathlib.Path(directory).absolute()
-        if directory.exists() and not directory.is_dir():  # orbax would retry, then hang
-            raise ConfigError(f"checkpoint.dir={str(directory)!r} is a file, not a folder; give a folder (it is created "
-                              "if missing), or checkpoint.dir='' for no checkpoints")
+        # before orbax: a file there it would retry on, then hang; a path it cannot make, a traceback
+        problem = folder_problem(directory, writing=remove_partial)
+        if problem:
+            raise ConfigError(problem)
         if remove_partial and jax.process_index() == 0 and directory.exists():
             _remove_partial(directory)
         options = ocp.CheckpointManagerOptions(
@@ -281,6 +283,7 @@ def _check_written_alike(trainer, meta: dict, step: int, directory: pathlib.Path
     compute dtype that keeps master weights as it did, and a LoRA one onto the base it was
     trained on, with the same adapters."""
     where, config = f"checkpoint step {step} in {str(directory)!r}", trainer.config
+    _check_model_class(meta, config, step, directory)  # first: another class's fields would all read as changes
     changed = first_change(meta["config"], config, ("model.", "lora."), ignore=("model.remat",))
     if changed is not None:
         key, was, value = changed
@@ -296,6 +299,17 @@ def _check_written_alike(trainer, meta: dict, step: int, directory: pathlib.Path
         raise ConfigError(f"{where} holds adapters trained on {meta['base']}, but this run's frozen weights are "
                           f"{base_of(config)}; set checkpoint.init_from (and train.seed) as that run had them, or use "
                           "another checkpoint.dir")
+
+
+def _check_model_class(meta: dict, config: Config, step: int, directory: pathlib.Path) -> None:
+    """A checkpoint of another model config class is refused by name. Only the class's name
+    is compared: its module differs for the same class imported from a recipe file (a name
+    of jaxpar.recipes' making) or run as a script's __main__."""
+    saved, ours = meta.get("model_class"), class_record(type(config.model))
+    if saved is not None and saved["qualname"] != ours["qualname"]:  # None: written before checkpoints recorded it
+        raise ConfigError(f"checkpoint.dir={str(directory)!r}: step {step} was written by model {class_shown(saved)}, "
+                          f"but this run's is {class_shown(ours)}; use another checkpoint.dir for this model, or "
+                          "resume with the model that wrote it")
 
 
 def reorder_layers(trainer, to: str):

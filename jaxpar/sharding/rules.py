@@ -14,6 +14,7 @@ Logical names used by jaxpar's models:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Mapping, Sequence
 
@@ -59,9 +60,16 @@ class Rules:
     def with_aliases(self, aliases: Mapping[str, str | None]) -> "Rules":
         """A model's own logical names shard like the jaxpar names they stand for
         ({'dm': 'embed', 'ff': 'mlp'}: jaxpar.model's `axis_names`); None: never sharded,
-        on purpose (a position table's rows)."""
+        on purpose (a position table's rows). A name of neither kind is refused: it would
+        leave its dimensions whole on every device without a word."""
         s, c = self.table("storage"), self.table("compute")
         for own, canonical in aliases.items():
+            if canonical is not None and canonical not in LOGICAL_NAMES:
+                close = difflib.get_close_matches(str(canonical), LOGICAL_NAMES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"the model's axis_names maps {own!r} to {canonical!r}, which is no jaxpar logical "
+                                  f"name{hint}; use one of {', '.join(LOGICAL_NAMES)}, or None for a dimension never "
+                                  "sharded")
             s[own], c[own] = (s.get(canonical, ()), c.get(canonical, ())) if canonical else ((), ())
         return Rules.of(s, c)
 
@@ -101,6 +109,10 @@ def default_rules(mesh_shape: Mapping[str, int], sequence_parallel: bool) -> Rul
     }
     storage = dict(compute, embed=live("fsdp"))
     return Rules.of(storage, compute)
+
+
+# jaxpar's logical names: what the default rules place, and what a model's axis_names maps onto
+LOGICAL_NAMES = tuple(default_rules({}, False).table("compute"))
 
 
 def kv_heads_repeat(kv_heads: int, tensor: int, context: int = 1) -> int:

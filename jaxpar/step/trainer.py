@@ -219,7 +219,7 @@ def build(
     names, abstract_params = param_names(abstract), nnx.to_pure_dict(abstract)
     if pipelined:  # as the stack rests: in pipeline order, each stage's rows padded to the widest's
         abstract_params = stored_shapes(abstract_params, layers)
-    check_params(names, abstract_params, layout, config.parallel.rules.on_replicated)
+    check_params(names, abstract_params, layout, config.parallel.rules)
     frozen = lora.frozen_paths(abstract)  # LoRA's base: out of the gradient, the master and the optimizer
     (names, frozen_names), (abstract_params, frozen_abstract) = (split(t, frozen) for t in (names, abstract_params))
     shardings = state_shardings(names, abstract_params, layout)

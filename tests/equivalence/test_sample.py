@@ -254,7 +254,7 @@ def large_tokenizer(tmp_path_factory) -> str:
     (["{ckpt}", "--prompt", "the", "--out", "{missing}"], "--out applies to --file's prompts"),
     (["{ckpt}", "--file", "{bad_prompts}", "--batch", "0"], "--batch=0; give at least 1"),
     (["{ckpt}", "--prompt", "the", "--set", "mesh.tensor=3"],
-     "mesh.data=-1 cannot fill 8 devices: the other axes multiply to 3"),
+     "mesh.tensor=3 does not divide the 8 devices"),
     (["{golden}", "--prompt", "the"], "CHECKPOINT='{golden}' is a Hugging Face checkpoint (config.json and safetensors "
      "files), not a jaxpar run's checkpoint.dir; sample its weights as they are with jaxpar sample hf:{golden} ..., or "
      "fine-tune it with jaxpar train hf:{golden} --set checkpoint.dir=DIR ... and sample DIR"),

@@ -136,6 +136,9 @@ def test_own_data_keeps_the_loop(tiny_llama, tmp_path):
         run(trainer, progress=False, data=lambda step: bad)
     with pytest.raises(ConfigError, match="data: the batch has no targets"):
         run(trainer, progress=False, data=[{"inputs": np.zeros((16, 16), np.int32)}])
+    beyond = {**local(0), "inputs": np.full((16, 16), 128, np.int32)}  # the vocabulary: 128 ids
+    with pytest.raises(ConfigError, match=r"data: field 'inputs' holds id 128; .* lie in \[0, 128\)"):
+        run(trainer, progress=False, data=lambda step: beyond)
 
 
 def test_explain_accounts_for_a_user_model_on_a_pipeline(capsys):

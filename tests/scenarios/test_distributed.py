@@ -214,7 +214,7 @@ def test_a_launch_that_fails_says_why_once():
     assert launched.returncode == 2, err[-3000:]
     assert out == "" and len(lines) == 4, err[-3000:]  # before: about 40 lines of aborts, gRPC and absl
     assert re.fullmatch(r"jaxpar launch: 3 processes, pids \d+ \d+ \d+ \(coordinator 127\.0\.0\.1:\d+\)", lines[0])
-    assert re.fullmatch(r"(\[process \d\] )?jaxpar: error: mesh\.data=-1 cannot fill 6 devices: .*", lines[1])
+    assert re.fullmatch(r"(\[process \d\] )?jaxpar: error: mesh\.fsdp=2 x mesh\.tensor=2 = 4 does not divide the 6 devices.*", lines[1])
     first = re.fullmatch(r"jaxpar launch: process (\d) exited with status 2", lines[2])
     ended = r"process (\d) (?:exited with status \d+|was killed by SIG[A-Z]+)"  # its own error, or torn down
     rest = re.fullmatch(rf"jaxpar launch: then {ended}, {ended}", lines[3])

@@ -20,5 +20,5 @@ def test_a_drifted_command_is_caught(tmp_path):
     found = doc_commands.commands([page])
     assert [c.line for c in found] == [2, 3, 5, 6]
     why = [doc_commands.check(c) for c in found]
-    assert "unknown key 'train.stpes'" in why[0] and "the other axes multiply to 3" in why[1]
+    assert "unknown key 'train.stpes'" in why[0] and "mesh.tensor=3 does not divide the 8 devices" in why[1]
     assert why[2] == "the command line does not parse" and why[3] is None

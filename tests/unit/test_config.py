@@ -62,7 +62,7 @@ def llama(**model):
         (llama(remat="some"), [], r"model.remat='some'; use one of none, full"),
         (llama(), ["parallel.rules.storage=embed=gpu"], r"unknown mesh axis 'gpu'"),
         (llama(), ["data.source=tokens"], r"data.source=tokens needs data.path"),
-        (Config(mesh=MeshConfig(data=-1, tensor=3)), [], r"mesh.data=-1 cannot fill 8 devices"),
+        (Config(mesh=MeshConfig(data=-1, tensor=3)), [], r"mesh.tensor=3 does not divide the 8 devices"),
     ],
 )
 def test_bad_config_raises_before_compile(config, overrides, message):

@@ -171,13 +171,16 @@ def test_each_source_says_in_one_line_what_it_trains_on(tmp_path, tiny_llama):
         "data: your own batches (jaxpar.train.run(data=...): a function step -> batch) | 5 steps x 16 rows")
 
 
-def test_a_checkpoint_fine_tuned_on_synthetic_tokens_is_warned_of(tiny_llama):
+def test_a_checkpoint_fine_tuned_on_synthetic_tokens_is_warned_of(tiny_llama, tmp_path):
     """The recipe hf:FOLDER with no data settings: the start line says synthetic tokens, and a
     warning says what that does to the checkpoint and how to give real data."""
     from jaxpar.errors import JaxparWarning
 
-    config = apply_overrides(tiny_llama, ["checkpoint.init_from=/models/base"])
-    with pytest.warns(JaxparWarning, match=r"^checkpoint.init_from='/models/base' with data.source=synthetic fine-tunes "
+    base = tmp_path / "base"  # a Hugging Face folder as far as the warning looks (a wrong one is refused first)
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    config = apply_overrides(tiny_llama, [f"checkpoint.init_from={base}"])
+    with pytest.warns(JaxparWarning, match=rf"^checkpoint.init_from='{base}' with data.source=synthetic fine-tunes "
                                            r"the checkpoint on random tokens, which unlearns what it knows; give it real "
                                            r"data: --set data.source=text --set data.path=FILE"):
         source = make_source(build(config).batch, config)

@@ -29,7 +29,7 @@ def test_fill_axis_takes_the_rest():
     "mesh, devices, message",
     [
         (MeshConfig(data=2, fsdp=2, tensor=4), 8, "multiplies to 16, but there are 8 devices"),
-        (MeshConfig(data=-1, tensor=3), 8, "mesh.data=-1 cannot fill 8 devices"),
+        (MeshConfig(data=-1, tensor=3), 8, "mesh.tensor=3 does not divide the 8 devices"),
         (MeshConfig(data=-1, fsdp=-1), 8, "only one axis may be -1"),
         (MeshConfig(data=0), 8, "mesh.data=0 is not a valid axis size"),
         (MeshConfig(data=4, tensor=2, hosts=HostSplit(data=3)), 8, "mesh.hosts.data=3 does not divide mesh.data=4"),
@@ -38,6 +38,24 @@ def test_fill_axis_takes_the_rest():
 def test_bad_mesh_is_named(mesh, devices, message):
     with pytest.raises(ConfigError, match=message):
         mesh.resolve(devices)
+
+
+@pytest.mark.parametrize(
+    "mesh, devices, message",
+    [
+        (MeshConfig(tensor=3), 8, ("mesh.tensor=3 does not divide the 8 devices (mesh.data=-1 takes what the set "
+                                   "axes leave); use mesh.tensor in [1, 2, 4, 8]")),
+        (MeshConfig(tensor=4), 6, ("mesh.tensor=4 does not divide the 6 devices (mesh.data=-1 takes what the set "
+                                   "axes leave); use mesh.tensor in [1, 2, 3, 6]")),
+        (MeshConfig(fsdp=2, tensor=3), 8, ("mesh.fsdp=2 x mesh.tensor=3 = 6 does not divide the 8 devices "
+                                           "(mesh.data=-1 takes what the set axes leave); use mesh.tensor in [1, 2, 4]")),
+    ],
+)
+def test_axes_that_leave_no_whole_fill_are_named_with_sizes_that_fit(mesh, devices, message):
+    """The axes the user set, not the -1 axis they did not touch, and sizes to use instead."""
+    with pytest.raises(ConfigError) as info:
+        mesh.resolve(devices)
+    assert str(info.value) == message
 
 
 def test_mesh_has_canonical_axes_and_all_devices():

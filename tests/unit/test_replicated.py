@@ -83,6 +83,31 @@ def test_rule_overrides_or_axis_names_leave_nothing_to_report():
     assert own_entries(aliases={"tok": "vocab", "dm": "embed", "ff": "mlp"}) == []
 
 
+def test_a_misspelt_name_is_refused_not_left_whole():
+    """A model's axis_names onto no jaxpar name, a storage rule for a name no parameter
+    carries, and a parameter with fewer names than dimensions would each leave weights whole
+    on every device, silently: each is refused with the name (jaxpar.step.param_checks)."""
+    from jaxpar.specs import RulesConfig
+    from jaxpar.step.param_checks import check_params
+
+    with pytest.raises(ConfigError, match=r"axis_names maps 'ff' to 'mpl', which is no jaxpar logical name "
+                                          r"\(did you mean 'mlp'\?\)"):
+        layout(FSDP2_TP4, aliases={"dm": "embed", "ff": "mpl"})
+    names, shapes = abstract(lambda: OwnNames(nnx.Rngs(0)))
+    quiet = RulesConfig(on_replicated="allow")
+    check_params(names, shapes, layout(FSDP2_TP4), RulesConfig(storage="ff=tensor,mlp=fsdp", on_replicated="allow"))
+    with pytest.raises(ConfigError, match=r"parallel.rules.storage='tk=fsdp': no parameter carries the logical name "
+                                          r"'tk' \(did you mean 'tok'\?\); the parameters' names are dm, ff, layers, tok"):
+        check_params(names, shapes, layout(FSDP2_TP4), RulesConfig(storage="tk=fsdp"))
+
+    class Short(nnx.Module):
+        def __init__(self, rngs):
+            self.head = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("dm",))(rngs.params(), (32, 128)))
+
+    with pytest.raises(ConfigError, match=r"parameter head has shape \(32, 128\) but 1 logical name\(s\) \('dm',\)"):
+        check_params(*abstract(lambda: Short(nnx.Rngs(0))), layout(FSDP2_TP4), quiet)
+
+
 def test_a_mesh_that_shards_no_parameter_reports_nothing():
     names, shapes = abstract(lambda: OwnNames(nnx.Rngs(0)))
     assert replicated_params(names, shapes, layout(MeshConfig(data=8))) == []
