@@ -74,7 +74,7 @@ def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | No
             state = dataclasses.replace(state, master=to_device(state.master, placement.working.master))
         if offload:
             state = dataclasses.replace(state, opt_state=to_device(state.opt_state, placement.working.opt_state))
-        if offload_params and not mixed:  # in float32 the master (in mixed precision the update reads none)
+        if offload_params and not (mixed and fused):  # the master in float32; XLA:CPU's branch keeps them as they are
             state = dataclasses.replace(state, params=to_device(state.params, placement.working.params))
         counts = sums.get("counts", {})
         # A non-finite loss or gradient leaves the state as it was, and the schedule
@@ -115,21 +115,19 @@ def keep_if_finite(finite: jax.Array, apply: Callable, state: TrainState, args: 
     """`apply(state, *args)` if `finite`, else `state`. Fused: a select per element, which a
     GPU compile folds into the update's one multi-output loop per parameter, where it costs
     nothing (a conditional's results are buffers of their own, written by separate loops).
-    Not fused (XLA:CPU): a branch, which a finite step pays only for the test, where a
-    select is one more pass over the state (docs/performance.md, framework overhead).
-    `params_of(master)` (mixed precision, where the parameters are always the master's cast):
-    the parameters are made from the kept master, not kept themselves, so the update never
-    reads the old ones (2 of its 30 bytes a parameter under AdamW) nor, when they rest in host
-    memory, fetches them."""
-    def kept(state: TrainState) -> TrainState:
-        return state if params_of is None else dataclasses.replace(state, params=params_of(state.master))
-
-    if fused:
-        new, old = apply(state, *args), state
-        if params_of is not None:  # the parameters left out of the select
-            new, old = dataclasses.replace(new, params=None), dataclasses.replace(old, params=None)
-        return kept(jax.tree.map(lambda new, old: jax.lax.select(finite, new, old), new, old))
-    return jax.lax.cond(finite, apply, lambda state, *_: kept(state), state, *args)
+    There `params_of(master)` (mixed precision, where the parameters are always the master's
+    cast) makes the parameters from the kept master instead of selecting them, so the update
+    never reads the old ones (2 of its 30 bytes a parameter under AdamW) nor, when they rest
+    in host memory, fetches them. Not fused (XLA:CPU): a branch, which a finite step pays
+    only for the test, where a select is one more pass over the state (docs/performance.md,
+    framework overhead); its other side keeps the state as it is, gathering nothing."""
+    if not fused:
+        return jax.lax.cond(finite, apply, lambda state, *_: state, state, *args)
+    new, old = apply(state, *args), state
+    if params_of is not None:  # the parameters left out of the select
+        new, old = dataclasses.replace(new, params=None), dataclasses.replace(old, params=None)
+    kept = jax.tree.map(lambda new, old: jax.lax.select(finite, new, old), new, old)
+    return kept if params_of is None else dataclasses.replace(kept, params=params_of(kept.master))
 
 
 def clipped(grad: Gradient, norm: jax.Array, clip_norm: float) -> Any:
