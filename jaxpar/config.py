@@ -250,7 +250,7 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
             if file is None:
                 raise
             near = difflib.get_close_matches(key, flatten(config), n=1)
-            hint = f" (did you mean {near[0]}?)" if near and near[0] != key else ""
+            hint = f" (did you mean {near[0]}?)" if near and near[0] != key and "did you mean" not in str(e) else ""
             raise ConfigError(f"--config {file}: {e}{hint}") from None
     return config
 
@@ -260,8 +260,10 @@ def _set(node: Any, path: list[str], value: str, full_key: str) -> Any:
     name = path[0]
     prefix = full_key[: len(full_key) - len(".".join(path))]
     if name not in fields:
+        near = difflib.get_close_matches(name, list(fields), n=1)
+        hint = f" (did you mean {prefix + near[0]}?)" if near else ""
         raise ConfigError(
-            f"unknown key {full_key!r}: {prefix[:-1] if prefix else 'the config'} has no {name!r}; valid keys: "
+            f"unknown key {full_key!r}: {prefix[:-1] if prefix else 'the config'} has no {name!r}{hint}; valid keys: "
             + ", ".join(prefix + k for k in fields)
         )
     current = getattr(node, name)

@@ -26,7 +26,7 @@ def add_overrides(parser, example: str) -> None:
                         help=f"override a config field, e.g. --set {example} (repeatable)")
     parser.add_argument("--config", action=_TomlOverrides, metavar="FILE.toml",
                         help="overrides from a TOML file, a table per section ([train] steps = 50); "
-                        "--print-config --as-toml writes one")
+                        "jaxpar train RECIPE --print-config --as-toml writes one")
 
 
 class _TomlOverrides(argparse.Action):
