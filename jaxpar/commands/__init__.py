@@ -84,9 +84,19 @@ def checkout_commit(root: pathlib.Path) -> str | None:
     return None
 
 
+def check_set_values(argv: list[str]) -> None:
+    """`--set mesh.tensor 4` would reach argparse as a stray "4" ("unrecognized arguments"):
+    say what --set takes instead."""
+    for flag, value, after in zip(argv, argv[1:], [*argv[2:], None]):
+        if flag == "--set" and "=" not in value:
+            fix = f"--set {value}={after}" if after is not None and not after.startswith("-") else f"--set {value}=VALUE"
+            raise ConfigError(f"--set {value}: an override is KEY=VALUE in one word; write {fix}")
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = one_line_warning
     try:
+        check_set_values(sys.argv[1:] if argv is None else argv)
         args = parser().parse_args(argv)  # --config reads its file here
         share_gpu_memory()  # before any command starts JAX's backends
         return COMMANDS[args.command].run(args)

@@ -79,7 +79,7 @@ def _train(args) -> int:
         print(
             f"{args.recipe}: {type(model).__name__} {model.param_count() / 1e6:.2f}M params | "
             f"mesh {describe(trainer.mesh)} on {len(devices)} {devices[0].platform} devices{processes} | "
-            f"{'sequence parallel | ' if trainer.layout.tensor.sequence_parallel else ''}"
+            f"{_strategies_summary(trainer)}"
             f"{f'collective matmul {matmul} | ' if matmul != 'none' else ''}"
             f"{f'pipeline {trainer.layout.pipeline.schedule} | ' if trainer.pipeline is not None else ''}"
             f"{_diloco_summary(trainer)}"
@@ -115,6 +115,22 @@ def _train(args) -> int:
         held_out = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps{held_out}")
     return 0
+
+
+def _strategies_summary(trainer) -> str:
+    """What the layout does that its mesh does not show: ZeRO's stage and offloads, sequence
+    parallelism (where mesh.tensor splits), context parallelism's kernel, remat."""
+    from jaxpar.model import declared
+
+    layout, shape, zero = trainer.layout, trainer.mesh.shape, trainer.layout.zero
+    offloaded = [what for what, on in (("optimizer", zero.offload_optimizer), ("params", zero.offload_params)) if on]
+    parts = [f"zero-{zero.stage}" if zero.stage else "",
+             f"offload {' + '.join(offloaded)}" if offloaded else "",
+             "sequence parallel" if layout.tensor.sequence_parallel and shape["tensor"] > 1 else "",
+             f"context {trainer.config.parallel.context.impl}" if shape["context"] > 1 else "",
+             f"remat {declared(trainer.config.model, 'remat')}" if declared(trainer.config.model, "remat") != "none"
+             else ""]
+    return "".join(f"{part} | " for part in parts if part)
 
 
 def _repeats_summary(repeats: tuple[tuple[str, int], ...]) -> str:

@@ -29,6 +29,7 @@ from jaxpar.loop.profile import Profiler
 from jaxpar.loop.start import start_of, starting_state
 from jaxpar.loop.stop import Interrupted, StopSignals, say
 from jaxpar.step.trainer import Trainer
+from jaxpar.step.update import COUNTS
 
 
 def tokens_per_step(trainer: Trainer) -> int:
@@ -288,7 +289,7 @@ class _Rows:
         self.save_s = seconds
 
     def row(self, step: int, metrics: dict, held_out: Sums | None) -> dict:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: int(v) if k in COUNTS else float(v) for k, v in jax.device_get(metrics).items()}
         self.check(step + 1, values)
         now = time.perf_counter()
         seconds, self.last = now - self.last - (self.save_s or 0.0), now

@@ -28,6 +28,8 @@ from jaxpar.step.state import StatePlacement, TrainState, cast_floats, to_device
 from jaxpar.step.zero import StateShardings
 
 UpdateFn = Callable[..., tuple[TrainState, dict]]  # (state, loss, sums, gradient, compression=None)
+# step_metrics' counts and flags: float32 on the device, integers in the rows the loop logs
+COUNTS = ("nonfinite", "first_nonfinite_grad", "nonfinite_grads")
 
 
 def update_fn(tx: optax.GradientTransformation, lr_schedule: optax.Schedule | None, clip_norm: float,

@@ -19,6 +19,8 @@ def test_train_writes_metrics(tmp_path, capsys):
     assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_s", "nonfinite", "first_nonfinite_grad",
             "nonfinite_grads"} <= set(rows[0])
     assert set(rows[0]) - readme_metrics() == set(), "README.md's metrics fields lack these"
+    assert (rows[0]["nonfinite"], rows[0]["first_nonfinite_grad"], rows[0]["nonfinite_grads"]) == (0, -1, 0)
+    assert all(type(rows[0][k]) is int for k in ("nonfinite", "first_nonfinite_grad", "nonfinite_grads"))
     out = capsys.readouterr().out
     assert "mesh data=2 fsdp=2 tensor=2 on 8 cpu devices" in out
     # without a bar, a plain line every train.log_every steps and after the last

@@ -136,3 +136,25 @@ def test_plan_draws_its_bar_only_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert main(command) == 0 and asked[-1] is True and "compiling" not in capsys.readouterr().err
     assert main(command + ["--json"]) == 0 and asked[-1] is False
+
+
+def test_the_start_line_names_what_the_mesh_does_not_show():
+    """train's start line: ZeRO's stage and offloads, sequence parallelism only where tensor
+    splits, context parallelism's kernel, remat; nothing of these for plain data parallel."""
+    from jaxpar.commands.train import _strategies_summary
+    from jaxpar.train import build
+
+    def line(*overrides):
+        return _strategies_summary(build(resolve_config("llama", list(overrides), 8)))
+
+    assert line("parallel.zero.stage=3", "model.remat=full") == "zero-3 | sequence parallel | remat full | "
+    assert line("mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1") == ""  # sequence_parallel on, tensor=1: no effect
+    assert line("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=8",
+                "parallel.context.impl=ulysses") == "context ulysses | "
+
+
+def test_a_set_value_without_its_equals_sign_is_named(capsys):
+    """`--set mesh.tensor 4` reads as KEY VALUE to a person and as a stray "4" to argparse."""
+    assert main(["train", "llama", "--set", "mesh.tensor", "4"]) == 2
+    assert capsys.readouterr().err.strip() == ("jaxpar: error: --set mesh.tensor: an override is KEY=VALUE in one "
+                                               "word; write --set mesh.tensor=4")
