@@ -75,6 +75,8 @@ def collective_rows(facts: Facts) -> dict[str, Any]:
     return {
         "collectives": [{**r, "axes": list(r["axes"])} for r in summarize(report.collectives)],
         "lowered_differently": sorted({f"{c.kind} as {c.lowered_as}" for c in report.collectives if c.lowered_as}),
+        # XLA:CPU widens bf16 collectives to f32: the bytes shown are twice a GPU's (docs/zero_and_explain.md)
+        "widened": facts.config.train.compute_dtype if report.platform == "cpu" and facts.compute_bytes < 4 else None,
         "async": {
             "collectives": sum(1 for c in report.collectives if c.is_async),
             "overlapped": sum(1 for c in report.collectives if c.overlapped),
@@ -92,6 +94,9 @@ def collective_lines(doc: dict[str, Any]) -> list[str]:
     if not doc["collectives"]:
         lines.append("  none")
     lines += [f"  note: {note} on this backend; counted as the GPU compiler emits it" for note in doc["lowered_differently"]]
+    if doc.get("widened"):
+        lines.append(f"  note: this backend moves {doc['widened']} collectives as f32, so their bytes here are twice a "
+                     "GPU's (the traffic table compares elements)")
     if doc["async"]["collectives"]:
         lines.append(f"  async: {doc['async']['overlapped']} of {doc['async']['collectives']} have compute scheduled "
                      "between start and done")
