@@ -6,14 +6,13 @@ allowed values."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from typing import Any, Literal, Union
 
 from jaxpar.choices import (CompilerPreset, ComputeDtype, DataOrder, DataSource, LoraBaseDtype, MatmulDtype, MuonScale,
                             OnNonfinite, Optimizer, check_choice)
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, did_you_mean
 from jaxpar.mesh import MeshConfig
 from jaxpar.model import ModelConfig
 # parallel's sections are re-exported: a recipe imports them with the rest of the config
@@ -249,8 +248,7 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
             file = getattr(item, "file", None)  # read from a --config file (jaxpar.config_text.FileOverride)
             if file is None:
                 raise
-            near = difflib.get_close_matches(key, flatten(config), n=1)
-            hint = f" (did you mean {near[0]}?)" if near and near[0] != key and "did you mean" not in str(e) else ""
+            hint = "" if "did you mean" in str(e) else did_you_mean(key, flatten(config))
             raise ConfigError(f"--config {file}: {e}{hint}") from None
     return config
 
@@ -260,10 +258,9 @@ def _set(node: Any, path: list[str], value: str, full_key: str) -> Any:
     name = path[0]
     prefix = full_key[: len(full_key) - len(".".join(path))]
     if name not in fields:
-        near = difflib.get_close_matches(name, list(fields), n=1)
-        hint = f" (did you mean {prefix + near[0]}?)" if near else ""
         raise ConfigError(
-            f"unknown key {full_key!r}: {prefix[:-1] if prefix else 'the config'} has no {name!r}{hint}; valid keys: "
+            f"unknown key {full_key!r}: {prefix[:-1] if prefix else 'the config'} has no {name!r}"
+            f"{did_you_mean(name, fields, prefix + '{}')}; valid keys: "
             + ", ".join(prefix + k for k in fields)
         )
     current = getattr(node, name)

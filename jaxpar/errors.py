@@ -1,11 +1,25 @@
 """Errors jaxpar raises: bad configuration (before anything is compiled), and a training run
 that cannot go on."""
 
+import difflib
+from typing import Iterable
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work: the message names the field, the value and what would."""
 
     rule: str | None = None  # the id of the jaxpar.checks rule that raised it, if one did
+
+
+QUOTED = "'{}'"  # did_you_mean's form for a name an error quotes
+
+
+def did_you_mean(name: str, choices: Iterable[str], form: str = "{}") -> str:
+    """' (did you mean CHOICE?)', the choice nearest a misspelt `name` (difflib's measure)
+    written as `form` says ("'{}'", "train.{}"), for a ConfigError; '' where none is near, or
+    the nearest is `name` itself."""
+    near = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {form.format(near[0])}?)" if near and near[0] != name else ""
 
 
 class JaxparWarning(UserWarning):

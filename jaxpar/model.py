@@ -91,12 +91,11 @@ with its formats, planner presets and recipes) registers it with the model, once
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 from flax import nnx
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import QUOTED, ConfigError, did_you_mean
 from jaxpar.mesh import AXES
 
 # A model's reports (its aux, a pipeline chunk's "per_layer") under this key combine across
@@ -297,14 +296,14 @@ def _check_mesh_divides(model: Any) -> None:
     where = f"model {model_name(model)}'s mesh_divides"
     for axis, fields in mesh_divides(model).items():
         if axis not in AXES:
-            raise ConfigError(f"{where} names mesh axis {axis!r}{_did_you_mean(axis, AXES)}; "
+            raise ConfigError(f"{where} names mesh axis {axis!r}{did_you_mean(axis, AXES, QUOTED)}; "
                               f"use one of {', '.join(AXES)}")
         for field in fields:
             value = getattr(model, field, None)
             if not isinstance(value, int) or isinstance(value, bool):
                 sizes = _int_members(model)
                 what = f"which is {value!r}, not an integer" if hasattr(model, field) else "which it lacks"
-                raise ConfigError(f"{where}[{axis!r}] names {field!r}, {what}{_did_you_mean(field, sizes)}; "
+                raise ConfigError(f"{where}[{axis!r}] names {field!r}, {what}{did_you_mean(field, sizes, QUOTED)}; "
                                   f"name integer fields of the config, such as {', '.join(sizes[:8])}")
 
 
@@ -320,11 +319,6 @@ def _get(model: Any, name: str) -> Any:
         return getattr(model, name)
     except Exception:  # a property of the user's that fails is no candidate, not the error to report
         return None
-
-
-def _did_you_mean(name: str, choices: Any) -> str:
-    near = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def _check_stages(model: Any) -> None:

@@ -14,13 +14,12 @@ Logical names used by jaxpar's models:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from typing import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import QUOTED, ConfigError, did_you_mean
 from jaxpar.mesh import AXES, BATCH_AXES
 
 Table = Mapping[str, tuple[str, ...]]
@@ -65,10 +64,8 @@ class Rules:
         s, c = self.table("storage"), self.table("compute")
         for own, canonical in aliases.items():
             if canonical is not None and canonical not in LOGICAL_NAMES:
-                close = difflib.get_close_matches(str(canonical), LOGICAL_NAMES, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"the model's axis_names maps {own!r} to {canonical!r}, which is no jaxpar logical "
-                                  f"name{hint}; use one of {', '.join(LOGICAL_NAMES)}, or None for a dimension never "
+                                  f"name{did_you_mean(str(canonical), LOGICAL_NAMES, QUOTED)}; use one of {', '.join(LOGICAL_NAMES)}, or None for a dimension never "
                                   "sharded")
             s[own], c[own] = (s.get(canonical, ()), c.get(canonical, ())) if canonical else ((), ())
         return Rules.of(s, c)

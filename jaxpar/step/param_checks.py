@@ -4,12 +4,11 @@ leave whole on every device (jaxpar.sharding.replicated), and qwZ's int8 gathers
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import jax
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import QUOTED, ConfigError, did_you_mean
 from jaxpar.kernels.quantized import gathered_axes
 from jaxpar.sharding import Layout, ParamNames
 from jaxpar.sharding.annotate import gather_target
@@ -53,10 +52,9 @@ def check_storage_names(names: Any, storage: dict[str, tuple[str, ...]], text: s
                for n in leaf.names if n is not None}
     for name in storage:
         if name not in carried and name not in LOGICAL_NAMES:
-            close = difflib.get_close_matches(name, sorted(carried), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"parallel.rules.storage={text!r}: no parameter carries the logical name {name!r}{hint}; "
+                f"parallel.rules.storage={text!r}: no parameter carries the logical name {name!r}"
+                f"{did_you_mean(name, sorted(carried), QUOTED)}; "
                 f"the parameters' names are {', '.join(sorted(carried))}"
             )
 
