@@ -123,13 +123,13 @@ def _strategies_summary(trainer) -> str:
     from jaxpar.model import declared
 
     layout, shape, zero = trainer.layout, trainer.mesh.shape, trainer.layout.zero
+    remat = declared(trainer.config.model, "remat")
     offloaded = [what for what, on in (("optimizer", zero.offload_optimizer), ("params", zero.offload_params)) if on]
     parts = [f"zero-{zero.stage}" if zero.stage else "",
              f"offload {' + '.join(offloaded)}" if offloaded else "",
              "sequence parallel" if layout.tensor.sequence_parallel and shape["tensor"] > 1 else "",
              f"context {trainer.config.parallel.context.impl}" if shape["context"] > 1 else "",
-             f"remat {declared(trainer.config.model, 'remat')}" if declared(trainer.config.model, "remat") != "none"
-             else ""]
+             f"remat {remat}" if remat != "none" else ""]
     return "".join(f"{part} | " for part in parts if part)
 
 

@@ -86,8 +86,11 @@ def check_batch(batch: Any, expected: dict[str, tuple[tuple[int, ...], np.dtype]
         if not np.can_cast(value.dtype, dtype, casting="same_kind"):
             raise ConfigError(f"data: field {name!r} is {value.dtype}; the step takes {np.dtype(dtype).name}")
         bound = (ids_below or {}).get(name)
-        if bound is not None and value.size and not 0 <= value.min() <= value.max() < bound:
-            bad = value.min() if value.min() < 0 else value.max()
+        if bound is None or not value.size:
+            continue
+        low, high = value.min(), value.max()  # one pass each over the batch
+        if low < 0 or high >= bound:
+            bad = low if low < 0 else high
             raise ConfigError(f"data: field {name!r} holds id {bad}; ids index the model's vocabulary and lie in "
                               f"[0, {bound}) (vocab_size={bound}): fix the data or give the model a larger vocabulary")
 
